@@ -1,0 +1,248 @@
+"""Recipe schema: one YAML file (plus ``a.b=c`` overrides) describes a whole training job.
+
+``load_recipe`` validates everything that can be checked before any process group starts and
+raises ``ConfigError`` with one line naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .configtools import ConfigError, apply_overrides, from_dict, load_yaml
+from .data.config import DataConfig
+from .models.configs import PRESETS, EncoderConfig, GeneratorConfig, LLMConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ModelConfig:
+    """The three modules and how their losses combine."""
+
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    """Modality encoder (ViT + input projector)."""
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    """LLM backbone (Llama)."""
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    """Modality generator (output projector + diffusion U-Net)."""
+    gen_loss_weight: float = 1.0
+    """Weight of the diffusion loss added to the LM loss."""
+
+
+@dataclass
+class ModuleParallel:
+    """Parallel degrees of one module (its own engine in the disaggregated layout)."""
+
+    dp: int = 1
+    """Data-parallel replicas."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline stages; must not exceed the module's layer count."""
+    partition: str = "uniform"
+    """How DeepSpeed splits layers over stages: uniform | parameters."""
+    ds_config: str = ""
+    """DeepSpeed JSON for this module's engine; empty uses the recipe's ``deepspeed_config``."""
+
+
+@dataclass
+class ParallelConfig:
+    """Per-module degrees. The monolithic layout takes the LLM's DP/TP for all modules."""
+
+    encoder: ModuleParallel = field(default_factory=ModuleParallel)
+    """Encoder degrees."""
+    llm: ModuleParallel = field(default_factory=lambda: ModuleParallel(pp=2))
+    """LLM backbone degrees."""
+    generator: ModuleParallel = field(default_factory=ModuleParallel)
+    """Generator degrees."""
+    comm_timeout_s: float = 300.0
+    """Seconds a rank waits on the inter-engine communicator before failing with a clear error."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation loop."""
+
+    steps: int = 20
+    """Optimizer steps to run."""
+    global_batch: int = 4
+    """Packed sequences per optimizer step, over all DP replicas."""
+    micro_batch: int = 1
+    """Sequences per LLM microbatch per DP replica."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter/compute precision (fp16 is not supported on CPU)."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule (the same for every module)."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """torch.optim.AdamW or torch.optim.SGD."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 (SGD)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to ``lr``."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate decay after warm-up."""
+    grad_clip: float = 0.0
+    """Gradient-norm clipping per module; 0 disables it."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where results go."""
+
+    dir: str = ""
+    """Run directory; empty means runs/<recipe name>. An existing non-empty one is never reused."""
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; offline works with no network or account."""
+    project: str = "disttrain-ds"
+    """wandb project."""
+    every: int = 1
+    """Print a progress line every N steps."""
+
+
+@dataclass
+class Recipe:
+    """A whole training job."""
+
+    name: str = "run"
+    """Run name (default run directory and wandb run name)."""
+    layout: Literal["reference", "monolithic", "disaggregated"] = "reference"
+    """reference: one process; monolithic: one pipeline sharing the LLM's DP; disaggregated: one engine per module."""
+    seed: int = 1234
+    """Seed for weights, data and diffusion noise; equal seeds give equal runs in every layout."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Module sizes."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data source and packing."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Per-module parallel degrees."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop settings."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer settings."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Outputs."""
+    deepspeed_config: str = "ds_configs/cpu_fp32.json"
+    """DeepSpeed JSON used by every module engine unless the module names its own."""
+    source_file: str = ""
+    """Set by the loader: the recipe file this came from (for error messages)."""
+
+
+def _apply_presets(data: dict, src: str) -> dict:
+    """Expand ``model.<module>.preset`` into its field values; explicit fields win."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return data
+    for module, presets in PRESETS.items():
+        section = model.get(module)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise ConfigError(f"{src}: 'model.{module}' must be a mapping")
+        name = section.get("preset", "tiny")
+        if name not in presets:
+            raise ConfigError(f"{src}: 'model.{module}.preset' must be one of {' | '.join(presets)}, got {name!r}")
+        model[module] = {**presets[name], **section, "preset": name}
+    return data
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Parse and validate a recipe file with ``a.b=c`` overrides."""
+    src = str(path)
+    data = apply_overrides(load_yaml(path), overrides or [])
+    data = _apply_presets(data, src)
+    recipe = from_dict(Recipe, data, src=src)
+    recipe.source_file = src
+    validate(recipe)
+    return recipe
+
+
+def _check(cond: bool, src: str, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{src}: '{key}' {msg}")
+
+
+def layer_counts(recipe: Recipe) -> dict[str, int]:
+    """Pipeline layers per module (what PP may split)."""
+    g = recipe.model.generator
+    return {
+        "encoder": recipe.model.encoder.layers + 2,
+        "llm": recipe.model.llm.layers + 2,
+        "generator": 2 + len(g.down_block_types) + 1 + len(g.up_block_types) + 1,
+    }
+
+
+def validate(r: Recipe) -> None:
+    """Cross-field checks that need no processes."""
+    src = r.source_file or "<recipe>"
+    t, p = r.train, r.parallel
+    _check(t.steps >= 1, src, "train.steps", f"must be >= 1, got {t.steps}")
+    _check(t.global_batch >= 1, src, "train.global_batch", f"must be >= 1, got {t.global_batch}")
+    _check(t.micro_batch >= 1, src, "train.micro_batch", f"must be >= 1, got {t.micro_batch}")
+    slot = p.llm.dp * t.micro_batch
+    _check(
+        t.global_batch % slot == 0,
+        src,
+        "train.global_batch",
+        f"{t.global_batch} must be divisible by parallel.llm.dp * train.micro_batch = {slot}",
+    )
+    counts = layer_counts(r)
+    for name in ("encoder", "llm", "generator"):
+        m: ModuleParallel = getattr(p, name)
+        for axis in ("dp", "tp", "pp"):
+            v = getattr(m, axis)
+            _check(v >= 1, src, f"parallel.{name}.{axis}", f"must be >= 1, got {v}")
+        _check(m.tp in (1, 2, 4, 8), src, f"parallel.{name}.tp", f"must be 1, 2, 4 or 8, got {m.tp}")
+        _check(
+            m.pp <= counts[name],
+            src,
+            f"parallel.{name}.pp",
+            f"{m.pp} exceeds the module's {counts[name]} pipeline layers",
+        )
+        _check(m.partition in ("uniform", "parameters"), src, f"parallel.{name}.partition", "must be uniform | parameters")
+        if name != "llm" and r.layout == "disaggregated":
+            _check(
+                slot % m.dp == 0,
+                src,
+                f"parallel.{name}.dp",
+                f"{m.dp} must divide parallel.llm.dp * train.micro_batch = {slot}",
+            )
+    _check(r.optim.lr > 0, src, "optim.lr", f"must be > 0, got {r.optim.lr}")
+    _check(len(r.optim.betas) == 2, src, "optim.betas", "must have two numbers")
+    _check(r.parallel.comm_timeout_s > 0, src, "parallel.comm_timeout_s", "must be > 0")
+    _check(r.logging.every >= 1, src, "logging.every", "must be >= 1")
+    d = r.data
+    _check(d.seq_len >= 16, src, "data.seq_len", f"must be >= 16, got {d.seq_len}")
+    patch = r.model.encoder.patch_size
+    for s in d.image_sizes:
+        _check(s > 0 and s % patch == 0, src, "data.image_sizes", f"{s} is not a positive multiple of the patch size {patch}")
+    if r.model.encoder.frozen and r.model.llm.frozen and r.model.generator.frozen:
+        raise ConfigError(f"{src}: 'model': every module is frozen; nothing would train")
+    from .dsconfig import load_ds_config  # local import: keeps config parsing free of DeepSpeed
+
+    for name in ("encoder", "llm", "generator"):
+        path = getattr(p, name).ds_config or r.deepspeed_config
+        key = f"parallel.{name}.ds_config" if getattr(p, name).ds_config else "deepspeed_config"
+        load_ds_config(resolve_path(path), key=key, recipe_src=src)
+
+
+def resolve_path(path: str) -> Path:
+    """Recipe paths are relative to the repository root when not absolute."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
+def replace(recipe: Recipe, **changes) -> Recipe:
+    return dataclasses.replace(recipe, **changes)

@@ -1,0 +1,98 @@
+"""The data contract between preprocessing and the trainers.
+
+A ``PackedSample`` is one fixed-length training sequence: text tokens interleaved with image
+placeholders (one placeholder token per encoder patch), the images the encoder must read, and the
+images the generator must produce. Everything the trainers need is here, already decoded, resized
+and tokenised, so trainer ranks never touch raw data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+IGNORE_INDEX = -100
+"""Label value the LM loss ignores (image placeholders, generation queries, padding)."""
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids appended after the tokenizer's own vocabulary."""
+
+    pad: int
+    """Padding at the end of a packed sequence."""
+    image: int
+    """One placeholder per encoder patch of an input image; replaced by projected patch embeddings."""
+    boi: int
+    """Begin-of-image marker before an input image's placeholders."""
+    eoi: int
+    """End-of-image marker after an input image's placeholders."""
+    gen: int
+    """Generation query: the LLM hidden states at these positions condition the generator."""
+    eod: int
+    """End of a document inside a packed sequence."""
+
+    @staticmethod
+    def after(base_vocab: int) -> "SpecialTokens":
+        """Special ids placed right after a base vocabulary of ``base_vocab`` ids."""
+        return SpecialTokens(*range(base_vocab, base_vocab + 6))
+
+    @property
+    def vocab_size(self) -> int:
+        """Smallest LLM vocabulary that holds the base vocabulary and these ids."""
+        return max(self.pad, self.image, self.boi, self.eoi, self.gen, self.eod) + 1
+
+
+@dataclass(frozen=True)
+class SampleStats:
+    """What the cost model needs to know about one sample, without its tensors."""
+
+    text_tokens: int
+    """Number of text tokens (including markers) in the packed sequence."""
+    image_patches: tuple[int, ...]
+    """Encoder patch count of each input image, in sequence order."""
+    gen_images: int
+    """Number of images the generator must produce for this sample."""
+    gen_resolution: int
+    """Side length in pixels of each generated image."""
+    seq_len: int
+    """Packed sequence length (text + image placeholders + queries + padding)."""
+    doc_lens: tuple[int, ...] = ()
+    """Lengths of the documents packed into the sequence (for attention FLOPs); empty if unknown."""
+
+
+@dataclass
+class PackedSample:
+    """One packed training sequence, ready for the model."""
+
+    input_ids: torch.Tensor
+    """int64 [seq_len]: text ids, ``image`` placeholders, ``gen`` queries, ``pad``."""
+    labels: torch.Tensor
+    """int64 [seq_len]: next-token targets aligned with ``input_ids`` (already shifted is NOT
+    assumed: label[i] is the token that should be predicted at position i); IGNORE_INDEX elsewhere."""
+    images: list[torch.Tensor]
+    """Input images for the encoder, float32 [3, H, W] in [-1, 1], H and W multiples of the patch
+    size; their patch counts equal the runs of ``image`` placeholders, in order."""
+    gen_targets: torch.Tensor
+    """float32 [n_gen, 3, R, R] in [-1, 1]: images the generator must produce (pixel space)."""
+    sample_id: int
+    """Stable id of this sample within the dataset order; seeds its diffusion noise and timesteps."""
+    doc_lens: tuple[int, ...] = ()
+    """Lengths of the documents packed into the sequence, if known."""
+    meta: dict = field(default_factory=dict)
+    """Free-form provenance (source, record ids); never read by the model."""
+
+    def stats(self, patch_size: int, special: SpecialTokens) -> SampleStats:
+        """Cost-model view of this sample."""
+        patches = tuple((im.shape[1] // patch_size) * (im.shape[2] // patch_size) for im in self.images)
+        ids = self.input_ids
+        non_text = (ids == special.image) | (ids == special.gen) | (ids == special.pad)
+        return SampleStats(
+            text_tokens=int((~non_text).sum()),
+            image_patches=patches,
+            gen_images=int(self.gen_targets.shape[0]),
+            gen_resolution=int(self.gen_targets.shape[-1]) if self.gen_targets.numel() else 0,
+            seq_len=int(self.input_ids.shape[0]),
+            doc_lens=self.doc_lens,
+        )

@@ -1,0 +1,77 @@
+"""DeepSpeed JSON configs: strict validation and completion from the recipe.
+
+DeepSpeed silently ignores unknown top-level keys, so a typo like ``"zero_optimisation"`` trains
+without ZeRO. Here unknown keys are errors. Batch sizes and the optimizer belong to the recipe
+(``train.*``, ``optim.*``) and are filled in per engine, so they may not appear in the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .configtools import ConfigError
+
+KNOWN_KEYS = frozenset(
+    """
+    fp16 bf16 amp zero_optimization gradient_clipping steps_per_print wall_clock_breakdown
+    prescale_gradients gradient_predivide_factor communication_data_type pipeline activation_checkpointing
+    tensorboard wandb csv_monitor comet flops_profiler zero_allow_untested_optimizer
+    zero_force_ds_cpu_optimizer checkpoint data_types dump_state memory_breakdown sparse_gradients aio
+    comms_logger compile timers torch_autocast data_efficiency curriculum_learning
+    load_universal_checkpoint use_node_local_storage dataloader_drop_last disable_allgather
+    seq_parallel_communication_data_type graph_harvesting gradient_accumulation_dtype
+    """.split()
+)
+RECIPE_OWNED = {
+    "train_batch_size": "train.global_batch",
+    "train_micro_batch_size_per_gpu": "train.micro_batch",
+    "gradient_accumulation_steps": "train.global_batch / (parallel.llm.dp * train.micro_batch)",
+    "optimizer": "optim.*",
+    "scheduler": "optim.warmup_steps / optim.schedule",
+}
+
+
+def load_ds_config(path: Path, *, key: str = "deepspeed_config", recipe_src: str = "<recipe>") -> dict:
+    """Read and validate a DeepSpeed JSON; errors name the file and the offending key."""
+    if not path.is_file():
+        raise ConfigError(f"{recipe_src}: '{key}' file not found: {path}")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object")
+    for k, v in cfg.items():
+        if k in RECIPE_OWNED:
+            raise ConfigError(f"{path}: '{k}' is set by the recipe ({RECIPE_OWNED[k]}); remove it from the JSON")
+        if k not in KNOWN_KEYS:
+            raise ConfigError(f"{path}: unknown DeepSpeed key '{k}'")
+    zero = cfg.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{path}: 'zero_optimization' must be an object")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1):
+        raise ConfigError(f"{path}: 'zero_optimization.stage' {stage} is incompatible with pipeline parallelism (use 0 or 1)")
+    for prec in ("fp16", "bf16"):
+        sec = cfg.get(prec, {})
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{path}: '{prec}' must be an object")
+    if cfg.get("fp16", {}).get("enabled"):
+        raise ConfigError(f"{path}: 'fp16' is not supported; use bf16 (train.dtype=bf16)")
+    if "enabled" in cfg.get("bf16", {}):
+        raise ConfigError(f"{path}: 'bf16.enabled' is set by the recipe (train.dtype); remove it from the JSON")
+    return cfg
+
+
+def engine_config(base: dict, *, micro_batch: int, grad_accum: int, dp: int, dtype: str, grad_clip: float) -> dict:
+    """The complete DeepSpeed config of one module engine."""
+    cfg = json.loads(json.dumps(base))
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    cfg["gradient_accumulation_steps"] = grad_accum
+    cfg["train_batch_size"] = micro_batch * grad_accum * dp
+    # DeepSpeed clips at 1.0 unless told otherwise; the recipe decides.
+    cfg["gradient_clipping"] = grad_clip
+    cfg.setdefault("steps_per_print", 10**9)
+    cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": dtype == "bf16"}
+    return cfg

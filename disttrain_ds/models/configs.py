@@ -1,0 +1,129 @@
+"""Model size configs for the three modules, with named presets.
+
+Presets cover a tiny CPU set (trains in seconds per step on 2 cores) and the paper's sizes:
+ViT-Huge/14 (~632M), Llama backbones of the paper's model table (7B / 13B / 70B shapes) and a
+Stable-Diffusion-2.1-like U-Net (~866M). A recipe names a preset and may override any field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EncoderConfig:
+    """Modality encoder: a ViT (transformers ViTModel layers) plus an MLP input projector."""
+
+    preset: str = "tiny"
+    """Named size this config starts from (tiny | vit-h-14); fields given beside it override it."""
+    hidden_size: int = 32
+    """ViT width."""
+    layers: int = 2
+    """Number of ViT transformer layers."""
+    heads: int = 2
+    """Attention heads per layer."""
+    ffn_hidden: int = 64
+    """ViT MLP inner width."""
+    patch_size: int = 8
+    """Square patch side in pixels; one patch becomes one LLM token."""
+    image_size: int = 32
+    """Side of the position-embedding grid in pixels; other resolutions are interpolated."""
+    frozen: bool = False
+    """Keep the encoder's weights fixed (no weight gradients, no optimizer state)."""
+
+
+@dataclass
+class LLMConfig:
+    """LLM backbone: Llama decoder layers (transformers LlamaDecoderLayer) with an LM head."""
+
+    preset: str = "tiny"
+    """Named size (tiny | llama-7b | llama-13b | llama-70b); fields given beside it override it."""
+    hidden_size: int = 64
+    """Model width."""
+    layers: int = 4
+    """Number of decoder layers."""
+    heads: int = 4
+    """Query heads."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention when below ``heads``)."""
+    ffn_hidden: int = 128
+    """SwiGLU inner width."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes the tokenizer's size (base vocabulary plus special tokens)."""
+    max_position: int = 8192
+    """Largest position for rotary embeddings."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    frozen: bool = False
+    """Keep the backbone's weights fixed (gradients still flow through to the encoder)."""
+
+
+@dataclass
+class GeneratorConfig:
+    """Modality generator: an MLP output projector plus a diffusers UNet2DConditionModel."""
+
+    preset: str = "tiny"
+    """Named size (tiny | sd21); fields given beside it override it."""
+    block_out_channels: list[int] = field(default_factory=lambda: [16, 32])
+    """Channels of each U-Net resolution level."""
+    layers_per_block: int = 1
+    """ResNet blocks per level."""
+    down_block_types: list[str] = field(default_factory=lambda: ["CrossAttnDownBlock2D", "DownBlock2D"])
+    """diffusers down block class names, one per level."""
+    up_block_types: list[str] = field(default_factory=lambda: ["UpBlock2D", "CrossAttnUpBlock2D"])
+    """diffusers up block class names, one per level."""
+    attention_head_dim: list[int] = field(default_factory=lambda: [8, 8])
+    """Attention head dimension per level (diffusers' naming)."""
+    cross_attention_dim: int = 32
+    """Width of the conditioning sequence the output projector produces."""
+    norm_num_groups: int = 8
+    """GroupNorm groups."""
+    use_linear_projection: bool = False
+    """Linear instead of 1x1-conv projections in transformer blocks (SD 2.x uses linear)."""
+    in_channels: int = 3
+    """Channels of the generated sample: 3 = pixel space (the runtime's data path)."""
+    resolution: int = 16
+    """Side of the generated sample in pixels."""
+    query_tokens: int = 4
+    """LLM positions (``gen`` tokens) whose hidden states condition one generated image."""
+    train_timesteps: int = 1000
+    """DDPM training timesteps (diffusers DDPMScheduler, epsilon prediction)."""
+    frozen: bool = False
+    """Keep the generator's weights fixed."""
+
+
+ENCODER_PRESETS: dict[str, dict] = {
+    "tiny": {},
+    # google/vit-huge-patch14-224-in21k: 32 layers, width 1280, 16 heads, MLP 5120.
+    "vit-h-14": dict(hidden_size=1280, layers=32, heads=16, ffn_hidden=5120, patch_size=14, image_size=224),
+}
+
+LLM_PRESETS: dict[str, dict] = {
+    "tiny": {},
+    # The paper's backbone table (disttrain_paper.json: llm_backbones); vocab per family.
+    "llama-7b": dict(hidden_size=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008, vocab_size=32000),
+    "llama-13b": dict(hidden_size=5120, layers=40, heads=40, kv_heads=40, ffn_hidden=13824, vocab_size=32000),
+    "llama-70b": dict(
+        hidden_size=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab_size=128256, rope_theta=500000.0
+    ),
+}
+
+GENERATOR_PRESETS: dict[str, dict] = {
+    "tiny": {},
+    # stabilityai/stable-diffusion-2-1 unet/config.json (latent space: 4 channels, 96x96 latents).
+    "sd21": dict(
+        block_out_channels=[320, 640, 1280, 1280],
+        layers_per_block=2,
+        down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+        up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+        attention_head_dim=[5, 10, 20, 20],
+        cross_attention_dim=1024,
+        norm_num_groups=32,
+        use_linear_projection=True,
+        in_channels=4,
+        resolution=96,
+        query_tokens=64,
+    ),
+}
+
+PRESETS = {"encoder": ENCODER_PRESETS, "llm": LLM_PRESETS, "generator": GENERATOR_PRESETS}

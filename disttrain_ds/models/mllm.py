@@ -1,0 +1,173 @@
+"""The whole multimodal LLM: the three modules' layer lists, microbatch tensors and losses.
+
+Losses are normalised by global-batch totals (text tokens, generated images), not per microbatch,
+so the loss of a global batch does not depend on how its samples are grouped into microbatches or
+DP ranks: reordering samples inside a global batch leaves the loss and gradients unchanged, and
+every layout (reference, monolithic, disaggregated) computes the same number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..data.types import IGNORE_INDEX, PackedSample, SpecialTokens
+from .configs import EncoderConfig, GeneratorConfig, LLMConfig
+from .layers import LayerDef, Sequential
+from .llama import gen_condition, llm_layers
+from .unet import diffusion_loss, generator_layers, noise_sample
+from .vit import encoder_layers, pack_images
+
+MODULES = ("encoder", "llm", "generator")
+
+
+@dataclass
+class MLLMSpec:
+    """Everything needed to build the model's layers, identically on every rank."""
+
+    encoder: EncoderConfig
+    """Encoder sizes."""
+    llm: LLMConfig
+    """Backbone sizes (vocab_size resolved)."""
+    generator: GeneratorConfig
+    """Generator sizes."""
+    special: SpecialTokens
+    """Token ids of image placeholders and generation queries."""
+    seed: int
+    """Initialisation seed shared by all layouts."""
+    gen_loss_weight: float = 1.0
+    """Weight of the diffusion loss relative to the LM loss."""
+
+    def layers(self, module: str) -> list[LayerDef]:
+        if module == "encoder":
+            return encoder_layers(self.encoder, self.llm.hidden_size, self.seed)
+        if module == "llm":
+            return llm_layers(self.llm, self.special.image, self.seed)
+        if module == "generator":
+            return generator_layers(self.generator, self.llm.hidden_size, self.seed)
+        raise ValueError(f"unknown module {module!r}")
+
+    def frozen(self, module: str) -> bool:
+        return getattr(self, module).frozen
+
+
+@dataclass(frozen=True)
+class BatchNorms:
+    """Global-batch totals that make losses independent of microbatch grouping."""
+
+    text_tokens: int
+    """Labelled text positions in the whole global batch."""
+    gen_images: int
+    """Images to generate in the whole global batch."""
+    chunks: int
+    """LLM microbatches per global batch over all DP replicas (DP_llm * gradient accumulation)."""
+
+    @staticmethod
+    def of(samples: list[PackedSample], chunks: int) -> "BatchNorms":
+        tokens = sum(int((s.labels != IGNORE_INDEX).sum()) for s in samples)
+        gens = sum(int(s.gen_targets.shape[0]) for s in samples)
+        return BatchNorms(max(tokens, 1), max(gens, 1), chunks)
+
+
+@dataclass
+class MicroBatch:
+    """Tensors of one group of samples, split by the module that consumes them."""
+
+    pixels: torch.Tensor
+    """Encoder input: all images flattened and concatenated."""
+    image_hw: torch.Tensor
+    """int64 [n_images, 2]: (H, W) of each image."""
+    input_ids: torch.Tensor
+    """int64 [B, S]."""
+    labels: torch.Tensor
+    """int64 [B, S]; IGNORE_INDEX where no loss."""
+    gen_mask: torch.Tensor
+    """bool [B, S]: generation-query positions."""
+    lm_scale: torch.Tensor
+    """float scalar: multiplies the summed token cross-entropy (global normalisation)."""
+    noisy: torch.Tensor
+    """[n_gen, C, R, R] noisy targets."""
+    timesteps: torch.Tensor
+    """int64 [n_gen]."""
+    noise: torch.Tensor
+    """[n_gen, C, R, R] the noise to predict."""
+    gen_weights: torch.Tensor
+    """float [n_gen]: per-image weights of the diffusion loss."""
+    sample_rows: dict
+    """Per-sample row counts of the tensors that cross module boundaries (for DP splits)."""
+
+
+def collate(
+    samples: list[PackedSample],
+    norms: BatchNorms,
+    spec: MLLMSpec,
+    gen_dp_scale: float = 1.0,
+) -> MicroBatch:
+    """Stack samples into module inputs; ``gen_dp_scale`` is DP_generator / DP_llm."""
+    images = [im for s in samples for im in s.images]
+    pixels, hw = pack_images(images)
+    noisy, ts, noise = [], [], []
+    for s in samples:
+        for j, target in enumerate(s.gen_targets):
+            n, t, e = noise_sample(target, s.sample_id, j, spec.seed, spec.generator.train_timesteps)
+            noisy.append(n)
+            ts.append(t)
+            noise.append(e)
+    c, r = spec.generator.in_channels, spec.generator.resolution
+    n_gen = len(noisy)
+    w = spec.gen_loss_weight * gen_dp_scale * norms.chunks / norms.gen_images
+    p = spec.encoder.patch_size
+    return MicroBatch(
+        pixels=pixels,
+        image_hw=hw,
+        input_ids=torch.stack([s.input_ids for s in samples]),
+        labels=torch.stack([s.labels for s in samples]),
+        gen_mask=torch.stack([s.input_ids == spec.special.gen for s in samples]),
+        lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
+        noisy=torch.stack(noisy) if noisy else torch.zeros(0, c, r, r),
+        timesteps=torch.stack(ts) if ts else torch.zeros(0, dtype=torch.long),
+        noise=torch.stack(noise) if noise else torch.zeros(0, c, r, r),
+        gen_weights=torch.full((n_gen,), w),
+        sample_rows={
+            "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],
+            "gen_states": [int(s.gen_targets.shape[0]) for s in samples],
+        },
+    )
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy times ``scale`` (label[i] is the target at position i)."""
+    valid = labels != IGNORE_INDEX
+    if not bool(valid.any()):
+        return logits.sum() * 0.0
+    ce = nn.functional.cross_entropy(logits[valid].float(), labels[valid], reduction="sum")
+    return ce * scale
+
+
+class ReferenceMLLM(nn.Module):
+    """The monolithic model in one process: ground truth for every distributed layout."""
+
+    def __init__(self, spec: MLLMSpec):
+        super().__init__()
+        self.spec = spec
+        self.encoder = Sequential([d.build() for d in spec.layers("encoder")])
+        self.llm = Sequential([d.build() for d in spec.layers("llm")])
+        self.generator = Sequential([d.build() for d in spec.layers("generator")])
+        for name in MODULES:
+            if spec.frozen(name):
+                getattr(self, name).requires_grad_(False)
+
+    def forward(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        image_embeds = self.encoder((mb.pixels, mb.image_hw))
+        logits, hidden = self.llm((mb.input_ids, image_embeds))
+        lm = lm_loss_sum(logits, mb.labels, mb.lm_scale)
+        states = gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens)
+        pred = self.generator((states, mb.noisy, mb.timesteps))
+        gen = diffusion_loss(pred, mb.noise, mb.gen_weights)
+        return {"loss": lm + gen, "lm": lm, "gen": gen}
+
+
+def module_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

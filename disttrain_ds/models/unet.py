@@ -1,0 +1,200 @@
+"""Modality generator as pipeline layers: output projector, then a diffusers U-Net split by block.
+
+Tuples between layers: ``(sample, emb, cond, *skips)``; the down blocks append their skip
+connections and the up blocks consume them, exactly as ``UNet2DConditionModel.forward`` does, so
+the split model's output equals the unsplit one. Training objective: DDPM epsilon prediction in
+pixel space (the noise, noisy sample and timestep come with the data, so every layout draws the
+same noise).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler, UNet2DConditionModel
+from torch import nn
+
+from .configs import GeneratorConfig
+from .layers import LayerDef, seeded
+from .projectors import MLPProjector
+
+
+def build_unet(cfg: GeneratorConfig) -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=cfg.resolution,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.in_channels,
+        down_block_types=tuple(cfg.down_block_types),
+        up_block_types=tuple(cfg.up_block_types),
+        block_out_channels=tuple(cfg.block_out_channels),
+        layers_per_block=cfg.layers_per_block,
+        attention_head_dim=tuple(cfg.attention_head_dim),
+        cross_attention_dim=cfg.cross_attention_dim,
+        norm_num_groups=cfg.norm_num_groups,
+        use_linear_projection=cfg.use_linear_projection,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _full_unet(cfg_json: str, seed: int) -> UNet2DConditionModel:
+    """The whole U-Net, built once per process; each pipeline layer takes its block from it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_unet(GeneratorConfig(**json.loads(cfg_json)))
+
+
+def _unet(cfg: GeneratorConfig, seed: int) -> UNet2DConditionModel:
+    """The cached initial U-Net. Never train it: layers take private copies via ``_unet_part``."""
+    return _full_unet(json.dumps(cfg.__dict__, sort_keys=True), seed)
+
+
+def _unet_part(cfg: GeneratorConfig, seed: int, pick):
+    return copy.deepcopy(pick(_unet(cfg, seed)))
+
+
+class OutProjector(nn.Module):
+    """(llm_states [n, K, H], noisy [n, C, R, R], timesteps [n]) -> (cond, noisy, timesteps)."""
+
+    def __init__(self, llm_hidden: int, cfg: GeneratorConfig):
+        super().__init__()
+        self.proj = MLPProjector(llm_hidden, cfg.cross_attention_dim)
+
+    def forward(self, inputs):
+        states, noisy, timesteps = inputs
+        return self.proj(states), noisy, timesteps
+
+
+class UnetIn(nn.Module):
+    """(cond, noisy, timesteps) -> (sample, emb, cond, skip0): time embedding and conv_in."""
+
+    def __init__(self, parts: tuple):
+        super().__init__()
+        self.time_proj, self.time_embedding, self.time_embed_act, self.conv_in = parts
+
+    def forward(self, inputs):
+        cond, noisy, timesteps = inputs
+        t_emb = self.time_proj(timesteps).to(noisy.dtype)
+        emb = self.time_embedding(t_emb)
+        if self.time_embed_act is not None:
+            emb = self.time_embed_act(emb)
+        sample = self.conv_in(noisy)
+        return sample, emb, cond, sample
+
+
+class UnetDown(nn.Module):
+    """One down block: appends its skip connections to the tuple."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        sample, emb, cond, *skips = inputs
+        if getattr(self.block, "has_cross_attention", False):
+            sample, res = self.block(hidden_states=sample, temb=emb, encoder_hidden_states=cond)
+        else:
+            sample, res = self.block(hidden_states=sample, temb=emb)
+        return (sample, emb, cond, *skips, *res)
+
+
+class UnetMid(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs):
+        sample, emb, cond, *skips = inputs
+        if getattr(self.block, "has_cross_attention", False):
+            sample = self.block(sample, emb, encoder_hidden_states=cond)
+        else:
+            sample = self.block(sample, emb)
+        return (sample, emb, cond, *skips)
+
+
+class UnetUp(nn.Module):
+    """One up block: consumes as many skips as it has resnets; the last one drops emb and cond."""
+
+    def __init__(self, block: nn.Module, last: bool):
+        super().__init__()
+        self.block = block
+        self.last = last
+
+    def forward(self, inputs):
+        sample, emb, cond, *skips = inputs
+        n = len(self.block.resnets)
+        res, skips = tuple(skips[-n:]), skips[:-n]
+        if getattr(self.block, "has_cross_attention", False):
+            sample = self.block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res, encoder_hidden_states=cond)
+        else:
+            sample = self.block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res)
+        if self.last:
+            return sample
+        return (sample, emb, cond, *skips)
+
+
+class UnetOut(nn.Module):
+    """sample -> predicted noise: norm, activation, conv_out."""
+
+    def __init__(self, parts: tuple):
+        super().__init__()
+        self.conv_norm_out, self.conv_act, self.conv_out = parts
+
+    def forward(self, inputs):
+        sample = inputs[0] if isinstance(inputs, tuple) else inputs
+        if self.conv_norm_out is not None:
+            sample = self.conv_act(self.conv_norm_out(sample))
+        return self.conv_out(sample)
+
+
+def _in_parts(u: UNet2DConditionModel) -> tuple:
+    return u.time_proj, u.time_embedding, u.time_embed_act, u.conv_in
+
+
+def _out_parts(u: UNet2DConditionModel) -> tuple:
+    return u.conv_norm_out, u.conv_act, u.conv_out
+
+
+def generator_layers(cfg: GeneratorConfig, llm_hidden: int, seed: int) -> list[LayerDef]:
+    """Ordered pipeline layers of the generator: projector, U-Net in, downs, mid, ups, out."""
+    if cfg.resolution % (2 ** (len(cfg.block_out_channels) - 1)):
+        raise ValueError(
+            f"generator.resolution {cfg.resolution} must be divisible by {2 ** (len(cfg.block_out_channels) - 1)}"
+        )
+    part = lambda pick: _unet_part(cfg, seed, pick)  # noqa: E731
+    defs = [
+        seeded(seed, "generator", "out_projector", lambda: OutProjector(llm_hidden, cfg)),
+        seeded(seed, "generator", "unet_in", lambda: UnetIn(part(_in_parts))),
+    ]
+    for i in range(len(cfg.down_block_types)):
+        defs.append(seeded(seed, "generator", f"down{i}", lambda i=i: UnetDown(part(lambda u: u.down_blocks[i]))))
+    defs.append(seeded(seed, "generator", "mid", lambda: UnetMid(part(lambda u: u.mid_block))))
+    n_up = len(cfg.up_block_types)
+    for i in range(n_up):
+        up = lambda i=i: UnetUp(part(lambda u: u.up_blocks[i]), i == n_up - 1)  # noqa: E731
+        defs.append(seeded(seed, "generator", f"up{i}", up))
+    defs.append(seeded(seed, "generator", "unet_out", lambda: UnetOut(part(_out_parts))))
+    return defs
+
+
+def diffusion_loss(noise_pred: torch.Tensor, noise: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over images of the per-image mean squared error (epsilon prediction)."""
+    per_image = F.mse_loss(noise_pred.float(), noise.float(), reduction="none").flatten(1).mean(1)
+    return (per_image * weights).sum()
+
+
+@functools.lru_cache(maxsize=4)
+def scheduler(train_timesteps: int) -> DDPMScheduler:
+    return DDPMScheduler(num_train_timesteps=train_timesteps)
+
+
+def noise_sample(target: torch.Tensor, sample_id: int, image_index: int, seed: int, train_timesteps: int):
+    """Deterministic (noisy, timestep, noise) for one target image, the same in every layout."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + sample_id * 101 + image_index) & 0x7FFFFFFFFFFFFFFF)
+    noise = torch.randn(target.shape, generator=g)
+    t = torch.randint(0, train_timesteps, (1,), generator=g)
+    noisy = scheduler(train_timesteps).add_noise(target.unsqueeze(0), noise.unsqueeze(0), t)[0]
+    return noisy, t[0], noise

@@ -1,0 +1,147 @@
+"""Modality encoder as pipeline layers: ViT embeddings, ViT blocks, final norm + input projector.
+
+Images of different resolutions give different numbers of patches, so activations travel packed:
+``hidden`` is [sum of tokens over images, width] and ``counts`` (int64, one entry per image) says
+how many rows belong to each image. Attention must stay within an image, so each block runs the
+images of equal token count together as one batch (no padding, no mask, exact).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import torch
+from torch import nn
+from transformers import ViTConfig, ViTModel
+
+from .configs import EncoderConfig
+from .layers import LayerDef, seeded
+from .projectors import MLPProjector
+
+
+def hf_config(cfg: EncoderConfig) -> ViTConfig:
+    return ViTConfig(
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        intermediate_size=cfg.ffn_hidden,
+        patch_size=cfg.patch_size,
+        image_size=cfg.image_size,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _full_vit(cfg_json: str, seed: int) -> ViTModel:
+    """The whole HF ViT, built once per process with HF's own init; layers are taken from it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ViTModel(hf_config(EncoderConfig(**json.loads(cfg_json))), add_pooling_layer=False)
+
+
+def _vit_part(cfg: EncoderConfig, seed: int, pick):
+    """A private copy of one part of the cached initial ViT (the cache itself is never trained)."""
+    return copy.deepcopy(pick(_full_vit(json.dumps(cfg.__dict__, sort_keys=True), seed)))
+
+
+def pack_images(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten images [3, H, W] into one 1-D tensor plus an int64 [n, 2] (H, W) table."""
+    if not images:
+        return torch.zeros(0), torch.zeros(0, 2, dtype=torch.long)
+    flat = torch.cat([im.reshape(-1) for im in images])
+    hw = torch.tensor([[im.shape[1], im.shape[2]] for im in images], dtype=torch.long)
+    return flat, hw
+
+
+def unpack_images(flat: torch.Tensor, hw: torch.Tensor, channels: int = 3) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for h, w in hw.tolist():
+        n = channels * h * w
+        out.append(flat[offset : offset + n].view(channels, h, w))
+        offset += n
+    return out
+
+
+def _by_length(counts: list[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(counts):
+        groups.setdefault(n, []).append(i)
+    return groups
+
+
+class VitEmbed(nn.Module):
+    """(pixels, hw) -> (hidden, counts): patch + position embeddings and the CLS token per image."""
+
+    def __init__(self, embeddings: nn.Module):
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, inputs):
+        flat, hw = inputs
+        images = unpack_images(flat, hw)
+        rows = []
+        counts = []
+        for im in images:
+            emb = self.embeddings(im.unsqueeze(0), interpolate_pos_encoding=True)
+            rows.append(emb[0])
+            counts.append(emb.shape[1])
+        width = self.embeddings.cls_token.shape[-1]
+        hidden = torch.cat(rows) if rows else flat.new_zeros(0, width)
+        return hidden, torch.tensor(counts, dtype=torch.long)
+
+
+class VitBlock(nn.Module):
+    """(hidden, counts) -> (hidden, counts): one ViT transformer layer, attention per image."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, inputs):
+        hidden, counts = inputs
+        sizes = counts.tolist()
+        pieces = list(torch.split(hidden, sizes))
+        out: list[torch.Tensor | None] = [None] * len(pieces)
+        for _, idx in _by_length(sizes).items():
+            batch = torch.stack([pieces[i] for i in idx])
+            res = self.layer(batch)
+            for j, i in enumerate(idx):
+                out[i] = res[j]
+        hidden = torch.cat(out) if out else hidden
+        return hidden, counts
+
+
+class VitHead(nn.Module):
+    """(hidden, counts) -> image embeddings [patches, llm width]: norm, drop CLS, project."""
+
+    def __init__(self, layernorm: nn.Module, vit_hidden: int, llm_hidden: int):
+        super().__init__()
+        self.layernorm = layernorm
+        self.projector = MLPProjector(vit_hidden, llm_hidden)
+
+    def forward(self, inputs):
+        hidden, counts = inputs
+        hidden = self.layernorm(hidden)
+        keep = torch.ones(hidden.shape[0], dtype=torch.bool)
+        starts = torch.cumsum(counts, 0) - counts
+        keep[starts] = False  # CLS rows
+        return self.projector(hidden[keep])
+
+
+def encoder_layers(cfg: EncoderConfig, llm_hidden: int, seed: int) -> list[LayerDef]:
+    """Ordered pipeline layers of the encoder: embed, ``cfg.layers`` blocks, head."""
+    part = lambda pick: _vit_part(cfg, seed, pick)  # noqa: E731
+    defs = [seeded(seed, "encoder", "embed", lambda: VitEmbed(part(lambda v: v.embeddings)))]
+    for i in range(cfg.layers):
+        defs.append(seeded(seed, "encoder", f"block{i}", lambda i=i: VitBlock(part(lambda v: v.layers[i]))))
+    head = lambda: VitHead(part(lambda v: v.layernorm), cfg.hidden_size, llm_hidden)  # noqa: E731
+    defs.append(seeded(seed, "encoder", "head", head))
+    return defs
+
+
+def patches_per_image(h: int, w: int, patch_size: int) -> int:
+    return (h // patch_size) * (w // patch_size)

@@ -1,0 +1,76 @@
+"""``layout: reference``: the whole MLLM in one process, no pipeline.
+
+Same initial weights, same data order, same loss normalisation and optimizer as the distributed
+layouts: the ground truth they are tested against, and the simplest thing a user can run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import Recipe
+from ..models.mllm import MODULES, BatchNorms, ReferenceMLLM, collate
+from .rundir import MetricsWriter, progress_line
+from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
+
+
+def step_tokens(samples, pad_id: int) -> int:
+    return int(sum(int((s.input_ids != pad_id).sum()) for s in samples))
+
+
+def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[list[dict], ReferenceMLLM]:
+    """Train for ``train.steps`` optimizer steps; returns the per-step records and the model."""
+    torch.manual_seed(recipe.seed)
+    source, spec = build_data_and_spec(recipe)
+    model = ReferenceMLLM(spec)
+    if recipe.train.dtype == "bf16":
+        model.to(torch.bfloat16)
+    optimizers = {
+        name: build_optimizer(recipe, getattr(model, name).parameters())
+        for name in MODULES
+        if not spec.frozen(name)
+    }
+    schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(recipe)) for n, o in optimizers.items()}
+    m = recipe.train.micro_batch
+    chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
+    writer = MetricsWriter(run_dir) if run_dir else None
+    records = []
+    for step in range(recipe.train.steps):
+        t0 = time.perf_counter()
+        samples = source.global_batch(step)
+        norms = BatchNorms.of(samples, chunks)
+        totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
+        for c in range(chunks):
+            mb = collate(samples[c * m : (c + 1) * m], norms, spec)
+            out = model(mb)
+            (out["loss"] / chunks).backward()
+            for k in totals:
+                totals[k] += float(out[k].detach()) / chunks
+        for name, opt in optimizers.items():
+            if recipe.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(getattr(model, name).parameters(), recipe.optim.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            schedulers[name].step()
+        dt = time.perf_counter() - t0
+        rec = {
+            "step": step + 1,
+            "loss": totals["loss"],
+            "loss/lm": totals["lm"],
+            "loss/gen": totals["gen"],
+            "step_seconds": dt,
+            "samples_per_s": len(samples) / dt,
+            "tokens_per_s": step_tokens(samples, spec.special.pad) / dt,
+            "lr": recipe.optim.lr * lr_lambda(recipe)(step),
+        }
+        records.append(rec)
+        if writer:
+            writer.write(rec)
+        if log and (step + 1) % recipe.logging.every == 0:
+            log(progress_line(rec))
+    if writer:
+        writer.close()
+    return records, model

@@ -1,0 +1,60 @@
+"""Pieces every layout builds the same way: model spec, data source, optimizer, schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..config import Recipe
+from ..data.source import SampleSource, ShapeSpec, build_source
+from ..models.mllm import MLLMSpec
+
+
+def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
+    """The sample source and the model spec (LLM vocabulary sized from the tokenizer)."""
+    m = recipe.model
+    shape = ShapeSpec(
+        patch_size=m.encoder.patch_size,
+        gen_resolution=m.generator.resolution,
+        gen_channels=m.generator.in_channels,
+        query_tokens=m.generator.query_tokens,
+    )
+    source = build_source(recipe.data, shape, recipe.train.global_batch, recipe.seed)
+    need = source.special.vocab_size
+    llm = m.llm
+    if llm.vocab_size == 0:
+        llm = dataclasses.replace(llm, vocab_size=need)
+    elif llm.vocab_size < need:
+        raise ValueError(f"model.llm.vocab_size {llm.vocab_size} is smaller than the tokenizer's {need} ids")
+    spec = MLLMSpec(m.encoder, llm, m.generator, source.special, recipe.seed, m.gen_loss_weight)
+    return source, spec
+
+
+def grad_accum_steps(recipe: Recipe) -> int:
+    return recipe.train.global_batch // (recipe.parallel.llm.dp * recipe.train.micro_batch)
+
+
+def lr_lambda(recipe: Recipe):
+    """Multiplier of ``optim.lr`` at each optimizer step (linear warm-up, then constant or cosine)."""
+    o, steps = recipe.optim, recipe.train.steps
+
+    def f(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "cosine":
+            span = max(1, steps - o.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - o.warmup_steps) / span)))
+        return 1.0
+
+    return f
+
+
+def build_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
+    """A torch optimizer (DeepSpeed accepts it as is; no fused-op compilation)."""
+    o = recipe.optim
+    params = [p for p in params if p.requires_grad]
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)

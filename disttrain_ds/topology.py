@@ -1,0 +1,152 @@
+"""Rank map of a job: which global ranks each module owns, and its DP x PP x TP grid there.
+
+Pure data, no process groups. Modules take disjoint, contiguous rank ranges in the order
+encoder -> LLM -> generator. Inside a module, ranks are laid out like DeepSpeed's
+``PipeModelDataParallelTopology`` (axes pipe, data, model), offset by the module's first rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .configtools import ConfigError
+
+MODULES = ("encoder", "llm", "generator")
+
+
+@dataclass(frozen=True)
+class ModuleGrid:
+    """One module's ranks and degrees."""
+
+    name: str
+    """encoder | llm | generator."""
+    first_rank: int
+    """Global rank of the module's (pipe 0, data 0, model 0) coordinate."""
+    dp: int
+    """Data-parallel replicas."""
+    pp: int
+    """Pipeline stages."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.size)
+
+    def rank(self, *, stage: int, dp: int, tp: int = 0) -> int:
+        """Global rank at (pipe stage, data replica, tensor slice)."""
+        if not (0 <= stage < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
+            raise ValueError(f"{self.name}: coordinate (stage={stage}, dp={dp}, tp={tp}) out of range")
+        return self.first_rank + (stage * self.dp + dp) * self.tp + tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, dp, tp) of a global rank owned by this module."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not in module {self.name} ({self.ranks.start}..{self.ranks.stop - 1})")
+        local = rank - self.first_rank
+        tp = local % self.tp
+        dp = (local // self.tp) % self.dp
+        return local // (self.tp * self.dp), dp, tp
+
+    def dp_group(self, *, stage: int, tp: int = 0) -> list[int]:
+        return [self.rank(stage=stage, dp=d, tp=tp) for d in range(self.dp)]
+
+    def pp_group(self, *, dp: int, tp: int = 0) -> list[int]:
+        return [self.rank(stage=s, dp=dp, tp=tp) for s in range(self.pp)]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """All modules of a job, in data-flow order."""
+
+    modules: tuple[ModuleGrid, ...]
+    """encoder, llm, generator grids."""
+    layout: str
+    """monolithic | disaggregated (the reference layout has no topology)."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.size for m in self.modules)
+
+    def module(self, name: str) -> ModuleGrid:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def module_of(self, rank: int) -> ModuleGrid:
+        for m in self.modules:
+            if rank in m.ranks:
+                return m
+        raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+
+    @property
+    def total_stages(self) -> int:
+        """Stages of the one 1F1B pipeline laid end to end over all modules."""
+        return sum(m.pp for m in self.modules)
+
+    def stage_offset(self, name: str) -> int:
+        """Global pipeline index of a module's first stage."""
+        off = 0
+        for m in self.modules:
+            if m.name == name:
+                return off
+            off += m.pp
+        raise KeyError(name)
+
+    def neighbours(self, name: str) -> tuple[ModuleGrid | None, ModuleGrid | None]:
+        i = [m.name for m in self.modules].index(name)
+        up = self.modules[i - 1] if i > 0 else None
+        down = self.modules[i + 1] if i + 1 < len(self.modules) else None
+        return up, down
+
+    @staticmethod
+    def from_recipe(recipe) -> "Topology":
+        """Derive the rank map from ``parallel.*`` (monolithic: encoder and generator take the LLM's DP/TP, PP 1)."""
+        p = recipe.parallel
+        if recipe.layout == "reference":
+            raise ConfigError(f"{recipe.source_file}: 'layout' reference runs in one process and has no rank map")
+        degrees = {}
+        for name in MODULES:
+            m = getattr(p, name)
+            degrees[name] = (m.dp, m.pp, m.tp)
+        if recipe.layout == "monolithic":
+            dp, _, tp = degrees["llm"]
+            degrees["encoder"] = (dp, 1, tp)
+            degrees["generator"] = (dp, 1, tp)
+        grids, first = [], 0
+        for name in MODULES:
+            dp, pp, tp = degrees[name]
+            g = ModuleGrid(name, first, dp, pp, tp)
+            grids.append(g)
+            first += g.size
+        return Topology(tuple(grids), recipe.layout)
+
+    def check_world(self, world_size: int, src: str = "<recipe>") -> None:
+        if world_size != self.world_size:
+            raise ConfigError(
+                f"{src}: layout '{self.layout}' needs {self.world_size} ranks "
+                f"({' + '.join(f'{m.name} {m.size}' for m in self.modules)}) but the job has {world_size}"
+            )
+
+    def describe(self) -> str:
+        """Human-readable rank map, printed at start-up."""
+        lines = [f"layout {self.layout}: {self.world_size} ranks, {self.total_stages} pipeline stages"]
+        for m in self.modules:
+            lines.append(
+                f"  {m.name:<9} ranks {m.ranks.start:>3}-{m.ranks.stop - 1:<3} dp={m.dp} pp={m.pp} tp={m.tp}"
+                f"  stages {self.stage_offset(m.name)}-{self.stage_offset(m.name) + m.pp - 1}"
+            )
+        return "\n".join(lines)
+
+
+def slot_split(slot: int, dp: int) -> list[range]:
+    """Contiguous sample ranges of one microbatch slot (DP_llm * micro samples) per DP replica."""
+    if slot % dp:
+        raise ValueError(f"slot of {slot} samples does not split over {dp} replicas")
+    n = slot // dp
+    return [range(r * n, (r + 1) * n) for r in range(dp)]

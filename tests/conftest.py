@@ -1,0 +1,61 @@
+"""Shared test helpers: where the read-only fixtures live, and marker handling."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """Directory of the read-only data fixtures beside the repository; skips if absent."""
+    if not SHARED_FIXTURES.is_dir():
+        pytest.skip(f"fixtures not found at {SHARED_FIXTURES}")
+    return SHARED_FIXTURES
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch missing: pure tests still run
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe():
+    """The default tiny recipe, loaded and validated."""
+    from disttrain_ds.config import load_recipe
+
+    return load_recipe(REPO_ROOT / "recipes" / "tiny_cpu.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_source_and_spec(tiny_recipe):
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    return build_data_and_spec(tiny_recipe)
+
+
+@pytest.fixture(scope="session")
+def tiny_spec(tiny_source_and_spec):
+    return tiny_source_and_spec[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_samples(tiny_source_and_spec):
+    return tiny_source_and_spec[0].global_batch(0)[:2]
