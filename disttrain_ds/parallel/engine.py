@@ -1,0 +1,269 @@
+"""One DeepSpeed pipeline engine per module, on that module's ranks, in a shared world.
+
+``ModuleEngine`` is a ``PipelineEngine``: DeepSpeed still owns the optimizer, ZeRO-1, bf16,
+gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. What changes:
+- the grid lives on the module's rank subset (``grid.SubsetGrid``);
+- the instruction stream comes from the one global 1F1B schedule (``schedule.engine_schedule``);
+- the engine's first stage takes its input from the upstream engine and returns the input
+  gradient; its last stage computes its own loss (if any), sends its output downstream and, in
+  backward, adds the downstream gradient through the surrogate ``<output, grad>``;
+- losses are kept per pipe buffer, since a last stage that is not the global last stage runs
+  several forwards before the matching backwards.
+"""
+
+from __future__ import annotations
+
+import time
+from types import MethodType
+
+import torch
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe import schedule as ds
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+
+from ..comm.boundary import BoundaryComm
+from ..models.layers import LayerDef
+from ..models.mllm import MicroBatch
+from .grid import OffsetTopology, subset_grid_for_pipeline_module
+from .roles import Role
+from .schedule import (
+    BoundaryRecvActivation,
+    BoundaryRecvGrad,
+    BoundarySendGrad,
+    LoadData,
+    StagePlace,
+    engine_schedule,
+    num_buffers,
+)
+
+
+class DefSpec(LayerSpec):
+    """A ``LayerSpec`` built by a seeded ``LayerDef`` builder."""
+
+    def __init__(self, layer_def: LayerDef):  # no super().__init__: its class check does not apply
+        self.layer_def, self.typename = layer_def, torch.nn.Module
+        self.module_args, self.module_kwargs, self.global_rank = (), {}, -1
+
+    def __repr__(self) -> str:
+        return f"DefSpec({self.layer_def.name})"
+
+    def build(self, log: bool = False) -> torch.nn.Module:
+        return self.layer_def.build()
+
+
+def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, frozen: bool) -> PipelineModule:
+    """A PipelineModule holding only this rank's layers, with a grid on the module's ranks."""
+    with subset_grid_for_pipeline_module():
+        pm = PipelineModule(
+            layers=[DefSpec(d) for d in layer_defs],
+            topology=OffsetTopology(grid),
+            partition_method=partition,
+            dynamic_shape=True,  # images per sample vary, so activation shapes do too
+        )
+    if frozen:
+        pm.requires_grad_(False)
+    return pm
+
+
+def _to_device(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return tuple(_to_device(t, device) for t in x)
+
+
+class ModuleEngine(PipelineEngine):
+    """A pipeline engine that is one module of a disaggregated (or monolithic) MLLM."""
+
+    def setup_disaggregated(
+        self,
+        role: Role,
+        place: StagePlace,
+        upstream: BoundaryComm | None,
+        downstream: BoundaryComm | None,
+        frozen: bool,
+    ) -> None:
+        self.role, self.place, self.upstream, self.downstream, self.frozen = role, place, upstream, downstream, frozen
+        self._steps = engine_schedule(self.micro_batches, place)
+        self._reserve_pipe_buffers(num_buffers(self.micro_batches, place))
+        self.extra = {k: [None] * self.num_pipe_buffers for k in ("mb", "loss", "out", "out_grad", "recv")}
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def run_step(self, batches: list[MicroBatch]) -> dict:
+        """Execute this stage's part of one optimizer step over ``batches`` (one per microbatch)."""
+        assert len(batches) == self.micro_batches
+        self.module.train()
+        self.batches = batches
+        self._next_fwd = self._next_bwd = 0
+        self.stats = {"own_loss": 0.0, "compute_s": 0.0}
+        for comm in (self.upstream, self.downstream):
+            if comm is not None:
+                comm.wait_seconds = 0.0
+        if self.upstream is not None and self.place.first_of_engine:
+            self.upstream.prefetch_activation(0)
+        for step_cmds in self._steps:
+            for cmd in step_cmds:
+                fn = self._DISAGG_MAP.get(type(cmd))
+                if fn is None:
+                    raise RuntimeError(f"{type(self).__name__} does not understand {cmd!r}")
+                MethodType(fn, self)(**cmd.kwargs)
+        self.p2p_flush()
+        comm_wait = sum(c.wait_seconds for c in (self.upstream, self.downstream) if c is not None)
+        return {**self.stats, "comm_wait_s": comm_wait}
+
+    def p2p_flush(self) -> None:
+        for comm in (self.upstream, self.downstream):
+            if comm is not None:
+                comm.p2p.flush_sends()
+                break
+
+    # ---- instructions -----------------------------------------------------------------------
+    def _exec_boundary_recv_activation(self, buffer_id: int) -> None:
+        mb = self._next_fwd
+        act = self.upstream.recv_activation(mb)
+        if mb + 1 < self.micro_batches:
+            self.upstream.prefetch_activation(mb + 1)
+        if self.place.upstream_backward:
+            act.requires_grad_(True)
+        self.extra["recv"][buffer_id] = act
+
+    def _exec_load_data(self, buffer_id: int) -> None:
+        mb = self._next_fwd
+        self.extra["mb"][buffer_id] = mb
+        batch = self.batches[mb]
+        if self.place.first_of_engine:
+            inputs = self.role.first_inputs(batch, self.extra["recv"][buffer_id])
+            self.pipe_buffers["inputs"][buffer_id] = _to_device(inputs, self.device)
+            self.extra["recv"][buffer_id] = None
+
+    def _exec_forward(self, buffer_id: int) -> None:
+        t0 = time.perf_counter()
+        mb = self._next_fwd
+        self._next_fwd += 1
+        self.extra["mb"][buffer_id] = mb
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        # Clones keep the received leaves (whose .grad we send back) out of in-place ops.
+        inputs = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
+        with torch.set_grad_enabled(self.place.backward):
+            outputs = DeepSpeedEngine.forward(self, inputs)  # PipelineEngine.forward is disabled
+        self.pipe_buffers["outputs"][buffer_id] = outputs
+        if self.place.last_of_engine:
+            batch = _to_device_mb(self.batches[mb], self.device)
+            loss = self.role.own_loss(outputs, batch)
+            out = self.role.boundary_output(outputs, batch)
+            if loss is not None:
+                self.stats["own_loss"] += float(loss.detach())
+            if out is not None:
+                rows = self.batches[mb].sample_rows[self.role.rows_key]
+                self.downstream.send_activation(mb, out.detach(), rows)
+                if self.place.backward:
+                    self.downstream.prefetch_grad(mb)
+            self.extra["loss"][buffer_id] = loss
+            self.extra["out"][buffer_id] = out
+        self.stats["compute_s"] += time.perf_counter() - t0
+
+    def _exec_boundary_recv_grad(self, buffer_id: int) -> None:
+        mb = self.extra["mb"][buffer_id]
+        self.extra["out_grad"][buffer_id] = self.downstream.recv_grad(mb) * self.downstream.grad_scale
+
+    def _exec_backward(self, buffer_id: int) -> None:
+        t0 = time.perf_counter()
+        self._next_bwd += 1
+        if self.place.last_of_engine:
+            self._backward_last(buffer_id)
+        elif self.optimizer is not None:
+            PipelineEngine._exec_backward_pass(self, buffer_id)
+        else:
+            self._backward_plain(buffer_id)
+        self.stats["compute_s"] += time.perf_counter() - t0
+
+    def _backward_last(self, buffer_id: int) -> None:
+        loss, out, g = (self.extra[k][buffer_id] for k in ("loss", "out", "out_grad"))
+        # Target: d/dθ of (own loss / accumulation steps + <out, g>); g (from downstream) is
+        # already per-step. d<out, g>/d out = g puts the downstream gradient into this graph.
+        gas = float(self.micro_batches)
+        terms = []
+        if loss is not None:
+            terms.append(loss if self.optimizer is not None else loss / gas)
+        if out is not None and g is not None:
+            # DeepSpeed's backward divides everything by the accumulation steps: pre-multiply.
+            scale = gas if self.optimizer is not None else 1.0
+            terms.append((out * g.to(out.dtype)).sum() * scale)
+        total = sum(terms[1:], terms[0])
+        if self.optimizer is None:
+            total.backward()
+        else:
+            DeepSpeedEngine.backward(self, total)
+        for k in ("loss", "out", "out_grad"):
+            self.extra[k][buffer_id] = None
+        self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _backward_plain(self, buffer_id: int) -> None:
+        """Backward of a frozen engine's inner stage: only input gradients are needed."""
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        outs = [t for t in outputs if t.is_floating_point()] if isinstance(outputs, tuple) else [outputs]
+        grads = self.grad_layer if isinstance(self.grad_layer, (list, tuple)) else [self.grad_layer]
+        torch.autograd.backward(outs, grads)
+        self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_boundary_send_grad(self, buffer_id: int) -> None:
+        mb = self.extra["mb"][buffer_id]
+        leaf = self.pipe_buffers["inputs"][buffer_id][self.role.boundary_input_index]
+        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        self.upstream.send_grad(mb, grad)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_reduce(self) -> None:
+        if self.optimizer is not None:
+            PipelineEngine._exec_reduce_grads(self)
+
+    def _exec_reduce_tied(self) -> None:
+        if self.optimizer is not None:
+            PipelineEngine._exec_reduce_tied_grads(self)
+
+    def _exec_step(self, lr_kwargs=None) -> None:
+        if self.optimizer is not None:
+            PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+
+    _DISAGG_MAP = {
+        ds.OptimizerStep: _exec_step,
+        ds.ReduceGrads: _exec_reduce,
+        ds.ReduceTiedGrads: _exec_reduce_tied,
+        LoadData: _exec_load_data,
+        ds.ForwardPass: _exec_forward,
+        ds.BackwardPass: _exec_backward,
+        ds.SendActivation: PipelineEngine._exec_send_activations,
+        ds.RecvActivation: PipelineEngine._exec_recv_activations,
+        ds.SendGrad: PipelineEngine._exec_send_grads,
+        ds.RecvGrad: PipelineEngine._exec_recv_grads,
+        BoundaryRecvActivation: _exec_boundary_recv_activation,
+        BoundarySendGrad: _exec_boundary_send_grad,
+        BoundaryRecvGrad: _exec_boundary_recv_grad,
+    }
+
+
+def _to_device_mb(mb: MicroBatch, device) -> MicroBatch:
+    if str(device) == "cpu":
+        return mb
+    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.__dict__.items()}
+    return MicroBatch(**fields)
+
+
+def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> ModuleEngine:
+    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class."""
+    mpu = pm.mpu()
+    config_class = DeepSpeedConfig(config, mpu)
+    return ModuleEngine(
+        args=None,
+        model=pm,
+        optimizer=optimizer,
+        model_parameters=None,
+        training_data=None,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=False,
+        collate_fn=None,
+        config=config,
+        config_class=config_class,
+    )

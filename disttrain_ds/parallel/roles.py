@@ -1,0 +1,71 @@
+"""What is module-specific about an engine: its data inputs, own loss and boundary tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.llama import gen_condition
+from ..models.mllm import MicroBatch, MLLMSpec, lm_loss_sum
+from ..models.unet import diffusion_loss
+
+
+class Role:
+    """Defaults: no upstream input, no own loss, no output sent downstream."""
+
+    name = ""
+    boundary_input_index: int = -1  # position of the upstream tensor in the first stage's input tuple
+    rows_key: str = ""  # MicroBatch.sample_rows key of the tensor sent downstream
+
+    def __init__(self, spec: MLLMSpec):
+        self.spec = spec
+
+    def first_inputs(self, mb: MicroBatch, received: torch.Tensor | None) -> tuple:
+        raise NotImplementedError
+
+    def own_loss(self, outputs, mb: MicroBatch) -> torch.Tensor | None:
+        return None
+
+    def boundary_output(self, outputs, mb: MicroBatch) -> torch.Tensor | None:
+        return None
+
+
+class EncoderRole(Role):
+    name = "encoder"
+    rows_key = "image_embeds"
+
+    def first_inputs(self, mb, received):
+        return (mb.pixels, mb.image_hw)
+
+    def boundary_output(self, outputs, mb):
+        return outputs
+
+
+class LLMRole(Role):
+    name = "llm"
+    boundary_input_index = 1
+    rows_key = "gen_states"
+
+    def first_inputs(self, mb, received):
+        return (mb.input_ids, received)
+
+    def own_loss(self, outputs, mb):
+        logits, _ = outputs
+        return lm_loss_sum(logits, mb.labels, mb.lm_scale)
+
+    def boundary_output(self, outputs, mb):
+        _, hidden = outputs
+        return gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens)
+
+
+class GeneratorRole(Role):
+    name = "generator"
+    boundary_input_index = 0
+
+    def first_inputs(self, mb, received):
+        return (received, mb.noisy, mb.timesteps)
+
+    def own_loss(self, outputs, mb):
+        return diffusion_loss(outputs, mb.noise, mb.gen_weights)
+
+
+ROLES = {"encoder": EncoderRole, "llm": LLMRole, "generator": GeneratorRole}

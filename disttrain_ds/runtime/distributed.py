@@ -1,0 +1,175 @@
+"""``layout: disaggregated`` and ``layout: monolithic``: one pipeline engine per module.
+
+Reads top to bottom: start processes -> rank map -> this rank's engine and boundary links ->
+per step, this rank's microbatches -> run the shared 1F1B schedule -> gather figures on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+from ..comm.boundary import BoundaryComm
+from ..comm.p2p import P2P, PeerInfo
+from ..comm.routes import blocks
+from ..config import Recipe, resolve_path
+from ..dsconfig import engine_config, load_ds_config
+from ..models.mllm import MODULES, BatchNorms, collate
+from ..parallel.engine import build_pipeline_module, make_engine
+from ..parallel.roles import ROLES
+from ..parallel.schedule import StagePlace
+from ..topology import Topology
+from .reference import step_tokens
+from .rundir import MetricsWriter, make_run_dir, progress_line, write_resolved_recipe
+from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
+
+
+def init_processes(timeout_s: float) -> torch.device:
+    """Start torch.distributed from the launcher's environment (torchrun or deepspeed)."""
+    import deepspeed
+    import deepspeed.ops
+
+    # Only used for inference all-reduce; building it costs ~45 s per process on CPU.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
+    """A module runs backward if it or anything upstream of it trains."""
+    out, any_trainable = {}, False
+    for m in topo.modules:
+        any_trainable = any_trainable or not getattr(recipe.model, m.name).frozen
+        out[m.name] = any_trainable
+    return out
+
+
+def train_distributed(recipe: Recipe, log=print) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    topo = Topology.from_recipe(recipe)
+    topo.check_world(world, recipe.source_file)
+    device = init_processes(recipe.parallel.comm_timeout_s)
+    rank = tdist.get_rank()
+    is_logger = rank == 0
+    if is_logger:
+        log(topo.describe())
+
+    source, spec = build_data_and_spec(recipe)
+    grid = topo.module_of(rank)
+    stage, dp_index, _ = grid.coords(rank)
+    gas = grad_accum_steps(recipe)
+    slot = recipe.parallel.llm.dp * recipe.train.micro_batch
+    backward = needs_backward(recipe, topo)
+
+    # Boundary traffic gets its own group so it never queues behind DeepSpeed's own P2P.
+    comm_group = tdist.new_group(list(range(world)))
+    names = {r: f"{m.name} stage {m.coords(r)[0]} dp {m.coords(r)[1]}" for m in topo.modules for r in m.ranks}
+    p2p = P2P(comm_group, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
+    up_grid, down_grid = topo.neighbours(grid.name)
+    idx = [m.name for m in topo.modules].index(grid.name)
+    upstream = BoundaryComm(p2p, up_grid, grid, slot, idx - 1) if up_grid and stage == 0 else None
+    downstream = BoundaryComm(p2p, grid, down_grid, slot, idx) if down_grid and stage == grid.pp - 1 else None
+    place = StagePlace(
+        total_stages=topo.total_stages,
+        global_stage=topo.stage_offset(grid.name) + stage,
+        first_of_engine=stage == 0,
+        last_of_engine=stage == grid.pp - 1,
+        has_upstream=up_grid is not None,
+        has_downstream=down_grid is not None,
+        backward=backward[grid.name],
+        upstream_backward=up_grid is not None and backward[up_grid.name],
+    )
+
+    frozen = spec.frozen(grid.name)
+    mp = getattr(recipe.parallel, grid.name)
+    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, frozen)
+    if recipe.train.dtype == "bf16":
+        pm.to(torch.bfloat16)
+    optimizer = scheduler = None
+    if not frozen:
+        optimizer = build_optimizer(recipe, pm.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+    base = load_ds_config(resolve_path(mp.ds_config or recipe.deepspeed_config))
+    micro = slot // grid.dp
+    cfg = engine_config(
+        base, micro_batch=micro, grad_accum=gas, dp=grid.dp, dtype=recipe.train.dtype, grad_clip=recipe.optim.grad_clip
+    )
+    engine = make_engine(pm, optimizer, scheduler, cfg)
+    engine.setup_disaggregated(ROLES[grid.name](spec), place, upstream, downstream, frozen)
+
+    my_block = blocks(slot, grid.dp)[dp_index]
+    gen_dp_scale = topo.module("generator").dp / topo.module("llm").dp
+    chunks = gas * recipe.parallel.llm.dp
+    writer = run_dir = None
+    if is_logger:
+        run_dir = make_run_dir(recipe.logging.dir, recipe.name)
+        write_resolved_recipe(run_dir, recipe, {"world_size": world, "topology": topo.describe()})
+        writer = MetricsWriter(run_dir)
+        log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
+
+    for step in range(recipe.train.steps):
+        t0 = time.perf_counter()
+        samples = source.global_batch(step)
+        norms = BatchNorms.of(samples, chunks)
+        batches = []
+        for g in range(gas):
+            mine = samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop]
+            batches.append(collate(mine, norms, spec, gen_dp_scale=gen_dp_scale))
+        stats = engine.run_step(batches)
+        elapsed = time.perf_counter() - t0
+        rec = gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, comm_group)
+        if is_logger:
+            rec = {
+                "step": step + 1,
+                **rec,
+                "samples_per_s": len(samples) / rec["step_seconds"],
+                "tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
+                "lr": recipe.optim.lr * lr_lambda(recipe)(step),
+            }
+            writer.write(rec)
+            if (step + 1) % recipe.logging.every == 0:
+                log(progress_line(rec))
+    p2p.flush_sends()
+    tdist.barrier()
+    if is_logger:
+        writer.close()
+        log(f"metrics: {run_dir / 'metrics.jsonl'}")
+    tdist.destroy_process_group()
+    return 0
+
+
+def gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, group) -> dict:
+    """All ranks contribute their figures; every rank gets the step record (rank 0 writes it)."""
+    mine = torch.tensor(
+        [
+            MODULES.index(grid.name),
+            1.0 if place.last_of_engine else 0.0,
+            stats["own_loss"],
+            elapsed,
+            stats["compute_s"],
+            stats["comm_wait_s"],
+        ],
+        dtype=torch.float64,
+    )
+    rows = [torch.zeros_like(mine) for _ in range(topo.world_size)]
+    tdist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows)
+    lm = float(table[(table[:, 0] == 1) & (table[:, 1] == 1), 2].sum()) / chunks
+    gen = float(table[(table[:, 0] == 2) & (table[:, 1] == 1), 2].sum()) / chunks / gen_dp_scale
+    rec = {"loss": lm + gen, "loss/lm": lm, "loss/gen": gen, "step_seconds": float(table[:, 3].max())}
+    for i, name in enumerate(MODULES):
+        sel = table[table[:, 0] == i]
+        rec[f"time/{name}_compute"] = float(sel[:, 4].max())
+        rec[f"time/{name}_comm_wait"] = float(sel[:, 5].max())
+    return rec
