@@ -40,6 +40,7 @@ class BoundaryComm:
         self._pending: dict[tuple[int, int], list[PendingRecv]] = {}
         self._piece_rows: dict[int, list[int]] = {}
         self.wait_seconds = 0.0
+        self.shapes_seen: set[tuple[int, ...]] = set()  # activation shapes received (diagnostics)
 
     @property
     def grad_scale(self) -> float:
@@ -88,7 +89,9 @@ class BoundaryComm:
     def recv_activation(self, mb: int) -> torch.Tensor:
         pieces = self._gather(ACT, mb)
         self._piece_rows[mb] = [p.shape[0] for p in pieces]
-        return torch.cat(pieces)
+        out = torch.cat(pieces)
+        self.shapes_seen.add(tuple(out.shape))
+        return out
 
     def send_grad(self, mb: int, grad: torch.Tensor) -> None:
         self._send_split(GRAD, mb, grad, self._piece_rows.pop(mb))

@@ -55,7 +55,18 @@ def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
     return out
 
 
-def train_distributed(recipe: Recipe, log=print) -> int:
+def layer_state(pm, module: str, layer_defs) -> dict[str, torch.Tensor]:
+    """This rank's parameters keyed ``module/layer/param`` (same keys as ``reference_layer_state``)."""
+    out = {}
+    for idx in range(pm._local_start, pm._local_stop):
+        layer = getattr(pm, str(idx))
+        for k, v in layer.state_dict().items():
+            out[f"{module}/{layer_defs[idx].name}/{k}"] = v.detach().cpu().clone()
+    return out
+
+
+def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) -> int:
+    """Train; with ``export_dir`` every rank also saves its final layer parameters there."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     topo = Topology.from_recipe(recipe)
     topo.check_world(world, recipe.source_file)
@@ -141,6 +152,9 @@ def train_distributed(recipe: Recipe, log=print) -> int:
             if (step + 1) % recipe.logging.every == 0:
                 log(progress_line(rec))
     p2p.flush_sends()
+    if export_dir:
+        state = layer_state(pm, grid.name, spec.layers(grid.name))
+        torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
     tdist.barrier()
     if is_logger:
         writer.close()

@@ -74,3 +74,14 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     if writer:
         writer.close()
     return records, model
+
+
+def reference_layer_state(model: ReferenceMLLM) -> dict[str, torch.Tensor]:
+    """Parameters keyed ``module/layer/param``, comparable with the distributed export."""
+    out = {}
+    for module in MODULES:
+        defs = model.spec.layers(module)
+        for d, layer in zip(defs, getattr(model, module).layers):
+            for k, v in layer.state_dict().items():
+                out[f"{module}/{d.name}/{k}"] = v.detach().cpu().clone()
+    return out

@@ -1,0 +1,64 @@
+"""Helpers for multi-process tests: launch a layout with torchrun and compare with the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("run_layout.py")
+
+
+def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None, timeout: int = 600):
+    """Run tests/dist/run_layout.py under torchrun; returns (losses per step, params, shapes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RUNNER), str(out)]
+    if fault:
+        cmd += ["--fault", fault]
+    cmd += ["parallel.comm_timeout_s=120", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    params: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("params_rank*.pt")):
+        params.update(torch.load(f))
+    shapes = [json.loads(f.read_text()) for f in sorted(out.glob("shapes_rank*.json"))]
+    return rows, params, shapes
+
+
+@pytest.fixture(scope="session")
+def reference_run():
+    """Reference losses and parameters per recipe override list (cached)."""
+    from disttrain_ds.config import load_recipe
+    from disttrain_ds.runtime.reference import reference_layer_state, train_reference
+
+    cache: dict[tuple, tuple] = {}
+
+    def get(overrides: list[str]):
+        key = tuple(overrides)
+        if key not in cache:
+            recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["layout=reference", *overrides])
+            records, model = train_reference(recipe, None, log=None)
+            cache[key] = ([r["loss"] for r in records], reference_layer_state(model))
+        return cache[key]
+
+    return get
+
+
+def max_param_mismatch(ours: dict, ref: dict) -> tuple[float, str]:
+    """Largest relative-to-scale difference over all parameters, and where it is."""
+    assert ours.keys() == ref.keys(), sorted(set(ours) ^ set(ref))[:5]
+    worst, where = 0.0, ""
+    for k in ref:
+        diff = float((ours[k].float() - ref[k].float()).abs().max()) if ref[k].numel() else 0.0
+        scale = max(float(ref[k].float().abs().max()) if ref[k].numel() else 0.0, 1e-3)
+        if diff / scale > worst:
+            worst, where = diff / scale, k
+    return worst, where

@@ -1,0 +1,58 @@
+"""Launched by torchrun from the multi-process tests: train the tiny recipe in a pipeline layout,
+export every rank's final parameters and what crossed the communicator.
+
+    torchrun --standalone --nproc_per_node=N tests/dist/run_layout.py OUT_DIR [--fault NAME] [key=value ...]
+
+``--fault drop_encoder_grad`` zeroes the gradient the LLM returns to the encoder: the negative
+control that the fidelity check must catch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from disttrain_ds.comm.boundary import BoundaryComm  # noqa: E402
+from disttrain_ds.config import load_recipe  # noqa: E402
+from disttrain_ds.runtime import distributed  # noqa: E402
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    args = sys.argv[2:]
+    fault = None
+    if args and args[0] == "--fault":
+        fault, args = args[1], args[2:]
+    recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", [f"logging.dir={out / 'run'}", *args])
+    if fault == "drop_encoder_grad":
+        original = BoundaryComm.send_grad
+
+        def send_zero_to_encoder(self, mb, grad):
+            return original(self, mb, torch.zeros_like(grad) if self.up.name == "encoder" else grad)
+
+        BoundaryComm.send_grad = send_zero_to_encoder
+    seen: list[BoundaryComm] = []
+    original_init = BoundaryComm.__init__
+
+    def tracking_init(self, *a, **kw):
+        original_init(self, *a, **kw)
+        seen.append(self)
+
+    BoundaryComm.__init__ = tracking_init
+    rc = distributed.train_distributed(recipe, log=print, export_dir=str(out))
+    rank = int(os.environ["RANK"])
+    shapes = sorted({s for c in seen if c.side == "down" for s in c.shapes_seen})
+    (out / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
