@@ -43,7 +43,8 @@ class DefSpec(LayerSpec):
     """A ``LayerSpec`` built by a seeded ``LayerDef`` builder."""
 
     def __init__(self, layer_def: LayerDef):  # no super().__init__: its class check does not apply
-        self.layer_def, self.typename = layer_def, torch.nn.Module
+        # A named subclass only so DeepSpeed's partition log lists layer names.
+        self.layer_def, self.typename = layer_def, type(layer_def.name, (torch.nn.Module,), {})
         self.module_args, self.module_kwargs, self.global_rank = (), {}, -1
 
     def __repr__(self) -> str:
