@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args.recipe, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
+            print(f"error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -124,3 +124,20 @@ def test_routes_cover_every_sample_once_in_order(dp_up, dp_down):
     covered = [s for r in sorted(rs, key=lambda r: r.samples.start) for s in r.samples]
     assert covered == list(range(slot))
     assert len(rs) == dp_up + dp_down - broker_groups(dp_up, dp_down)
+
+
+def test_launch_with_wrong_world_size_is_refused_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(repo / "tools" / "train.py"), "--recipe", str(repo / "recipes" / "tiny_cpu.yaml"),
+           "layout=disaggregated", f"logging.dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: " + errors[0][len("error: "):]] and "needs 4 ranks" in errors[0]
+    assert "but the job has 3" in errors[0]
