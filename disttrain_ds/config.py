@@ -228,6 +228,9 @@ def validate(r: Recipe) -> None:
     patch = r.model.encoder.patch_size
     for s in d.image_sizes:
         _check(s > 0 and s % patch == 0, src, "data.image_sizes", f"{s} is not a positive multiple of the patch size {patch}")
+    for name in ("encoder", "llm", "generator"):
+        ckpt = getattr(r.model, name).checkpoint
+        _check(not ckpt or Path(ckpt).exists(), src, f"model.{name}.checkpoint", f"{ckpt} does not exist")
     if r.model.encoder.frozen and r.model.llm.frozen and r.model.generator.frozen:
         raise ConfigError(f"{src}: 'model': every module is frozen; nothing would train")
     from .dsconfig import load_ds_config  # local import: keeps config parsing free of DeepSpeed

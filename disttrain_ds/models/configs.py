@@ -30,6 +30,8 @@ class EncoderConfig:
     """Side of the position-embedding grid in pixels; other resolutions are interpolated."""
     frozen: bool = False
     """Keep the encoder's weights fixed (no weight gradients, no optimizer state)."""
+    checkpoint: str = ""
+    """Local ViT weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
 
 
 @dataclass
@@ -56,6 +58,8 @@ class LLMConfig:
     """Rotary embedding base."""
     frozen: bool = False
     """Keep the backbone's weights fixed (gradients still flow through to the encoder)."""
+    checkpoint: str = ""
+    """Local Llama weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
 
 
 @dataclass
@@ -90,6 +94,8 @@ class GeneratorConfig:
     """DDPM training timesteps (diffusers DDPMScheduler, epsilon prediction)."""
     frozen: bool = False
     """Keep the generator's weights fixed."""
+    checkpoint: str = ""
+    """Local U-Net weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
 
 
 ENCODER_PRESETS: dict[str, dict] = {

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..data.types import IGNORE_INDEX, PackedSample, SpecialTokens
 from .configs import EncoderConfig, GeneratorConfig, LLMConfig
+from .checkpoint import with_checkpoint
 from .layers import LayerDef, Sequential
 from .llama import gen_condition, llm_layers
 from .unet import diffusion_loss, generator_layers, noise_sample
@@ -42,12 +43,14 @@ class MLLMSpec:
 
     def layers(self, module: str) -> list[LayerDef]:
         if module == "encoder":
-            return encoder_layers(self.encoder, self.llm.hidden_size, self.seed)
-        if module == "llm":
-            return llm_layers(self.llm, self.special.image, self.seed)
-        if module == "generator":
-            return generator_layers(self.generator, self.llm.hidden_size, self.seed)
-        raise ValueError(f"unknown module {module!r}")
+            defs = encoder_layers(self.encoder, self.llm.hidden_size, self.seed)
+        elif module == "llm":
+            defs = llm_layers(self.llm, self.special.image, self.seed)
+        elif module == "generator":
+            defs = generator_layers(self.generator, self.llm.hidden_size, self.seed)
+        else:
+            raise ValueError(f"unknown module {module!r}")
+        return with_checkpoint(module, defs, getattr(self, module).checkpoint)
 
     def frozen(self, module: str) -> bool:
         return getattr(self, module).frozen

@@ -1,0 +1,75 @@
+"""Initialising modules from local save_pretrained weights (no download)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from disttrain_ds.models.layers import Sequential
+from disttrain_ds.models.mllm import MLLMSpec
+
+
+def test_llm_layers_load_transformers_save_pretrained(tmp_path, tiny_spec):
+    from transformers import LlamaForCausalLM
+
+    from disttrain_ds.models.llama import hf_config
+
+    with torch.random.fork_rng():
+        torch.manual_seed(99)
+        hf = LlamaForCausalLM(hf_config(tiny_spec.llm))
+    hf.save_pretrained(tmp_path / "llama")
+    spec = dataclasses.replace(tiny_spec, llm=dataclasses.replace(tiny_spec.llm, checkpoint=str(tmp_path / "llama")))
+    ours = Sequential([d.build() for d in spec.layers("llm")])
+    ids = torch.randint(0, 200, (1, 12))
+    logits, _ = ours((ids, torch.zeros(0, spec.llm.hidden_size)))
+    torch.testing.assert_close(logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_vit_and_unet_weights_load_and_differ_from_seeded_init(tmp_path, tiny_spec):
+    from transformers import ViTModel
+
+    from disttrain_ds.models.unet import build_unet
+    from disttrain_ds.models.vit import hf_config
+
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        vit = ViTModel(hf_config(tiny_spec.encoder), add_pooling_layer=False)
+        unet = build_unet(tiny_spec.generator)
+    vit.save_pretrained(tmp_path / "vit")
+    unet.save_pretrained(tmp_path / "unet")
+    spec = dataclasses.replace(
+        tiny_spec,
+        encoder=dataclasses.replace(tiny_spec.encoder, checkpoint=str(tmp_path / "vit")),
+        generator=dataclasses.replace(tiny_spec.generator, checkpoint=str(tmp_path / "unet")),
+    )
+    block0 = spec.layers("encoder")[1].build()
+    assert torch.equal(block0.layer.attention.q_proj.weight, vit.layers[0].attention.q_proj.weight)
+    mid = next(d for d in spec.layers("generator") if d.name == "mid").build()
+    loaded, theirs = mid.block.state_dict(), unet.mid_block.state_dict()
+    assert loaded.keys() == theirs.keys() and all(torch.equal(loaded[k], theirs[k]) for k in theirs)
+    seeded = next(d for d in tiny_spec.layers("generator") if d.name == "mid").build().block.state_dict()
+    assert any(not torch.equal(loaded[k], seeded[k]) for k in seeded)
+
+
+def test_shape_mismatch_names_the_layer(tmp_path, tiny_spec):
+    from safetensors.torch import save_file
+
+    save_file({"model.norm.weight": torch.ones(7)}, str(tmp_path / "bad.safetensors"))
+    spec: MLLMSpec = dataclasses.replace(
+        tiny_spec, llm=dataclasses.replace(tiny_spec.llm, checkpoint=str(tmp_path / "bad.safetensors"))
+    )
+    with pytest.raises(ValueError, match="llm head.norm.weight has shape"):
+        spec.layers("llm")[-1].build()
+
+
+def test_missing_checkpoint_is_a_recipe_error():
+    from pathlib import Path
+
+    from disttrain_ds.config import load_recipe
+    from disttrain_ds.configtools import ConfigError
+
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match="'model.llm.checkpoint'"):
+        load_recipe(tiny, ["model.llm.checkpoint=/nonexistent/llama"])
