@@ -107,8 +107,12 @@ def collate(
     norms: BatchNorms,
     spec: MLLMSpec,
     gen_dp_scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> MicroBatch:
-    """Stack samples into module inputs; ``gen_dp_scale`` is DP_generator / DP_llm."""
+    """Stack samples into module inputs; ``gen_dp_scale`` is DP_generator / DP_llm.
+
+    Model inputs (pixels, noisy samples, target noise) take the compute ``dtype``; loss scales
+    and weights stay float32."""
     images = [im for s in samples for im in s.images]
     pixels, hw = pack_images(images)
     noisy, ts, noise = [], [], []
@@ -123,15 +127,15 @@ def collate(
     w = spec.gen_loss_weight * gen_dp_scale * norms.chunks / norms.gen_images
     p = spec.encoder.patch_size
     return MicroBatch(
-        pixels=pixels,
+        pixels=pixels.to(dtype),
         image_hw=hw,
         input_ids=torch.stack([s.input_ids for s in samples]),
         labels=torch.stack([s.labels for s in samples]),
         gen_mask=torch.stack([s.input_ids == spec.special.gen for s in samples]),
         lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
-        noisy=torch.stack(noisy) if noisy else torch.zeros(0, c, r, r),
+        noisy=(torch.stack(noisy) if noisy else torch.zeros(0, c, r, r)).to(dtype),
         timesteps=torch.stack(ts) if ts else torch.zeros(0, dtype=torch.long),
-        noise=torch.stack(noise) if noise else torch.zeros(0, c, r, r),
+        noise=(torch.stack(noise) if noise else torch.zeros(0, c, r, r)).to(dtype),
         gen_weights=torch.full((n_gen,), w),
         sample_rows={
             "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],

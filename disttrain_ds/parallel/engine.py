@@ -147,7 +147,11 @@ class ModuleEngine(PipelineEngine):
         # Clones keep the received leaves (whose .grad we send back) out of in-place ops.
         inputs = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
         with torch.set_grad_enabled(self.place.backward):
-            outputs = DeepSpeedEngine.forward(self, inputs)  # PipelineEngine.forward is disabled
+            if self.optimizer is None:
+                # Frozen: DeepSpeed's forward hooks insist on engine.backward(), which needs an optimizer.
+                outputs = self.module(inputs)
+            else:
+                outputs = DeepSpeedEngine.forward(self, inputs)  # PipelineEngine.forward is disabled
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if self.place.last_of_engine:
             batch = _to_device_mb(self.batches[mb], self.device)

@@ -120,6 +120,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     engine.setup_disaggregated(ROLES[grid.name](spec), place, upstream, downstream, frozen)
 
     my_block = blocks(slot, grid.dp)[dp_index]
+    dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     gen_dp_scale = topo.module("generator").dp / topo.module("llm").dp
     chunks = gas * recipe.parallel.llm.dp
     writer = run_dir = None
@@ -136,7 +137,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
         batches = []
         for g in range(gas):
             mine = samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop]
-            batches.append(collate(mine, norms, spec, gen_dp_scale=gen_dp_scale))
+            batches.append(collate(mine, norms, spec, gen_dp_scale=gen_dp_scale, dtype=dtype))
         stats = engine.run_step(batches)
         elapsed = time.perf_counter() - t0
         rec = gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, comm_group)

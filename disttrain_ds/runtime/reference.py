@@ -26,8 +26,8 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     torch.manual_seed(recipe.seed)
     source, spec = build_data_and_spec(recipe)
     model = ReferenceMLLM(spec)
-    if recipe.train.dtype == "bf16":
-        model.to(torch.bfloat16)
+    dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
+    model.to(dtype)
     optimizers = {
         name: build_optimizer(recipe, getattr(model, name).parameters())
         for name in MODULES
@@ -44,7 +44,7 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
         norms = BatchNorms.of(samples, chunks)
         totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
         for c in range(chunks):
-            mb = collate(samples[c * m : (c + 1) * m], norms, spec)
+            mb = collate(samples[c * m : (c + 1) * m], norms, spec, dtype=dtype)
             out = model(mb)
             (out["loss"] / chunks).backward()
             for k in totals:
