@@ -69,8 +69,10 @@ class P2P:
         if self.stream is not None:
             # The payload was produced on the compute stream: order the side stream after it.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        # An empty tensor (no image in these samples) travels as its header alone.
+        parts = ((header, 2 * tag), (tensor, 2 * tag + 1)) if tensor.numel() else ((header, 2 * tag),)
         with self._on_side():
-            for t, tg in ((header, 2 * tag), (tensor, 2 * tag + 1)):
+            for t, tg in parts:
                 work = dist.isend(t, dst, group=self.group, tag=tg)
                 self._sends.append((work, t, f"{what} to {self.peers(dst)}"))
 
@@ -123,12 +125,16 @@ class PendingRecv:
     def _post_payload(self) -> None:
         self.p2p.wait(self.work, "the shape header of " + self.what)
         self._payload = _from_header(self.header.cpu(), self.p2p.device)
+        if self._payload.numel() == 0:
+            return
         with self.p2p._on_side():
             self._payload_work = dist.irecv(self._payload, self.src, group=self.p2p.group, tag=2 * self.tag + 1)
 
     def result(self) -> torch.Tensor:
-        if self._payload_work is None:
+        if self._payload is None:
             self._post_payload()
+        if self._payload_work is None:  # empty: nothing beyond the header
+            return self._payload
         self.p2p.wait(self._payload_work, self.what)
         if self.p2p.stream is not None:
             cur = torch.cuda.current_stream(self.p2p.device)

@@ -123,8 +123,12 @@ def collate(
             ts.append(t)
             noise.append(e)
     c, r = spec.generator.in_channels, spec.generator.resolution
-    n_gen = len(noisy)
     w = spec.gen_loss_weight * gen_dp_scale * norms.chunks / norms.gen_images
+    weights = [w] * len(noisy)
+    if not noisy:
+        # Nothing to generate in these samples: the generator still runs (its pipeline stages
+        # and DP all-reduce must), on one all-zero stand-in whose loss weight is 0.
+        noisy, ts, noise, weights = [torch.zeros(c, r, r)], [torch.tensor(0)], [torch.zeros(c, r, r)], [0.0]
     p = spec.encoder.patch_size
     return MicroBatch(
         pixels=pixels.to(dtype),
@@ -133,15 +137,22 @@ def collate(
         labels=torch.stack([s.labels for s in samples]),
         gen_mask=torch.stack([s.input_ids == spec.special.gen for s in samples]),
         lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
-        noisy=(torch.stack(noisy) if noisy else torch.zeros(0, c, r, r)).to(dtype),
-        timesteps=torch.stack(ts) if ts else torch.zeros(0, dtype=torch.long),
-        noise=(torch.stack(noise) if noise else torch.zeros(0, c, r, r)).to(dtype),
-        gen_weights=torch.full((n_gen,), w),
+        noisy=torch.stack(noisy).to(dtype),
+        timesteps=torch.stack(ts),
+        noise=torch.stack(noise).to(dtype),
+        gen_weights=torch.tensor(weights, dtype=torch.float32),
         sample_rows={
             "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],
             "gen_states": [int(s.gen_targets.shape[0]) for s in samples],
         },
     )
+
+
+def generator_states(states: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """The LLM states for the generator, or a zero stand-in when no image is to be generated."""
+    if states.shape[0] == 0 and mb.noisy.shape[0] == 1:
+        return states.new_zeros((1, *states.shape[1:]))
+    return states
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -170,7 +181,7 @@ class ReferenceMLLM(nn.Module):
         image_embeds = self.encoder((mb.pixels, mb.image_hw))
         logits, hidden = self.llm((mb.input_ids, image_embeds))
         lm = lm_loss_sum(logits, mb.labels, mb.lm_scale)
-        states = gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens)
+        states = generator_states(gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens), mb)
         pred = self.generator((states, mb.noisy, mb.timesteps))
         gen = diffusion_loss(pred, mb.noise, mb.gen_weights)
         return {"loss": lm + gen, "lm": lm, "gen": gen}

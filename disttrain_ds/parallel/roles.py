@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import gen_condition
-from ..models.mllm import MicroBatch, MLLMSpec, lm_loss_sum
+from ..models.mllm import MicroBatch, MLLMSpec, generator_states, lm_loss_sum
 from ..models.unet import diffusion_loss
 
 
@@ -62,7 +62,7 @@ class GeneratorRole(Role):
     boundary_input_index = 0
 
     def first_inputs(self, mb, received):
-        return (received, mb.noisy, mb.timesteps)
+        return (generator_states(received, mb), mb.noisy, mb.timesteps)
 
     def own_loss(self, outputs, mb):
         return diffusion_loss(outputs, mb.noise, mb.gen_weights)

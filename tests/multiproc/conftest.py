@@ -16,7 +16,7 @@ RUNNER = Path(__file__).with_name("run_layout.py")
 
 
 def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None, timeout: int = 600):
-    """Run tests/dist/run_layout.py under torchrun; returns (losses per step, params, shapes)."""
+    """Run tests/multiproc/run_layout.py under torchrun; returns (losses per step, params, shapes)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RUNNER), str(out)]
     if fault:

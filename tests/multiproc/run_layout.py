@@ -1,7 +1,7 @@
 """Launched by torchrun from the multi-process tests: train the tiny recipe in a pipeline layout,
 export every rank's final parameters and what crossed the communicator.
 
-    torchrun --standalone --nproc_per_node=N tests/dist/run_layout.py OUT_DIR [--fault NAME] [key=value ...]
+    torchrun --standalone --nproc_per_node=N tests/multiproc/run_layout.py OUT_DIR [--fault NAME] [key=value ...]
 
 ``--fault drop_encoder_grad`` zeroes the gradient the LLM returns to the encoder: the negative
 control that the fidelity check must catch.

@@ -24,11 +24,20 @@ LAYOUTS = {
         ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1", "parallel.generator.dp=2"],
     ),
     "monolithic_pp2": (4, ["layout=monolithic"]),
+    # Some microbatches have nothing to generate: the generator runs on a zero-weight stand-in.
+    "some_samples_generate_nothing": (
+        5,
+        ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1", "parallel.generator.dp=2", "data.gen_images=[0,1]"],
+    ),
 }
 
 
 def _ref_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.startswith(("layout=", "parallel."))] + [STEPS, *SGD]
+
+
+def test_overrides_reach_the_reference():
+    assert "data.gen_images=[0,1]" in _ref_overrides(LAYOUTS["some_samples_generate_nothing"][1])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
