@@ -7,6 +7,7 @@ order, which is what makes the reference, monolithic and disaggregated runs comp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,12 @@ class ShapeSpec:
     """Channels of each image to generate."""
     query_tokens: int
     """Generation-query tokens per generated image."""
+    dp_size: int = 1
+    """LLM data-parallel degree a global batch is split over (used by ``data.reorder``)."""
+    micro_batch: int = 0
+    """Samples per microbatch per DP rank (used by ``data.reorder``); 0: one microbatch per batch."""
+    cost_model: Any = None
+    """``disttrain_ds.costmodel.CostModel`` for ``data.reorder``; None: the paper's MLLM in FLOPs."""
 
 
 class SampleSource:
@@ -40,6 +47,8 @@ class SampleSource:
 
     special: SpecialTokens
     base_vocab: int
+    last_wait_seconds: float = 0.0
+    """Seconds the trainer spent in the last ``global_batch`` call waiting for data."""
 
     def global_batch(self, step: int) -> list[PackedSample]:
         raise NotImplementedError
@@ -52,6 +61,23 @@ class SampleSource:
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def skip_counts(self) -> dict[str, int]:
+        """Records skipped so far, by reason (only sources that read records skip any)."""
+        return {}
+
+    def step_skips(self, step: int) -> tuple[dict[str, int], dict[str, int]]:
+        """(skips while planning up to ``step``, cumulative; extra counts of ``step`` alone)."""
+        return {}, {}
+
+    def close(self) -> None:
+        """Release processes and files; the source can still be used for in-process batches."""
+
+    def __enter__(self) -> "SampleSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def labels_for(ids: torch.Tensor, special: SpecialTokens) -> torch.Tensor:
@@ -112,7 +138,8 @@ class SyntheticSource(SampleSource):
         ids += [sp.pad] * (cfg.seq_len - len(ids))
         t = torch.tensor(ids, dtype=torch.long)
         r = sh.gen_resolution
-        targets = torch.stack([smooth_image(rng, sh.gen_channels, r, r) for _ in range(n_gen)])
+        targets = [smooth_image(rng, sh.gen_channels, r, r) for _ in range(n_gen)]
+        targets = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
         return PackedSample(t, labels_for(t, sp), images, targets, step * self.batch + index, (doc_len,))
 
     def global_batch(self, step: int) -> list[PackedSample]:
@@ -120,7 +147,8 @@ class SyntheticSource(SampleSource):
 
 
 def build_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int) -> SampleSource:
-    """The source named by ``cfg.source``."""
-    if cfg.source == "synthetic":
-        return SyntheticSource(cfg, shape, global_batch, seed)
-    raise ValueError(f"data.source: '{cfg.source}' is not available in this build")
+    """The source named by ``cfg.source``, prepared in ``cfg.producers`` processes (0: in-process)."""
+    from .producers import ProducedSource
+    from .registry import resolve
+
+    return ProducedSource(resolve(cfg), shape, global_batch, seed)

@@ -1,0 +1,248 @@
+"""Disaggregated preprocessing: whole global batches prepared in producer processes.
+
+With ``data.producers = P > 0``, producer ``k`` builds its own copy of the source and prepares
+steps ``k, k + P, k + 2P, ...`` (decode, resize, tokenise, pack and, with ``data.reorder``,
+reorder), each into its own bounded queue; together the queues hold about ``data.queue_depth``
+batches ahead of training. The trainer reads step ``s`` from queue ``s % P``, so batches arrive in
+step order and equal the in-process ones. ``last_wait_seconds`` is how long the trainer blocked.
+With ``P = 0`` the same wrapper prepares batches in the trainer process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import DataConfig
+from .registry import open_source
+from .source import SampleSource, ShapeSpec
+from .types import PackedSample
+
+_POLL_S = 0.2
+_PRELOAD = ["torch", "numpy", "PIL.Image", "datasets", "disttrain_ds.data.record_source"]
+
+
+class ProducerError(RuntimeError):
+    """A producer process failed; ``details`` holds its traceback."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
+@dataclass(frozen=True)
+class _Job:
+    cfg: DataConfig
+    shape: ShapeSpec
+    batch: int
+    seed: int
+    first_step: int
+    stride: int
+    state: dict | None
+
+
+def _encode(samples: list[PackedSample]) -> list[tuple]:
+    """Tensors as numpy arrays: plain pickling, no shared-memory file descriptors to leak."""
+    return [
+        (s.input_ids.numpy(), s.labels.numpy(), [im.numpy() for im in s.images], s.gen_targets.numpy(),
+         s.sample_id, s.doc_lens, s.meta)
+        for s in samples
+    ]
+
+
+def _decode(payload: list[tuple]) -> list[PackedSample]:
+    return [
+        PackedSample(torch.from_numpy(ids), torch.from_numpy(lab), [torch.from_numpy(im) for im in ims],
+                     torch.from_numpy(gen), sid, tuple(docs), meta)
+        for ids, lab, ims, gen, sid, docs, meta in payload
+    ]
+
+
+def prepare(source: SampleSource, step: int, cfg: DataConfig, shape: ShapeSpec) -> list[PackedSample]:
+    """One global batch, reordered when ``data.reorder`` is set."""
+    samples = source.global_batch(step)
+    if cfg.reorder:
+        from .batch_order import reorder_batch
+
+        samples = reorder_batch(samples, shape, source.special)
+    return samples
+
+
+def _put(q, item, stop) -> bool:
+    parent = mp.parent_process()
+    while not stop.is_set():
+        if parent is not None and not parent.is_alive():
+            return False  # the trainer is gone: exit instead of blocking forever
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(job: _Job, q, stop) -> None:
+    step = job.first_step
+    try:
+        source = open_source(job.cfg, job.shape, job.batch, job.seed)
+        if job.state:
+            source.load_state_dict(job.state)
+        while not stop.is_set():
+            samples = prepare(source, step, job.cfg, job.shape)
+            plan, extra = source.step_skips(step)
+            if not _put(q, ("ok", step, _encode(samples), plan, extra, source.state_dict()), stop):
+                break
+            step += job.stride
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the trainer
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        _put(q, ("error", step, line, traceback.format_exc()), stop)
+    finally:
+        parent = mp.parent_process()
+        if parent is not None and not parent.is_alive():
+            q.cancel_join_thread()  # nobody will read: do not hang at exit flushing the queue
+        # Otherwise exit flushes what was put (the error message above) while the trainer reads.
+
+
+def _context():
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # producers fork from a server with torch imported
+        return ctx
+    return mp.get_context("spawn")
+
+
+class ProducedSource(SampleSource):
+    """The trainer's view of a source: batches in step order, from producers or in-process."""
+
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int):
+        if cfg.producers < 0:
+            raise ValueError(f"data.producers: must be >= 0, got {cfg.producers}")
+        if cfg.queue_depth < 1:
+            raise ValueError(f"data.queue_depth: must be >= 1, got {cfg.queue_depth}")
+        self.cfg, self.shape, self.batch, self.seed = cfg, shape, global_batch, seed
+        self.inner = open_source(cfg, shape, global_batch, seed)  # vocabulary, describe, in-process batches
+        self.special, self.base_vocab = self.inner.special, self.inner.base_vocab
+        self.last_wait_seconds = 0.0
+        self._procs: list[Any] = []
+        self._queues: list[Any] = []
+        self._stop = None
+        self._finalizer: weakref.finalize | None = None
+        self._next = 0
+        self._inner_state: dict | None = None
+        self._plan_skips: dict[str, int] = {}
+        self._extra: dict[str, int] = {}
+
+    def describe(self) -> str:
+        where = f"{self.cfg.producers} producer processes" if self.cfg.producers else "in-process"
+        return f"{self.inner.describe()}, prepared {where}" + (", reordered" if self.cfg.reorder else "")
+
+    # ----------------------------------------------------------------- producers
+
+    def _start(self, step: int) -> None:
+        ctx, n = _context(), self.cfg.producers
+        depth = max(1, -(-self.cfg.queue_depth // n))
+        self._stop = ctx.Event()
+        self._queues = [ctx.Queue(maxsize=depth) for _ in range(n)]
+        for k in range(n):
+            job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state)
+            proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop), daemon=True,
+                               name=f"data-producer-{k}")
+            proc.start()
+            self._procs.append(proc)
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._procs), list(self._queues), self._stop)
+
+    def _receive(self, step: int) -> tuple:
+        k = step % len(self._procs)
+        proc, q = self._procs[k], self._queues[k]
+        while True:
+            try:
+                msg = q.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not proc.is_alive():
+                    try:  # it may have put its last message just before exiting
+                        msg = q.get(timeout=_POLL_S)
+                        break
+                    except queue.Empty:
+                        self.close()
+                        why = f"producer {k} exited (code {proc.exitcode}) before step {step}"
+                        raise ProducerError(f"data.producers: {why}") from None
+        if msg[0] == "error":
+            self.close()
+            raise ProducerError(f"data.producers: producer {k} failed at step {msg[1]}: {msg[2]}", msg[3])
+        if msg[1] != step:
+            self.close()
+            raise ProducerError(f"data.producers: producer {k} sent step {msg[1]} when step {step} was due")
+        return msg
+
+    def global_batch(self, step: int) -> list[PackedSample]:
+        t0 = time.perf_counter()
+        if self.cfg.producers == 0:
+            samples = prepare(self.inner, step, self.cfg, self.shape)
+            plan, extra, state = *self.inner.step_skips(step), None
+        else:
+            if self._procs and step != self._next:
+                self.close()  # out-of-order request: restart the producers at this step
+            if not self._procs:
+                if step != self._next:
+                    self._inner_state = None  # the saved state is for another step: plan from the start
+                self._start(step)
+            _, _, payload, plan, extra, state = self._receive(step)
+            samples = _decode(payload)
+        self._next = step + 1
+        self._inner_state = state
+        self._plan_skips = plan
+        for key, n in extra.items():
+            self._extra[key] = self._extra.get(key, 0) + n
+        self.last_wait_seconds = time.perf_counter() - t0
+        return samples
+
+    # ----------------------------------------------------------------- accounting, state, shutdown
+
+    def skip_counts(self) -> dict[str, int]:
+        total = dict(self._plan_skips)
+        for key, n in self._extra.items():
+            total[key] = total.get(key, 0) + n
+        return {k: v for k, v in sorted(total.items()) if v}
+
+    def state_dict(self) -> dict:
+        inner = self.inner.state_dict() if self.cfg.producers == 0 else self._inner_state
+        return {"next_step": self._next, "inner": inner or {}, "extra_skips": dict(self._extra), "plan_skips": dict(self._plan_skips)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()
+        self._next = int(state["next_step"])
+        self._inner_state = state.get("inner") or None
+        self._extra = dict(state.get("extra_skips", {}))
+        self._plan_skips = dict(state.get("plan_skips", {}))
+        if self._inner_state:
+            self.inner.load_state_dict(self._inner_state)  # also checks it matches this data setup
+
+    def close(self) -> None:
+        if self._procs:
+            self._finalizer()  # runs _shutdown once; also registered for garbage collection and exit
+        self._procs, self._queues = [], []
+
+
+def _shutdown(procs: list, queues: list, stop) -> None:
+    """Stop, drain and join producers (terminating any that do not stop within a few seconds)."""
+    stop.set()
+    deadline = time.monotonic() + 5.0
+    for proc, q in zip(procs, queues):
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:  # drain so a producer blocked on a full queue sees the stop flag
+                q.get_nowait()
+            except queue.Empty:
+                proc.join(timeout=_POLL_S)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5.0)
+        q.close()
+        q.cancel_join_thread()

@@ -1,0 +1,172 @@
+"""Sources over real records (``mmc4``, ``laion``, ``local``): plan, then decode on demand.
+
+A step's batch is a pure function of (seed, step): the packing plan is computed once, in step
+order, from token counts and image sizes only, and the cursor at the start of every planned step
+is remembered. ``global_batch(step)`` plans up to ``step`` if needed and then decodes the images
+of that step alone. ``state_dict`` carries the cursor of the next step (with the skip counts), so a
+resumed run continues without re-reading the records before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, OrderedDict
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from .config import DataConfig
+from .formats import Bad, Document, ParseContext, parse_record
+from .pack import Cursor, Packer, Piece, materialise
+from .reader import RecordTable, record_files
+from .source import SampleSource, ShapeSpec
+from .tokenizer import default_cache_dir, load_tokenizer
+from .types import PackedSample, SpecialTokens
+
+_DOC_CACHE = 4096
+_PLAN_CACHE = 16
+
+
+def check_shapes(cfg: DataConfig, shape: ShapeSpec) -> None:
+    """Settings every image-producing source needs; one line naming the key."""
+    for side in cfg.image_sizes:
+        if side < shape.patch_size or side % shape.patch_size:
+            raise ValueError(f"data.image_sizes: {side} is not a positive multiple of the encoder patch size {shape.patch_size}")
+    if cfg.resolution_sampler not in ("independent", "square"):
+        raise ValueError(f"data.resolution_sampler: must be independent or square, got {cfg.resolution_sampler!r}")
+    if not 0.0 <= cfg.gen_prob <= 1.0:
+        raise ValueError(f"data.gen_prob: must be in [0, 1], got {cfg.gen_prob}")
+
+
+class RecordSource(SampleSource):
+    """Packed samples from MMC4 / LAION / local records, with real decoded and resized pixels."""
+
+    records_parsed: int
+    """Records parsed so far in this process (a resumed run does not re-read the steps before it)."""
+
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, fmt: str, path: Path):
+        check_shapes(cfg, shape)
+        if shape.gen_channels != 3:
+            raise ValueError(f"model.generator.in_channels: real data sources produce RGB targets (3), got {shape.gen_channels}")
+        self.cfg, self.shape, self.batch, self.seed, self.fmt, self.path = cfg, shape, global_batch, seed, fmt, path
+        tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
+        self.base_vocab = tokenizer.vocab_size
+        self.special = SpecialTokens.after(self.base_vocab)
+        self.table = RecordTable(record_files(path, "data.path"), default_cache_dir(cfg.cache_dir))
+        if len(self.table) == 0:
+            raise ValueError(f"data.path: no records in {path}")
+        self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed)
+        self.packer = Packer(self.ctx, len(self.table), self._doc, self._order, f"data.path {path}")
+        self._cursors: dict[int, Cursor] = {0: Cursor()}
+        self._plans: OrderedDict[int, list[list[Piece]]] = OrderedDict()
+        self._docs: OrderedDict[tuple[int, int], Document | Bad] = OrderedDict()
+        self._perm: tuple[int, np.ndarray] | None = None
+        self._decode_failures: dict[int, int] = {}
+        self._served = -1
+        self.records_parsed = 0
+
+    def describe(self) -> str:
+        return f"{self.fmt} ({self.path}, {len(self.table)} records, tokenizer {self.cfg.tokenizer}, seq_len {self.cfg.seq_len})"
+
+    # ----------------------------------------------------------------- records
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            n = len(self.table)
+            order = np.random.default_rng([self.seed, epoch, 7]).permutation(n) if self.cfg.shuffle else np.arange(n)
+            self._perm = (epoch, order)
+        return self._perm[1]
+
+    def _doc(self, epoch: int, record: int) -> Document | Bad:
+        key = (epoch, record)
+        if key in self._docs:
+            self._docs.move_to_end(key)
+            return self._docs[key]
+        rng = np.random.default_rng([self.seed, epoch, record])  # sizes and choices per (epoch, record)
+        doc = parse_record(self.fmt, self.table[record], self.ctx, rng)
+        self.records_parsed += 1
+        self._docs[key] = doc
+        if len(self._docs) > _DOC_CACHE:
+            self._docs.popitem(last=False)
+        return doc
+
+    # ----------------------------------------------------------------- planning
+
+    def plan(self, step: int) -> list[list[Piece]]:
+        """Pieces of each sequence of ``step`` (plans every earlier step not yet planned)."""
+        if step in self._plans:
+            self._plans.move_to_end(step)
+            return self._plans[step]
+        start = max(s for s in self._cursors if s <= step)
+        for s in range(start, step + 1):
+            cur, seqs = self._cursors[s], []
+            for _ in range(self.batch):
+                pieces, cur = self.packer.sequence(cur)
+                seqs.append(pieces)
+            self._cursors[s + 1] = cur
+            self._plans[s] = seqs
+            if len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+        return self._plans[step]
+
+    def global_batch(self, step: int) -> list[PackedSample]:
+        seqs = self.plan(step)
+        failures = 0
+
+        def failed() -> None:
+            nonlocal failures
+            failures += 1
+
+        out = [
+            materialise(pieces, self._doc, self.ctx, self.special, self.shape.gen_resolution,
+                        step * self.batch + i, self.fmt, failed)
+            for i, pieces in enumerate(seqs)
+        ]
+        if failures:
+            self._decode_failures[step] = failures
+        self._served = step
+        return out
+
+    # ----------------------------------------------------------------- accounting and state
+
+    def step_skips(self, step: int) -> tuple[dict[str, int], dict[str, int]]:
+        self.plan(step)
+        plan = dict(self._cursors[step + 1].skips)
+        extra = {"image_decode_failed": self._decode_failures[step]} if step in self._decode_failures else {}
+        return plan, extra
+
+    def skip_counts(self) -> dict[str, int]:
+        if self._served < 0:
+            return {}
+        total = Counter(dict(self._cursors[self._served + 1].skips))
+        total["image_decode_failed"] += sum(n for s, n in self._decode_failures.items() if s <= self._served)
+        return {k: v for k, v in sorted(total.items()) if v}
+
+    def _fingerprint(self) -> str:
+        facts = [self.fmt, str(self.path), len(self.table), self.seed, self.batch, asdict(self.cfg), asdict(self.shape)]
+        for drop in ("producers", "queue_depth", "reorder", "cache_dir"):  # do not change the samples
+            facts[5].pop(drop, None)
+        return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def state_dict(self) -> dict:
+        nxt = self._served + 1
+        cur = self._cursors[nxt]
+        return {
+            "kind": "records",
+            "fingerprint": self._fingerprint(),
+            "next_step": nxt,
+            "cursor": {**asdict(cur), "skips": [list(kv) for kv in cur.skips]},
+            "decode_failures": {str(s): n for s, n in self._decode_failures.items() if s < nxt},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "records" or state.get("fingerprint") != self._fingerprint():
+            raise ValueError("data: the checkpoint's data state was written for a different data setup (source, path, seed or packing)")
+        nxt = int(state["next_step"])
+        c = state["cursor"]
+        self._cursors = {0: Cursor(), nxt: Cursor(c["epoch"], c["pos"], c["seg"], c["off"], tuple(tuple(kv) for kv in c["skips"]))}
+        self._plans.clear()
+        self._decode_failures = {int(s): int(n) for s, n in state.get("decode_failures", {}).items()}
+        self._served = nxt - 1

@@ -1,0 +1,63 @@
+"""Checks that a ``PackedSample`` honours the contract in ``types.py`` (for tests and debugging)."""
+
+from __future__ import annotations
+
+import torch
+
+from .types import IGNORE_INDEX, PackedSample, SpecialTokens
+
+
+def _runs(mask: torch.Tensor) -> list[int]:
+    """Lengths of the runs of True in a 1-D bool tensor, in order."""
+    out, n = [], 0
+    for v in mask.tolist() + [False]:
+        if v:
+            n += 1
+        elif n:
+            out.append(n)
+            n = 0
+    return out
+
+
+def sample_problems(
+    s: PackedSample, special: SpecialTokens, patch_size: int, seq_len: int, query_tokens: int, gen_resolution: int
+) -> list[str]:
+    """Every way ``s`` breaks the contract; empty when it is valid."""
+    bad: list[str] = []
+    ids, labels = s.input_ids, s.labels
+    if ids.dtype != torch.long or labels.dtype != torch.long or ids.shape != (seq_len,) or labels.shape != (seq_len,):
+        return [f"input_ids/labels must be int64 [{seq_len}], got {tuple(ids.shape)} {ids.dtype} / {tuple(labels.shape)}"]
+    if int(ids.min()) < 0 or int(ids.max()) >= special.vocab_size:
+        bad.append("token id outside the vocabulary")
+    patches = []
+    for im in s.images:
+        if im.dtype != torch.float32 or im.dim() != 3 or im.shape[0] != 3:
+            bad.append(f"image must be float32 [3, H, W], got {tuple(im.shape)} {im.dtype}")
+            continue
+        if im.shape[1] % patch_size or im.shape[2] % patch_size:
+            bad.append(f"image side {tuple(im.shape[1:])} is not a multiple of patch {patch_size}")
+        if float(im.min()) < -1.0 or float(im.max()) > 1.0:
+            bad.append("image pixels outside [-1, 1]")
+        patches.append((im.shape[1] // patch_size) * (im.shape[2] // patch_size))
+    if _runs(ids == special.image) != patches:
+        bad.append(f"placeholder runs {_runs(ids == special.image)} do not match image patches {patches}")
+    gens = _runs(ids == special.gen)
+    g = s.gen_targets
+    if g.dim() != 4 or g.shape[0] != len(gens) or g.shape[-1] != gen_resolution or g.shape[-2] != gen_resolution:
+        bad.append(f"gen_targets {tuple(g.shape)} do not match {len(gens)} query runs at resolution {gen_resolution}")
+    if any(n != query_tokens for n in gens):
+        bad.append(f"generation query runs {gens} are not {query_tokens} long")
+    if g.numel() and (float(g.min()) < -1.0 or float(g.max()) > 1.0):
+        bad.append("gen_targets outside [-1, 1]")
+    nxt = ids[1:]
+    expect = torch.full_like(ids, IGNORE_INDEX)
+    keep = (nxt != special.image) & (nxt != special.gen) & (nxt != special.pad)
+    expect[:-1] = torch.where(keep, nxt, torch.full_like(nxt, IGNORE_INDEX))
+    if not torch.equal(labels, expect):
+        bad.append("labels are not the next text/marker token with placeholders, queries and padding ignored")
+    used = int((ids != special.pad).sum())
+    if s.doc_lens and sum(s.doc_lens) != used:
+        bad.append(f"doc_lens sum {sum(s.doc_lens)} != {used} non-padding tokens")
+    if used and bool((ids[:used] == special.pad).any()):
+        bad.append("padding inside the sequence (it must only trail)")
+    return bad
