@@ -1,0 +1,151 @@
+"""Solver time of the orchestration optimizer at the DistTrain paper's Table 2 scales.
+
+Profiles are built from the paper's published figures (``disttrain_paper.json``):
+
+* forward times from Fig. 3 (one Llama3-70B stage at PP=10, TP=8, 8K sequence; whole ViT-Huge
+  and whole SD 2.1, taken as TP=1 times), with backward = 2 x forward, so C = 3 x forward;
+* the LLM's whole-module cost at TP=8 is 10 stages x the stage time; smaller backbones scale it by
+  their FLOPs per sequence (same efficiency assumed);
+* TP scaling: every doubling of TP runs at ``TP_EFFICIENCY`` (0.9), i.e.
+  C(t) = C(1) / (t * 0.9 ** log2(t)), applied in both directions from the measured point;
+* memory: LLM weights/gradients/Adam (2+2+12 bytes per parameter), LLM activations
+  ~34 * seq * hidden bytes per layer per sequence (flash attention, no recomputation), encoder
+  and generator parameters only (their activations are not published), 80 GiB per GPU;
+* FLOPs: the LLM's 6 * params * tokens + 12 * layers * hidden * seq^2 only, so the printed MFU
+  leaves the encoder's and generator's FLOPs out.
+
+Run: ``python bench/bench_planner.py [--paper PATH] [--repeats 7]``;
+``--write-example OUT.json --gpus N --batch B`` writes one profile instead (how the shipped
+examples under ``disttrain_ds/planner/examples`` were made).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from disttrain_ds.planner.baselines import megatron_plan, ratio_plan  # noqa: E402
+from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
+from disttrain_ds.planner.profile import (Profile, profile_from_dict,  # noqa: E402
+                                          save_profile)
+
+TP_EFFICIENCY = 0.9
+VOCAB = 128256  # Llama 3 tokenizer
+MODELS = {"llama3-7b": "MLLM-9B", "llama3-13b": "MLLM-15B", "llama3-70b": "MLLM-72B"}
+
+
+def _llm_shape(arch: dict) -> tuple[float, float]:
+    """(parameters, FLOPs per sequence fwd+bwd) of a Llama backbone at 8K tokens."""
+    h, f, layers = arch["hidden"], arch["ffn_hidden"], arch["layers"]
+    kv = h // arch["heads"] * arch["kv_groups"]
+    body = layers * (2 * h * h + 2 * h * kv + 3 * h * f)
+    return body + 2 * VOCAB * h, float(body)
+
+
+def _tp_costs(cost: float, at_tp: int) -> dict[str, float]:
+    c1 = cost * at_tp * TP_EFFICIENCY ** math.log2(at_tp)
+    return {str(t): round(c1 / (t * TP_EFFICIENCY ** math.log2(t)), 3) for t in (1, 2, 4, 8)}
+
+
+def paper_profile(paper: dict, gpus: int, batch: int, model: str = "llama3-70b",
+                  config: str = "8img_1024") -> Profile:
+    """A profile at ``gpus``/``batch`` from the paper's per-module figures (see module doc)."""
+    fwd = paper["forward_ms_profile_fig3"][config]
+    seq = paper["sequence_length"]
+    arch = paper["llm_backbones"][model]
+    params, body = _llm_shape(arch)
+    flops = 6 * body * seq + 12 * arch["layers"] * arch["hidden"] * seq**2
+    _, body70 = _llm_shape(paper["llm_backbones"]["llama3-70b"])
+    a70 = paper["llm_backbones"]["llama3-70b"]
+    flops70 = 6 * body70 * seq + 12 * a70["layers"] * a70["hidden"] * seq**2
+    llm_tp8 = 3 * fwd["llm_stage"] * 10 * flops / flops70
+    return profile_from_dict({
+        "description": f"{MODELS[model]} ({config}) built by bench/bench_planner.py from the "
+                       f"DistTrain paper's Fig. 3; TP efficiency {TP_EFFICIENCY} per doubling",
+        "gpus": gpus, "global_batch": batch, "microbatch": 1,
+        "gpus_per_node": paper["hardware"]["gpus_per_node"], "gpu_memory_gb": 80,
+        "peak_tflops": paper["hardware"]["bf16_peak_tflops"],
+        "modules": {
+            "encoder": {"layers": 32, "cost_ms": _tp_costs(3 * fwd["vit_huge"], 1),
+                        "params": paper["encoder"]["params_b"] * 1e9},
+            "llm": {"layers": arch["layers"], "cost_ms": _tp_costs(llm_tp8, 8),
+                    "params": params, "flops_per_sample": flops,
+                    "activation_bytes_per_sample": 34.0 * seq * arch["hidden"] * arch["layers"]},
+            "generator": {"layers": 12, "cost_ms": _tp_costs(3 * fwd["sd21"], 1),
+                          "params": paper["generator"]["params_b"] * 1e9},
+        }})
+
+
+def _layout(p: Plan) -> str:
+    return "  ".join(f"{n[:3]} {m.dp}x{m.tp}x{m.pp}"
+                     for n, m in (("encoder", p.encoder), ("llm", p.llm),
+                                  ("generator", p.generator)))
+
+
+def _time_ms(profile: Profile, repeats: int) -> tuple[float, float]:
+    """Median wall-clock and median CPU milliseconds of ``plan(profile)``."""
+    wall, cpu = [], []
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        plan(profile)
+        wall.append((time.perf_counter() - w0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--paper", type=Path, default=REPO.parent / "shared" / "fixtures"
+                    / "disttrain_paper.json", help="the paper's figures (JSON)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-70b")
+    ap.add_argument("--config", default="8img_1024", help="Fig. 3 input configuration")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--write-example", type=Path, help="write one profile to this path and exit")
+    ap.add_argument("--gpus", type=int, default=1296)
+    ap.add_argument("--batch", type=int, default=1920)
+    args = ap.parse_args(argv)
+    paper = json.loads(args.paper.read_text())
+    if args.write_example:
+        save_profile(paper_profile(paper, args.gpus, args.batch, args.model, args.config),
+                     args.write_example)
+        return 0
+    tp, pp = (paper["megatron_baseline_layout"]["tp"],
+              paper["megatron_baseline_layout"]["pp_llm"][MODELS[args.model]])
+    print(f"{MODELS[args.model]}, {args.config}; median of {args.repeats} runs; "
+          f"Megatron-LM baseline at TP={tp}, PP={pp}; Python {sys.version.split()[0]}, "
+          f"numpy {np.__version__}, {os.cpu_count()} CPUs")
+    print(f"{'GPUs':>5} {'BS':>5} {'wall ms':>8} {'cpu ms':>7} {'paper ms':>9} {'speedup':>8}  "
+          f"{'plan (dp x tp x pp)':<42} {'GPUs':>5} {'T_iter s':>8} {'MFU':>5}  "
+          f"{'ratio-based':>11} {'Megatron':>9}")
+    for row in paper["solver_time_ms_table2"]:
+        prof = paper_profile(paper, row["gpus"], row["global_batch"], args.model, args.config)
+        ours, cpu = _time_ms(prof, args.repeats)
+        best = plan(prof)
+        others = []
+        for make in (lambda: ratio_plan(prof), lambda: megatron_plan(prof, tp=tp, pp=pp)):
+            try:
+                others.append(f"{make().t_iter_ms / best.t_iter_ms:.2f}x")
+            except PlanError:
+                others.append("infeasible")
+        mfu = f"{best.mfu * 100:.1f}" if best.mfu is not None else "n/a"
+        print(f"{row['gpus']:>5} {row['global_batch']:>5} {ours:>8.1f} {cpu:>7.1f} {row['ms']:>9} "
+              f"{row['ms'] / ours:>7.0f}x  {_layout(best):<42} {best.gpus:>5} "
+              f"{best.t_iter_ms / 1e3:>8.2f} {mfu:>5}  {others[0]:>11} {others[1]:>9}")
+    print("speedup: paper ms / our wall ms; ratio-based and Megatron: their T_iter over the "
+          "optimum's (higher is slower); MFU counts the LLM's FLOPs only")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

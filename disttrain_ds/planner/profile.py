@@ -1,0 +1,255 @@
+"""Profiles: what the orchestration optimizer knows about a model and a cluster.
+
+A profile is a JSON object (see ``docs/planner.md`` for the schema with examples)::
+
+    {"gpus": 1296, "global_batch": 1920, "microbatch": 1, "gpus_per_node": 8,
+     "gpu_memory_gb": 80, "peak_tflops": 312,
+     "modules": {"encoder":   {"layers": 32, "cost_ms": {"1": 216, "2": 120, ...}},
+                 "llm":       {"layers": 80, "cost_ms": {...}, "params": 7.0e10, ...},
+                 "generator": {"layers": 12, "cost_ms": {...}}}}
+
+Loading validates everything up front and raises ``ProfileError`` whose message is one line naming
+the field and the file, so a typo never turns into a silently wrong plan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from disttrain_ds.configtools import ConfigError
+
+MODULES: tuple[str, ...] = ("encoder", "llm", "generator")
+"""Module names in pipeline order: modality encoder -> LLM backbone -> modality generator."""
+
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+"""Tensor-parallel degrees the planner considers (TP stays inside one node)."""
+
+GIB = 2**30
+"""Bytes in the unit of ``gpu_memory_gb`` (vendors' "80 GB" GPUs hold 80 GiB)."""
+
+
+class ProfileError(ConfigError):
+    """A profile is invalid; the message is one line naming the field and the file."""
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """Measured cost and (optional) memory figures of one module."""
+
+    layers: int
+    """Number of identical layers (blocks); a pipeline degree must divide it."""
+    cost_ms: dict[int, float]
+    """TP degree -> forward+backward time in ms of the whole module for one sample on that many
+    GPUs, TP communication included (the paper's C(TP)). Only the degrees given are considered;
+    nothing is interpolated. For the LLM a sample is one packed sequence; for the encoder and the
+    generator it is the images of one packed sequence."""
+    params: float = 0.0
+    """Parameter count of the whole module; 0 leaves parameter memory out of the model."""
+    frozen: bool = False
+    """True when the module is not trained: no gradients and no optimizer states are held."""
+    weight_bytes_per_param: float = 2.0
+    """Bytes per parameter for the weights (2 for bf16)."""
+    grad_bytes_per_param: float = 2.0
+    """Bytes per parameter for gradients (ignored when frozen)."""
+    optimizer_bytes_per_param: float = 12.0
+    """Optimizer bytes per parameter before ZeRO-1 sharding over the module's DP group (12: fp32
+    master weights + Adam moments); ignored when frozen."""
+    activation_bytes_per_sample: float = 0.0
+    """Activation bytes kept for backward by the whole module for one sample at TP=1; split evenly
+    over pipeline stages and divided by TP (sequence parallelism). Use 0 for a frozen encoder,
+    whose activations are never needed for backward."""
+    flops_per_sample: float | None = None
+    """Forward+backward FLOPs of the whole module for one sample; used only for predicted MFU."""
+
+    @property
+    def has_memory_figures(self) -> bool:
+        """Whether the profile says anything about this module's memory."""
+        return self.params > 0 or self.activation_bytes_per_sample > 0
+
+    def tp_degrees(self, gpus_per_node: int) -> tuple[int, ...]:
+        """TP degrees with a measured cost that fit inside one node, ascending."""
+        return tuple(t for t in sorted(self.cost_ms) if t <= gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the orchestration optimizer needs: cluster size, batch and per-module costs."""
+
+    gpus: int
+    """GPUs available to the job (the three modules' GPU counts may not add up to more)."""
+    global_batch: int
+    """Samples (packed sequences) per training iteration."""
+    modules: dict[str, ModuleProfile]
+    """Exactly the keys ``encoder``, ``llm`` and ``generator``."""
+    microbatch: int = 1
+    """Samples per LLM microbatch (M); DP_llm * M must divide ``global_batch``."""
+    gpus_per_node: int = 8
+    """GPUs per node; bounds the TP degree because TP traffic needs NVLink."""
+    gpu_memory_gb: float | None = None
+    """Usable memory per GPU in GiB; when absent no layout is rejected for memory."""
+    peak_tflops: float | None = None
+    """Peak dense throughput per GPU in TFLOPS (312 for A800 bf16); enables predicted MFU."""
+    description: str = ""
+    """Free text shown nowhere by the optimizer; say where the numbers come from."""
+
+    def module(self, name: str) -> ModuleProfile:
+        """The profile of module ``name`` (one of ``MODULES``)."""
+        return self.modules[name]
+
+    @property
+    def memory_limit_bytes(self) -> float | None:
+        """``gpu_memory_gb`` in bytes, or None when memory is not constrained."""
+        return None if self.gpu_memory_gb is None else self.gpu_memory_gb * GIB
+
+
+_TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node", "gpu_memory_gb",
+               "peak_tflops", "description")
+_MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
+                  "grad_bytes_per_param", "optimizer_bytes_per_param",
+                  "activation_bytes_per_sample", "flops_per_sample")
+
+
+def _fail(src: str, key: str, what: str) -> ProfileError:
+    return ProfileError(f"{src}: '{key}' {what}")
+
+
+def _int(data: dict, name: str, key: str, src: str, default: Any = ..., low: int = 1) -> int:
+    if name not in data:
+        if default is ...:
+            raise ProfileError(f"{src}: missing required field '{key}'")
+        return default
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(src, key, f"must be an integer, got {value!r}")
+    if value < low:
+        raise _fail(src, key, f"must be >= {low}, got {value}")
+    return value
+
+
+def _num(data: dict, name: str, key: str, src: str, default: Any, positive: bool = False) -> Any:
+    if name not in data or (data[name] is None and default is None):
+        return default
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(src, key, f"must be a number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise _fail(src, key, f"must be {'> 0' if positive else '>= 0'}, got {value}")
+    return float(value)
+
+
+def _check_keys(data: Any, known: tuple[str, ...], prefix: str, src: str) -> None:
+    if not isinstance(data, dict):
+        raise _fail(src, prefix.rstrip(".") or "<root>", "must be a JSON object")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ProfileError(f"{src}: unknown field '{prefix}{unknown[0]}' "
+                           f"(known here: {', '.join(known)})")
+
+
+def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
+    pre = f"modules.{name}."
+    _check_keys(data, _MODULE_FIELDS, pre, src)
+    if "cost_ms" not in data:
+        raise ProfileError(f"{src}: missing required field '{pre}cost_ms'")
+    raw = data["cost_ms"]
+    if not isinstance(raw, dict) or not raw:
+        raise _fail(src, pre + "cost_ms", "must be a non-empty object {\"tp\": ms}")
+    cost: dict[int, float] = {}
+    for k, v in raw.items():
+        if str(k) not in {str(t) for t in TP_DEGREES}:
+            raise _fail(src, f"{pre}cost_ms.{k}", "is not a TP degree (use 1, 2, 4 or 8)")
+        cost[int(k)] = _num(raw, k, f"{pre}cost_ms.{k}", src, None, positive=True)
+        if cost[int(k)] is None:
+            raise _fail(src, f"{pre}cost_ms.{k}", "must be a number, got None")
+    frozen = data.get("frozen", False)
+    if not isinstance(frozen, bool):
+        raise _fail(src, pre + "frozen", f"must be true or false, got {frozen!r}")
+    d = ModuleProfile(layers=1, cost_ms={})  # defaults, so they are written down only once
+    return ModuleProfile(
+        layers=_int(data, "layers", pre + "layers", src),
+        cost_ms=dict(sorted(cost.items())),
+        params=_num(data, "params", pre + "params", src, d.params),
+        frozen=frozen,
+        weight_bytes_per_param=_num(data, "weight_bytes_per_param",
+                                    pre + "weight_bytes_per_param", src, d.weight_bytes_per_param),
+        grad_bytes_per_param=_num(data, "grad_bytes_per_param", pre + "grad_bytes_per_param",
+                                  src, d.grad_bytes_per_param),
+        optimizer_bytes_per_param=_num(data, "optimizer_bytes_per_param",
+                                       pre + "optimizer_bytes_per_param", src,
+                                       d.optimizer_bytes_per_param),
+        activation_bytes_per_sample=_num(data, "activation_bytes_per_sample",
+                                         pre + "activation_bytes_per_sample", src,
+                                         d.activation_bytes_per_sample),
+        flops_per_sample=_num(data, "flops_per_sample", pre + "flops_per_sample", src, None),
+    )
+
+
+def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
+    """Validate a parsed profile JSON object; ``src`` names the file in error messages."""
+    _check_keys(data, _TOP_FIELDS, "", src)
+    if "modules" not in data:
+        raise ProfileError(f"{src}: missing required field 'modules'")
+    mods = data["modules"]
+    _check_keys(mods, MODULES, "modules.", src)
+    for name in MODULES:
+        if name not in mods:
+            raise ProfileError(f"{src}: missing required field 'modules.{name}'")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise _fail(src, "description", f"must be a string, got {description!r}")
+    return Profile(
+        gpus=_int(data, "gpus", "gpus", src),
+        global_batch=_int(data, "global_batch", "global_batch", src),
+        modules={name: _module_from_dict(mods[name], name, src) for name in MODULES},
+        microbatch=_int(data, "microbatch", "microbatch", src, 1),
+        gpus_per_node=_int(data, "gpus_per_node", "gpus_per_node", src, 8),
+        gpu_memory_gb=_num(data, "gpu_memory_gb", "gpu_memory_gb", src, None, positive=True),
+        peak_tflops=_num(data, "peak_tflops", "peak_tflops", src, None, positive=True),
+        description=description,
+    )
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile JSON file (one-line ``ProfileError`` on any problem)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"{p}: file not found")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{p}: not a UTF-8 text file") from None
+    return profile_from_dict(data, src=str(p))
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """JSON-ready view of ``profile`` that ``profile_from_dict`` reads back unchanged."""
+    out: dict[str, Any] = {"gpus": profile.gpus, "global_batch": profile.global_batch,
+                           "microbatch": profile.microbatch,
+                           "gpus_per_node": profile.gpus_per_node}
+    for key in ("gpu_memory_gb", "peak_tflops"):
+        if getattr(profile, key) is not None:
+            out[key] = getattr(profile, key)
+    if profile.description:
+        out["description"] = profile.description
+    out["modules"] = {}
+    for name in MODULES:
+        spec = profile.modules[name]
+        mod: dict[str, Any] = {"layers": spec.layers,
+                               "cost_ms": {str(t): c for t, c in spec.cost_ms.items()}}
+        for f in _MODULE_FIELDS[2:]:
+            value = getattr(spec, f)
+            if value != getattr(ModuleProfile(1, {}), f):  # write only what differs from default
+                mod[f] = value
+        out["modules"][name] = mod
+    return out
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write ``profile`` as indented JSON."""
+    Path(path).write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
