@@ -1,0 +1,260 @@
+"""Per-job metrics logging on the logging rank, and merging of per-rank Chrome traces.
+
+:class:`RunLogger` sends every optimizer-step record to three places: ``metrics.jsonl`` in the
+run directory (the source of truth, always written), a wandb run (offline by default, files
+under ``<run_dir>/wandb/``) and a tqdm progress bar on a terminal. wandb is optional: if it
+cannot be imported, started or written to, training goes on with ``metrics.jsonl`` only and
+one warning line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..configtools import to_dict
+from ..runtime.rundir import MetricsWriter
+
+WANDB_MODES = ("offline", "online", "disabled")
+# wandb's own older spellings of the modes.
+_MODE_ALIASES = {"dryrun": "offline", "run": "online"}
+# Record keys that are not plotted: ``step`` is wandb's step, ``time`` its timestamp.
+_NOT_LOGGED = {"step", "time"}
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+@dataclass
+class LoggerOptions:
+    """How a :class:`RunLogger` reports; the recipe's ``logging`` section fills it."""
+
+    project: str = "disttrain-ds"
+    """wandb project."""
+    name: str = "run"
+    """wandb run name (the recipe name)."""
+    mode: str = "offline"
+    """wandb mode: offline | online | disabled. The WANDB_MODE environment variable wins when set."""
+    total_steps: int | None = None
+    """Optimizer steps the progress bar counts to; None leaves it open-ended."""
+    progress: bool = True
+    """Show a tqdm progress bar; it is shown only when stderr is a terminal."""
+
+
+def resolve_wandb_mode(requested: str, warn: Callable[[str], None] = _stderr) -> str:
+    """The wandb mode to use: WANDB_MODE when set, else ``requested``; "disabled" (with a
+    warning) when WANDB_MODE holds something wandb would refuse."""
+    requested = _MODE_ALIASES.get(requested, requested)
+    if requested not in WANDB_MODES:
+        raise ValueError(f"wandb mode must be one of {list(WANDB_MODES)}, got {requested!r}")
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if not env:
+        return requested
+    env = _MODE_ALIASES.get(env, env)
+    if env not in WANDB_MODES:
+        # wandb itself rejects the variable, so no run could start anyway.
+        warn(f"warning: WANDB_MODE={env!r} is not one of {list(WANDB_MODES)}; "
+             "wandb disabled, logging to metrics.jsonl only")
+        return "disabled"
+    return env
+
+
+def wandb_payload(record: Mapping[str, Any]) -> dict[str, float]:
+    """What one step record logs to wandb: its numeric values under their own (namespaced)
+    keys, with plain ``loss`` also as ``loss/total`` so all losses share the ``loss/`` section."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in _NOT_LOGGED or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out[key] = value
+    if "loss" in out:
+        out["loss/total"] = out["loss"]
+    return out
+
+
+class RunLogger:
+    """Writes step records to ``metrics.jsonl``, wandb and a progress bar. Create it on the
+    logging rank only; call :meth:`log` once per optimizer step and :meth:`close` at the end
+    (or use it as a context manager)."""
+
+    def __init__(self, run_dir: str | Path, options: LoggerOptions | None = None,
+                 config: Mapping[str, Any] | None = None,
+                 warn: Callable[[str], None] = _stderr) -> None:
+        self.run_dir = Path(run_dir)
+        self.options = options or LoggerOptions()
+        self._warn = warn
+        self.wandb_mode = resolve_wandb_mode(self.options.mode, warn)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._writer: MetricsWriter | None = MetricsWriter(self.run_dir)
+        self.wandb_run: Any = None
+        if self.wandb_mode != "disabled":
+            self.wandb_run = self._start_wandb(dict(config or {}))
+        self.bar = self._start_bar()  # tqdm bar; None off a terminal or with progress=False
+
+    @classmethod
+    def from_recipe(cls, run_dir: str | Path, recipe: Any, resolved: Mapping[str, Any] | None = None,
+                    progress: bool = True, warn: Callable[[str], None] = _stderr) -> RunLogger:
+        """Logger for a :class:`~disttrain_ds.config.Recipe`: project, run name, wandb mode and
+        step count from the recipe; wandb config is the recipe plus ``resolved`` (world size,
+        topology), the same content as ``recipe.yaml``."""
+        config = to_dict(recipe)
+        if resolved:
+            config["resolved"] = dict(resolved)
+        options = LoggerOptions(project=recipe.logging.project, name=recipe.name,
+                                mode=recipe.logging.wandb, total_steps=recipe.train.steps,
+                                progress=progress)
+        return cls(run_dir, options, config, warn)
+
+    @property
+    def metrics_path(self) -> Path:
+        """The ``metrics.jsonl`` this logger appends to."""
+        return self.run_dir / "metrics.jsonl"
+
+    def _start_wandb(self, config: dict[str, Any]) -> Any:
+        try:
+            import wandb
+
+            return wandb.init(project=self.options.project, name=self.options.name,
+                              dir=str(self.run_dir), mode=self.wandb_mode, config=config,
+                              reinit="create_new")  # never finish a run the caller owns
+        except Exception as exc:  # training must go on without wandb
+            self._warn(f"warning: wandb unavailable ({_one_line(exc)}); "
+                       f"logging to {self.metrics_path} only")
+            return None
+
+    def _start_bar(self) -> Any:
+        if not (self.options.progress and sys.stderr.isatty()):
+            return None  # a bar in a log file is just noise
+        from tqdm import tqdm
+
+        return tqdm(total=self.options.total_steps, unit="step", dynamic_ncols=True)
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Record one optimizer step; ``record["step"]`` is required."""
+        if "step" not in record:
+            raise KeyError("step record lacks 'step'")
+        if self._writer is None:
+            raise RuntimeError("RunLogger.log() after close()")
+        step = int(record["step"])
+        self._writer.write(dict(record))
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log(wandb_payload(record), step=step)
+            except Exception as exc:  # e.g. wandb's service died: keep training
+                self._warn(f"warning: wandb logging failed ({_one_line(exc)}); "
+                           f"logging to {self.metrics_path} only from step {step}")
+                self._finish_wandb(exit_code=1)
+        if self.bar is not None:
+            self.bar.update(max(step - self.bar.n, 0))
+            self.bar.set_postfix(_bar_postfix(record), refresh=False)
+
+    def echo(self, line: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def _finish_wandb(self, exit_code: int = 0) -> None:
+        run, self.wandb_run = self.wandb_run, None
+        if run is None:
+            return
+        try:
+            run.finish(exit_code=exit_code)
+        except Exception as exc:
+            self._warn(f"warning: wandb finish failed ({_one_line(exc)})")
+
+    def close(self, exit_code: int = 0) -> None:
+        """Close the bar, finish the wandb run and close ``metrics.jsonl``; safe to call twice."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self._finish_wandb(exit_code)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(exit_code=0 if exc_type is None else 1)  # marks the wandb run failed
+
+
+def _bar_postfix(record: Mapping[str, Any]) -> dict[str, str]:
+    out = {}
+    if isinstance(record.get("loss"), (int, float)):
+        out["loss"] = f"{record['loss']:.4f}"
+    if isinstance(record.get("samples_per_s"), (int, float)):
+        out["samples/s"] = f"{record['samples_per_s']:.2f}"
+    mfu = record.get("perf/mfu/overall")
+    if isinstance(mfu, (int, float)) and math.isfinite(mfu):
+        out["MFU"] = f"{100 * mfu:.1f}%"  # MFU values are fractions
+    return out
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def _read_trace(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON trace ({_one_line(exc)})") from None
+    # Both Chrome-trace layouts are valid: {"traceEvents": [...]} and a bare list.
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError(f"{path}: expected a list of trace events or {{'traceEvents': [...]}}")
+    return events
+
+
+def _rank_of(path: Path, position: int) -> int:
+    match = re.search(r"rank[_-]?(\d+)", path.stem)
+    return int(match.group(1)) if match else position
+
+
+def merge_chrome_traces(paths: Iterable[str | Path], out: str | Path) -> Path:
+    """Merge per-rank Chrome traces into one file for Perfetto, one process track per rank.
+
+    The rank comes from the file name (``rank3.json`` -> 3), else the file's position in
+    ``paths``. Events keep their names, categories, times, thread ids and args; their ``pid``
+    becomes the rank, so tracks never collide even when OS pids do. A file's own
+    ``process_name`` names its track, else "rank N". Raises ValueError naming a bad file.
+    """
+    files = [Path(p) for p in paths]
+    if not files:
+        raise ValueError("no trace files to merge")
+    ranked = sorted(((_rank_of(p, k), p) for k, p in enumerate(files)), key=lambda rp: rp[0])
+    seen: dict[int, Path] = {}
+    merged: list[dict] = []
+    for rank, path in ranked:
+        if rank in seen:
+            raise ValueError(f"{path} and {seen[rank]} are both rank {rank}")
+        seen[rank] = path
+        name = f"rank {rank}"
+        for ev in _read_trace(path):
+            if ev.get("ph") == "M" and ev.get("name") == "process_name":
+                name = str((ev.get("args") or {}).get("name", name))
+            elif ev.get("ph") != "M" or ev.get("name") != "process_sort_index":
+                merged.append({**ev, "pid": rank})
+        merged.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"name": name}})
+        merged.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))
+    return out
