@@ -24,7 +24,8 @@ from ..parallel.roles import ROLES
 from ..parallel.schedule import StagePlace
 from ..topology import Topology
 from .reference import step_tokens
-from .rundir import MetricsWriter, make_run_dir, progress_line, write_resolved_recipe
+from ..metrics.logger import RunLogger
+from .rundir import make_run_dir, progress_line, write_resolved_recipe
 from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
 
 
@@ -126,32 +127,39 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     writer = run_dir = None
     if is_logger:
         run_dir = make_run_dir(recipe.logging.dir, recipe.name)
-        write_resolved_recipe(run_dir, recipe, {"world_size": world, "topology": topo.describe()})
-        writer = MetricsWriter(run_dir)
+        resolved = {"world_size": world, "topology": topo.describe()}
+        write_resolved_recipe(run_dir, recipe, resolved)
+        writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved)
         log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
 
-    for step in range(recipe.train.steps):
-        t0 = time.perf_counter()
-        samples = source.global_batch(step)
-        norms = BatchNorms.of(samples, chunks)
-        batches = []
-        for g in range(gas):
-            mine = samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop]
-            batches.append(collate(mine, norms, spec, gen_dp_scale=gen_dp_scale, dtype=dtype))
-        stats = engine.run_step(batches)
-        elapsed = time.perf_counter() - t0
-        rec = gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, comm_group)
-        if is_logger:
-            rec = {
-                "step": step + 1,
-                **rec,
-                "samples_per_s": len(samples) / rec["step_seconds"],
-                "tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
-                "lr": recipe.optim.lr * lr_lambda(recipe)(step),
-            }
-            writer.write(rec)
-            if (step + 1) % recipe.logging.every == 0:
-                log(progress_line(rec))
+    try:
+        for step in range(recipe.train.steps):
+            t0 = time.perf_counter()
+            samples = source.global_batch(step)
+            data_wait = source.last_wait_seconds
+            norms = BatchNorms.of(samples, chunks)
+            batches = []
+            for g in range(gas):
+                mine = samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop]
+                batches.append(collate(mine, norms, spec, gen_dp_scale=gen_dp_scale, dtype=dtype))
+            stats = engine.run_step(batches)
+            stats["data_wait_s"] = data_wait
+            elapsed = time.perf_counter() - t0
+            rec = gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, comm_group)
+            if is_logger:
+                rec = {
+                    "step": step + 1,
+                    **rec,
+                    "samples_per_s": len(samples) / rec["step_seconds"],
+                    "tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
+                    "lr": recipe.optim.lr * lr_lambda(recipe)(step),
+                    **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
+                }
+                writer.log(rec)
+                if (step + 1) % recipe.logging.every == 0:
+                    writer.echo(progress_line(rec))
+    finally:
+        source.close()  # stops producer processes, if any
     p2p.flush_sends()
     if export_dir:
         state = layer_state(pm, grid.name, spec.layers(grid.name))
@@ -174,6 +182,7 @@ def gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, 
             elapsed,
             stats["compute_s"],
             stats["comm_wait_s"],
+            stats["data_wait_s"],
         ],
         dtype=torch.float64,
     )
@@ -182,7 +191,13 @@ def gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, 
     table = torch.stack(rows)
     lm = float(table[(table[:, 0] == 1) & (table[:, 1] == 1), 2].sum()) / chunks
     gen = float(table[(table[:, 0] == 2) & (table[:, 1] == 1), 2].sum()) / chunks / gen_dp_scale
-    rec = {"loss": lm + gen, "loss/lm": lm, "loss/gen": gen, "step_seconds": float(table[:, 3].max())}
+    rec = {
+        "loss": lm + gen,
+        "loss/lm": lm,
+        "loss/gen": gen,
+        "step_seconds": float(table[:, 3].max()),
+        "time/data_wait": float(table[:, 6].max()),
+    }
     for i, name in enumerate(MODULES):
         sel = table[table[:, 0] == i]
         rec[f"time/{name}_compute"] = float(sel[:, 4].max())

@@ -13,7 +13,8 @@ import torch
 
 from ..config import Recipe
 from ..models.mllm import MODULES, BatchNorms, ReferenceMLLM, collate
-from .rundir import MetricsWriter, progress_line
+from ..metrics.logger import RunLogger
+from .rundir import progress_line
 from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
 
 
@@ -36,44 +37,56 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(recipe)) for n, o in optimizers.items()}
     m = recipe.train.micro_batch
     chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
-    writer = MetricsWriter(run_dir) if run_dir else None
-    records = []
-    for step in range(recipe.train.steps):
-        t0 = time.perf_counter()
-        samples = source.global_batch(step)
-        norms = BatchNorms.of(samples, chunks)
-        totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
-        for c in range(chunks):
-            mb = collate(samples[c * m : (c + 1) * m], norms, spec, dtype=dtype)
-            out = model(mb)
-            (out["loss"] / chunks).backward()
-            for k in totals:
-                totals[k] += float(out[k].detach()) / chunks
-        for name, opt in optimizers.items():
-            if recipe.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(getattr(model, name).parameters(), recipe.optim.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            schedulers[name].step()
-        dt = time.perf_counter() - t0
-        rec = {
-            "step": step + 1,
-            "loss": totals["loss"],
-            "loss/lm": totals["lm"],
-            "loss/gen": totals["gen"],
-            "step_seconds": dt,
-            "samples_per_s": len(samples) / dt,
-            "tokens_per_s": step_tokens(samples, spec.special.pad) / dt,
-            "lr": recipe.optim.lr * lr_lambda(recipe)(step),
-        }
-        records.append(rec)
+    writer = RunLogger.from_recipe(run_dir, recipe) if run_dir else None
+    records: list[dict] = []
+    try:
+        for step in range(recipe.train.steps):
+            rec = _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype)
+            records.append(rec)
+            if writer:
+                writer.log(rec)
+            if log and (step + 1) % recipe.logging.every == 0:
+                (writer.echo if writer else log)(progress_line(rec))
+    finally:
+        source.close()  # stops producer processes, if any
         if writer:
-            writer.write(rec)
-        if log and (step + 1) % recipe.logging.every == 0:
-            log(progress_line(rec))
-    if writer:
-        writer.close()
+            writer.close()
     return records, model
+
+
+def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype) -> dict:
+    """One optimizer step over the global batch, in LLM-microbatch chunks; returns its record."""
+    t0 = time.perf_counter()
+    m = recipe.train.micro_batch
+    chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
+    samples = source.global_batch(step)
+    norms = BatchNorms.of(samples, chunks)
+    totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
+    for c in range(chunks):
+        mb = collate(samples[c * m : (c + 1) * m], norms, spec, dtype=dtype)
+        out = model(mb)
+        (out["loss"] / chunks).backward()
+        for k in totals:
+            totals[k] += float(out[k].detach()) / chunks
+    for name, opt in optimizers.items():
+        if recipe.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(getattr(model, name).parameters(), recipe.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        schedulers[name].step()
+    dt = time.perf_counter() - t0
+    return {
+        "step": step + 1,
+        "loss": totals["loss"],
+        "loss/lm": totals["lm"],
+        "loss/gen": totals["gen"],
+        "step_seconds": dt,
+        "samples_per_s": len(samples) / dt,
+        "tokens_per_s": step_tokens(samples, spec.special.pad) / dt,
+        "lr": recipe.optim.lr * lr_lambda(recipe)(step),
+        "time/data_wait": source.last_wait_seconds,
+        **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
+    }
 
 
 def reference_layer_state(model: ReferenceMLLM) -> dict[str, torch.Tensor]:
