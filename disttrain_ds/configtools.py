@@ -7,7 +7,9 @@ whose message is a single line that names the offending key and the file it came
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -136,7 +138,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Return a copy of ``data`` with each ``a.b=c`` applied (creating nested mappings)."""
-    out = _deepcopy(data)
+    out = copy.deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
         node = out
@@ -151,12 +153,17 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
-def _deepcopy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deepcopy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deepcopy(v) for v in data]
-    return data
+def load_json(path: str | Path, error: type[ConfigError] = ConfigError) -> Any:
+    """Read a JSON file, with one-line errors (of class ``error``) for a missing or bad file."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{p}: file not found")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise error(f"{p}: not a UTF-8 text file") from None
 
 
 def load_yaml(path: str | Path) -> dict:

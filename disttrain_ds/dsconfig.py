@@ -7,10 +7,10 @@ without ZeRO. Here unknown keys are errors. Batch sizes and the optimizer belong
 
 from __future__ import annotations
 
-import json
+import copy
 from pathlib import Path
 
-from .configtools import ConfigError
+from .configtools import ConfigError, load_json
 
 KNOWN_KEYS = frozenset(
     """
@@ -36,10 +36,7 @@ def load_ds_config(path: Path, *, key: str = "deepspeed_config", recipe_src: str
     """Read and validate a DeepSpeed JSON; errors name the file and the offending key."""
     if not path.is_file():
         raise ConfigError(f"{recipe_src}: '{key}' file not found: {path}")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}") from None
+    cfg = load_json(path)
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
     for k, v in cfg.items():
@@ -66,7 +63,7 @@ def load_ds_config(path: Path, *, key: str = "deepspeed_config", recipe_src: str
 
 def engine_config(base: dict, *, micro_batch: int, grad_accum: int, dp: int, dtype: str, grad_clip: float) -> dict:
     """The complete DeepSpeed config of one module engine."""
-    cfg = json.loads(json.dumps(base))
+    cfg = copy.deepcopy(base)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = grad_accum
     cfg["train_batch_size"] = micro_batch * grad_accum * dp

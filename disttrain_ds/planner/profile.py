@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.configtools import ConfigError, load_json
 
 MODULES: tuple[str, ...] = ("encoder", "llm", "generator")
 """Module names in pipeline order: modality encoder -> LLM backbone -> modality generator."""
@@ -215,16 +215,7 @@ def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
 
 def load_profile(path: str | Path) -> Profile:
     """Read and validate a profile JSON file (one-line ``ProfileError`` on any problem)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ProfileError(f"{p}: file not found")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    except UnicodeDecodeError:
-        raise ProfileError(f"{p}: not a UTF-8 text file") from None
-    return profile_from_dict(data, src=str(p))
+    return profile_from_dict(load_json(path, ProfileError), src=str(path))
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
