@@ -70,3 +70,35 @@ def test_train_cli_reference_writes_metrics(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step    2" in proc.stdout
     assert len((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_global_batch_loss_does_not_depend_on_microbatch_grouping(tiny_source_and_spec):
+    """Reordering samples inside a global batch (what intra/inter reordering does) keeps the loss."""
+    import torch
+
+    from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate
+
+    source, spec = tiny_source_and_spec
+    samples = source.global_batch(3)
+    model = ReferenceMLLM(spec)
+    norms = BatchNorms.of(samples, chunks=2)
+
+    def step_loss(order):
+        s = [samples[i] for i in order]
+        with torch.no_grad():
+            return sum(float(model(collate(s[c * 2 : (c + 1) * 2], norms, spec))["loss"]) for c in range(2)) / 2
+
+    base = step_loss([0, 1, 2, 3])
+    for order in ([3, 1, 0, 2], [2, 3, 0, 1], [1, 2, 3, 0]):
+        assert abs(step_loss(order) - base) <= 1e-6 * abs(base)
+    # Per-microbatch means (the usual normalisation) would not have this property:
+    per_mb = []
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
+        s = [samples[i] for i in order]
+        vals = []
+        for c in range(2):
+            part = s[c * 2 : (c + 1) * 2]
+            with torch.no_grad():
+                vals.append(float(model(collate(part, BatchNorms.of(part, 1), spec))["lm"]))
+        per_mb.append(sum(vals) / 2)
+    assert abs(per_mb[0] - per_mb[1]) > 1e-6 * abs(per_mb[0])
