@@ -74,6 +74,9 @@ class TrainConfig:
     """Sequences per LLM microbatch per DP replica."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute precision (fp16 is not supported on CPU)."""
+    peak_tflops: float = 0.0
+    """Accelerator peak for MFU; 0 looks the device up (A100 312, H100 989, ...) or, on CPU,
+    measures a matmul estimate once."""
 
 
 @dataclass

@@ -24,7 +24,12 @@ from .projectors import MLPProjector
 
 
 def build_unet(cfg: GeneratorConfig) -> UNet2DConditionModel:
-    return UNet2DConditionModel(
+    return UNet2DConditionModel(**unet_kwargs(cfg))
+
+
+def unet_kwargs(cfg: GeneratorConfig) -> dict:
+    """``UNet2DConditionModel`` constructor arguments for a generator config."""
+    return dict(
         sample_size=cfg.resolution,
         in_channels=cfg.in_channels,
         out_channels=cfg.in_channels,

@@ -25,6 +25,7 @@ from ..parallel.schedule import StagePlace
 from ..topology import Topology
 from .reference import step_tokens
 from ..metrics.logger import RunLogger
+from ..metrics.step_flops import MfuMeter
 from .rundir import make_run_dir, progress_line, write_resolved_recipe
 from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
 
@@ -130,6 +131,10 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
         resolved = {"world_size": world, "topology": topo.describe()}
         write_resolved_recipe(run_dir, recipe, resolved)
         writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved)
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        gpus = {m.name: m.size for m in topo.modules}
+        mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
+        log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
         log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
 
     try:
@@ -154,6 +159,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
                     "tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
                     "lr": recipe.optim.lr * lr_lambda(recipe)(step),
                     **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
+                    **mfu(samples, rec["step_seconds"]),
                 }
                 writer.log(rec)
                 if (step + 1) % recipe.logging.every == 0:

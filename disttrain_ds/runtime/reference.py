@@ -14,6 +14,7 @@ import torch
 from ..config import Recipe
 from ..models.mllm import MODULES, BatchNorms, ReferenceMLLM, collate
 from ..metrics.logger import RunLogger
+from ..metrics.step_flops import MfuMeter
 from .rundir import progress_line
 from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
 
@@ -38,10 +39,16 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     m = recipe.train.micro_batch
     chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
     writer = RunLogger.from_recipe(run_dir, recipe) if run_dir else None
+    # One process holds all three modules: each module's MFU is over the one device.
+    mfu = MfuMeter(spec, {m: 1 for m in MODULES}, 1, recipe.train.peak_tflops, device_name=None) if run_dir else None
+    if mfu and log:
+        log(f"MFU peak: {mfu.peak:.3g} TFLOP/s ({mfu.peak_source})")
     records: list[dict] = []
     try:
         for step in range(recipe.train.steps):
-            rec = _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype)
+            rec, samples = _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype)
+            if mfu:
+                rec.update(mfu(samples, rec["step_seconds"]))
             records.append(rec)
             if writer:
                 writer.log(rec)
@@ -54,8 +61,8 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     return records, model
 
 
-def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype) -> dict:
-    """One optimizer step over the global batch, in LLM-microbatch chunks; returns its record."""
+def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype) -> tuple[dict, list]:
+    """One optimizer step over the global batch, in LLM-microbatch chunks; returns its record and samples."""
     t0 = time.perf_counter()
     m = recipe.train.micro_batch
     chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
@@ -86,7 +93,7 @@ def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype
         "lr": recipe.optim.lr * lr_lambda(recipe)(step),
         "time/data_wait": source.last_wait_seconds,
         **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
-    }
+    }, samples
 
 
 def reference_layer_state(model: ReferenceMLLM) -> dict[str, torch.Tensor]:

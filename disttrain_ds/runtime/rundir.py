@@ -57,4 +57,6 @@ def progress_line(rec: dict) -> str:
     parts.append(f"{rec['step_seconds']:.2f} s/step")
     parts.append(f"{rec['samples_per_s']:.2f} samples/s")
     parts.append(f"{rec['tokens_per_s']:.0f} tokens/s")
+    if "perf/mfu/overall" in rec:
+        parts.append(f"MFU {100 * rec['perf/mfu/overall']:.1f}%")
     return "  ".join(parts)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from disttrain_ds.config import load_recipe
 from disttrain_ds.runtime.reference import train_reference
 from disttrain_ds.runtime.rundir import make_run_dir
@@ -23,8 +25,11 @@ def test_reference_loss_goes_down_over_20_steps(tmp_path):
     assert last < 0.8 * first, losses
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21))
-    for key in ("loss", "loss/lm", "loss/gen", "step_seconds", "samples_per_s", "tokens_per_s"):
+    for key in ("loss", "loss/lm", "loss/gen", "step_seconds", "samples_per_s", "tokens_per_s", "time/data_wait"):
         assert all(key in r for r in rows), key
+    for r in rows:
+        mfu = [r[f"perf/mfu/{m}"] for m in ("encoder", "llm", "generator")]
+        assert all(0 < v < 1 for v in mfu) and r["perf/mfu/overall"] == pytest.approx(sum(mfu))
 
 
 def test_same_seed_same_losses_different_seed_different():

@@ -1,0 +1,97 @@
+"""FLOPs of one optimizer step of the MLLM, from the global batch's actual samples.
+
+The encoder's cost follows each image's patch count, the LLM's each packed sequence's document
+lengths, the generator's the number of images it generates, so MFU reflects the data the step saw.
+Frozen modules count forward only, or forward plus input gradient when a trainable module
+upstream needs gradients through them.
+"""
+
+from __future__ import annotations
+
+from ..data.types import PackedSample
+from ..models.mllm import MODULES, MLLMSpec
+from ..models.unet import unet_kwargs
+from .flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
+from .mfu import StepFlops
+
+
+def flops_modes(spec: MLLMSpec) -> dict[str, str]:
+    """train | frozen_passthrough | frozen for each module (data flows encoder -> generator)."""
+    modes, trainable_upstream = {}, False
+    for name in MODULES:
+        if not spec.frozen(name):
+            modes[name] = "train"
+        else:
+            modes[name] = "frozen_passthrough" if trainable_upstream else "frozen"
+        trainable_upstream = trainable_upstream or not spec.frozen(name)
+    return modes
+
+
+class StepFlopsCounter:
+    """Counts per-module FLOPs of a global batch for one model spec."""
+
+    def __init__(self, spec: MLLMSpec):
+        self.spec = spec
+        self.modes = flops_modes(spec)
+        g = spec.generator
+        # The U-Net has no trusted closed form: measure one image once (cached) and scale.
+        self._unet_per_image = unet_flops(
+            unet_kwargs(g),
+            batch=1,
+            resolution=g.resolution,
+            cond_tokens=g.query_tokens,
+            mode=self.modes["generator"],
+        )
+
+    def __call__(self, samples: list[PackedSample]) -> StepFlops:
+        e, l, g, sp = self.spec.encoder, self.spec.llm, self.spec.generator, self.spec
+        p = e.patch_size
+        patches = [(im.shape[1] // p) * (im.shape[2] // p) for s in samples for im in s.images]
+        enc = 0.0
+        if patches:
+            enc = vit_flops(
+                layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, patches_per_image=patches,
+                patch_size=p, mode=self.modes["encoder"],
+            )
+            enc += sum(patches) * projector_flops_per_token(
+                in_dim=e.hidden_size, hidden_dim=l.hidden_size, out_dim=l.hidden_size, mode=self.modes["encoder"]
+            )
+        llm = 0.0
+        for s in samples:
+            docs = [n for n in s.doc_lens if n > 0] or [int((s.input_ids != sp.special.pad).sum()) or 1]
+            llm += llm_flops_packed(
+                layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads,
+                kv_heads=l.kv_heads, vocab=l.vocab_size, doc_lens=docs, mode=self.modes["llm"],
+            )
+        n_gen = sum(int(s.gen_targets.shape[0]) for s in samples)
+        gen = n_gen * (
+            self._unet_per_image
+            + g.query_tokens
+            * projector_flops_per_token(
+                in_dim=l.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim,
+                mode=self.modes["generator"],
+            )
+        )
+        return StepFlops(encoder=enc, llm=llm, generator=gen)
+
+
+class MfuMeter:
+    """``perf/mfu/*`` and ``perf/tflops_per_gpu/*`` of a step from its samples and duration."""
+
+    def __init__(self, spec: MLLMSpec, gpus: dict[str, int], world: int, peak_override: float, device_name: str | None):
+        from .peak import resolve_peak
+
+        self.count = StepFlopsCounter(spec)
+        self.gpus, self.world = gpus, world
+        self.peak, self.peak_source = resolve_peak(peak_override or None, device_name)
+
+    def __call__(self, samples: list[PackedSample], step_seconds: float) -> dict[str, float]:
+        flops = self.count(samples)
+        return flops.metrics(
+            encoder_gpus=self.gpus["encoder"],
+            llm_gpus=self.gpus["llm"],
+            generator_gpus=self.gpus["generator"],
+            peak_tflops=self.peak,
+            step_seconds=step_seconds,
+            world=self.world,
+        )
