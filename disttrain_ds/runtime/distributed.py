@@ -27,7 +27,8 @@ from .reference import step_tokens
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
 from .rundir import make_run_dir, progress_line, write_resolved_recipe
-from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
+from ..metrics.balance import dp_balance
+from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda
 
 
 def init_processes(timeout_s: float) -> torch.device:
@@ -135,6 +136,8 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
         gpus = {m.name: m.size for m in topo.modules}
         mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
         log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
+        costs, patch = cost_model(recipe), recipe.model.encoder.patch_size
+        dps = {m.name: m.dp for m in topo.modules}
         log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
 
     try:
@@ -160,6 +163,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
                     "lr": recipe.optim.lr * lr_lambda(recipe)(step),
                     **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
                     **mfu(samples, rec["step_seconds"]),
+                    **dp_balance(costs.costs([s.stats(patch, spec.special) for s in samples]), slot, dps),
                 }
                 writer.log(rec)
                 if (step + 1) % recipe.logging.every == 0:

@@ -8,18 +8,54 @@ import math
 import torch
 
 from ..config import Recipe
+from ..costmodel import CostModel, TransformerDims, UNetDims
 from ..data.source import SampleSource, ShapeSpec, build_source
 from ..models.mllm import MLLMSpec
+
+
+def cost_model(recipe: Recipe) -> CostModel:
+    """Per-sample cost model of the recipe's modules (forward FLOPs), for reordering and balance."""
+    e, l, g = recipe.model.encoder, recipe.model.llm, recipe.model.generator
+    return CostModel.from_dims(
+        TransformerDims(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, heads=e.heads),
+        TransformerDims(
+            layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads, kv_heads=l.kv_heads,
+            gated_mlp=True,
+        ),
+        UNetDims(
+            channels=tuple(g.block_out_channels),
+            attention=tuple("CrossAttn" in t for t in g.down_block_types),
+            blocks_down=g.layers_per_block,
+            blocks_up=g.layers_per_block + 1,
+        ),
+        enc_patch_size=e.patch_size,
+        vocab_size=l.vocab_size or 32000,  # the LM head is the same per token for every sample
+        gen_downsample=1,  # generated samples already have the U-Net's input size
+    )
+
+
+def reorder_groups(recipe: Recipe) -> int:
+    """Groups per microbatch slot that balancing works on: every module's DP block is a union of them."""
+    p = recipe.parallel
+    slot = p.llm.dp * recipe.train.micro_batch
+    if recipe.layout == "monolithic":  # every module shares the LLM's DP there
+        return p.llm.dp
+    groups = math.lcm(p.encoder.dp, p.llm.dp, p.generator.dp)
+    return groups if slot % groups == 0 else p.llm.dp
 
 
 def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
     """The sample source and the model spec (LLM vocabulary sized from the tokenizer)."""
     m = recipe.model
+    groups = reorder_groups(recipe)
     shape = ShapeSpec(
         patch_size=m.encoder.patch_size,
         gen_resolution=m.generator.resolution,
         gen_channels=m.generator.in_channels,
         query_tokens=m.generator.query_tokens,
+        dp_size=groups,
+        micro_batch=recipe.parallel.llm.dp * recipe.train.micro_batch // groups,
+        cost_model=cost_model(recipe),
     )
     source = build_source(recipe.data, shape, recipe.train.global_batch, recipe.seed)
     need = source.special.vocab_size
