@@ -103,12 +103,21 @@ class ModuleEngine(PipelineEngine):
                 comm.wait_seconds = 0.0
         if self.upstream is not None and self.place.first_of_engine:
             self.upstream.prefetch_activation(0)
+        self.trace: list[dict] = []  # this step's spans, for the per-rank timeline
         for step_cmds in self._steps:
             for cmd in step_cmds:
                 fn = self._DISAGG_MAP.get(type(cmd))
                 if fn is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand {cmd!r}")
+                fwd_side = (ds.ForwardPass, LoadData, BoundaryRecvActivation, ds.RecvActivation)
+                mb = self._next_fwd if isinstance(cmd, fwd_side) else None
+                t0 = time.perf_counter()
                 MethodType(fn, self)(**cmd.kwargs)
+                buf = cmd.kwargs.get("buffer_id")
+                if mb is None and buf is not None:
+                    mb = self.extra["mb"][buf]
+                self.trace.append({"name": _SPAN_NAMES.get(type(cmd), type(cmd).__name__), "mb": mb,
+                                   "start": t0, "end": time.perf_counter()})
         self.p2p_flush()
         comm_wait = sum(c.wait_seconds for c in (self.upstream, self.downstream) if c is not None)
         return {**self.stats, "comm_wait_s": comm_wait}
@@ -246,6 +255,38 @@ class ModuleEngine(PipelineEngine):
         BoundarySendGrad: _exec_boundary_send_grad,
         BoundaryRecvGrad: _exec_boundary_recv_grad,
     }
+
+
+_SPAN_NAMES = {
+    ds.ForwardPass: "forward",
+    ds.BackwardPass: "backward",
+    ds.SendActivation: "send",
+    ds.SendGrad: "send",
+    BoundarySendGrad: "send",
+    ds.RecvActivation: "recv",
+    ds.RecvGrad: "recv",
+    BoundaryRecvActivation: "recv",
+    BoundaryRecvGrad: "recv",
+    LoadData: "load",
+    ds.ReduceGrads: "allreduce",
+    ds.ReduceTiedGrads: "allreduce",
+    ds.OptimizerStep: "optimizer",
+}
+
+
+def write_trace(spans: list[dict], path: str, rank: int, label: str, origin: float) -> None:
+    """One rank's spans of a step as Chrome-trace JSON (Perfetto / chrome://tracing)."""
+    import json
+
+    events = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} {label}"}}]
+    for sp in spans:
+        events.append({
+            "name": sp["name"], "ph": "X", "pid": rank, "tid": 0,
+            "ts": (sp["start"] - origin) * 1e6, "dur": (sp["end"] - sp["start"]) * 1e6,
+            "args": {"microbatch": sp["mb"]},
+        })
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def _to_device_mb(mb: MicroBatch, device) -> MicroBatch:

@@ -19,7 +19,7 @@ from ..comm.routes import blocks
 from ..config import Recipe, resolve_path
 from ..dsconfig import engine_config, load_ds_config
 from ..models.mllm import MODULES, BatchNorms, collate
-from ..parallel.engine import build_pipeline_module, make_engine
+from ..parallel.engine import build_pipeline_module, make_engine, write_trace
 from ..parallel.roles import ROLES
 from ..parallel.schedule import StagePlace
 from ..topology import Topology
@@ -171,6 +171,14 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     finally:
         source.close()  # stops producer processes, if any
     p2p.flush_sends()
+    # Per-rank timeline of the last step; ranks agree on a time origin through the step start.
+    dirs = [str(run_dir) if is_logger else None]
+    tdist.broadcast_object_list(dirs, src=0, group=comm_group)
+    origin = torch.tensor([min(sp["start"] for sp in engine.trace) if engine.trace else 0.0], dtype=torch.float64)
+    tdist.all_reduce(origin, op=tdist.ReduceOp.MIN, group=comm_group)  # same clock on one host; roughly aligned otherwise
+    trace_dir = os.path.join(dirs[0], "trace")
+    os.makedirs(trace_dir, exist_ok=True)
+    write_trace(engine.trace, os.path.join(trace_dir, f"rank{rank}.json"), rank, names[rank], float(origin))
     if export_dir:
         state = layer_state(pm, grid.name, spec.layers(grid.name))
         torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
