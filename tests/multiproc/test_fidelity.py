@@ -51,6 +51,10 @@ def test_layout_matches_reference_losses_and_parameters(name, tmp_path, referenc
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
     # Images per sample vary, so the encoder output crossing to the LLM changed shape between microbatches.
     assert len({tuple(s) for per_rank in shapes for s in per_rank}) > 2
+    # One writer: per-module times gathered into each row, and one timeline file per rank.
+    for module in ("encoder", "llm", "generator"):
+        assert all(r[f"time/{module}_compute"] > 0 for r in rows)
+    assert len(list((tmp_path / "run" / "trace").glob("rank*.json"))) == nproc
 
 
 def test_dropped_encoder_gradient_is_detected(tmp_path, reference_run):
