@@ -160,6 +160,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
                     **rec,
                     "samples_per_s": len(samples) / rec["step_seconds"],
                     "tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
+                    "perf/tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
                     "lr": recipe.optim.lr * lr_lambda(recipe)(step),
                     **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
                     **mfu(samples, rec["step_seconds"]),
@@ -201,6 +202,7 @@ def gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, 
             stats["compute_s"],
             stats["comm_wait_s"],
             stats["data_wait_s"],
+            peak_memory_gib(),
         ],
         dtype=torch.float64,
     )
@@ -209,15 +211,32 @@ def gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, 
     table = torch.stack(rows)
     lm = float(table[(table[:, 0] == 1) & (table[:, 1] == 1), 2].sum()) / chunks
     gen = float(table[(table[:, 0] == 2) & (table[:, 1] == 1), 2].sum()) / chunks / gen_dp_scale
+    step = float(table[:, 3].max())
+    # Idle time per rank that is neither its compute nor a boundary/data wait: pipeline bubbles
+    # (including waits on DeepSpeed's intra-engine P2P) and bookkeeping.
+    idle = step - table[:, 4] - table[:, 5] - table[:, 6]
     rec = {
         "loss": lm + gen,
         "loss/lm": lm,
         "loss/gen": gen,
-        "step_seconds": float(table[:, 3].max()),
+        "step_seconds": step,
+        "time/step": step,
         "time/data_wait": float(table[:, 6].max()),
+        "time/comm_wait": float(table[:, 5].mean()),
+        "time/bubble": float(idle.clamp(min=0).mean()),
     }
     for i, name in enumerate(MODULES):
         sel = table[table[:, 0] == i]
         rec[f"time/{name}_compute"] = float(sel[:, 4].max())
         rec[f"time/{name}_comm_wait"] = float(sel[:, 5].max())
+        rec[f"memory/{name}_peak_gib"] = float(sel[:, 7].max())
     return rec
+
+
+def peak_memory_gib() -> float:
+    """Peak device memory of this rank: CUDA allocator peak, or the process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

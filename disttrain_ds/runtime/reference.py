@@ -90,6 +90,8 @@ def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype
         "step_seconds": dt,
         "samples_per_s": len(samples) / dt,
         "tokens_per_s": step_tokens(samples, spec.special.pad) / dt,
+        "perf/tokens_per_s": step_tokens(samples, spec.special.pad) / dt,
+        "time/step": dt,
         "lr": recipe.optim.lr * lr_lambda(recipe)(step),
         "time/data_wait": source.last_wait_seconds,
         **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},

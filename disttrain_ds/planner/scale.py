@@ -1,0 +1,408 @@
+"""The DistTrain paper's three MLLMs at the paper's scale: profile, plan, simulate, score.
+
+Pipeline of this module (every step a small pure function):
+
+1. **Samples** (:func:`sample_costs`): 8K packed LAION-400M-like sequences from
+   :mod:`disttrain_ds.data.paper_stats`, each priced by :class:`~disttrain_ds.costmodel.CostModel`
+   in forward FLOPs per module (ViT-H/14 patches, the model's Llama backbone, one SD 2.1 U-Net
+   step per image at the model's generation resolution).
+2. **Profile** (:func:`build_profile`) from the paper's figures: Fig. 3 forward times, with
+   backward = ``BACKWARD_FACTOR`` x forward. Encoder and generator times are interpolated linearly
+   in images per sequence between Fig. 3's 8- and 16-image configurations at the model's
+   resolution, evaluated at the samples' mean image count; they are taken as TP=1 times. The LLM's
+   whole-module time at the reference TP is (stages x one Llama3-70B stage), scaled to smaller
+   backbones by the ratio of their mean FLOPs on the same samples (equal efficiency assumed). TP
+   scaling: ``TP_EFFICIENCY`` per doubling of TP, in both directions from the measured point.
+3. **Plans** (:func:`paper_plans`): ours (``optimize.plan``), Megatron-LM's rigid layout at the
+   paper's TP/PP, and two ratio-based splits (by profiled GPU-time, ``baselines.ratio_plan``, and
+   by FLOPs), all on the same GPU budget.
+4. **Simulation** (:func:`simulate_iteration`): per-sample module times are the cost model's
+   FLOPs rescaled so each module's mean equals the plan's per-sample profile cost (so profile and
+   variation agree); samples fill pipeline steps of D = DP_llm x M in order; within a step a
+   module's replica r takes the r-th contiguous chunk of D / DP samples (DP fan-out/fan-in between
+   modules of different DP); a stage's time is the slowest replica's load / PP (replicas run in
+   lock-step, layers split evenly); one 1F1B iteration is simulated with no communication time.
+5. **Reordering**: intra (:func:`balance_steps`) balances each step's replicas with
+   ``intra_microbatch_reorder``; inter reorders the steps with ``inter_microbatch_reorder``.
+6. **Scores**: MFU = cost-model training FLOPs of the iteration / (GPUs x peak x time);
+   throughput = sequences x sequence length / time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from disttrain_ds.costmodel import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel
+from disttrain_ds.data.paper_stats import Subsequence, layout_to_stats
+from disttrain_ds.data.reorder import inter_microbatch_reorder, intra_microbatch_reorder
+from disttrain_ds.data.types import SampleStats
+from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
+from disttrain_ds.planner.optimize import Plan, plan
+from disttrain_ds.planner.profile import MODULES, Profile, profile_from_dict
+from disttrain_ds.planner.simulate import makespan_1f1b
+
+TP_EFFICIENCY = 0.9
+"""Assumed speed-up efficiency per doubling of TP (the paper publishes one TP degree only)."""
+BACKWARD_FACTOR = 2.0
+"""Backward time and FLOPs as a multiple of forward (trained modules, no recomputation)."""
+ENCODER_PATCH = 14
+"""Pixel side of a ViT-H/14 patch (the paper counts 16x16 tokens; images are re-cut to 14)."""
+VOCAB = 128256
+"""Llama 3 vocabulary (embedding and LM head parameters)."""
+GENERATOR_LAYERS = 12
+"""Pipeline-divisible blocks assumed for SD 2.1's U-Net (as ``bench/bench_planner.py``)."""
+REFERENCE_BACKBONE = "llama3-70b"
+"""Backbone whose pipeline stage Fig. 3 profiles."""
+VARIANTS: dict[str, tuple[bool, bool]] = {"none": (False, False), "intra": (True, False),
+                                           "inter": (False, True), "both": (True, True)}
+"""Reordering variants: name -> (intra-microbatch, inter-microbatch)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One MLLM of the paper's model table with its published experiment settings."""
+
+    name: str
+    """Model name, e.g. ``MLLM-9B``."""
+    backbone: str
+    """Llama backbone key of ``llm_backbones``, e.g. ``llama3-7b``."""
+    resolution: int
+    """Side in pixels of generated images (and of Fig. 3's configuration used)."""
+    megatron_tp: int
+    """TP degree of the paper's Megatron-LM baseline."""
+    megatron_pp: int
+    """LLM pipeline degree of the paper's Megatron-LM baseline."""
+    scale_gpus: int
+    """GPU budget at Fig. 15/16 scale: the larger of Megatron's and DistTrain's GPU counts."""
+    ablation_gpus: int
+    """GPU budget of the Fig. 17/18 ablations: the largest GPU count Fig. 17 reports."""
+    ablation_batch: int
+    """Global batch of the ablations (``microbench_global_batch``)."""
+
+
+@dataclass(frozen=True)
+class SampleCosts:
+    """Per-sample cost-model figures of a sequence of packed samples."""
+
+    stats: tuple[SampleStats, ...]
+    """The samples, in draw order."""
+    flops: np.ndarray
+    """``[n, 3]`` forward FLOPs of each sample in (encoder, llm, generator)."""
+    images: np.ndarray
+    """``[n]`` input images per sample."""
+
+
+@dataclass(frozen=True)
+class IterationSim:
+    """One simulated 1F1B iteration."""
+
+    makespan_ms: float
+    """Simulated iteration time."""
+    stage_ms: np.ndarray
+    """``[K, P]`` fwd+bwd time of each step on each pipeline stage, in execution order."""
+    arrangement: np.ndarray
+    """Sample index (into the iteration's samples) of every slot; step j holds slots
+    ``j*D .. (j+1)*D - 1``, replica r of a module the r-th contiguous chunk of them."""
+    order: tuple[int, ...]
+    """Execution order of the steps (indices of the arrangement's steps)."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Simulated figures of one plan over one or more iterations, per reordering variant."""
+
+    plan: Plan
+    """The layout simulated."""
+    t_ms: dict[str, float]
+    """Variant -> mean simulated iteration time."""
+    mfu: dict[str, float]
+    """Variant -> MFU over all simulated iterations (0..1)."""
+    tokens_per_s: dict[str, float]
+    """Variant -> throughput in tokens per second over all simulated iterations."""
+
+
+def model_specs(paper: Mapping) -> dict[str, ModelSpec]:
+    """The paper's MLLMs by name, from ``mllms``, ``megatron_baseline_layout``, Fig. 15-17."""
+    mega = paper["megatron_baseline_layout"]
+    overall = {r["model"]: r for r in paper["overall_fig15_16"]}
+    fig17 = {r["model"]: r for r in paper["orchestration_ablation_fig17"] if "model" in r}
+    out = {}
+    for name, text in paper["mllms"].items():
+        backbone = re.match(r"\s*([\w.-]+)", text).group(1)
+        res = int(re.search(r"generation (\d+)x\d+", text).group(1))
+        out[name] = ModelSpec(
+            name, backbone, res, int(mega["tp"]), int(mega["pp_llm"][name]),
+            max(overall[name][k]["gpus"] for k in ("megatron", "disttrain")),
+            max(v[0] for k, v in fig17[name].items() if k != "model"),
+            int(mega["microbench_global_batch"][name]))
+    return out
+
+
+def sample_costs(layouts: Sequence[list[Subsequence]], spec: ModelSpec,
+                 seq_len: int) -> SampleCosts:
+    """Price packed layouts (``paper_stats.draw_sequence_layouts``) for ``spec``: every input
+    image is also generated, at ``spec.resolution`` (Fig. 3's profile does the same)."""
+    stats = tuple(layout_to_stats(lay, seq_len, ENCODER_PATCH, 1.0, spec.resolution)
+                  for lay in layouts)
+    flops = CostModel.paper_mllm(spec.backbone).costs(stats)
+    return SampleCosts(stats, flops, np.array([len(s.image_patches) for s in stats]))
+
+
+def fig3_forward_ms(paper: Mapping, resolution: int, images: float) -> dict[str, float]:
+    """Fig. 3 forward times (``llm_stage``, ``vit_huge``, ``sd21``) at ``images`` per sequence:
+    linear in the image count through the fewest- and most-image configurations measured at
+    ``resolution`` (extrapolated outside them)."""
+    pts = sorted((int(k.split("img_")[0]), v) for k, v in paper["forward_ms_profile_fig3"].items()
+                 if re.fullmatch(rf"\d+img_{resolution}", k))
+    if not pts:
+        raise ValueError(f"Fig. 3 has no configuration at resolution {resolution}")
+    (n0, a), (n1, b) = pts[0], pts[-1]
+    w = 0.0 if n1 == n0 else (images - n0) / (n1 - n0)
+    return {key: a[key] + w * (b[key] - a[key]) for key in a}
+
+
+def tp_costs(cost: float, at_tp: int) -> dict[str, float]:
+    """C(t) for t in 1, 2, 4, 8 from C(at_tp): C(t) = C(1) / (t * TP_EFFICIENCY ** log2 t)."""
+    c1 = cost * at_tp * TP_EFFICIENCY ** math.log2(at_tp)
+    return {str(t): c1 / (t * TP_EFFICIENCY ** math.log2(t)) for t in (1, 2, 4, 8)}
+
+
+def _llm_params(arch: Mapping) -> float:
+    h, f, layers = arch["hidden"], arch["ffn_hidden"], arch["layers"]
+    kv = h // arch["heads"] * arch["kv_groups"]
+    return layers * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * VOCAB * h  # + embedding, LM head
+
+
+def build_profile(paper: Mapping, spec: ModelSpec, costs: SampleCosts, *, gpus: int,
+                  global_batch: int) -> Profile:
+    """The planner profile of ``spec`` (module doc, step 2). Memory as in
+    ``bench/bench_planner.py``: LLM weights, gradients and Adam states, LLM activations of
+    34 x seq x hidden bytes per layer per sequence, encoder and generator parameters only,
+    the GPU memory named in ``hardware.gpu`` ("80GB"). ``flops_per_sample`` is the samples'
+    mean training FLOPs of each module."""
+    fwd = fig3_forward_ms(paper, spec.resolution, float(costs.images.mean()))
+    ref = next(s for s in model_specs(paper).values() if s.backbone == REFERENCE_BACKBONE)
+    ref_flops = CostModel.paper_mllm(REFERENCE_BACKBONE).costs(costs.stats)[:, 1].mean()
+    train = 1.0 + BACKWARD_FACTOR
+    llm = train * fwd["llm_stage"] * ref.megatron_pp * costs.flops[:, 1].mean() / ref_flops
+    arch, seq = paper["llm_backbones"][spec.backbone], paper["sequence_length"]
+    mean_flops = train * costs.flops.mean(axis=0)
+    memory = float(re.search(r"(\d+)\s*GB", paper["hardware"]["gpu"]).group(1))
+    enc, gen = train * fwd["vit_huge"], train * fwd["sd21"]  # Fig. 3: whole module, one GPU
+    return profile_from_dict({
+        "description": f"{spec.name} from the DistTrain paper's Fig. 3 by disttrain_ds.planner."
+                       f"scale; TP efficiency {TP_EFFICIENCY} per doubling",
+        "gpus": gpus, "global_batch": global_batch, "microbatch": 1,
+        "gpus_per_node": paper["hardware"]["gpus_per_node"], "gpu_memory_gb": memory,
+        "peak_tflops": paper["hardware"]["bf16_peak_tflops"],
+        "modules": {
+            "encoder": {"layers": VIT_HUGE_14.layers, "cost_ms": tp_costs(enc, 1),
+                        "params": paper["encoder"]["params_b"] * 1e9,
+                        "flops_per_sample": float(mean_flops[0])},
+            "llm": {"layers": arch["layers"], "cost_ms": tp_costs(llm, ref.megatron_tp),
+                    "params": _llm_params(arch), "flops_per_sample": float(mean_flops[1]),
+                    "activation_bytes_per_sample": 34.0 * seq * arch["hidden"] * arch["layers"]},
+            "generator": {"layers": GENERATOR_LAYERS, "cost_ms": tp_costs(gen, 1),
+                          "params": paper["generator"]["params_b"] * 1e9,
+                          "flops_per_sample": float(mean_flops[2])},
+        }})
+
+
+def flop_split(profile: Profile) -> dict[str, int]:
+    """GPUs per module in proportion to training FLOPs per sample (``flops_per_sample``),
+    rounded as ``baselines.ratio_split`` does (floors, leftovers to the largest remainders)."""
+    w = {n: profile.modules[n].flops_per_sample or 0.0 for n in MODULES}
+    exact = {n: profile.gpus * w[n] / sum(w.values()) for n in MODULES}
+    share = {n: math.floor(exact[n]) for n in MODULES}
+    for n in sorted(MODULES, key=lambda n: share[n] - exact[n])[:profile.gpus - sum(share.values())]:
+        share[n] += 1
+    return {n: max(1, share[n]) for n in MODULES}
+
+
+def paper_plans(profile: Profile, spec: ModelSpec) -> dict[str, Plan]:
+    """``ours`` (exact optimum), ``megatron`` (paper's TP/PP), ``ratio`` (GPUs split by profiled
+    GPU-time, ``baselines.ratio_plan``) and ``flops`` (split by FLOPs, :func:`flop_split`), each
+    the best layout inside its split."""
+    return {"ours": plan(profile),
+            "megatron": megatron_plan(profile, tp=spec.megatron_tp, pp=spec.megatron_pp),
+            "ratio": ratio_plan(profile),
+            "flops": replace(plan(profile, gpu_caps=flop_split(profile)), layout="flop-ratio")}
+
+
+def sample_times(flops: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[n, 3]`` per-sample fwd+bwd ms of each module under ``plan_``: the FLOPs rescaled so
+    each column's mean is the plan's per-sample cost (warm-up term / samples per replica),
+    i.e. time proportional to FLOPs within a module, at the profile's efficiency."""
+    f = np.asarray(flops, dtype=np.float64)
+    per = np.array([plan_.module(n).warmup_ms / plan_.module(n).samples_per_microbatch
+                    for n in MODULES])
+    mean = f.mean(axis=0)
+    return np.where(mean > 0, f / np.where(mean > 0, mean, 1.0), 1.0) * per
+
+
+def _step_size(plan_: Plan) -> int:
+    return plan_.llm.dp * plan_.llm.samples_per_microbatch
+
+
+def replica_max(steps: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[K, 3]`` slowest replica's load per module for ``steps`` = ``[K, D, 3]`` ms, where
+    replica r of a module with DP = dp takes slots ``r*D/dp .. (r+1)*D/dp - 1`` of the step."""
+    k, d, _ = steps.shape
+    return np.stack([steps[:, :, j].reshape(k, plan_.module(n).dp, -1).sum(axis=2).max(axis=1)
+                     for j, n in enumerate(MODULES)], axis=1)
+
+
+def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
+    """``[K, P]`` fwd+bwd time per step and pipeline stage (encoder stages, LLM stages,
+    generator stages): a module's slowest replica load split evenly over its PP stages."""
+    d = _step_size(plan_)
+    worst = replica_max(times[arrangement].reshape(-1, d, 3), plan_)
+    return np.concatenate([np.repeat(worst[:, [j]] / plan_.module(n).pp, plan_.module(n).pp,
+                                     axis=1) for j, n in enumerate(MODULES)], axis=1)
+
+
+def balance_step(step: np.ndarray, plan_: Plan) -> np.ndarray:
+    """Slot order of one step's ``[D, 3]`` sample times that balances module replicas.
+
+    Modules are taken by replica size D/DP, smallest first (size 1 needs nothing): the current
+    units (single samples, then the previous level's replicas) are grouped into this level's
+    replicas by ``intra_microbatch_reorder`` on their stage-time contribution (load / PP, summed
+    over modules of the same size), so finer replicas stay intact inside coarser ones. When a
+    size is not a multiple of the previous one, chunks stop nesting and coarser modules keep
+    contiguous chunks of the finer level's order."""
+    d = len(step)
+    sizes: dict[int, np.ndarray] = {}
+    for j, n in enumerate(MODULES):
+        m = d // plan_.module(n).dp
+        if m > 1:
+            sizes[m] = sizes.get(m, 0.0) + step[:, j] / plan_.module(n).pp
+    units, prev = [[i] for i in range(d)], 1
+    for m in sorted(sizes):
+        if m % prev:
+            break
+        weight = [float(sizes[m][u].sum()) for u in units]
+        groups = intra_microbatch_reorder(weight, d // m)
+        units, prev = [[i for g in grp for i in units[g]] for grp in groups], m
+    return np.array([i for u in units for i in u], dtype=np.int64)
+
+
+def balance_steps(times: np.ndarray, plan_: Plan) -> np.ndarray:
+    """Intra-microbatch reordering of a whole iteration: each step's slots reordered by
+    :func:`balance_step`, kept only if no module's slowest replica gets slower (so stage times
+    never grow, and the 1F1B makespan, monotone in op times, never does either)."""
+    d = _step_size(plan_)
+    out = np.arange(len(times))
+    for lo in range(0, len(times), d):
+        step = times[lo:lo + d]
+        perm = balance_step(step, plan_)
+        before, after = replica_max(np.stack([step, step[perm]]), plan_)
+        if (after <= before).all():
+            out[lo:lo + d] = lo + perm
+    return out
+
+
+def split_fwd_bwd(stage_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward parts of fwd+bwd stage times (backward = BACKWARD_FACTOR x fwd)."""
+    fwd = stage_ms / (1.0 + BACKWARD_FACTOR)
+    return fwd, stage_ms - fwd
+
+
+def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
+                       inter: bool = False, budget_s: float = 0.5, seed: int = 0) -> IterationSim:
+    """Simulate one iteration of ``plan_`` on ``times`` (``[global_batch, 3]`` ms from
+    :func:`sample_times`, in loader order), optionally with intra- and inter-microbatch
+    reordering (the latter searches up to ``budget_s`` seconds)."""
+    times = np.asarray(times, dtype=np.float64)
+    if times.shape != (plan_.microbatches * _step_size(plan_), 3):
+        raise ValueError(f"times must be [{plan_.microbatches * _step_size(plan_)}, 3], "
+                         f"got {list(times.shape)}")
+    arrangement = balance_steps(times, plan_) if intra else np.arange(len(times))
+    stages = stage_times(times, plan_, arrangement)
+    fwd, bwd = split_fwd_bwd(stages)
+    order = list(range(len(stages)))
+    if inter:
+        order = inter_microbatch_reorder(fwd, bwd, time_budget_s=budget_s, seed=seed)
+    span = makespan_1f1b(fwd[order], bwd[order])
+    return IterationSim(float(span), stages[order], arrangement, tuple(order))
+
+
+def independent_replicas_ms(times: np.ndarray, plan_: Plan) -> float:
+    """Iteration time if DP replicas ran as independent pipelines that meet only at the end of
+    the iteration (gradient all-reduce, not timed): the slowest replica's own 1F1B makespan,
+    samples in loader order. Defined only when every module has the LLM's DP (Megatron-LM's
+    layout), so that replica r of every module handles the same samples."""
+    dp = plan_.llm.dp
+    if any(plan_.module(n).dp != dp for n in MODULES):
+        raise ValueError("independent replicas need the same DP in every module")
+    d = _step_size(plan_)
+    per = np.asarray(times, dtype=np.float64).reshape(-1, dp, d // dp, 3).sum(axis=2)
+    pp = [plan_.module(n).pp for n in MODULES]
+    spans = [makespan_1f1b(*split_fwd_bwd(np.concatenate(
+        [np.repeat(per[:, r, [j]] / pp[j], pp[j], axis=1) for j in range(3)], axis=1)))
+        for r in range(dp)]
+    return float(max(spans))
+
+
+def straggler_factors(times: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[3]`` mean over the steps of (slowest replica's load / mean replica load) per module,
+    samples in loader order: how much data heterogeneity stretches each module's stage."""
+    d = _step_size(plan_)
+    steps = np.asarray(times, dtype=np.float64).reshape(-1, d, 3)
+    dp = np.array([plan_.module(n).dp for n in MODULES])
+    return (replica_max(steps, plan_) / (steps.sum(axis=1) / dp)).mean(axis=0)
+
+
+def module_efficiency(profile: Profile, name: str, tp: int) -> float:
+    """Share of peak a module's profile implies at TP ``tp``: its mean training FLOPs per
+    sample over (tp GPUs x C(tp) x peak). Above 1 means the profile is faster than the FLOPs
+    allow, i.e. the profiled inputs were lighter than the simulated ones."""
+    spec = profile.modules[name]
+    return (spec.flops_per_sample or 0.0) / (
+        tp * spec.cost_ms[tp] * 1e-3 * (profile.peak_tflops or math.inf) * 1e12)
+
+
+def full_attention_llm_flops(backbone: str, seq_len: int) -> float:
+    """Training FLOPs of one sequence in the LLM counted as Megatron-LM's formula does: full
+    (non-causal) attention over the whole packed sequence, documents ignored."""
+    cm = CostModel.from_dims(VIT_HUGE_14, LLAMA_PRESETS[backbone], SD21_UNET, causal=False)
+    return (1.0 + BACKWARD_FACTOR) * cm.llm_cost(SampleStats(0, (), 0, 0, seq_len, ()))
+
+
+def mfu(flops: float, gpus: int, t_ms: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: ``flops`` done in ``t_ms`` over ``gpus`` GPUs' peak."""
+    return flops / (gpus * peak_tflops * 1e12 * t_ms * 1e-3)
+
+
+def tokens_per_s(sequences: int, seq_len: int, t_ms: float) -> float:
+    """Throughput counting every position of the packed sequences (padding included)."""
+    return sequences * seq_len / (t_ms * 1e-3)
+
+
+def evaluate_plan(plan_: Plan, profile: Profile, costs: SampleCosts, *, iterations: int,
+                  seq_len: int, variants: Sequence[str] = tuple(VARIANTS),
+                  budget_s: float = 0.5) -> PlanResult:
+    """Simulate ``iterations`` consecutive global batches of ``costs`` under ``plan_`` for each
+    reordering variant; MFU and throughput aggregate all iterations (total work / total time)."""
+    bs = profile.global_batch
+    if profile.peak_tflops is None:
+        raise ValueError("the profile needs peak_tflops for MFU")
+    if len(costs.flops) < bs * iterations:
+        raise ValueError(f"need {bs * iterations} samples, got {len(costs.flops)}")
+    used = costs.flops[:bs * iterations]
+    times = sample_times(used, plan_)
+    work = float(used.sum()) * (1.0 + BACKWARD_FACTOR)
+    t, m, tok = {}, {}, {}
+    for v in variants:
+        intra, inter = VARIANTS[v]
+        total = sum(simulate_iteration(times[i * bs:(i + 1) * bs], plan_, intra=intra,
+                                       inter=inter, budget_s=budget_s, seed=i).makespan_ms
+                    for i in range(iterations))
+        t[v] = total / iterations
+        m[v] = mfu(work, plan_.gpus, total, profile.peak_tflops)
+        tok[v] = tokens_per_s(bs * iterations, seq_len, total)
+    return PlanResult(plan_, t, m, tok)
