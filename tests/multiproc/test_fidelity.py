@@ -54,6 +54,9 @@ def test_layout_matches_reference_losses_and_parameters(name, tmp_path, referenc
     # One writer: per-module times gathered into each row, and one timeline file per rank.
     for module in ("encoder", "llm", "generator"):
         assert all(r[f"time/{module}_compute"] > 0 for r in rows)
+        assert all(0 < r[f"perf/mfu/{module}"] < 1 and r[f"memory/{module}_peak_gib"] > 0 for r in rows)
+    for key in ("time/step", "time/bubble", "time/comm_wait", "balance/encoder_load_max", "perf/tokens_per_s"):
+        assert all(key in r for r in rows), key
     assert len(list((tmp_path / "run" / "trace").glob("rank*.json"))) == nproc
 
 
