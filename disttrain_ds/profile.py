@@ -16,7 +16,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
@@ -208,21 +208,18 @@ def profile_recipe(recipe: Recipe, opts: Options) -> list[ModuleResult]:
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     torch.manual_seed(recipe.seed)
+    # A "global batch" of exactly the samples to time: a real one may hold thousands of sequences.
+    sized = replace(recipe, train=replace(recipe.train, global_batch=opts.samples))
     try:
-        source, spec = build_data_and_spec(recipe)
+        source, spec = build_data_and_spec(sized)
     except ValueError as exc:
         raise ConfigError(f"{recipe.source_file}: {exc}") from None
-    samples: list[PackedSample] = []
-    step = 0
     try:
-        while len(samples) < opts.samples:
-            samples += source.global_batch(step)
-            step += 1
+        samples = source.global_batch(0)
     finally:
         source.close()  # stops producer processes, if any
-    samples = samples[: opts.samples]
     mbs = [_to(collate([s], BatchNorms.of([s], 1), spec, dtype=opts.dtype), opts.device) for s in samples]
-    e, l, g, mode, dev, dt = spec.encoder, spec.llm, spec.generator, modes(recipe), opts.device, opts.dtype
+    e, lm, g, mode, dev, dt = spec.encoder, spec.llm, spec.generator, modes(recipe), opts.device, opts.dtype
 
     def encoder_pass(mb: MicroBatch) -> Pass:
         patches = [(h // e.patch_size) * (w // e.patch_size) for h, w in mb.image_hw.tolist()]
@@ -232,18 +229,18 @@ def profile_recipe(recipe: Recipe, opts: Options) -> list[ModuleResult]:
             flops = vit_flops(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden,
                               patches_per_image=patches, patch_size=e.patch_size, mode=m)
             flops += sum(patches) * projector_flops_per_token(
-                in_dim=e.hidden_size, hidden_dim=l.hidden_size, out_dim=l.hidden_size, mode=m)
-        grad = torch.randn(sum(patches), l.hidden_size, device=dev, dtype=dt)  # what the LLM sends back
+                in_dim=e.hidden_size, hidden_dim=lm.hidden_size, out_dim=lm.hidden_size, mode=m)
+        grad = torch.randn(sum(patches), lm.hidden_size, device=dev, dtype=dt)  # what the LLM sends back
         return Pass((mb.pixels, mb.image_hw), lambda out: ([out], [grad]), lambda out: out, flops)
 
     def llm_pass(mb: MicroBatch, sample: PackedSample, embeds: torch.Tensor) -> Pass:
         embeds = embeds.detach().clone().requires_grad_(mode["llm"][1])
         n_gen = mb.sample_rows["gen_states"][0]
-        grad = torch.randn(n_gen, g.query_tokens, l.hidden_size, device=dev, dtype=dt)
+        grad = torch.randn(n_gen, g.query_tokens, lm.hidden_size, device=dev, dtype=dt)
         # Useful FLOPs: documents only, padding left out (as the training MFU counts them).
         docs = [n for n in sample.doc_lens if n > 0] or [int((mb.input_ids != spec.special.pad).sum()) or 1]
-        flops = llm_flops_packed(layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads,
-                                 kv_heads=l.kv_heads, vocab=l.vocab_size, doc_lens=docs, mode=mode["llm"][0])
+        flops = llm_flops_packed(layers=lm.layers, hidden=lm.hidden_size, ffn_hidden=lm.ffn_hidden, heads=lm.heads,
+                                 kv_heads=lm.kv_heads, vocab=lm.vocab_size, doc_lens=docs, mode=mode["llm"][0])
 
         def head(out: Any) -> Grads:
             logits, hidden = out
@@ -261,7 +258,7 @@ def profile_recipe(recipe: Recipe, opts: Options) -> list[ModuleResult]:
         unet_config = {k: v for k, v in build_unet(g).config.items() if not k.startswith("_")}
     per_image = unet_flops(unet_config, batch=1, resolution=g.resolution, cond_tokens=g.query_tokens,
                            mode=gen_mode) + g.query_tokens * projector_flops_per_token(
-        in_dim=l.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim, mode=gen_mode)
+        in_dim=lm.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim, mode=gen_mode)
 
     def generator_pass(mb: MicroBatch, states: torch.Tensor) -> Pass:
         states = states.detach().clone().requires_grad_(mode["generator"][1])

@@ -219,7 +219,8 @@ def flop_split(profile: Profile) -> dict[str, int]:
     w = {n: profile.modules[n].flops_per_sample or 0.0 for n in MODULES}
     exact = {n: profile.gpus * w[n] / sum(w.values()) for n in MODULES}
     share = {n: math.floor(exact[n]) for n in MODULES}
-    for n in sorted(MODULES, key=lambda n: share[n] - exact[n])[:profile.gpus - sum(share.values())]:
+    left = profile.gpus - sum(share.values())
+    for n in sorted(MODULES, key=lambda n: share[n] - exact[n])[:left]:
         share[n] += 1
     return {n: max(1, share[n]) for n in MODULES}
 
@@ -257,13 +258,17 @@ def replica_max(steps: np.ndarray, plan_: Plan) -> np.ndarray:
                      for j, n in enumerate(MODULES)], axis=1)
 
 
+def _stages(loads: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[K, 3]`` module loads per step -> ``[K, P]`` stage times (load / PP on each stage)."""
+    return np.concatenate([np.repeat(loads[:, [j]] / plan_.module(n).pp, plan_.module(n).pp,
+                                     axis=1) for j, n in enumerate(MODULES)], axis=1)
+
+
 def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
     """``[K, P]`` fwd+bwd time per step and pipeline stage (encoder stages, LLM stages,
     generator stages): a module's slowest replica load split evenly over its PP stages."""
-    d = _step_size(plan_)
-    worst = replica_max(times[arrangement].reshape(-1, d, 3), plan_)
-    return np.concatenate([np.repeat(worst[:, [j]] / plan_.module(n).pp, plan_.module(n).pp,
-                                     axis=1) for j, n in enumerate(MODULES)], axis=1)
+    return _stages(replica_max(times[arrangement].reshape(-1, _step_size(plan_), 3), plan_),
+                   plan_)
 
 
 def balance_step(step: np.ndarray, plan_: Plan) -> np.ndarray:
@@ -341,11 +346,7 @@ def independent_replicas_ms(times: np.ndarray, plan_: Plan) -> float:
         raise ValueError("independent replicas need the same DP in every module")
     d = _step_size(plan_)
     per = np.asarray(times, dtype=np.float64).reshape(-1, dp, d // dp, 3).sum(axis=2)
-    pp = [plan_.module(n).pp for n in MODULES]
-    spans = [makespan_1f1b(*split_fwd_bwd(np.concatenate(
-        [np.repeat(per[:, r, [j]] / pp[j], pp[j], axis=1) for j in range(3)], axis=1)))
-        for r in range(dp)]
-    return float(max(spans))
+    return max(makespan_1f1b(*split_fwd_bwd(_stages(per[:, r], plan_))) for r in range(dp))
 
 
 def straggler_factors(times: np.ndarray, plan_: Plan) -> np.ndarray:

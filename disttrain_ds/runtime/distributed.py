@@ -17,6 +17,7 @@ from ..comm.boundary import BoundaryComm
 from ..comm.p2p import P2P, PeerInfo
 from ..comm.routes import blocks
 from ..config import Recipe, resolve_path
+from ..configtools import ConfigError
 from ..dsconfig import engine_config, load_ds_config
 from ..models.mllm import MODULES, BatchNorms, collate
 from ..parallel.engine import build_pipeline_module, make_engine, write_trace
@@ -71,6 +72,12 @@ def layer_state(pm, module: str, layer_defs) -> dict[str, torch.Tensor]:
 def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) -> int:
     """Train; with ``export_dir`` every rank also saves its final layer parameters there."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    for m in MODULES:
+        if getattr(recipe.parallel, m).tp > 1:
+            raise ConfigError(
+                f"{recipe.source_file}: 'parallel.{m}.tp' = {getattr(recipe.parallel, m).tp}: tensor parallelism "
+                "inside a module is not available in this version; use tp=1"
+            )
     topo = Topology.from_recipe(recipe)
     topo.check_world(world, recipe.source_file)
     device = init_processes(recipe.parallel.comm_timeout_s)
