@@ -1,0 +1,157 @@
+"""``python -m disttrain_ds.profile``: real per-module measurements that the planner accepts."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain_ds import plan as plan_cli
+from disttrain_ds import profile as cli
+from disttrain_ds.config import load_recipe
+from disttrain_ds.planner.optimize import plan
+from disttrain_ds.planner.profile import load_profile, profile_from_dict, profile_to_dict
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny_cpu.yaml"
+FAST = ("--samples", "2", "--warmup", "1")
+
+
+def run(*argv: str | Path) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(code: int, out: str, err: str) -> str:
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(cli.PROG + ": error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, str]:
+    """One CLI run on the tiny recipe with a 2-layer LLM: (profile path, stdout)."""
+    path = tmp_path_factory.mktemp("profile") / "p.json"
+    code, out, err = run("--recipe", TINY, "model.llm.layers=2", *FAST, "--out", path)
+    assert code == 0, err
+    return path, out
+
+
+def test_profile_round_trips_and_plans(tiny, capsys):
+    path, _ = tiny
+    profile = load_profile(path)
+    assert profile_from_dict(profile_to_dict(profile)) == profile
+    assert json.loads(path.read_text()) == profile_to_dict(profile)
+    recipe = load_recipe(TINY)
+    assert (profile.global_batch, profile.microbatch) == (recipe.train.global_batch, recipe.train.micro_batch)
+    assert profile.gpus == 4  # the recipe's layout: encoder 1 + LLM PP=2 + generator 1
+    best = plan(profile)
+    assert 3 <= best.gpus <= profile.gpus and best.t_iter_ms > 0
+    assert plan_cli.main(["--profile", str(path)]) == 0
+    assert "T_iter" in capsys.readouterr().out
+
+
+def test_tp1_is_measured_and_larger_degrees_interpolated(tiny):
+    path, out = tiny
+    profile = load_profile(path)
+    for name, m in profile.modules.items():
+        assert set(m.cost_ms) == {1, 2, 4, 8}
+        for t in (2, 4, 8):
+            assert m.cost_ms[t] == pytest.approx(m.cost_ms[1] / (t * 0.9 ** math.log2(t)), rel=1e-12)
+    assert "TP=1 measured" in profile.description
+    assert "TP=2/4/8 interpolated, not measured" in profile.description
+    assert "interpolated (not measured)" in out
+
+
+def test_module_figures_come_from_the_real_model(tiny):
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    path, out = tiny
+    profile = load_profile(path)
+    recipe = load_recipe(TINY, ["model.llm.layers=2"])
+    source, spec = build_data_and_spec(recipe)
+    source.close()
+    for name, m in profile.modules.items():
+        built = sum(p.numel() for d in spec.layers(name) for p in d.build().parameters())
+        assert m.params == built
+        assert m.activation_bytes_per_sample > 0 and m.flops_per_sample > 0 and not m.frozen
+        assert m.weight_bytes_per_param == 4 and m.optimizer_bytes_per_param == 8  # fp32 AdamW
+        row = next(line.split() for line in out.splitlines() if line.startswith(name + " "))
+        assert row[1] == "train" and float(row[3]) == pytest.approx(m.cost_ms[1], abs=0.006)
+    assert [profile.modules[n].layers for n in ("encoder", "llm", "generator")] == [2, 2, 5]
+
+
+def test_timings_positive_and_a_deeper_llm_is_slower():
+    opts = cli.Options(samples=3, warmup=1)
+    small = cli.profile_recipe(load_recipe(TINY, ["model.llm.layers=2"]), opts)
+    large = cli.profile_recipe(load_recipe(TINY, ["model.llm.layers=8"]), opts)
+    for r in small + large:
+        assert len(r.times_ms) == 3 and min(r.times_ms) > 0 and r.median_ms <= r.p90_ms <= max(r.times_ms)
+    assert large[1].median_ms > small[1].median_ms
+    assert large[1].params > small[1].params and large[1].flops[0] > small[1].flops[0]
+
+
+def test_frozen_modules_are_flagged_and_timed_as_such(tmp_path):
+    path = tmp_path / "frozen.json"
+    code, _, err = run("--recipe", TINY, "model.encoder.frozen=true", *FAST, "--out", path)
+    assert code == 0, err
+    modules = json.loads(path.read_text())["modules"]
+    assert modules["encoder"]["frozen"] is True
+    assert "activation_bytes_per_sample" not in modules["encoder"]  # forward only: 0, left at the default
+    assert "frozen" not in modules["llm"] and modules["llm"]["activation_bytes_per_sample"] > 0
+    plan(load_profile(path))
+    # A frozen LLM behind a trained encoder still passes gradients through (forward + input grad).
+    results = cli.profile_recipe(load_recipe(TINY, ["model.llm.frozen=true"]), cli.Options(samples=1, warmup=0))
+    assert [r.mode for r in results] == ["train", "frozen_passthrough", "train"]
+    assert results[1].activation_bytes > 0
+
+
+def test_refuses_to_overwrite_unless_forced(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text("keep me\n")
+    err = assert_one_line_error(*run("--recipe", TINY, *FAST, "--out", path))
+    assert "already exists (use --force to overwrite)" in err
+    assert path.read_text() == "keep me\n"
+    code, _, err = run("--recipe", TINY, "--samples", "1", "--warmup", "0", "--out", path, "--force")
+    assert code == 0, err
+    assert load_profile(path).modules["llm"].cost_ms[1] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("model.llm.layerz=3",), "layerz"),
+    (("--samples", "0"), "--samples must be >= 1, got 0"),
+    (("--tp-efficiency", "1.5"), "--tp-efficiency must be <= 1"),
+])
+def test_bad_arguments_give_one_line(tmp_path, argv, message):
+    err = assert_one_line_error(*run("--recipe", TINY, *argv, "--out", tmp_path / "p.json"))
+    assert message in err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_bad_recipe_is_one_line_and_exit_2_from_the_command_line(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "disttrain_ds.profile", "--recipe", str(tmp_path / "nope.yaml"),
+                           "--out", str(tmp_path / "p.json")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    err = assert_one_line_error(proc.returncode, proc.stdout, proc.stderr)
+    assert "nope.yaml: file not found" in err
+
+
+@pytest.mark.gpu
+def test_cuda_path_times_with_events_and_reports_peak_memory():
+    opts = cli.Options(samples=2, warmup=1, device=torch.device("cuda"))
+    for r in cli.profile_recipe(load_recipe(TINY), opts):
+        assert min(r.times_ms) > 0 and r.memory_bytes >= r.params * 4
