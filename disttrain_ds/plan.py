@@ -13,10 +13,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 
+from disttrain_ds.cli import OneLineParser
 from disttrain_ds.configtools import ConfigError, load_yaml
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
 from disttrain_ds.planner.profile import MODULES, Profile, load_profile
@@ -24,15 +25,9 @@ from disttrain_ds.planner.profile import MODULES, Profile, load_profile
 PROG = "python -m disttrain_ds.plan"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line instead of usage + message: the caller usually greps stderr.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    ap = _Parser(prog=PROG, description="Find the layout (per-module DP/TP/PP) that minimises "
+    ap = OneLineParser(prog=PROG, description="Find the layout (per-module DP/TP/PP) that minimises "
                  "the predicted iteration time of a disaggregated multimodal LLM.")
     ap.add_argument("--profile", required=True, type=Path, help="profile JSON (docs/planner.md)")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")

@@ -18,11 +18,12 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from disttrain_ds.config import Recipe, load_recipe
+from disttrain_ds.cli import OneLineParser
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.metrics.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
 from disttrain_ds.metrics.peak import resolve_peak
@@ -332,15 +333,9 @@ def format_report(results: list[ModuleResult], profile: Profile, cuda: bool, eff
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line instead of usage + message: the caller usually greps stderr.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    ap = _Parser(prog=PROG, description="Measure each module of a recipe's model and write a "
+    ap = OneLineParser(prog=PROG, description="Measure each module of a recipe's model and write a "
                  "profile for python -m disttrain_ds.plan.")
     ap.add_argument("--recipe", required=True, type=Path, help="recipe YAML (see recipes/)")
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. model.llm.layers=8")
