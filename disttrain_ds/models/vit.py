@@ -91,7 +91,7 @@ class VitEmbed(nn.Module):
             counts.append(emb.shape[1])
         width = self.embeddings.cls_token.shape[-1]
         hidden = torch.cat(rows) if rows else flat.new_zeros(0, width)
-        return hidden, torch.tensor(counts, dtype=torch.long)
+        return hidden, torch.tensor(counts, dtype=torch.long, device=hidden.device)
 
 
 class VitBlock(nn.Module):
@@ -126,7 +126,7 @@ class VitHead(nn.Module):
     def forward(self, inputs):
         hidden, counts = inputs
         hidden = self.layernorm(hidden)
-        keep = torch.ones(hidden.shape[0], dtype=torch.bool)
+        keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         starts = torch.cumsum(counts, 0) - counts
         keep[starts] = False  # CLS rows
         return self.projector(hidden[keep])

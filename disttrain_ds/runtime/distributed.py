@@ -95,6 +95,8 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
 
     # Boundary traffic gets its own group so it never queues behind DeepSpeed's own P2P.
     comm_group = tdist.new_group(list(range(world)))
+    # Step figures and timeline bookkeeping are small CPU tensors: keep them on gloo even with NCCL.
+    meta_group = tdist.new_group(list(range(world)), backend="gloo")
     names = {r: f"{m.name} stage {m.coords(r)[0]} dp {m.coords(r)[1]}" for m in topo.modules for r in m.ranks}
     p2p = P2P(comm_group, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     up_grid, down_grid = topo.neighbours(grid.name)
@@ -160,7 +162,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
             stats = engine.run_step(batches)
             stats["data_wait_s"] = data_wait
             elapsed = time.perf_counter() - t0
-            rec = gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, comm_group)
+            rec = gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, meta_group)
             if is_logger:
                 rec = {
                     "step": step + 1,
@@ -181,9 +183,9 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     p2p.flush_sends()
     # Per-rank timeline of the last step; ranks agree on a time origin through the step start.
     dirs = [str(run_dir) if is_logger else None]
-    tdist.broadcast_object_list(dirs, src=0, group=comm_group)
+    tdist.broadcast_object_list(dirs, src=0, group=meta_group)
     origin = torch.tensor([min(sp["start"] for sp in engine.trace) if engine.trace else 0.0], dtype=torch.float64)
-    tdist.all_reduce(origin, op=tdist.ReduceOp.MIN, group=comm_group)  # same clock on one host; roughly aligned otherwise
+    tdist.all_reduce(origin, op=tdist.ReduceOp.MIN, group=meta_group)  # same clock on one host; roughly aligned otherwise
     trace_dir = os.path.join(dirs[0], "trace")
     os.makedirs(trace_dir, exist_ok=True)
     write_trace(engine.trace, os.path.join(trace_dir, f"rank{rank}.json"), rank, names[rank], float(origin))
