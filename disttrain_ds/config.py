@@ -6,7 +6,6 @@ raises ``ConfigError`` with one line naming the key and the file.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -248,7 +247,3 @@ def resolve_path(path: str) -> Path:
     """Recipe paths are relative to the repository root when not absolute."""
     p = Path(path)
     return p if p.is_absolute() or p.exists() else REPO_ROOT / p
-
-
-def replace(recipe: Recipe, **changes) -> Recipe:
-    return dataclasses.replace(recipe, **changes)

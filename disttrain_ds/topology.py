@@ -142,11 +142,3 @@ class Topology:
                 f"  stages {self.stage_offset(m.name)}-{self.stage_offset(m.name) + m.pp - 1}"
             )
         return "\n".join(lines)
-
-
-def slot_split(slot: int, dp: int) -> list[range]:
-    """Contiguous sample ranges of one microbatch slot (DP_llm * micro samples) per DP replica."""
-    if slot % dp:
-        raise ValueError(f"slot of {slot} samples does not split over {dp} replicas")
-    n = slot // dp
-    return [range(r * n, (r + 1) * n) for r in range(dp)]

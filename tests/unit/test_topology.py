@@ -8,7 +8,8 @@ import pytest
 
 from disttrain_ds.config import load_recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.topology import ModuleGrid, Topology, slot_split
+from disttrain_ds.comm.routes import blocks
+from disttrain_ds.topology import ModuleGrid, Topology
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
 
@@ -58,8 +59,8 @@ def test_world_size_mismatch_is_one_line_error():
         topo.check_world(3, "tiny_cpu.yaml")
 
 
-def test_slot_split_is_contiguous_and_covers_slot():
-    parts = slot_split(6, 3)
+def test_slot_blocks_are_contiguous_and_cover_the_slot():
+    parts = blocks(6, 3)
     assert [list(p) for p in parts] == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(ValueError):
-        slot_split(6, 4)
+        blocks(6, 4)
