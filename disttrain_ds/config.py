@@ -76,6 +76,10 @@ class TrainConfig:
     peak_tflops: float = 0.0
     """Accelerator peak for MFU; 0 looks the device up (A100 312, H100 989, ...) or, on CPU,
     measures a matmul estimate once."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in ``checkpoint.dir`` if there is one;
+    none: start from scratch (refused if ``checkpoint.dir`` already holds checkpoints);
+    or the path of one checkpoint step directory."""
 
 
 @dataclass
@@ -98,6 +102,19 @@ class OptimConfig:
     """Learning-rate decay after warm-up."""
     grad_clip: float = 0.0
     """Gradient-norm clipping per module; 0 disables it."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Periodic checkpoints of every module engine, the data order and RNG states."""
+
+    dir: str = ""
+    """Directory of step directories (``step_00000100/``); empty means checkpoints/<recipe name>.
+    Must be on a filesystem every node sees."""
+    every: int = 0
+    """Save after every N optimizer steps (and after the last step); 0 disables checkpoints."""
+    keep: int = 3
+    """Complete checkpoints kept (oldest removed first); 0 keeps all."""
 
 
 @dataclass
@@ -136,6 +153,8 @@ class Recipe:
     """Optimizer settings."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and what resuming reads."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"
     """DeepSpeed JSON used by every module engine unless the module names its own."""
     source_file: str = ""
@@ -225,6 +244,15 @@ def validate(r: Recipe) -> None:
     _check(len(r.optim.betas) == 2, src, "optim.betas", "must have two numbers")
     _check(r.parallel.comm_timeout_s > 0, src, "parallel.comm_timeout_s", "must be > 0")
     _check(r.logging.every >= 1, src, "logging.every", "must be >= 1")
+    c = r.checkpoint
+    _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")
+    _check(c.keep >= 0, src, "checkpoint.keep", f"must be >= 0, got {c.keep}")
+    _check(bool(t.resume), src, "train.resume", "must be auto, none or a checkpoint path")
+    if r.layout == "reference":
+        _check(c.every == 0, src, "checkpoint.every", "checkpoints are written by the monolithic and disaggregated layouts; "
+               "the reference layout is for comparisons (set checkpoint.every=0)")
+    elif t.resume not in ("auto", "none"):
+        _check(Path(t.resume).is_dir(), src, "train.resume", f"{t.resume} is not a directory (expected auto, none or a checkpoint step directory)")
     d = r.data
     _check(d.seq_len >= 16, src, "data.seq_len", f"must be >= 16, got {d.seq_len}")
     patch = r.model.encoder.patch_size
