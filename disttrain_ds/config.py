@@ -59,6 +59,8 @@ class ParallelConfig:
     """Generator degrees."""
     comm_timeout_s: float = 300.0
     """Seconds a rank waits on the inter-engine communicator before failing with a clear error."""
+    heartbeat_timeout_s: float = 20.0
+    """Seconds without a heartbeat after which a rank counts as dead or hung and every rank stops."""
 
 
 @dataclass
@@ -243,6 +245,7 @@ def validate(r: Recipe) -> None:
     _check(r.optim.lr > 0, src, "optim.lr", f"must be > 0, got {r.optim.lr}")
     _check(len(r.optim.betas) == 2, src, "optim.betas", "must have two numbers")
     _check(r.parallel.comm_timeout_s > 0, src, "parallel.comm_timeout_s", "must be > 0")
+    _check(r.parallel.heartbeat_timeout_s > 0, src, "parallel.heartbeat_timeout_s", "must be > 0")
     _check(r.logging.every >= 1, src, "logging.every", "must be >= 1")
     c = r.checkpoint
     _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -27,7 +28,9 @@ from ..topology import Topology
 from .reference import step_tokens
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
-from .rundir import make_run_dir, progress_line, write_resolved_recipe
+from .checkpointing import Checkpointer, resolve_resume
+from .health import Watchdog, connect_store
+from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
 from ..metrics.balance import dp_balance
 from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda
 
@@ -70,7 +73,11 @@ def layer_state(pm, module: str, layer_defs) -> dict[str, torch.Tensor]:
 
 
 def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) -> int:
-    """Train; with ``export_dir`` every rank also saves its final layer parameters there."""
+    """Train; with ``export_dir`` every rank also saves its final layer parameters there.
+
+    A failure on any rank stops every rank within ``parallel.heartbeat_timeout_s`` (plus a few
+    seconds) with one line naming the failed rank and its module (``runtime/health.py``).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for m in MODULES:
         if getattr(recipe.parallel, m).tp > 1:
@@ -80,8 +87,23 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
             )
     topo = Topology.from_recipe(recipe)
     topo.check_world(world, recipe.source_file)
+    resume_from, manifest = resolve_resume(recipe, world)
     device = init_processes(recipe.parallel.comm_timeout_s)
     rank = tdist.get_rank()
+    names = {r: f"{m.name} stage {m.coords(r)[0]} dp {m.coords(r)[1]}" for m in topo.modules for r in m.ranks}
+    watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s).start()
+    try:
+        rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir)
+    except BaseException as exc:  # noqa: BLE001 - every failure ends in one line, on every rank
+        watchdog.handle(exc, recipe.parallel.heartbeat_timeout_s + 5)
+        raise
+    watchdog.finished()
+    tdist.destroy_process_group()
+    return rc
+
+
+def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir) -> int:
+    resume_from, manifest = resume
     is_logger = rank == 0
     if is_logger:
         log(topo.describe())
@@ -97,7 +119,6 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     comm_group = tdist.new_group(list(range(world)))
     # Step figures and timeline bookkeeping are small CPU tensors: keep them on gloo even with NCCL.
     meta_group = tdist.new_group(list(range(world)), backend="gloo")
-    names = {r: f"{m.name} stage {m.coords(r)[0]} dp {m.coords(r)[1]}" for m in topo.modules for r in m.ranks}
     p2p = P2P(comm_group, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     up_grid, down_grid = topo.neighbours(grid.name)
     idx = [m.name for m in topo.modules].index(grid.name)
@@ -131,15 +152,26 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     engine = make_engine(pm, optimizer, scheduler, cfg)
     engine.setup_disaggregated(ROLES[grid.name](spec), place, upstream, downstream, frozen)
 
+    ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group)
+    start = 0
+    if resume_from is not None:
+        ckpt.load(resume_from, source)
+        start = manifest["step"]
+
     my_block = blocks(slot, grid.dp)[dp_index]
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     gen_dp_scale = topo.module("generator").dp / topo.module("llm").dp
     chunks = gas * recipe.parallel.llm.dp
     writer = run_dir = None
     if is_logger:
-        run_dir = make_run_dir(recipe.logging.dir, recipe.name)
         resolved = {"world_size": world, "topology": topo.describe()}
-        write_resolved_recipe(run_dir, recipe, resolved)
+        if manifest is not None:
+            run_dir, moved = reopen_run_dir(Path(manifest["run_dir"]), start)
+            write_resolved_recipe(run_dir, recipe, {**resolved, "resumed_from": str(resume_from)}, f"recipe.resume{start}.yaml")
+            log(f"resumed from {resume_from} at step {start}" + (f"; {moved} later step records moved to metrics.rolled_back.jsonl" if moved else ""))
+        else:
+            run_dir = make_run_dir(recipe.logging.dir, recipe.name)
+            write_resolved_recipe(run_dir, recipe, resolved)
         writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved)
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         gpus = {m.name: m.size for m in topo.modules}
@@ -149,8 +181,12 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
         dps = {m.name: m.dp for m in topo.modules}
         log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
 
+    dirs = [str(run_dir) if is_logger else None]
+    tdist.broadcast_object_list(dirs, src=0, group=meta_group)
+    watchdog.failure_dir = dirs[0]
     try:
-        for step in range(recipe.train.steps):
+        for step in range(start, recipe.train.steps):
+            watchdog.step = step + 1
             t0 = time.perf_counter()
             samples = source.global_batch(step)
             data_wait = source.last_wait_seconds
@@ -178,17 +214,20 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
                 writer.log(rec)
                 if (step + 1) % recipe.logging.every == 0:
                     writer.echo(progress_line(rec))
+            if ckpt.due(step + 1):
+                path = ckpt.save(step + 1, source, dirs[0])
+                if is_logger:
+                    writer.echo(f"checkpoint {path} ({ckpt.seconds:.1f} s)")
     finally:
         source.close()  # stops producer processes, if any
     p2p.flush_sends()
     # Per-rank timeline of the last step; ranks agree on a time origin through the step start.
-    dirs = [str(run_dir) if is_logger else None]
-    tdist.broadcast_object_list(dirs, src=0, group=meta_group)
-    origin = torch.tensor([min(sp["start"] for sp in engine.trace) if engine.trace else 0.0], dtype=torch.float64)
+    trace = getattr(engine, "trace", [])  # none if a resumed run had no step left
+    origin = torch.tensor([min(sp["start"] for sp in trace) if trace else 0.0], dtype=torch.float64)
     tdist.all_reduce(origin, op=tdist.ReduceOp.MIN, group=meta_group)  # same clock on one host; roughly aligned otherwise
     trace_dir = os.path.join(dirs[0], "trace")
     os.makedirs(trace_dir, exist_ok=True)
-    write_trace(engine.trace, os.path.join(trace_dir, f"rank{rank}.json"), rank, names[rank], float(origin))
+    write_trace(trace, os.path.join(trace_dir, f"rank{rank}.json"), rank, names[rank], float(origin))
     if export_dir:
         state = layer_state(pm, grid.name, spec.layers(grid.name))
         torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
@@ -196,7 +235,6 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     if is_logger:
         writer.close()
         log(f"metrics: {run_dir / 'metrics.jsonl'}")
-    tdist.destroy_process_group()
     return 0
 
 

@@ -26,11 +26,35 @@ def make_run_dir(requested: str, name: str) -> Path:
     return candidate
 
 
-def write_resolved_recipe(run_dir: Path, recipe, extra: dict | None = None) -> None:
+def reopen_run_dir(path: Path, step: int) -> tuple[Path, int]:
+    """Continue a run directory after resuming from ``step``: ``metrics.jsonl`` keeps the records
+    up to ``step``; later ones (written after the checkpoint, before the stop) are moved to
+    ``metrics.rolled_back.jsonl`` rather than lost. Returns the directory and the records moved."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.exists():
+        path.mkdir(parents=True, exist_ok=True)
+        return path, 0
+    keep, moved = [], []
+    for line in metrics.read_text().splitlines():
+        try:
+            ok = int(json.loads(line)["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            ok = False  # a line cut short by the stop
+        (keep if ok else moved).append(line)
+    if moved:
+        with (path / "metrics.rolled_back.jsonl").open("a") as f:
+            f.write("".join(m + "\n" for m in moved))
+        tmp = metrics.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        tmp.replace(metrics)
+    return path, len(moved)
+
+
+def write_resolved_recipe(run_dir: Path, recipe, extra: dict | None = None, name: str = "recipe.yaml") -> None:
     data = to_dict(recipe)
     if extra:
         data["resolved"] = extra
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    (run_dir / name).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 class MetricsWriter:

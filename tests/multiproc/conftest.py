@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,40 @@ def max_param_mismatch(ours: dict, ref: dict) -> tuple[float, str]:
         if diff / scale > worst:
             worst, where = diff / scale, k
     return worst, where
+
+
+def start_ranks(run_dir: Path, world: int, overrides: list[str]) -> list[subprocess.Popen]:
+    """Start ``tools/train.py`` once per rank, without an agent (rank 0 hosts the store), as a
+    multi-node launcher would; the caller waits for or kills them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled",
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        }
+        cmd = [sys.executable, "tools/train.py", "--recipe", "recipes/tiny_cpu.yaml", "layout=disaggregated",
+               f"logging.dir={run_dir}", "logging.wandb=disabled", *overrides]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def wait_until(cond, procs: list[subprocess.Popen], what: str, timeout: float = 300) -> None:
+    """Poll ``cond()`` until true; fail if a rank exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                pytest.fail(f"a rank exited (code {p.returncode}) before {what}: " + p.communicate()[1][-3000:])
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def metrics_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
