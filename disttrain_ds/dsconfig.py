@@ -61,9 +61,13 @@ def load_ds_config(path: Path, *, key: str = "deepspeed_config", recipe_src: str
     return cfg
 
 
-def engine_config(base: dict, *, micro_batch: int, grad_accum: int, dp: int, dtype: str, grad_clip: float) -> dict:
+def engine_config(
+    base: dict, *, micro_batch: int, grad_accum: int, dp: int, dtype: str, grad_clip: float, frozen: bool = False
+) -> dict:
     """The complete DeepSpeed config of one module engine."""
     cfg = copy.deepcopy(base)
+    if frozen:  # no optimizer, so no optimizer state for ZeRO to shard
+        cfg.pop("zero_optimization", None)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
     cfg["gradient_accumulation_steps"] = grad_accum
     cfg["train_batch_size"] = micro_batch * grad_accum * dp

@@ -147,7 +147,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     base = load_ds_config(resolve_path(mp.ds_config or recipe.deepspeed_config))
     micro = slot // grid.dp
     cfg = engine_config(
-        base, micro_batch=micro, grad_accum=gas, dp=grid.dp, dtype=recipe.train.dtype, grad_clip=recipe.optim.grad_clip
+        base, micro_batch=micro, grad_accum=gas, dp=grid.dp, dtype=recipe.train.dtype, grad_clip=recipe.optim.grad_clip,
+        frozen=frozen,
     )
     engine = make_engine(pm, optimizer, scheduler, cfg)
     engine.setup_disaggregated(ROLES[grid.name](spec), place, upstream, downstream, frozen)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from .conftest import REPO, metrics_steps, start_ranks, wait_until
 
@@ -15,8 +18,6 @@ def _torchrun(overrides: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "tools/train.py",
            "--recipe", *BASE, *overrides]
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
-    import os
-
     return subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
 
 
@@ -60,6 +61,31 @@ def test_resume_auto_refuses_a_checkpoint_of_a_different_layout(tmp_path):
     cmd = [sys.executable, "tools/train.py", "--recipe", *BASE, "train.steps=2", "checkpoint.every=1",
            f"checkpoint.dir={ckpt}", "parallel.llm.pp=1"]
     # The check runs before any process group starts, so a single process shows it.
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**__import__("os").environ, "WORLD_SIZE": "3"})
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "3"})
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "parallel.llm.pp (checkpoint: 2, this run: 1)" in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [
+        (4, ["layout=monolithic"]),
+        (5, ["parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.pp=1", "model.encoder.frozen=true",
+             "deepspeed_config=ds_configs/zero1.json"]),
+    ],
+    ids=["monolithic", "zero1_dp2_frozen_encoder"],
+)
+def test_resumed_run_matches_straight_run_in_other_layouts(tmp_path, nproc, layout):
+    def run(extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "tools/train.py",
+               "--recipe", *BASE, *layout, *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run(["train.steps=4", f"logging.dir={tmp_path / 'straight'}"])
+    ck = ["checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}", f"logging.dir={tmp_path / 'run'}"]
+    run(["train.steps=2", *ck])
+    run(["train.steps=4", *ck])  # train.resume=auto
+    assert [r["loss"] for r in metrics_steps(tmp_path / "run")] == [r["loss"] for r in metrics_steps(tmp_path / "straight")]
