@@ -120,6 +120,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class EmulateConfig:
+    """Emulated compute: every forward/backward waits the time the cost model gives its samples.
+
+    Processes, rank groups, the communicator, the schedule, reordering and data producers stay
+    real; the (tiny) layers still run so real tensors flow, and each op then waits until its
+    emulated duration has passed (``disttrain_ds/runtime/emulate.py``, ``docs/benchmarks.md``).
+    """
+
+    enabled: bool = False
+    """Replace each module's forward/backward time by its emulated cost."""
+    profile: str = ""
+    """Planner profile JSON whose ``cost_ms`` give each module's mean fwd+bwd ms per sample;
+    empty: the recipe's cost model (FLOPs) at ``tflops``."""
+    time_scale: float = 1.0
+    """Factor on every emulated time (e.g. 0.05 runs a profile's seconds as tens of ms)."""
+    tflops: float = 0.0
+    """Without ``profile``: sustained TFLOP/s that turn the cost model's FLOPs into time."""
+    calibration_batches: int = 4
+    """With ``profile``: global batches of the recipe's data (from step 0) over which a module's
+    mean per-sample cost equals its profiled ``cost_ms``."""
+
+
+@dataclass
 class LoggingConfig:
     """Where results go."""
 
@@ -157,6 +180,8 @@ class Recipe:
     """Outputs."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and what resuming reads."""
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
+    """Emulated compute for benchmarks of the runtime on machines without the real accelerators."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"
     """DeepSpeed JSON used by every module engine unless the module names its own."""
     source_file: str = ""
@@ -175,7 +200,7 @@ def _apply_presets(data: dict, src: str) -> dict:
         if not isinstance(section, dict):
             raise ConfigError(f"{src}: 'model.{module}' must be a mapping")
         name = section.get("preset", "tiny")
-        if name not in presets:
+        if not isinstance(name, str) or name not in presets:
             raise ConfigError(f"{src}: 'model.{module}.preset' must be one of {' | '.join(presets)}, got {name!r}")
         model[module] = {**presets[name], **section, "preset": name}
     return data
@@ -211,9 +236,38 @@ def validate(r: Recipe) -> None:
     """Cross-field checks that need no processes."""
     src = r.source_file or "<recipe>"
     t, p = r.train, r.parallel
+    _check(0 <= r.seed < 2**63, src, "seed", f"must be in [0, 2**63), got {r.seed}")
+    # Model sizes first: the layer counts and patch size below depend on them.
+    m = r.model
+    for name in ("encoder", "llm", "generator"):
+        for f, v in vars(getattr(m, name)).items():
+            if isinstance(v, int) and not isinstance(v, bool) and f != "vocab_size":
+                _check(v >= 1, src, f"model.{name}.{f}", f"must be >= 1, got {v}")
+    enc, llm, g = m.encoder, m.llm, m.generator
+    _check(enc.hidden_size % enc.heads == 0, src, "model.encoder.heads",
+           f"{enc.heads} must divide hidden_size {enc.hidden_size}")
+    _check(llm.hidden_size % llm.heads == 0, src, "model.llm.heads",
+           f"{llm.heads} must divide hidden_size {llm.hidden_size}")
+    _check(llm.heads % llm.kv_heads == 0, src, "model.llm.kv_heads", f"{llm.kv_heads} must divide heads {llm.heads}")
+    _check(llm.vocab_size >= 0, src, "model.llm.vocab_size", f"must be >= 0 (0: the tokenizer's size), got {llm.vocab_size}")
+    _check(llm.rope_theta > 0, src, "model.llm.rope_theta", f"must be > 0, got {llm.rope_theta}")
+    levels = len(g.block_out_channels)
+    _check(levels >= 1 and min(g.block_out_channels) >= 1, src, "model.generator.block_out_channels",
+           f"must be one or more positive channel counts, got {g.block_out_channels}")
+    for f in ("down_block_types", "up_block_types", "attention_head_dim"):
+        _check(len(getattr(g, f)) == levels, src, f"model.generator.{f}",
+               f"needs one entry per block_out_channels level ({levels}), got {len(getattr(g, f))}")
+    _check(min(g.attention_head_dim) >= 1, src, "model.generator.attention_head_dim", "entries must be >= 1")
+    _check(all(c % g.norm_num_groups == 0 for c in g.block_out_channels), src, "model.generator.norm_num_groups",
+           f"{g.norm_num_groups} must divide every block_out_channels entry {g.block_out_channels}")
+    _check(g.resolution % 2 ** (levels - 1) == 0, src, "model.generator.resolution",
+           f"{g.resolution} must be divisible by {2 ** (levels - 1)} (halved once per level after the first)")
+    _check(m.gen_loss_weight >= 0, src, "model.gen_loss_weight", f"must be >= 0, got {m.gen_loss_weight}")
     _check(t.steps >= 1, src, "train.steps", f"must be >= 1, got {t.steps}")
     _check(t.global_batch >= 1, src, "train.global_batch", f"must be >= 1, got {t.global_batch}")
     _check(t.micro_batch >= 1, src, "train.micro_batch", f"must be >= 1, got {t.micro_batch}")
+    _check(t.peak_tflops >= 0, src, "train.peak_tflops", f"must be >= 0 (0: look the device up), got {t.peak_tflops}")
+    _check(p.llm.dp >= 1, src, "parallel.llm.dp", f"must be >= 1, got {p.llm.dp}")
     slot = p.llm.dp * t.micro_batch
     _check(
         t.global_batch % slot == 0,
@@ -243,13 +297,26 @@ def validate(r: Recipe) -> None:
                 f"{m.dp} must divide parallel.llm.dp * train.micro_batch = {slot}",
             )
     _check(r.optim.lr > 0, src, "optim.lr", f"must be > 0, got {r.optim.lr}")
-    _check(len(r.optim.betas) == 2, src, "optim.betas", "must have two numbers")
+    o = r.optim
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), src, "optim.betas",
+           f"must be two numbers in [0, 1), got {o.betas}")
+    _check(o.eps > 0, src, "optim.eps", f"must be > 0, got {o.eps}")
+    _check(o.weight_decay >= 0, src, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _check(o.warmup_steps >= 0, src, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _check(o.grad_clip >= 0, src, "optim.grad_clip", f"must be >= 0 (0: no clipping), got {o.grad_clip}")
     _check(r.parallel.comm_timeout_s > 0, src, "parallel.comm_timeout_s", "must be > 0")
     _check(r.parallel.heartbeat_timeout_s > 0, src, "parallel.heartbeat_timeout_s", "must be > 0")
     _check(r.logging.every >= 1, src, "logging.every", "must be >= 1")
     c = r.checkpoint
     _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")
     _check(c.keep >= 0, src, "checkpoint.keep", f"must be >= 0, got {c.keep}")
+    e = r.emulate
+    _check(e.time_scale >= 0, src, "emulate.time_scale", f"must be >= 0, got {e.time_scale}")
+    _check(e.calibration_batches >= 1, src, "emulate.calibration_batches", f"must be >= 1, got {e.calibration_batches}")
+    if e.enabled:
+        from .runtime.emulate import check_emulate  # local import: keeps config parsing light
+
+        check_emulate(r, src)
     _check(bool(t.resume), src, "train.resume", "must be auto, none or a checkpoint path")
     if r.layout == "reference":
         _check(c.every == 0, src, "checkpoint.every", "checkpoints are written by the monolithic and disaggregated layouts; "
@@ -261,6 +328,11 @@ def validate(r: Recipe) -> None:
     patch = r.model.encoder.patch_size
     for s in d.image_sizes:
         _check(s > 0 and s % patch == 0, src, "data.image_sizes", f"{s} is not a positive multiple of the patch size {patch}")
+    from .data.config import data_problem
+
+    bad = data_problem(d, g.query_tokens)
+    if bad:
+        raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]}")
     for name in ("encoder", "llm", "generator"):
         ckpt = getattr(r.model, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"model.{name}.checkpoint", f"{ckpt} does not exist")

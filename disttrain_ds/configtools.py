@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -20,8 +21,15 @@ import yaml
 T = TypeVar("T")
 
 
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 class ConfigError(ValueError):
     """A recipe or config file is invalid; the message is one line naming the key and file."""
+
+    def __init__(self, message: object = "", *args: object):
+        # Values quoted into messages (paths, strings from the file) may hold line breaks: escape them.
+        super().__init__(str(message).translate(_LINE_BREAKS), *args)
 
 
 def _type_name(tp: Any) -> str:
@@ -79,7 +87,13 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{src}: '{key}' must be a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{src}: '{key}' must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{src}: '{key}' must be a string, got {value!r}")
@@ -93,7 +107,7 @@ def from_dict(cls: type[T], data: dict, *, src: str = "<config>", prefix: str = 
         raise ConfigError(f"{src}: '{prefix.rstrip('.') or '<root>'}' must be a mapping")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)  # YAML keys need not be strings
     if unknown:
         known = ", ".join(sorted(fields))
         raise ConfigError(f"{src}: unknown key '{prefix}{unknown[0]}' (known here: {known})")
@@ -130,8 +144,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(path):
         raise ConfigError(f"command line: override '{text}' has an empty key part")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=StrictLoader) if raw.strip() else ""
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return path, value
 
@@ -153,17 +167,73 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys (PyYAML keeps the last one silently) and
+    reports a value it cannot build (an integer too long to convert) at its line."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # '<<' merges are meant to be overridden
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:
+                    continue  # an unhashable key: the base class reports it
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _read_text(p: Path, error: type[ConfigError]) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{p}: not a UTF-8 text file") from None
+    except OSError as exc:
+        raise error(f"{p}: cannot be read: {exc.strerror or exc}") from None
+
+
 def load_json(path: str | Path, error: type[ConfigError] = ConfigError) -> Any:
     """Read a JSON file, with one-line errors (of class ``error``) for a missing or bad file."""
     p = Path(path)
     if not p.is_file():
         raise error(f"{p}: file not found")
+    text = _read_text(p, error)
     try:
-        return json.loads(p.read_text())
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise error(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    except UnicodeDecodeError:
-        raise error(f"{p}: not a UTF-8 text file") from None
+    except _DuplicateKey as exc:
+        raise error(f"{p}: duplicate key '{exc.key}'") from None
+    except RecursionError:
+        raise error(f"{p}: invalid JSON: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer too long to convert
+        raise error(f"{p}: invalid JSON: {exc}") from None
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -171,12 +241,18 @@ def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: file not found")
+    text = _read_text(p, ConfigError)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(text, Loader=StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: invalid YAML{where}") from None
+        position = getattr(exc, "position", None)  # reader errors (control characters) have no mark
+        line = mark.line + 1 if mark else text.count("\n", 0, position) + 1 if isinstance(position, int) else None
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None)
+        where = f" at line {line}" if line else ""
+        raise ConfigError(f"{p}: invalid YAML{where}" + (f": {problem}" if problem else "")) from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid YAML: nested too deeply") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

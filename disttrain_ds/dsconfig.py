@@ -23,6 +23,24 @@ KNOWN_KEYS = frozenset(
     seq_parallel_communication_data_type graph_harvesting gradient_accumulation_dtype
     """.split()
 )
+SECTIONS = frozenset(
+    """
+    fp16 bf16 amp zero_optimization pipeline activation_checkpointing tensorboard wandb csv_monitor comet
+    flops_profiler checkpoint data_types aio comms_logger compile timers torch_autocast data_efficiency
+    curriculum_learning
+    """.split()
+)
+"""Known keys whose value is a JSON object."""
+FLAGS = frozenset(
+    """
+    wall_clock_breakdown prescale_gradients zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
+    dump_state memory_breakdown sparse_gradients load_universal_checkpoint use_node_local_storage
+    dataloader_drop_last disable_allgather graph_harvesting
+    """.split()
+)
+"""Known keys whose value is true or false."""
+NUMBERS = {"steps_per_print": int, "gradient_clipping": float, "gradient_predivide_factor": float}
+"""Known keys whose value is a number (int: a whole one)."""
 RECIPE_OWNED = {
     "train_batch_size": "train.global_batch",
     "train_micro_batch_size_per_gpu": "train.micro_batch",
@@ -44,12 +62,19 @@ def load_ds_config(path: Path, *, key: str = "deepspeed_config", recipe_src: str
             raise ConfigError(f"{path}: '{k}' is set by the recipe ({RECIPE_OWNED[k]}); remove it from the JSON")
         if k not in KNOWN_KEYS:
             raise ConfigError(f"{path}: unknown DeepSpeed key '{k}'")
+        # DeepSpeed reads these without type checks and fails (or misbehaves) mid-run.
+        if k in SECTIONS and not isinstance(v, dict):
+            raise ConfigError(f"{path}: '{k}' must be an object, got {v!r}")
+        if k in FLAGS and not isinstance(v, bool):
+            raise ConfigError(f"{path}: '{k}' must be true or false, got {v!r}")
+        if k in NUMBERS and (isinstance(v, bool) or not isinstance(v, int if NUMBERS[k] is int else (int, float))):
+            raise ConfigError(f"{path}: '{k}' must be {'an integer' if NUMBERS[k] is int else 'a number'}, got {v!r}")
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"{path}: 'zero_optimization' must be an object")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1):
-        raise ConfigError(f"{path}: 'zero_optimization.stage' {stage} is incompatible with pipeline parallelism (use 0 or 1)")
+    if isinstance(stage, bool) or stage not in (0, 1):
+        raise ConfigError(f"{path}: 'zero_optimization.stage' {stage!r} is incompatible with pipeline parallelism (use 0 or 1)")
     for prec in ("fp16", "bf16"):
         sec = cfg.get(prec, {})
         if not isinstance(sec, dict):
@@ -77,4 +102,6 @@ def engine_config(
     cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": dtype == "bf16"}
     # Engines save under different tags (their module names) into one step directory.
     cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "tag_validation": "Ignore"}
+    # DeepSpeed's partitioned stage-to-stage activations cache one shape; ours vary per microbatch.
+    cfg["pipeline"] = {**cfg.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     return cfg

@@ -129,7 +129,7 @@ class Topology:
     def check_world(self, world_size: int, src: str = "<recipe>") -> None:
         if world_size != self.world_size:
             raise ConfigError(
-                f"{src}: layout '{self.layout}' needs {self.world_size} ranks "
+                f"{src}: 'parallel': layout '{self.layout}' needs {self.world_size} ranks "
                 f"({' + '.join(f'{m.name} {m.size}' for m in self.modules)}) but the job has {world_size}"
             )
 

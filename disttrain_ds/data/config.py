@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
+
+from .reader import RECORD_SUFFIXES
+
+SOURCES = ("synthetic", "paper_stats", "mmc4", "laion", "local")
+"""Values of ``data.source``."""
 
 
 @dataclass
@@ -42,3 +48,42 @@ class DataConfig:
     """Global batches prepared ahead of training when producers > 0 (split evenly over the producers)."""
     reorder: bool = False
     """Apply intra- and inter-microbatch reordering inside each global batch (in the producers)."""
+
+
+def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
+    """The first ``(key, what is wrong)`` that would stop ``cfg`` once data is read, or None.
+
+    Checked when the recipe loads, so a bad ``data`` section fails in one line before any process
+    starts. ``query_tokens`` is the generator's (a synthetic sequence must hold its generation runs).
+    """
+    if cfg.source not in SOURCES:
+        return "source", f"must be one of {' | '.join(SOURCES)}, got {cfg.source!r}"
+    if cfg.source == "local" and not cfg.path:
+        return "path", "the local source needs a file or folder of records"
+    if cfg.path and cfg.source in ("mmc4", "laion", "local"):
+        path = Path(cfg.path).expanduser()
+        if not path.exists():
+            return "path", f"{cfg.path} does not exist"
+        if path.is_dir() and not any(p.suffix in RECORD_SUFFIXES and p.is_file() for p in path.iterdir()):
+            return "path", f"{cfg.path} holds no {' / '.join(RECORD_SUFFIXES)} files"
+    if cfg.tokenizer not in ("byte", "smollm2") and not Path(cfg.tokenizer).expanduser().is_dir():
+        return "tokenizer", f"{cfg.tokenizer!r} is not byte, smollm2 or an existing tokenizer directory"
+    if not cfg.image_sizes:
+        return "image_sizes", "needs at least one size"
+    for key in ("gen_images", "text_tokens"):
+        lo_hi = getattr(cfg, key)
+        if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
+            return key, f"must be [min, max] with 0 <= min <= max, got {lo_hi}"
+    if cfg.source == "synthetic" and cfg.gen_images[1] * (query_tokens + 2) > cfg.seq_len:
+        return "gen_images", (f"{cfg.gen_images[1]} generated images take {cfg.gen_images[1] * (query_tokens + 2)} "
+                              f"tokens, more than seq_len {cfg.seq_len}")
+    least = 1 if cfg.source == "synthetic" else 0  # synthetic sequences draw 1..max_images images
+    if cfg.max_images < least:
+        return "max_images", f"must be >= {least}, got {cfg.max_images}"
+    if not 0.0 <= cfg.gen_prob <= 1.0:
+        return "gen_prob", f"must be in [0, 1], got {cfg.gen_prob}"
+    if cfg.producers < 0:
+        return "producers", f"must be >= 0, got {cfg.producers}"
+    if cfg.queue_depth < 1:
+        return "queue_depth", f"must be >= 1, got {cfg.queue_depth}"
+    return None

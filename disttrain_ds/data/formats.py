@@ -132,7 +132,10 @@ def _url(value: object) -> str:
 def _file_ref(value: object, base: Path) -> ImageRef:
     if not isinstance(value, str) or not value.strip():
         raise _BadRecord("bad_image")
-    return ImageRef("file", str((base / value).resolve()))
+    try:
+        return ImageRef("file", str((base / value).resolve()))
+    except (ValueError, OSError, RuntimeError):  # NUL byte, lone surrogate, name too long, symlink loop
+        raise _BadRecord("bad_image") from None
 
 
 def _generating(ctx: ParseContext) -> bool:
@@ -265,7 +268,7 @@ def parse_record(fmt: str, rec: RawRecord, ctx: ParseContext, rng: np.random.Gen
         return Bad("not_utf8")
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return Bad("bad_json")
     if not isinstance(obj, dict):
         return Bad("bad_type")

@@ -72,6 +72,8 @@ def _photo(key: str) -> Image.Image:
 def _file(path: str) -> Image.Image:
     try:
         with Image.open(path) as img:
+            if img.mode.startswith("I;16"):  # 16-bit grey: convert() would clip it to white; keep the top 8 bits
+                return Image.fromarray((np.asarray(img).astype(np.uint16) >> 8).astype(np.uint8)).convert("RGB")
             return img.convert("RGB")  # convert() forces the full decode inside the try
     except FileNotFoundError:
         raise
@@ -118,7 +120,10 @@ def check_file(path: str) -> str | None:
     fails to decode later is replaced by a grey image and counted as ``image_decode_failed``.
     """
     p = Path(path)
-    if not p.is_file():
+    try:
+        if not p.is_file():
+            return "missing_image"
+    except (OSError, ValueError):  # e.g. a name too long for the filesystem: no such file can exist
         return "missing_image"
     try:
         with Image.open(p) as img:

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..configtools import ConfigError
 from .formats import Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
 from .images import load_image
 from .source import labels_for
@@ -108,7 +109,7 @@ class Packer:
                 skips[doc.reason] += 1
                 bad_run += 1
                 if bad_run > self.n:
-                    raise ValueError(f"{self.where}: no usable records (skipped: {dict(skips)})")
+                    raise ConfigError(f"{self.where}: no usable records (skipped: {dict(skips)})")
                 pos += 1
                 continue
             bad_run = 0

@@ -6,13 +6,10 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from .config import DataConfig
+from .config import SOURCES, DataConfig
 from .source import SampleSource, ShapeSpec, SyntheticSource
 
 log = logging.getLogger(__name__)
-
-SOURCES = ("synthetic", "paper_stats", "mmc4", "laion", "local")
-"""Values of ``data.source``."""
 
 DEFAULT_FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 """Where mmc4 and laion read when ``data.path`` is empty: ``<repo>/../shared/fixtures``."""
