@@ -232,6 +232,27 @@ def layer_counts(recipe: Recipe) -> dict[str, int]:
     }
 
 
+def tp_shape_problem(recipe, module: str, tp: int) -> tuple[str, str] | None:
+    """(recipe key, why) of the first size that ``tp`` does not divide in ``module``, or None."""
+    m = recipe.model
+    checks: list[tuple[str, int]] = []
+    if module == "llm":
+        checks = [("model.llm.heads", m.llm.heads), ("model.llm.kv_heads", m.llm.kv_heads),
+                  ("model.llm.ffn_hidden", m.llm.ffn_hidden)]
+    elif module == "encoder":
+        checks = [("model.encoder.heads", m.encoder.heads), ("model.encoder.ffn_hidden", m.encoder.ffn_hidden),
+                  ("model.llm.hidden_size", m.llm.hidden_size)]  # the input projector's hidden width
+    elif module == "generator":
+        g = m.generator
+        checks = [("model.generator.cross_attention_dim", g.cross_attention_dim)]  # the output projector
+        # U-Net attention: ``attention_head_dim`` holds head counts (diffusers' naming).
+        checks += [(f"model.generator.attention_head_dim[{i}]", h) for i, h in enumerate(g.attention_head_dim)]
+    for key, value in checks:
+        if value % tp:
+            return key, f"{value} does not split over the {module}'s tensor-parallel degree {tp}"
+    return None
+
+
 def validate(r: Recipe) -> None:
     """Cross-field checks that need no processes."""
     src = r.source_file or "<recipe>"
@@ -296,6 +317,13 @@ def validate(r: Recipe) -> None:
                 f"parallel.{name}.dp",
                 f"{m.dp} must divide parallel.llm.dp * train.micro_batch = {slot}",
             )
+    if r.layout != "reference":
+        # Monolithic: encoder and generator stages share the LLM's TP degree.
+        for name in ("encoder", "llm", "generator"):
+            tp = p.llm.tp if r.layout == "monolithic" else getattr(p, name).tp
+            bad = tp_shape_problem(r, name, tp) if tp > 1 else None
+            if bad:
+                raise ConfigError(f"{src}: '{bad[0]}' {bad[1]}")
     _check(r.optim.lr > 0, src, "optim.lr", f"must be > 0, got {r.optim.lr}")
     o = r.optim
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), src, "optim.betas",

@@ -5,7 +5,7 @@
 
 Each module is built from its real layers and runs forward+backward on samples drawn from the
 recipe's data source, fed the real output of the module before it. The median time per sample is
-``cost_ms`` at TP=1; TP=2/4/8 are not measured (no tensor parallelism yet) but interpolated as
+``cost_ms`` at TP=1; TP=2/4/8 are not measured (the profiler is one process) but interpolated as
 C(t) = C(1) / (t * eff^log2 t), which the profile's ``description`` says. Errors: one line, exit 2.
 """
 

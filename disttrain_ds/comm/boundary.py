@@ -6,6 +6,9 @@ asynchronously; ``recv_grad`` gathers the gradient pieces back in sample order. 
 (the downstream engine's first stage): ``recv_activation`` gathers the pieces from the upstream
 replicas; ``send_grad`` returns the gradient split the same way. Receives are posted ahead of
 need (``prefetch_*``) so the transfer runs while the rank still computes the previous microbatch.
+
+With tensor parallelism, the TP ranks of a stage hold the same boundary tensors, so only TP
+index 0 of each side talks across the boundary; it broadcasts what it receives to its TP group.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..topology import ModuleGrid
-from .p2p import P2P, PendingRecv
+from .p2p import HEADER, P2P, PendingRecv, _from_header, _header
 from .routes import blocks, routes_from, routes_to, split_rows
 
 ACT, GRAD = 0, 1
@@ -24,13 +28,17 @@ ACT, GRAD = 0, 1
 class BoundaryComm:
     """One boundary between ``up`` and ``down`` module grids, for the calling rank."""
 
-    def __init__(self, p2p: P2P, up: ModuleGrid, down: ModuleGrid, slot: int, boundary_id: int):
+    def __init__(self, p2p: P2P, up: ModuleGrid, down: ModuleGrid, slot: int, boundary_id: int, tp=None):
         self.p2p, self.up, self.down, self.slot, self.bid = p2p, up, down, slot, boundary_id
         me = p2p.rank
         self.side = "up" if me in up.ranks else "down"
         grid = up if self.side == "up" else down
-        _, self.dp, _ = grid.coords(me)
-        if self.side == "up":
+        _, self.dp, tp_index = grid.coords(me)
+        self.tp = tp  # TPContext of this rank's TP group, or None without tensor parallelism
+        self.talks = tp_index == 0  # only TP index 0 sends and receives across the boundary
+        if not self.talks:
+            self.routes, self.peers = [], []
+        elif self.side == "up":
             self.routes = routes_from(self.dp, slot, up.dp, down.dp)
             self.peers = [down.rank(stage=0, dp=r.down) for r in self.routes]
         else:
@@ -64,6 +72,22 @@ class BoundaryComm:
         self.wait_seconds += time.perf_counter() - t0
         return pieces
 
+    def _share(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """TP index 0's tensor on every rank of its TP group (shape first: it varies)."""
+        if self.tp is None or self.tp.size == 1:
+            return tensor
+        t0 = time.perf_counter()
+        device = self.p2p.device
+        header = _header(tensor).to(device) if self.talks else torch.empty(HEADER, dtype=torch.int64, device=device)
+        dist.broadcast(header, src=self.tp.root, group=self.tp.group)
+        if not self.talks:
+            tensor = _from_header(header.cpu(), device)
+        if tensor.numel():
+            tensor = tensor.contiguous()
+            dist.broadcast(tensor, src=self.tp.root, group=self.tp.group)
+        self.wait_seconds += time.perf_counter() - t0
+        return tensor
+
     def _send_split(self, kind: int, mb: int, tensor: torch.Tensor, sizes: list[int]) -> None:
         what = f"{'activation' if kind == ACT else 'gradient'} of microbatch {mb}"
         for piece, dst in zip(torch.split(tensor, sizes), self.peers):
@@ -71,29 +95,38 @@ class BoundaryComm:
 
     # upstream side
     def send_activation(self, mb: int, tensor: torch.Tensor, rows_per_sample: list[int]) -> None:
+        if not self.talks:
+            return
         sizes = split_rows(rows_per_sample, self.block, [r.samples for r in self.routes])
         if sum(sizes) != tensor.shape[0]:
             raise ValueError(f"boundary output has {tensor.shape[0]} rows but its samples need {sum(sizes)}")
         self._send_split(ACT, mb, tensor, sizes)
 
     def prefetch_grad(self, mb: int) -> None:
-        self._post(GRAD, mb)
+        if self.talks:
+            self._post(GRAD, mb)
 
     def recv_grad(self, mb: int) -> torch.Tensor:
-        return torch.cat(self._gather(GRAD, mb))
+        return self._share(torch.cat(self._gather(GRAD, mb)) if self.talks else None)
 
     # downstream side
     def prefetch_activation(self, mb: int) -> None:
-        self._post(ACT, mb)
+        if self.talks:
+            self._post(ACT, mb)
 
     def recv_activation(self, mb: int) -> torch.Tensor:
-        pieces = self._gather(ACT, mb)
-        self._piece_rows[mb] = [p.shape[0] for p in pieces]
-        out = torch.cat(pieces)
+        out = None
+        if self.talks:
+            pieces = self._gather(ACT, mb)
+            self._piece_rows[mb] = [p.shape[0] for p in pieces]
+            out = torch.cat(pieces)
+        out = self._share(out)
         self.shapes_seen.add(tuple(out.shape))
         return out
 
     def send_grad(self, mb: int, grad: torch.Tensor) -> None:
+        if not self.talks:
+            return  # TP index 0 holds the same gradient and sends it
         rows = self._piece_rows.pop(mb)
         if grad.shape[0] != sum(rows):
             # The receiver computed on a stand-in (nothing arrived): nothing flows back either.

@@ -28,6 +28,7 @@ from ..models.layers import LayerDef
 from ..models.mllm import MicroBatch
 from .grid import OffsetTopology, subset_grid_for_pipeline_module
 from .roles import Role
+from .tensor_parallel import TPContext, mark_norm_owners, shard_layer
 from .schedule import (
     BoundaryRecvActivation,
     BoundaryRecvGrad,
@@ -42,29 +43,31 @@ from .schedule import (
 class DefSpec(LayerSpec):
     """A ``LayerSpec`` built by a seeded ``LayerDef`` builder."""
 
-    def __init__(self, layer_def: LayerDef):  # no super().__init__: its class check does not apply
+    def __init__(self, layer_def: LayerDef, tp: TPContext):  # no super().__init__: its class check does not apply
         # A named subclass only so DeepSpeed's partition log lists layer names.
-        self.layer_def, self.typename = layer_def, type(layer_def.name, (torch.nn.Module,), {})
+        self.layer_def, self.tp, self.typename = layer_def, tp, type(layer_def.name, (torch.nn.Module,), {})
         self.module_args, self.module_kwargs, self.global_rank = (), {}, -1
 
     def __repr__(self) -> str:
         return f"DefSpec({self.layer_def.name})"
 
     def build(self, log: bool = False) -> torch.nn.Module:
-        return self.layer_def.build()
+        # Built whole from its seed, then cut to this rank's tensor-parallel shard.
+        return shard_layer(self.layer_def.build(), self.tp)
 
 
-def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, frozen: bool) -> PipelineModule:
-    """A PipelineModule holding only this rank's layers, with a grid on the module's ranks."""
+def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, frozen: bool, tp: TPContext) -> PipelineModule:
+    """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the module's ranks."""
     with subset_grid_for_pipeline_module():
         pm = PipelineModule(
-            layers=[DefSpec(d) for d in layer_defs],
+            layers=[DefSpec(d, tp) for d in layer_defs],
             topology=OffsetTopology(grid),
             partition_method=partition,
             dynamic_shape=True,  # images per sample vary, so activation shapes do too
         )
     if frozen:
         pm.requires_grad_(False)
+    mark_norm_owners(pm, tp)
     return pm
 
 
@@ -76,6 +79,8 @@ def _to_device(x, device):
 
 class ModuleEngine(PipelineEngine):
     """A pipeline engine that is one module of a disaggregated (or monolithic) MLLM."""
+
+    emulator = None  # runtime.emulate.Emulator when the recipe's emulate.enabled is set
 
     def setup_disaggregated(
         self,
@@ -162,6 +167,8 @@ class ModuleEngine(PipelineEngine):
             else:
                 outputs = DeepSpeedEngine.forward(self, inputs)  # PipelineEngine.forward is disabled
         self.pipe_buffers["outputs"][buffer_id] = outputs
+        if self.emulator is not None:  # emulated compute: the output exists once its modelled time is up
+            self.emulator.wait("fwd", mb, t0)
         if self.place.last_of_engine:
             batch = _to_device_mb(self.batches[mb], self.device)
             loss = self.role.own_loss(outputs, batch)
@@ -190,6 +197,8 @@ class ModuleEngine(PipelineEngine):
             PipelineEngine._exec_backward_pass(self, buffer_id)
         else:
             self._backward_plain(buffer_id)
+        if self.emulator is not None:
+            self.emulator.wait("bwd", self.extra["mb"][buffer_id], t0)
         self.stats["compute_s"] += time.perf_counter() - t0
 
     def _backward_last(self, buffer_id: int) -> None:

@@ -18,12 +18,12 @@ from ..comm.boundary import BoundaryComm
 from ..comm.p2p import P2P, PeerInfo
 from ..comm.routes import blocks
 from ..config import Recipe, resolve_path
-from ..configtools import ConfigError
 from ..dsconfig import engine_config, load_ds_config
 from ..models.mllm import MODULES, BatchNorms, collate
 from ..parallel.engine import build_pipeline_module, make_engine, write_trace
 from ..parallel.roles import ROLES
 from ..parallel.schedule import StagePlace
+from ..parallel.tensor_parallel import TPContext, check_tp_shapes, full_state
 from ..topology import Topology
 from .reference import step_tokens
 from ..metrics.logger import RunLogger
@@ -33,6 +33,7 @@ from .health import Watchdog, connect_store
 from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
 from ..metrics.balance import dp_balance
 from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda
+from .emulate import Emulator
 
 
 def init_processes(timeout_s: float) -> torch.device:
@@ -62,12 +63,28 @@ def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
     return out
 
 
-def layer_state(pm, module: str, layer_defs) -> dict[str, torch.Tensor]:
-    """This rank's parameters keyed ``module/layer/param`` (same keys as ``reference_layer_state``)."""
+def rank_name(m, rank: int) -> str:
+    """'llm stage 0 dp 1' (plus 'tp 1' with tensor parallelism): how logs and errors name a rank."""
+    stage, dp, tp = m.coords(rank)
+    return f"{m.name} stage {stage} dp {dp}" + (f" tp {tp}" if m.tp > 1 else "")
+
+
+def tp_context(grid, stage: int, dp: int, tp_index: int) -> TPContext:
+    """This rank's tensor-parallel group (created by its members only)."""
+    ranks = [grid.rank(stage=stage, dp=dp, tp=t) for t in range(grid.tp)]
+    if grid.tp == 1:
+        return TPContext(None, 0, 1, ranks[0])
+    group = tdist.new_group(ranks, use_local_synchronization=True)
+    return TPContext(group, tp_index, grid.tp, ranks[0])
+
+
+def layer_state(pm, module: str, layer_defs, tp: TPContext) -> dict[str, torch.Tensor]:
+    """This rank's parameters keyed ``module/layer/param`` (same keys as ``reference_layer_state``),
+    tensor-parallel shards gathered back to full tensors."""
     out = {}
     for idx in range(pm._local_start, pm._local_stop):
         layer = getattr(pm, str(idx))
-        for k, v in layer.state_dict().items():
+        for k, v in full_state(layer, tp).items():
             out[f"{module}/{layer_defs[idx].name}/{k}"] = v.detach().cpu().clone()
     return out
 
@@ -79,18 +96,13 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     seconds) with one line naming the failed rank and its module (``runtime/health.py``).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for m in MODULES:
-        if getattr(recipe.parallel, m).tp > 1:
-            raise ConfigError(
-                f"{recipe.source_file}: 'parallel.{m}.tp' = {getattr(recipe.parallel, m).tp}: tensor parallelism "
-                "inside a module is not available in this version; use tp=1"
-            )
     topo = Topology.from_recipe(recipe)
     topo.check_world(world, recipe.source_file)
+    check_tp_shapes(recipe, topo)
     resume_from, manifest = resolve_resume(recipe, world)
     device = init_processes(recipe.parallel.comm_timeout_s)
     rank = tdist.get_rank()
-    names = {r: f"{m.name} stage {m.coords(r)[0]} dp {m.coords(r)[1]}" for m in topo.modules for r in m.ranks}
+    names = {r: rank_name(m, r) for m in topo.modules for r in m.ranks}
     watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s).start()
     try:
         rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir)
@@ -110,7 +122,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
 
     source, spec = build_data_and_spec(recipe)
     grid = topo.module_of(rank)
-    stage, dp_index, _ = grid.coords(rank)
+    stage, dp_index, tp_index = grid.coords(rank)
     gas = grad_accum_steps(recipe)
     slot = recipe.parallel.llm.dp * recipe.train.micro_batch
     backward = needs_backward(recipe, topo)
@@ -120,10 +132,11 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     # Step figures and timeline bookkeeping are small CPU tensors: keep them on gloo even with NCCL.
     meta_group = tdist.new_group(list(range(world)), backend="gloo")
     p2p = P2P(comm_group, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
+    tp = tp_context(grid, stage, dp_index, tp_index)
     up_grid, down_grid = topo.neighbours(grid.name)
     idx = [m.name for m in topo.modules].index(grid.name)
-    upstream = BoundaryComm(p2p, up_grid, grid, slot, idx - 1) if up_grid and stage == 0 else None
-    downstream = BoundaryComm(p2p, grid, down_grid, slot, idx) if down_grid and stage == grid.pp - 1 else None
+    upstream = BoundaryComm(p2p, up_grid, grid, slot, idx - 1, tp) if up_grid and stage == 0 else None
+    downstream = BoundaryComm(p2p, grid, down_grid, slot, idx, tp) if down_grid and stage == grid.pp - 1 else None
     place = StagePlace(
         total_stages=topo.total_stages,
         global_stage=topo.stage_offset(grid.name) + stage,
@@ -137,7 +150,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
 
     frozen = spec.frozen(grid.name)
     mp = getattr(recipe.parallel, grid.name)
-    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, frozen)
+    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, frozen, tp)
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
     optimizer = scheduler = None
@@ -152,6 +165,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     )
     engine = make_engine(pm, optimizer, scheduler, cfg)
     engine.setup_disaggregated(ROLES[grid.name](spec), place, upstream, downstream, frozen)
+    if recipe.emulate.enabled:
+        engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group)
     start = 0
@@ -196,10 +211,12 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
             for g in range(gas):
                 mine = samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop]
                 batches.append(collate(mine, norms, spec, gen_dp_scale=gen_dp_scale, dtype=dtype))
+            if engine.emulator is not None:
+                engine.emulator.set_step(step, [samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop] for g in range(gas)], t0)
             stats = engine.run_step(batches)
             stats["data_wait_s"] = data_wait
             elapsed = time.perf_counter() - t0
-            rec = gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, meta_group)
+            rec = gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, meta_group)
             if is_logger:
                 rec = {
                     "step": step + 1,
@@ -229,8 +246,10 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     trace_dir = os.path.join(dirs[0], "trace")
     os.makedirs(trace_dir, exist_ok=True)
     write_trace(trace, os.path.join(trace_dir, f"rank{rank}.json"), rank, names[rank], float(origin))
+    if engine.emulator is not None:
+        engine.emulator.save(os.path.join(dirs[0], "emulate"), rank)
     if export_dir:
-        state = layer_state(pm, grid.name, spec.layers(grid.name))
+        state = layer_state(pm, grid.name, spec.layers(grid.name), tp)
         torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
     tdist.barrier()
     if is_logger:
@@ -239,12 +258,12 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     return 0
 
 
-def gather_step_record(topo, grid, place, stats, elapsed, chunks, gen_dp_scale, group) -> dict:
+def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, group) -> dict:
     """All ranks contribute their figures; every rank gets the step record (rank 0 writes it)."""
     mine = torch.tensor(
         [
             MODULES.index(grid.name),
-            1.0 if place.last_of_engine else 0.0,
+            1.0 if place.last_of_engine and tp_index == 0 else 0.0,  # TP ranks hold the same loss
             stats["own_loss"],
             elapsed,
             stats["compute_s"],

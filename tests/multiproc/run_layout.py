@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from disttrain_ds.comm.boundary import BoundaryComm  # noqa: E402
+from disttrain_ds.comm.p2p import P2P  # noqa: E402
 from disttrain_ds.config import load_recipe  # noqa: E402
 from disttrain_ds.runtime import distributed  # noqa: E402
 
@@ -47,8 +48,17 @@ def main() -> int:
         seen.append(self)
 
     BoundaryComm.__init__ = tracking_init
+    sends: list[list[int]] = []  # [destination rank, elements] of every inter-engine send
+    original_isend = P2P.isend
+
+    def counting_isend(self, tensor, dst, tag, what):
+        sends.append([dst, tensor.numel()])
+        return original_isend(self, tensor, dst, tag, what)
+
+    P2P.isend = counting_isend
     rc = distributed.train_distributed(recipe, log=print, export_dir=str(out))
     rank = int(os.environ["RANK"])
+    (out / f"sends_rank{rank}.json").write_text(json.dumps(sends))
     shapes = sorted({s for c in seen if c.side == "down" for s in c.shapes_seen})
     (out / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))
     return rc

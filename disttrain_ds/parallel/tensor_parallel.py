@@ -1,0 +1,231 @@
+"""Megatron-style tensor parallelism inside one module's pipeline layers.
+
+Why this mechanism: every layer is first built whole from its seeded ``LayerDef`` (so initial
+weights equal the reference's), then its attention and MLP linears are replaced by column/row
+shards of those very weights. The process group is passed in explicitly, so several modules with
+different TP degrees share one world; DeepSpeed's AutoTP and torch's ``parallelize_module`` both
+want to own a device mesh over the whole job, which the disaggregated layout does not have.
+
+Column-parallel linears split the output features (attention heads, MLP hidden units); the
+following row-parallel linear splits its input features and all-reduces its partial sums. Around
+them, activations are replicated on every TP rank: ``_CopyToTP`` (identity forward, all-reduce of
+the input gradient backward) and ``_ReduceFromTP`` (all-reduce forward, identity backward) keep
+replicated parameters' gradients equal on every TP rank, so DeepSpeed's DP all-reduce and
+optimizer need no change. Layers without a plan (embeddings, norms, convolutions) stay replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from diffusers.models.attention import FeedForward
+from diffusers.models.attention_processor import Attention as DiffusersAttention
+from diffusers.models.activations import GEGLU
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
+
+from ..config import tp_shape_problem
+from ..configtools import ConfigError
+from ..models.llama import LlmHead
+from ..models.projectors import MLPProjector
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """This rank's place in its tensor-parallel group."""
+
+    group: object
+    """Process group of the TP ranks (same module, stage and DP replica); None when size is 1."""
+    rank: int
+    """Index in the group (0 .. size-1)."""
+    size: int
+    """TP degree."""
+    root: int = 0
+    """Global rank of TP index 0 (the rank that talks across module boundaries)."""
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.rank, ctx.size = rank, size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None, None, None
+
+
+def shard_rows(t: torch.Tensor, rank: int, size: int, pieces: int = 1) -> torch.Tensor:
+    """This rank's rows of ``t`` (dim 0), split within each of ``pieces`` equal stacked parts."""
+    parts = t.chunk(pieces, dim=0)
+    return torch.cat([p.chunk(size, dim=0)[rank] for p in parts], dim=0).clone()
+
+
+def unshard_rows(shards: list[torch.Tensor], pieces: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_rows`` given every rank's shard in rank order."""
+    split = [s.chunk(pieces, dim=0) for s in shards]
+    return torch.cat([torch.cat([s[p] for s in split], dim=0) for p in range(pieces)], dim=0)
+
+
+def _tp_param(t: torch.Tensor, dim: int, pieces: int = 1) -> nn.Parameter:
+    p = nn.Parameter(t)
+    # DeepSpeed's gradient-norm code counts parameters with this flag on every TP rank.
+    p.tensor_model_parallel = True
+    p.tp_dim, p.tp_pieces = dim, pieces
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """``full`` with its output features split over the TP group; optionally gathers the output."""
+
+    def __init__(self, full: nn.Linear, tp: TPContext, gather_output: bool = False, pieces: int = 1):
+        super().__init__()
+        out = full.out_features
+        if out % (tp.size * pieces):
+            raise ValueError(f"{out} output features do not split over tensor-parallel degree {tp.size}")
+        self.tp, self.gather_output = tp, gather_output
+        self.weight = _tp_param(shard_rows(full.weight.data, tp.rank, tp.size, pieces), 0, pieces)
+        self.bias = None if full.bias is None else _tp_param(shard_rows(full.bias.data, tp.rank, tp.size, pieces), 0, pieces)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(_CopyToTP.apply(x, self.tp.group), self.weight, self.bias)
+        return _GatherLastDim.apply(y, self.tp.group, self.tp.rank, self.tp.size) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``full`` with its input features split over the TP group; partial sums all-reduced."""
+
+    def __init__(self, full: nn.Linear, tp: TPContext):
+        super().__init__()
+        if full.in_features % tp.size:
+            raise ValueError(f"{full.in_features} input features do not split over tensor-parallel degree {tp.size}")
+        self.tp = tp
+        cols = full.weight.data.chunk(tp.size, dim=1)[tp.rank].clone()
+        self.weight = _tp_param(cols, 1)
+        # The bias is added once, after the reduction: replicated.
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.data.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.tp.group)
+        return y if self.bias is None else y + self.bias
+
+
+# Which linears of which module types are split, by submodule path: "col" | "row" | "col_gather".
+_PLANS: list[tuple[type, dict[str, str]]] = [
+    (LlamaAttention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
+    (LlamaMLP, {"gate_proj": "col", "up_proj": "col", "down_proj": "row"}),
+    (ViTAttention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
+    (ViTMLP, {"fc1": "col", "fc2": "row"}),
+    (MLPProjector, {"0": "col", "2": "row"}),
+    (LlmHead, {"lm_head": "col_gather"}),
+    (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row"}),
+    (FeedForward, {"net.0.proj": "col", "net.2": "row"}),
+]
+
+
+def _plan_for(module: nn.Module) -> dict[str, str] | None:
+    for cls, plan in _PLANS:
+        if isinstance(module, cls):
+            return plan
+    return None
+
+
+def _set(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
+
+
+def shard_layer(layer: nn.Module, tp: TPContext) -> nn.Module:
+    """Replace the planned linears of ``layer`` (in place) by this rank's shards."""
+    if tp.size == 1:
+        return layer
+    for name, module in list(layer.named_modules()):
+        plan = _plan_for(module)
+        if plan is None:
+            continue
+        for path, style in plan.items():
+            full = module.get_submodule(path)
+            if not isinstance(full, nn.Linear):
+                raise TypeError(f"{name}.{path}: expected nn.Linear to shard, found {type(full).__name__}")
+            # GEGLU's projection stacks (hidden, gate): split both halves the same way.
+            pieces = 2 if path == "net.0.proj" and isinstance(module.get_submodule("net.0"), GEGLU) else 1
+            if style == "col_gather" and full.out_features % tp.size:
+                continue  # e.g. a vocabulary that does not split evenly: this head stays replicated
+            if style == "row":
+                new = RowParallelLinear(full, tp)
+            else:
+                new = ColumnParallelLinear(full, tp, gather_output=style == "col_gather", pieces=pieces)
+            _set(module, path, new)
+        if isinstance(module, DiffusersAttention):
+            if module.heads % tp.size:
+                raise ValueError(f"{name}: {module.heads} attention heads do not split over tensor-parallel degree {tp.size}")
+            module.heads //= tp.size  # its processor derives the head size from this
+    return layer
+
+
+def mark_norm_owners(module: nn.Module, tp: TPContext) -> None:
+    """Make DeepSpeed's gradient norm count every parameter exactly once per DP replica.
+
+    DeepSpeed counts a parameter when it is flagged model-parallel or when the rank is index 0
+    of its (pipeline x tensor) group; with pipeline stages that would drop every later stage's
+    parameters. Flag each stage's own parameters; replicated ones only on TP index 0."""
+    for p in module.parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            p.model_parallel = tp.rank == 0
+
+
+def full_state(layer: nn.Module, tp: TPContext) -> dict[str, torch.Tensor]:
+    """``layer.state_dict()`` with sharded parameters gathered back to full tensors (for export)."""
+    state = {k: v.detach() for k, v in layer.state_dict().items()}
+    if tp.size == 1:
+        return state
+    for name, p in layer.named_parameters():
+        if not hasattr(p, "tp_dim"):
+            continue
+        parts = [torch.empty_like(p.data) for _ in range(tp.size)]
+        dist.all_gather(parts, p.data.contiguous(), group=tp.group)
+        if p.tp_dim == 0:
+            state[name] = unshard_rows(parts, p.tp_pieces)
+        else:
+            state[name] = torch.cat(parts, dim=p.tp_dim)
+    return state
+
+
+def check_tp_shapes(recipe, topo) -> None:
+    """One-line ``ConfigError`` before any process starts if a module's TP degree cannot shard it."""
+    for grid in topo.modules:
+        problem = tp_shape_problem(recipe, grid.name, grid.tp) if grid.tp > 1 else None
+        if problem:
+            key, why = problem
+            raise ConfigError(f"{recipe.source_file}: '{key}' {why}")

@@ -1,0 +1,88 @@
+"""Tensor parallelism inside module engines trains exactly the reference model (fp32, gloo).
+
+Each case shards some modules over TP groups, composed with their DP and PP, and compares the
+per-step losses and the (gathered) parameters after 3 SGD steps with the single-process
+reference. Only TP index 0 of a stage talks across a module boundary; its TP peers receive by
+broadcast, so the inter-engine traffic is the same as without TP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disttrain_ds.config import load_recipe
+from disttrain_ds.topology import Topology
+
+from .conftest import REPO, launch, max_param_mismatch
+from .test_fidelity import SGD, STEPS
+
+LAYOUTS = {
+    # name: (ranks, overrides)
+    "llm_tp2_pp2": (6, ["layout=disaggregated", "parallel.llm.tp=2"]),
+    # Fan-in from two encoder replicas into a TP group, and TP on both sides of the second boundary.
+    "enc_dp2_llm_tp2_gen_tp2": (
+        6,
+        ["layout=disaggregated", "parallel.encoder.dp=2", "train.micro_batch=2", "parallel.llm.tp=2",
+         "parallel.llm.pp=1", "parallel.generator.tp=2"],
+    ),
+}
+SLOW_LAYOUTS = {
+    "enc_tp2_llm_tp2_pp2_gen1": (7, ["layout=disaggregated", "parallel.encoder.tp=2", "parallel.llm.tp=2"]),
+    # Monolithic: encoder and generator stages share the LLM's TP (and DP) degree.
+    "monolithic_tp2_pp2": (8, ["layout=monolithic", "parallel.llm.tp=2"]),
+    "llm_dp2_tp2_gen_dp2": (
+        7,
+        ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.tp=2", "parallel.llm.pp=1",
+         "parallel.generator.dp=2"],
+    ),
+}
+
+
+def _ref_overrides(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith(("layout=", "parallel."))] + [STEPS, *SGD]
+
+
+def _check(name: str, layouts: dict, tmp_path, reference_run) -> None:
+    nproc, overrides = layouts[name]
+    rows, params, _ = launch(tmp_path, nproc, [STEPS, *SGD, *overrides])
+    ref_losses, ref_params = reference_run(_ref_overrides(overrides))
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+
+    # No duplicated boundary traffic: only TP index 0 ranks send across module boundaries.
+    topo = Topology.from_recipe(load_recipe(REPO / "recipes" / "tiny_cpu.yaml", overrides))
+    senders = set()
+    for rank in range(nproc):
+        sends = json.loads((tmp_path / f"sends_rank{rank}.json").read_text())
+        _, _, tp_index = topo.module_of(rank).coords(rank)
+        if sends:
+            senders.add(rank)
+            assert tp_index == 0, f"rank {rank} (tp index {tp_index}) sent {len(sends)} boundary messages"
+    if topo.layout == "disaggregated":
+        assert senders  # the boundaries were crossed, by TP index 0 ranks
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_parallel_layout_matches_reference(name, tmp_path, reference_run):
+    _check(name, LAYOUTS, tmp_path, reference_run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
+def test_more_tensor_parallel_layouts_match_reference(name, tmp_path, reference_run):
+    _check(name, SLOW_LAYOUTS, tmp_path, reference_run)
+
+
+def test_boundary_traffic_is_the_same_with_and_without_tp(tmp_path, reference_run):
+    """Same elements cross each boundary whether the LLM is sharded over 2 TP ranks or not."""
+    base = ["layout=disaggregated", "train.steps=1", *SGD]
+    totals = []
+    for tp, nproc in ((1, 4), (2, 6)):
+        out = tmp_path / f"tp{tp}"
+        launch(out, nproc, [*base, f"parallel.llm.tp={tp}"])
+        sends = [json.loads((out / f"sends_rank{r}.json").read_text()) for r in range(nproc)]
+        totals.append(sorted(sum(n for _, n in s) for s in sends if s))
+    assert totals[0] == totals[1] and totals[0]

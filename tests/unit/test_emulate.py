@@ -1,0 +1,242 @@
+"""Emulated compute: per-op costs from the cost model and a profile, stage tables, the simulator
+with measured overheads, the wait itself, and the recipe checks."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from disttrain_ds.config import load_recipe
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.planner.simulate import makespan_1f1b
+from disttrain_ds.runtime import emulate
+from disttrain_ds.runtime.emulate import Emulator, Overheads, RankCosts
+from disttrain_ds.topology import Topology
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny_cpu.yaml"
+DISAGG = ["layout=disaggregated"]
+
+
+def _profile(tmp_path: Path, costs=(60.0, 200.0, 120.0), tps=("1",)) -> Path:
+    mods = {m: {"layers": 2, "cost_ms": {t: c / int(t) for t in tps}} for m, c in zip(("encoder", "llm", "generator"), costs)}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"gpus": 4, "global_batch": 4, "modules": mods}))
+    return path
+
+
+# --------------------------------------------------------------------------- pure cost functions
+
+
+def test_mean_sample_costs_the_profiled_time_times_scale_split_one_to_two():
+    rate = emulate.ms_per_flop_from_profile(cost_ms=90.0, mean_fwd_flops=3e6, time_scale=0.5)
+    fwd, bwd = emulate.microbatch_ms([3e6], rate, pp=1)
+    assert fwd + bwd == pytest.approx(45.0)
+    assert bwd == pytest.approx(2 * fwd)
+
+
+def test_stage_share_is_replica_samples_over_pp():
+    rate = emulate.ms_per_flop_from_profile(90.0, 1e6, 1.0)
+    whole = emulate.microbatch_ms([1e6, 3e6], rate, pp=1)
+    quarter = emulate.microbatch_ms([1e6, 3e6], rate, pp=4)
+    assert whole[0] == pytest.approx(4 * quarter[0]) == pytest.approx(4 * 30.0)  # 4 mean samples' forward
+    with pytest.raises(ValueError, match="pp"):
+        emulate.microbatch_ms([1.0], rate, pp=0)
+
+
+def test_heavier_samples_wait_proportionally_longer():
+    rate = emulate.ms_per_flop_from_profile(30.0, 2e6, 1.0)
+    light, heavy = emulate.microbatch_ms([1e6], rate, 1), emulate.microbatch_ms([5e6], rate, 1)
+    assert heavy[0] == pytest.approx(5 * light[0])
+
+
+def test_module_without_work_costs_nothing():
+    assert emulate.ms_per_flop_from_profile(100.0, 0.0, 1.0) == 0.0
+
+
+def test_tflops_rate_divides_work_over_tp():
+    one = emulate.ms_per_flop_from_tflops(1.0, tp=1, time_scale=1.0)
+    assert emulate.microbatch_ms([1e12], one, 1)[0] == pytest.approx(1000.0)
+    assert emulate.ms_per_flop_from_tflops(1.0, tp=4, time_scale=2.0) == pytest.approx(one / 2)
+    with pytest.raises(ValueError, match="tflops"):
+        emulate.ms_per_flop_from_tflops(0.0, 1, 1.0)
+
+
+def _rc(rank, stage, dp, fwd, bwd=None, module="llm", prep=0.0) -> RankCosts:
+    return RankCosts(rank, module, stage, dp, tuple(fwd), tuple(bwd if bwd is not None else [2 * f for f in fwd]), prep)
+
+
+def test_stage_tables_take_the_slowest_replica_per_microbatch():
+    ranks = [_rc(0, 0, 0, [10, 1]), _rc(1, 0, 1, [2, 7]), _rc(2, 1, 0, [5, 5])]
+    fwd, bwd = emulate.stage_tables(ranks, 2)
+    assert fwd.tolist() == [[10, 5], [7, 5]]
+    assert bwd.tolist() == [[20, 10], [14, 10]]
+
+
+def test_stage_tables_refuse_missing_stages_and_ragged_steps():
+    with pytest.raises(ValueError, match="stages"):
+        emulate.stage_tables([_rc(0, 0, 0, [1, 1])], 2)
+    with pytest.raises(ValueError, match="microbatches"):
+        emulate.stage_tables([_rc(0, 0, 0, [1, 1]), _rc(1, 1, 0, [1])], 2)
+
+
+def test_simulate_step_without_overheads_is_the_planner_simulator():
+    ranks = [_rc(0, 0, 0, [3, 1, 2]), _rc(1, 1, 0, [2, 2, 2]), _rc(2, 2, 0, [1, 4, 1])]
+    fwd, bwd = emulate.stage_tables(ranks, 3)
+    t, _ = emulate.simulate_step(ranks, 3)
+    assert t == pytest.approx(makespan_1f1b(fwd, bwd))
+
+
+def test_overheads_lengthen_ops_crossings_head_and_tail():
+    ranks = [_rc(0, 0, 0, [3, 1]), _rc(1, 1, 0, [2, 2])]
+    base, _ = emulate.simulate_step(ranks, 2)
+    fwd, bwd = emulate.stage_tables(ranks, 2)
+    with_ops, _ = emulate.simulate_step(ranks, 2, Overheads(op_ms=0.5, comm_ms=0.25))
+    assert with_ops == pytest.approx(makespan_1f1b(fwd + 0.5, bwd + 0.5, comm=0.25))
+    assert with_ops > base
+    ranks = [_rc(0, 0, 0, [3, 1], prep=4.0), _rc(1, 1, 0, [2, 2], prep=1.0)]
+    shifted, _ = emulate.simulate_step(ranks, 2, Overheads(tail_ms=(3.0, 100.0), prep=True))
+    # stage 1 ends before stage 0 (its last backward feeds stage 0's), so its long tail decides
+    assert shifted == pytest.approx(4.0 + 100.0 + max(e.end for e in emulate.simulate_step(ranks, 2)[1].events if e.stage == 1))
+    assert emulate.simulate_ranks(ranks, 1, Overheads(tail_ms=(3.0, 100.0), prep=True))[0] == pytest.approx(shifted)
+    with pytest.raises(ValueError, match="tail_ms"):
+        emulate.simulate_step(ranks, 2, Overheads(tail_ms=(1.0,)))
+
+
+def _span(name, mb, start, end):
+    return {"name": name, "mb": mb, "start": start, "end": end}
+
+
+def test_measure_overheads_from_a_constructed_two_stage_trace():
+    # One microbatch: stage 0 forward 10 ms, stage 1 receives 1.5 ms after it, forward 10, backward 20,
+    # gradient back 1.0 ms after, stage 0 backward 20; each op overruns its emulated time by 0.5 ms.
+    ranks = [_rc(0, 0, 0, [10.0], [20.0], "encoder", prep=4.0), _rc(1, 1, 0, [10.0], [20.0])]
+    spans = {
+        0: [_span("load", 0, 0.0, 0.0), _span("forward", 0, 0.0, 10.5), _span("recv", 0, 10.5, 43.5),
+            _span("backward", 0, 43.5, 64.0), _span("allreduce", None, 64.0, 66.0), _span("optimizer", None, 66.0, 67.0)],
+        1: [_span("recv", 0, 0.0, 12.0), _span("load", 0, 12.0, 12.0), _span("forward", 0, 12.0, 22.5),
+            _span("backward", 0, 22.5, 43.0), _span("optimizer", None, 43.0, 51.0)],
+    }
+    ov = emulate.measure_overheads(spans, ranks, slot=1)
+    assert ov.op_ms == pytest.approx(0.5)
+    assert ov.comm_ms == pytest.approx(np.median([12.0 - 10.5, 43.5 - 43.0]))
+    assert ov.prep
+    assert ov.tail_ms == pytest.approx((3.0, 8.0))
+    t, _ = emulate.simulate_step(ranks, 2, ov)
+    assert t == pytest.approx(4.0 + 67.0, abs=0.01)  # the trace's own end (67 ms) after the head
+    assert emulate.simulate_ranks(ranks, 1, ov)[0] == pytest.approx(t)
+
+
+def test_tail_is_taken_from_the_replica_that_did_not_wait_in_the_all_reduce():
+    ranks = [_rc(0, 0, 0, [10.0], [20.0]), _rc(1, 0, 1, [10.0], [20.0])]
+    spans = {0: [_span("forward", 0, 0, 10), _span("backward", 0, 10, 30), _span("allreduce", None, 30, 52)],
+             1: [_span("forward", 0, 0, 10), _span("backward", 0, 10, 50), _span("allreduce", None, 50, 52)]}
+    assert emulate.measure_overheads(spans, ranks, slot=2).tail_ms == (2.0,)
+
+
+def test_links_follow_replicas_inside_a_module_and_dp_blocks_across_modules():
+    # encoder dp 1 -> llm dp 2 (one stage) -> generator dp 1, slot of 2 samples
+    ranks = [_rc(0, 0, 0, [1], module="encoder"), _rc(1, 1, 0, [1]), _rc(2, 1, 1, [1]),
+             _rc(3, 2, 0, [1], module="generator")]
+    d = emulate.links(ranks, slot=2)
+    assert d[(1, emulate.FWD)] == [0] and d[(0, emulate.BWD)] == [1, 2] and d[(3, emulate.FWD)] == [1, 2]
+    # inside a module (llm pp 2, dp 2): only the same replica
+    ranks = [_rc(0, 0, 0, [1]), _rc(1, 0, 1, [1]), _rc(2, 1, 0, [1]), _rc(3, 1, 1, [1])]
+    assert emulate.links(ranks, slot=2)[(3, emulate.FWD)] == [1]
+
+
+def test_independent_replicas_beat_lock_step_and_single_replicas_match_it():
+    chain = [_rc(0, 0, 0, [3, 1, 2], module="encoder"), _rc(1, 1, 0, [2, 2, 2]), _rc(2, 2, 0, [1, 4, 1], module="generator")]
+    assert emulate.simulate_ranks(chain, 1)[0] == pytest.approx(emulate.simulate_step(chain, 3)[0])
+    # two monolithic replicas whose heavy microbatches differ: lock-step pays both, replicas one each
+    reps = [_rc(0, 0, 0, [9, 1], module="encoder"), _rc(1, 0, 1, [1, 9], module="encoder"),
+            _rc(2, 1, 0, [2, 2]), _rc(3, 1, 1, [2, 2])]
+    per_replica, events = emulate.simulate_ranks(reps, 2)
+    assert per_replica < emulate.simulate_step(reps, 2)[0]
+    assert {e["rank"] for e in events} == {0, 1, 2, 3} and len(events) == 4 * 2 * 2
+
+
+def test_read_trace_converts_microseconds(tmp_path):
+    from disttrain_ds.parallel.engine import write_trace
+
+    write_trace([{"name": "forward", "mb": 2, "start": 10.0, "end": 10.25}], str(tmp_path / "rank3.json"), 3, "x", 10.0)
+    assert emulate.read_trace(tmp_path / "rank3.json") == [_span("forward", 2, 0.0, 250.0)]
+
+
+# --------------------------------------------------------------------------- the wait and the records
+
+
+def test_wait_holds_until_the_emulated_time_and_counts_overruns(tmp_path):
+    emu = Emulator("llm", 1, 0, 1, ms_per_flop=1.0, backward=True, cost_model=None, patch_size=8, special=None)
+    emu.fwd_ms, emu.bwd_ms = [40.0], [0.0]
+    emu.steps.append({"step": 1, "fwd_ms": [40.0], "bwd_ms": [0.0], "prep_s": 0.0, "waited_s": 0.0,
+                      "overruns": 0, "overrun_s": 0.0})
+    t0 = time.perf_counter()
+    emu.wait("fwd", 0, t0)
+    assert time.perf_counter() - t0 >= 0.040
+    emu.wait("fwd", 0, t0 - 1.0)  # started a second ago: already late, no sleep
+    rec = emu.steps[-1]
+    assert rec["waited_s"] > 0.03 and rec["overruns"] == 1 and rec["overrun_s"] > 0.9
+    emu.save(tmp_path, 5)
+    loaded = emulate.load_records(tmp_path)
+    assert loaded[1] == [RankCosts(5, "llm", 1, 0, (40.0,), (0.0,), 0.0)]
+    assert emulate.wait_summary(tmp_path)["overruns"] == 1
+
+
+def test_records_missing_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="emulate"):
+        emulate.load_records(tmp_path)
+
+
+def test_rank_costs_follow_the_recipe_data_and_average_to_the_profile(tmp_path):
+    recipe = load_recipe(TINY, [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}",
+                                "emulate.time_scale=0.5", "emulate.calibration_batches=3"])
+    topo = Topology.from_recipe(recipe)
+    rates = emulate.recipe_rates(recipe, topo)
+    flops = emulate.calibration_flops(recipe)
+    per_sample = flops * np.array([rates[m] for m in ("encoder", "llm", "generator")]) * 3.0  # fwd + 2 x fwd
+    assert per_sample.mean(axis=0) == pytest.approx([30.0, 100.0, 60.0])  # profile x time_scale
+    assert per_sample[:, 0].std() > 0  # samples differ: variation comes from the data
+
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    source, spec = build_data_and_spec(recipe)
+    samples = source.global_batch(0)
+    llm_stage1 = Emulator.for_rank(recipe, topo, 2, spec, backward=True)  # llm stage 1 of pp=2
+    llm_stage1.set_step(0, [[s] for s in samples])
+    expected = [per_sample[i, 1] / 3.0 / 2 for i in range(4)]  # forward, half the module
+    assert llm_stage1.fwd_ms == pytest.approx(expected)
+    assert llm_stage1.bwd_ms == pytest.approx([2 * x for x in expected])
+    assert llm_stage1.global_stage == 2 and llm_stage1.steps[0]["step"] == 1
+
+
+# --------------------------------------------------------------------------- recipe checks
+
+
+def _error(overrides) -> str:
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(TINY, overrides)
+    assert "\n" not in str(exc.value)
+    return str(exc.value)
+
+
+def test_emulate_recipe_errors_name_the_key(tmp_path):
+    assert "'emulate.enabled'" in _error(["emulate.enabled=true", "emulate.tflops=1"])  # reference layout
+    assert "'emulate.tflops'" in _error([*DISAGG, "emulate.enabled=true"])
+    assert "'emulate.profile'" in _error([*DISAGG, "emulate.enabled=true", "emulate.profile=/nope.json"])
+    assert "'emulate.time_scale'" in _error([*DISAGG, "emulate.time_scale=-1"])
+    assert "'emulate.calibration_batches'" in _error(["emulate.calibration_batches=0"])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"gpus": 4}')
+    assert "bad.json" in _error([*DISAGG, "emulate.enabled=true", f"emulate.profile={bad}"])
+
+
+def test_profile_must_cost_the_modules_tp_degree(tmp_path):
+    path = _profile(tmp_path, tps=("2",))
+    assert "tp=1" in _error([*DISAGG, "emulate.enabled=true", f"emulate.profile={path}"])
+    ok = load_recipe(TINY, [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}"])
+    assert ok.emulate.enabled and ok.emulate.time_scale == 1.0
