@@ -1,0 +1,132 @@
+"""The GPU benchmark scripts without a GPU: a clean skip, CPU smoke runs of the same code paths,
+and their pure parts (MFU goal verdict, hidden-transfer fraction, argument checks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
+
+
+def _load(name: str):
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+def _run(cmd: list[str], timeout: int = 300, hide_cuda: bool = False) -> subprocess.CompletedProcess:
+    env = {**ENV, "CUDA_VISIBLE_DEVICES": ""} if hide_cuda else ENV
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return proc
+
+
+@pytest.mark.parametrize("script", ["gpu_modules.py", "gpu_comm_overlap.py"])
+def test_bench_without_cuda_prints_only_the_skip_line_and_exits_zero(script):
+    proc = _run([sys.executable, str(BENCH / script)], hide_cuda=True)
+    assert proc.stdout.splitlines() == ["skipped: no CUDA device"]
+
+
+def _module_smoke(tmp_path: Path, modules: str) -> dict:
+    out = tmp_path / "modules.json"
+    proc = _run([sys.executable, str(BENCH / "gpu_modules.py"), "--device", "cpu", "--tiny", "--modules", modules,
+                 "--steps", "2", "--warmup", "1", "--json", str(out)])
+    assert "| module | batch | params | step ms | TFLOP/s | MFU | peak mem GiB | note |" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [r["module"] for r in data["results"]] == modules.split(",")
+    for r in data["results"]:
+        assert f"| {r['module']} |" in proc.stdout
+        assert r["params"] > 0 and r["step_ms"] > 0 and len(r["samples_ms"]) == 2
+        assert r["tflops"] > 0 and 0 < r["mfu"] < 10, r
+    return data
+
+
+def test_module_bench_tiny_cpu_smoke_trains_llm_and_vit_and_prints_the_table(tmp_path):
+    data = _module_smoke(tmp_path, "llm,vit")
+    assert data["peak_source"] == "measured CPU matmul estimate"
+    assert data["results"][0]["note"] == "goal >= 50% MFU on H100 (this is cpu)"
+
+
+@pytest.mark.slow
+def test_module_bench_tiny_cpu_smoke_runs_all_four_modules(tmp_path):
+    _module_smoke(tmp_path, "llm,vit,unet512,unet1024")
+
+
+def _check_comm_json(data: dict, world: int) -> None:
+    a, b = data["a"], data["b"]
+    assert data["world"] == world
+    assert a["gemms"] >= 1 and a["t_comm"] > 0 and a["t_compute"] > 0 and a["t_both"] > 0
+    assert math.isclose(a["hidden"], (a["t_comm"] + a["t_compute"] - a["t_both"]) / a["t_comm"])
+    assert [r["chunks"] for r in b["rows"]] == [1, 2, 4, 8]
+    assert b["rows"][0]["speedup"] == 1.0
+    # Same bf16 values, GEMMs over fewer rows: equal up to bf16 rounding of outputs near 0.2.
+    assert all(r["max_diff"] < 1e-2 for r in b["rows"]), b["rows"]
+
+
+def test_comm_bench_tiny_cpu_smoke_prints_both_tables(tmp_path):
+    out = tmp_path / "comm.json"
+    proc = _run([sys.executable, str(BENCH / "gpu_comm_overlap.py"), "--device", "cpu", "--tiny",
+                 "--repeats", "2", "--json", str(out)])
+    assert "| transfers ms | compute ms | both ms | hidden | goal |" in proc.stdout
+    assert "| chunks | ms | speedup vs 1 | max abs diff vs chunks=1 |" in proc.stdout
+    data = json.loads(out.read_text())
+    _check_comm_json(data, 1)
+    assert data["b"]["path"].startswith("emulated: 2 shards")
+
+
+@pytest.mark.slow
+def test_comm_bench_under_torchrun_uses_the_p2p_communicator_and_a_real_all_gather(tmp_path):
+    out = tmp_path / "comm.json"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+          str(BENCH / "gpu_comm_overlap.py"), "--device", "cpu", "--tiny", "--repeats", "2", "--json", str(out)])
+    data = json.loads(out.read_text())
+    _check_comm_json(data, 2)
+    assert data["a"]["path"] == "P2P isend/irecv, 2 ranks (gloo)"
+    assert data["b"]["path"] == "gloo all-gather, 2 ranks"
+
+
+def test_hidden_fraction_is_the_share_of_transfer_time_under_compute():
+    comm = _load("gpu_comm_overlap")
+    assert comm.hidden_fraction(10.0, 12.0, 12.0) == 1.0  # fully hidden
+    assert comm.hidden_fraction(10.0, 12.0, 22.0) == 0.0  # serialised
+    assert comm.hidden_fraction(10.0, 12.0, 17.0) == 0.5
+    with pytest.raises(ValueError, match="t_comm must be positive"):
+        comm.hidden_fraction(0.0, 1.0, 1.0)
+
+
+def test_comm_bench_refuses_more_chunks_than_shard_rows():
+    comm = _load("gpu_comm_overlap")
+    with pytest.raises(SystemExit, match="--chunks/--rows: chunks=32 exceeds the 16 blocks"):
+        comm.main(["--device", "cpu", "--tiny", "--chunks", "1,32"])
+
+
+def test_llm_goal_verdict_names_the_device_and_the_outcome():
+    mods = _load("gpu_modules")
+    row = mods.Result("llm", "1 x 8192 tokens", mfu=0.55)
+    assert mods.goal_note(row, "NVIDIA H100 80GB HBM3") == "goal >= 50% MFU on H100: met"
+    assert mods.goal_note(mods.Result("llm", "", mfu=0.41), "NVIDIA H100 80GB HBM3").endswith("MISSED")
+    assert mods.goal_note(row, "NVIDIA A100-SXM4-80GB") == "goal >= 50% MFU on H100 (this is NVIDIA A100-SXM4-80GB)"
+    assert mods.goal_note(mods.Result("vit", "", mfu=0.9), "NVIDIA H100 80GB HBM3") == ""
+
+
+def test_module_bench_refuses_unknown_modules_and_bad_batches():
+    mods = _load("gpu_modules")
+    with pytest.raises(SystemExit, match=r"--modules: unknown \['gpt'\]"):
+        mods.main(["--modules", "llm,gpt", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--batch 'vit=0': expected MODULE=N"):
+        mods.parse_batch(["vit=0"], tiny=True)
+    assert mods.parse_batch(["unet1024=4"], tiny=False)["unet1024"] == 4
