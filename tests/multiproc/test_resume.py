@@ -73,8 +73,10 @@ def test_resume_auto_refuses_a_checkpoint_of_a_different_layout(tmp_path):
         (4, ["layout=monolithic"]),
         (5, ["parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.pp=1", "model.encoder.frozen=true",
              "deepspeed_config=ds_configs/zero1.json"]),
+        # Every TP rank saves and restores its own shards.
+        (7, ["parallel.encoder.tp=2", "parallel.llm.tp=2"]),
     ],
-    ids=["monolithic", "zero1_dp2_frozen_encoder"],
+    ids=["monolithic", "zero1_dp2_frozen_encoder", "encoder_tp2_llm_tp2"],
 )
 def test_resumed_run_matches_straight_run_in_other_layouts(tmp_path, nproc, layout):
     def run(extra):
