@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.planner.baselines import megatron_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
 from disttrain_ds.planner.profile import MODULES, Profile, load_profile, profile_from_dict, profile_to_dict  # noqa: E402
-from disttrain_ds.runtime import emulate  # noqa: E402
+from disttrain_ds.runtime import emulate_sim  # noqa: E402
 
 RECIPE = "recipes/tiny_cpu.yaml"
 # Data with per-sample variation (1-5 input images of 32-48 px, i.e. 16-36 patches each, and 1-3
@@ -189,17 +189,17 @@ def launch(cfg: Config, run_dir: Path, steps: int, batch: int) -> None:
 def analyse(run_dir: Path, warmup: int, slot: int) -> dict:
     """Per-step measured and simulated times of one run (steps after ``warmup``), medians."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    recs = emulate.load_records(run_dir / "emulate")
-    spans = {int(f.stem[4:]): emulate.read_trace(f) for f in (run_dir / "trace").glob("rank*.json")}
+    recs = emulate_sim.load_records(run_dir / "emulate")
+    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run_dir / "trace").glob("rank*.json")}
     last = rows[-1]["step"]
     stages = 1 + max(r.global_stage for r in recs[last])
-    ov = emulate.measure_overheads(spans, recs[last], slot)
+    ov = emulate_sim.measure_overheads(spans, recs[last], slot)
     steps = [r for r in rows if r["step"] > warmup]
     meas = [1e3 * r["step_seconds"] for r in steps]
-    pure = [emulate.simulate_step(recs[r["step"]], stages)[0] for r in steps]
-    full = [emulate.simulate_ranks(recs[r["step"]], slot, ov)[0] for r in steps]
+    pure = [emulate_sim.simulate_step(recs[r["step"]], stages)[0] for r in steps]
+    full = [emulate_sim.simulate_ranks(recs[r["step"]], slot, ov)[0] for r in steps]
     return {"measured": statistics.median(meas), "pure": statistics.median(pure), "sim": statistics.median(full),
-            "overheads": ov, "waits": emulate.wait_summary(run_dir / "emulate"), "spans": spans,
+            "overheads": ov, "waits": emulate_sim.wait_summary(run_dir / "emulate"), "spans": spans,
             "last": recs[last], "slot": slot}
 
 
@@ -241,7 +241,7 @@ def draw_gantt(cfg: Config, rep: dict, path: Path) -> None:
                "load": "#8172B2", "allreduce": "#C44E52", "optimizer": "#937860"}
     spans, by_rank, ov = rep["spans"], {r.rank: r for r in rep["last"]}, rep["overheads"]
     t0 = min(sp[0]["start"] - by_rank[r].prep_ms for r, sp in spans.items() if sp)  # the step's start
-    _, sim = emulate.simulate_ranks(rep["last"], rep["slot"], ov)
+    _, sim = emulate_sim.simulate_ranks(rep["last"], rep["slot"], ov)
     ranks = sorted(spans, key=lambda r: (by_rank[r].global_stage, by_rank[r].dp))
     row = {r: len(ranks) - 1 - k for k, r in enumerate(ranks)}
     fig, axes = plt.subplots(2, 1, sharex=True, figsize=(11, 1.4 + 0.36 * len(ranks)))

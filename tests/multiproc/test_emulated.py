@@ -8,7 +8,7 @@ import json
 import pytest
 
 from disttrain_ds.config import load_recipe
-from disttrain_ds.runtime import emulate
+from disttrain_ds.runtime import emulate, emulate_sim
 from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 from disttrain_ds.topology import Topology
 
@@ -34,7 +34,7 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
 
     # Every rank recorded the times of the samples it trained, computed as the pure functions do.
-    recs = emulate.load_records(run / "emulate")
+    recs = emulate_sim.load_records(run / "emulate")
     recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", [*LAYOUT, *emu])
     source, _ = build_data_and_spec(recipe)
     samples = source.global_batch(2)
@@ -49,19 +49,19 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     for f in (run / "trace").glob("rank*.json"):
         rank = int(f.stem[4:])
         mine = next(r for r in recs[3] if r.rank == rank)
-        spans = emulate.read_trace(f)
+        spans = emulate_sim.read_trace(f)
         fwd = [s["end"] - s["start"] for s in spans if s["name"] == "forward"]
         bwd = [s["end"] - s["start"] for s in spans if s["name"] == "backward"]
         assert all(d >= e - 0.05 for d, e in zip(fwd, mine.fwd_ms)), (rank, fwd, mine.fwd_ms)
         assert all(d >= e - 0.05 for d, e in zip(bwd, mine.bwd_ms)), (rank, bwd, mine.bwd_ms)
-    assert emulate.wait_summary(run / "emulate")["waited_s"] > 1.0
+    assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
 
     # The last step's iteration time is the simulator's, fed the recorded times and the overheads
     # measured on the same step.
-    spans = {int(f.stem[4:]): emulate.read_trace(f) for f in (run / "trace").glob("rank*.json")}
-    ov = emulate.measure_overheads(spans, recs[3], slot=2)
-    simulated, _ = emulate.simulate_ranks(recs[3], 2, ov)
-    compute_only, _ = emulate.simulate_step(recs[3], 3)
+    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
+    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
+    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
+    compute_only, _ = emulate_sim.simulate_step(recs[3], 3)
     measured = 1e3 * rows[-1]["step_seconds"]
     assert measured > 0.9 * compute_only  # tiny real layers alone would take a fraction of it
     assert measured == pytest.approx(simulated, rel=0.08)
