@@ -28,8 +28,6 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 
-from ..config import tp_shape_problem
-from ..configtools import ConfigError
 from ..models.llama import LlmHead
 from ..models.projectors import MLPProjector
 
@@ -220,12 +218,3 @@ def full_state(layer: nn.Module, tp: TPContext) -> dict[str, torch.Tensor]:
         else:
             state[name] = torch.cat(parts, dim=p.tp_dim)
     return state
-
-
-def check_tp_shapes(recipe, topo) -> None:
-    """One-line ``ConfigError`` before any process starts if a module's TP degree cannot shard it."""
-    for grid in topo.modules:
-        problem = tp_shape_problem(recipe, grid.name, grid.tp) if grid.tp > 1 else None
-        if problem:
-            key, why = problem
-            raise ConfigError(f"{recipe.source_file}: '{key}' {why}")

@@ -23,7 +23,7 @@ from ..models.mllm import MODULES, BatchNorms, collate
 from ..parallel.engine import build_pipeline_module, make_engine, write_trace
 from ..parallel.roles import ROLES
 from ..parallel.schedule import StagePlace
-from ..parallel.tensor_parallel import TPContext, check_tp_shapes, full_state
+from ..parallel.tensor_parallel import TPContext, full_state
 from ..topology import Topology
 from .reference import step_tokens
 from ..metrics.logger import RunLogger
@@ -98,7 +98,6 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     topo = Topology.from_recipe(recipe)
     topo.check_world(world, recipe.source_file)
-    check_tp_shapes(recipe, topo)
     resume_from, manifest = resolve_resume(recipe, world)
     device = init_processes(recipe.parallel.comm_timeout_s)
     rank = tdist.get_rank()
