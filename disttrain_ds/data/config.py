@@ -48,6 +48,13 @@ class DataConfig:
     """Global batches prepared ahead of training when producers > 0 (split evenly over the producers)."""
     reorder: bool = False
     """Apply intra- and inter-microbatch reordering inside each global batch (in the producers)."""
+    share: Literal["node", "rank"] = "node"
+    """Multi-rank layouts with producers > 0. node: one rank per host runs the producers and every
+    rank of the host reads the batches they write once to a shared-memory spool; rank: every rank
+    runs its own producers over the whole global batch (preprocessing repeated per rank)."""
+    spool_dir: str = ""
+    """Directory for the node-shared batches (an existing, node-local one); empty: /dev/shm, or the
+    system temp directory where there is no /dev/shm. A spool takes about queue_depth + 2 batches."""
 
 
 def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
@@ -68,6 +75,10 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
             return "path", f"{cfg.path} holds no {' / '.join(RECORD_SUFFIXES)} files"
     if cfg.tokenizer not in ("byte", "smollm2") and not Path(cfg.tokenizer).expanduser().is_dir():
         return "tokenizer", f"{cfg.tokenizer!r} is not byte, smollm2 or an existing tokenizer directory"
+    if cfg.share not in ("node", "rank"):
+        return "share", f"must be node or rank, got {cfg.share!r}"
+    if cfg.spool_dir and not Path(cfg.spool_dir).expanduser().is_dir():
+        return "spool_dir", f"{cfg.spool_dir} is not an existing directory"
     if not cfg.image_sizes:
         return "image_sizes", "needs at least one size"
     for key in ("gen_images", "text_tokens"):

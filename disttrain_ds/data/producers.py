@@ -6,6 +6,9 @@ reorder), each into its own bounded queue; together the queues hold about ``data
 batches ahead of training. The trainer reads step ``s`` from queue ``s % P``, so batches arrive in
 step order and equal the in-process ones. ``last_wait_seconds`` is how long the trainer blocked.
 With ``P = 0`` the same wrapper prepares batches in the trainer process.
+
+In a multi-rank job with ``data.share: node`` only one rank per host runs the producers; they
+write batches to a spool in shared memory that every rank on the host reads (``spool.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from typing import Any
 import torch
 
 from .config import DataConfig
+from . import spool
 from .registry import open_source
 from .source import SampleSource, ShapeSpec
+from .spool import NodeShare, SpoolError, SpoolWriter
 from .types import PackedSample
 
 _POLL_S = 0.2
@@ -88,8 +93,14 @@ def _put(q, item, stop) -> bool:
     return False
 
 
-def _produce(job: _Job, q, stop) -> None:
+def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int = 0) -> None:
+    """Prepare steps ``first_step, first_step + stride, ...`` into queue ``q`` or the spool ``writer``."""
     step = job.first_step
+
+    def keep_going() -> bool:
+        parent = mp.parent_process()
+        return not stop.is_set() and (parent is None or parent.is_alive())
+
     try:
         source = open_source(job.cfg, job.shape, job.batch, job.seed)
         if job.state:
@@ -97,15 +108,23 @@ def _produce(job: _Job, q, stop) -> None:
         while not stop.is_set():
             samples = prepare(source, step, job.cfg, job.shape)
             plan, extra = source.step_skips(step)
-            if not _put(q, ("ok", step, _encode(samples), plan, extra, source.state_dict()), stop):
+            if writer is not None:
+                payload = {"step": step, "samples": samples, "plan": plan, "extra": extra, "state": source.state_dict()}
+                sent = writer.put(step, payload, keep_going)
+            else:
+                sent = _put(q, ("ok", step, _encode(samples), plan, extra, source.state_dict()), stop)
+            if not sent:
                 break
             step += job.stride
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the trainer
         line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        _put(q, ("error", step, line, traceback.format_exc()), stop)
+        if writer is not None:
+            writer.error(index, step, line, traceback.format_exc())
+        else:
+            _put(q, ("error", step, line, traceback.format_exc()), stop)
     finally:
         parent = mp.parent_process()
-        if parent is not None and not parent.is_alive():
+        if q is not None and parent is not None and not parent.is_alive():
             q.cancel_join_thread()  # nobody will read: do not hang at exit flushing the queue
         # Otherwise exit flushes what was put (the error message above) while the trainer reads.
 
@@ -130,29 +149,61 @@ class ProducedSource(SampleSource):
         self.inner = open_source(cfg, shape, global_batch, seed)  # vocabulary, describe, in-process batches
         self.special, self.base_vocab = self.inner.special, self.inner.base_vocab
         self.last_wait_seconds = 0.0
+        self.share: NodeShare | None = None
         self._procs: list[Any] = []
         self._queues: list[Any] = []
         self._stop = None
         self._finalizer: weakref.finalize | None = None
+        self._spool_finalizer: weakref.finalize | None = None
         self._next = 0
         self._inner_state: dict | None = None
         self._plan_skips: dict[str, int] = {}
         self._extra: dict[str, int] = {}
 
     def describe(self) -> str:
-        where = f"{self.cfg.producers} producer processes" if self.cfg.producers else "in-process"
+        if not self.cfg.producers:
+            where = "in-process"
+        elif self.share is not None:
+            n = len(self.share.readers)
+            where = f"by {self.cfg.producers} producer processes per host, shared by its {n} ranks through {self.share.directory}"
+        else:
+            where = f"by {self.cfg.producers} producer processes"
         return f"{self.inner.describe()}, prepared {where}" + (", reordered" if self.cfg.reorder else "")
+
+    def share_with(self, share: NodeShare) -> None:
+        """Read batches from the host's spool; the host's leader rank runs the producers for all."""
+        if not self.cfg.producers:
+            raise ValueError("data.share: a shared spool needs data.producers > 0")
+        self.close()
+        self.share = share
+        if share.leader:
+            try:
+                spool.create(share, "data.spool_dir")
+            except SpoolError as exc:
+                raise ProducerError(str(exc)) from None
+            self._spool_finalizer = weakref.finalize(self, spool.remove, share.directory)
+
+    def release_spool(self) -> None:
+        """Leader: remove the spool once every rank of the host is done with it."""
+        if self._spool_finalizer is not None:
+            self._spool_finalizer()
 
     # ----------------------------------------------------------------- producers
 
     def _start(self, step: int) -> None:
         ctx, n = _context(), self.cfg.producers
-        depth = max(1, -(-self.cfg.queue_depth // n))
         self._stop = ctx.Event()
-        self._queues = [ctx.Queue(maxsize=depth) for _ in range(n)]
+        writer = None
+        if self.share is not None:
+            spool.reset(self.share.directory)
+            writer = SpoolWriter(self.share.directory, self.share.readers, self.cfg.queue_depth, step, "data.spool_dir")
+            self._queues = [None] * n
+        else:
+            depth = max(1, -(-self.cfg.queue_depth // n))
+            self._queues = [ctx.Queue(maxsize=depth) for _ in range(n)]
         for k in range(n):
             job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state)
-            proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop), daemon=True,
+            proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop, writer, k), daemon=True,
                                name=f"data-producer-{k}")
             proc.start()
             self._procs.append(proc)
@@ -182,20 +233,43 @@ class ProducedSource(SampleSource):
             raise ProducerError(f"data.producers: producer {k} sent step {msg[1]} when step {step} was due")
         return msg
 
+    def _fetch_shared(self, step: int) -> tuple:
+        share = self.share
+        assert share is not None
+
+        def producers_gone() -> str | None:  # the leader's own producers; other ranks watch the leader
+            for k, proc in enumerate(self._procs):
+                if not proc.is_alive():
+                    return f"producer {k} exited (code {proc.exitcode}) before step {step}"
+            return None
+
+        try:
+            payload = spool.fetch(share, step, producers_gone)
+        except SpoolError as exc:
+            self.close()
+            raise ProducerError(f"data.producers: {exc}", exc.details) from None
+        if share.leader:
+            spool.collect(share.directory, share.readers)
+        return payload["samples"], payload["plan"], payload["extra"], payload["state"]
+
     def global_batch(self, step: int) -> list[PackedSample]:
         t0 = time.perf_counter()
         if self.cfg.producers == 0:
             samples = prepare(self.inner, step, self.cfg, self.shape)
             plan, extra, state = *self.inner.step_skips(step), None
         else:
+            runs_producers = self.share is None or self.share.leader
             if self._procs and step != self._next:
                 self.close()  # out-of-order request: restart the producers at this step
-            if not self._procs:
+            if runs_producers and not self._procs:
                 if step != self._next:
                     self._inner_state = None  # the saved state is for another step: plan from the start
                 self._start(step)
-            _, _, payload, plan, extra, state = self._receive(step)
-            samples = _decode(payload)
+            if self.share is not None:
+                samples, plan, extra, state = self._fetch_shared(step)
+            else:
+                _, _, payload, plan, extra, state = self._receive(step)
+                samples = _decode(payload)
         self._next = step + 1
         self._inner_state = state
         self._plan_skips = plan
@@ -226,6 +300,7 @@ class ProducedSource(SampleSource):
             self.inner.load_state_dict(self._inner_state)  # also checks it matches this data setup
 
     def close(self) -> None:
+        """Stop the producers (a shared spool stays until ``release_spool`` or exit)."""
         if self._procs:
             self._finalizer()  # runs _shutdown once; also registered for garbage collection and exit
         self._procs, self._queues = [], []
@@ -237,6 +312,9 @@ def _shutdown(procs: list, queues: list, stop) -> None:
     deadline = time.monotonic() + 5.0
     for proc, q in zip(procs, queues):
         while proc.is_alive() and time.monotonic() < deadline:
+            if q is None:  # spool writers poll the stop flag
+                proc.join(timeout=_POLL_S)
+                continue
             try:  # drain so a producer blocked on a full queue sees the stop flag
                 q.get_nowait()
             except queue.Empty:
@@ -244,5 +322,6 @@ def _shutdown(procs: list, queues: list, stop) -> None:
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout=5.0)
-        q.close()
-        q.cancel_join_thread()
+        if q is not None:
+            q.close()
+            q.cancel_join_thread()

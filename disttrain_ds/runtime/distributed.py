@@ -7,6 +7,7 @@ per step, this rank's microbatches -> run the shared 1F1B schedule -> gather fig
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..comm.boundary import BoundaryComm
 from ..comm.p2p import P2P, PeerInfo
 from ..comm.routes import blocks
 from ..config import Recipe, resolve_path
+from ..data.spool import default_base, host_key, plan_shares
 from ..dsconfig import engine_config, load_ds_config
 from ..models.mllm import MODULES, BatchNorms, collate
 from ..parallel.engine import build_pipeline_module, make_engine, write_trace
@@ -78,6 +80,16 @@ def tp_context(grid, stage: int, dp: int, tp_index: int) -> TPContext:
     return TPContext(group, tp_index, grid.tp, ranks[0])
 
 
+def share_batches(recipe: Recipe, source, rank: int, world: int, group) -> None:
+    """``data.share: node``: ranks on one host read the batches its leader's producers write once."""
+    if not recipe.data.producers or recipe.data.share != "node" or world == 1:
+        return
+    hosts: list = [None] * world
+    tdist.all_gather_object(hosts, (host_key(), os.getpid(), secrets.token_hex(8)), group=group)
+    base = Path(recipe.data.spool_dir).expanduser() if recipe.data.spool_dir else default_base()
+    source.share_with(plan_shares([(h, pid) for h, pid, _ in hosts], hosts[0][2], base)[rank])
+
+
 def layer_state(pm, module: str, layer_defs, tp: TPContext) -> dict[str, torch.Tensor]:
     """This rank's parameters keyed ``module/layer/param`` (same keys as ``reference_layer_state``),
     tensor-parallel shards gathered back to full tensors."""
@@ -131,6 +143,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     # Step figures and timeline bookkeeping are small CPU tensors: keep them on gloo even with NCCL.
     meta_group = tdist.new_group(list(range(world)), backend="gloo")
     p2p = P2P(comm_group, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
+    share_batches(recipe, source, rank, world, meta_group)
     tp = tp_context(grid, stage, dp_index, tp_index)
     up_grid, down_grid = topo.neighbours(grid.name)
     idx = [m.name for m in topo.modules].index(grid.name)
@@ -195,6 +208,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         costs, patch = cost_model(recipe), recipe.model.encoder.patch_size
         dps = {m.name: m.dp for m in topo.modules}
         log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
+        log(f"data: {source.describe()}")
 
     dirs = [str(run_dir) if is_logger else None]
     tdist.broadcast_object_list(dirs, src=0, group=meta_group)
@@ -251,6 +265,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         state = layer_state(pm, grid.name, spec.layers(grid.name), tp)
         torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
     tdist.barrier()
+    source.release_spool()  # every rank of the host is past its last batch
     if is_logger:
         writer.close()
         log(f"metrics: {run_dir / 'metrics.jsonl'}")

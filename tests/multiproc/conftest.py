@@ -26,6 +26,7 @@ def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None
     cmd += ["parallel.comm_timeout_s=120", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    (out / "launch.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     params: dict[str, torch.Tensor] = {}

@@ -27,10 +27,14 @@ def test_killed_and_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path):
     expected = [r["loss"] for r in metrics_steps(tmp_path / "straight")]
     assert len(expected) == 6
 
-    # A long run, killed (every rank at once, SIGKILL) once its step-3 checkpoint is complete.
+    # A long run with node-shared data producers, killed (every rank at once, SIGKILL) once its
+    # step-3 checkpoint is complete: its batch spool is left behind.
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     step3 = ckpt / "step_00000003"
-    procs = start_ranks(run, 4, ["train.steps=100000", "checkpoint.every=3", "checkpoint.keep=0", f"checkpoint.dir={ckpt}"])
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    data = ["data.producers=1", f"data.spool_dir={spool_dir}"]
+    procs = start_ranks(run, 4, ["train.steps=100000", "checkpoint.every=3", "checkpoint.keep=0", f"checkpoint.dir={ckpt}", *data])
     try:
         wait_until(lambda: (step3 / "manifest.json").exists(), procs, "the step-3 checkpoint")
     finally:
@@ -43,7 +47,8 @@ def test_killed_and_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path):
     assert [r["step"] for r in before][:3] == [1, 2, 3]
 
     # Resume that checkpoint up to step 6 (new checkpoints elsewhere: later ones exist in ckpt).
-    resumed = _torchrun(["train.steps=6", f"train.resume={step3}", "checkpoint.every=3", f"checkpoint.dir={tmp_path / 'ckpt2'}"])
+    assert len(list(spool_dir.iterdir())) == 1
+    resumed = _torchrun(["train.steps=6", f"train.resume={step3}", "checkpoint.every=3", f"checkpoint.dir={tmp_path / 'ckpt2'}", *data])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {step3} at step 3" in resumed.stdout
     rows = metrics_steps(run)
@@ -52,6 +57,7 @@ def test_killed_and_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path):
     rolled = run / "metrics.rolled_back.jsonl"
     assert len(before) == 3 or [json.loads(x)["step"] for x in rolled.read_text().splitlines()] == [r["step"] for r in before[3:]]
     assert (tmp_path / "ckpt2" / "step_00000006" / "manifest.json").exists()
+    assert list(spool_dir.iterdir()) == []  # the killed run's spool removed, and the resumed run's own
 
 
 def test_resume_auto_refuses_a_checkpoint_of_a_different_layout(tmp_path):
