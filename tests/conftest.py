@@ -23,6 +23,21 @@ def fixtures_dir() -> Path:
     return SHARED_FIXTURES
 
 
+@pytest.fixture
+def run_main(capsys):
+    """Call a command-line ``main(argv)``; returns (exit code, stdout, stderr), argparse exits included."""
+
+    def call(main, *argv: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import ModuleGrid
-from .p2p import HEADER, P2P, PendingRecv, _from_header, _header
+from .p2p import HEADER, P2P, PendingRecv, empty_like_header, shape_header
 from .routes import blocks, routes_from, routes_to, split_rows
 
 ACT, GRAD = 0, 1
@@ -78,10 +78,10 @@ class BoundaryComm:
             return tensor
         t0 = time.perf_counter()
         device = self.p2p.device
-        header = _header(tensor).to(device) if self.talks else torch.empty(HEADER, dtype=torch.int64, device=device)
+        header = shape_header(tensor).to(device) if self.talks else torch.empty(HEADER, dtype=torch.int64, device=device)
         dist.broadcast(header, src=self.tp.root, group=self.tp.group)
         if not self.talks:
-            tensor = _from_header(header.cpu(), device)
+            tensor = empty_like_header(header.cpu(), device)
         if tensor.numel():
             tensor = tensor.contiguous()
             dist.broadcast(tensor, src=self.tp.root, group=self.tp.group)

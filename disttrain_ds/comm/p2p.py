@@ -25,7 +25,8 @@ class CommTimeoutError(RuntimeError):
     """A peer did not send or receive in time (stuck or dead)."""
 
 
-def _header(t: torch.Tensor) -> torch.Tensor:
+def shape_header(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s dtype and shape as the fixed-size int64 header sent ahead of its payload."""
     if t.dim() > HEADER - 2:
         raise ValueError(f"tensor of {t.dim()} dims exceeds the header's {HEADER - 2}")
     h = torch.zeros(HEADER, dtype=torch.int64)
@@ -34,7 +35,8 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _from_header(h: torch.Tensor, device) -> torch.Tensor:
+def empty_like_header(h: torch.Tensor, device) -> torch.Tensor:
+    """An uninitialised tensor of the dtype and shape ``h`` describes, to receive the payload into."""
     ndim = int(h[1])
     shape = [int(x) for x in h[2 : 2 + ndim]]
     return torch.empty(shape, dtype=DTYPES[int(h[0])], device=device)
@@ -65,7 +67,7 @@ class P2P:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
         """Start sending ``tensor`` (header then payload); completion is checked later."""
         tensor = tensor.detach().contiguous()
-        header = _header(tensor).to(self.device)
+        header = shape_header(tensor).to(self.device)
         if self.stream is not None:
             # The payload was produced on the compute stream: order the side stream after it.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -124,7 +126,7 @@ class PendingRecv:
 
     def _post_payload(self) -> None:
         self.p2p.wait(self.work, "the shape header of " + self.what)
-        self._payload = _from_header(self.header.cpu(), self.p2p.device)
+        self._payload = empty_like_header(self.header.cpu(), self.p2p.device)
         if self._payload.numel() == 0:
             return
         with self.p2p._on_side():

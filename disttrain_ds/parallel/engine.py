@@ -58,7 +58,7 @@ class DefSpec(LayerSpec):
 
 def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, frozen: bool, tp: TPContext) -> PipelineModule:
     """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the module's ranks."""
-    with subset_grid_for_pipeline_module():
+    with subset_grid_for_pipeline_module(tp.group):  # the TP group made for the layers, not a second one
         pm = PipelineModule(
             layers=[DefSpec(d, tp) for d in layer_defs],
             topology=OffsetTopology(grid),

@@ -9,6 +9,7 @@ module's ranks only (``use_local_synchronization``), so several pipelines share 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch.distributed as tdist
 from deepspeed.runtime.pipe import module as ds_pipe_module
@@ -33,7 +34,8 @@ def _local_group(ranks: list[int]):
 class SubsetGrid(PipelineParallelGrid):
     """``PipelineParallelGrid`` over an ``OffsetTopology``: groups among the module's ranks only."""
 
-    def __init__(self, topology: OffsetTopology, process_group=None):  # noqa: D401 - mirrors the base signature
+    def __init__(self, topology: OffsetTopology, process_group=None, model_group=None):  # noqa: D401 - base signature
+        """``model_group``: this rank's tensor-parallel group if the caller already made it (reused)."""
         self.global_rank = tdist.get_rank()
         self._topo = topology
         self.world_size = topology.get_dim("pipe") * topology.get_dim("data") * topology.get_dim("model")
@@ -66,7 +68,8 @@ class SubsetGrid(PipelineParallelGrid):
         self.model_groups = topology.get_axis_comm_lists("model")
         for g in self.model_groups:
             if self.global_rank in g:
-                self.slice_group, self.slice_proc_group = g, _local_group(g)
+                self.slice_group = g
+                self.slice_proc_group = model_group if model_group is not None else _local_group(g)
         self.mp_group = self.slice_group
 
     def _build_p2p_groups(self):
@@ -81,10 +84,10 @@ class SubsetGrid(PipelineParallelGrid):
 
 
 @contextlib.contextmanager
-def subset_grid_for_pipeline_module():
-    """While building a ``PipelineModule``, make it construct a ``SubsetGrid``."""
+def subset_grid_for_pipeline_module(model_group=None):
+    """While building a ``PipelineModule``, make it construct a ``SubsetGrid`` (reusing ``model_group``)."""
     original = ds_pipe_module.PipelineParallelGrid
-    ds_pipe_module.PipelineParallelGrid = SubsetGrid
+    ds_pipe_module.PipelineParallelGrid = functools.partial(SubsetGrid, model_group=model_group)
     try:
         yield
     finally:

@@ -108,7 +108,6 @@ class _Plan:
 @lru_cache(maxsize=64)
 def _plan(m: int, p: int) -> _Plan:
     orders = [stage_order(m, p, s) for s in range(p)]
-    pos = [{op: k for k, op in enumerate(o)} for o in orders]
     done = [0] * p  # ops of each stage already placed in the topological order
     index: dict[tuple[int, int, int], int] = {}
     rows: list[list[int]] = []

@@ -36,8 +36,6 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
         if not spec.frozen(name)
     }
     schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(recipe)) for n, o in optimizers.items()}
-    m = recipe.train.micro_batch
-    chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
     writer = RunLogger.from_recipe(run_dir, recipe) if run_dir else None
     # One process holds all three modules: each module's MFU is over the one device.
     mfu = MfuMeter(spec, {m: 1 for m in MODULES}, 1, recipe.train.peak_tflops, device_name=None) if run_dir else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import shlex
 import socket
 import subprocess
@@ -25,13 +27,9 @@ def hostfile(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = launch.main(list(argv))
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture
+def run(run_main):
+    return functools.partial(run_main, launch.main)
 
 
 def one_line_error(code: int, err: str) -> str:
@@ -151,9 +149,9 @@ def test_select_refuses_what_deepspeed_would_reject_or_misread(kwargs, phrase):
 # --- slot count against the recipe ---------------------------------------------------------------
 
 
-def test_slot_mismatch_names_hostfile_slots_ranks_breakdown_and_fix(tmp_path, capsys):
+def test_slot_mismatch_names_hostfile_slots_ranks_breakdown_and_fix(tmp_path, run):
     path = hostfile(tmp_path, "# one box\nlocalhost slots=3\n")
-    code, out, err = run(capsys, "--hostfile", path, "--recipe", TINY, "layout=disaggregated")
+    code, out, err = run("--hostfile", path, "--recipe", TINY, "layout=disaggregated")
     err = one_line_error(code, err)
     assert out == ""
     assert f"{path}: 3 slots used (localhost 3)" in err
@@ -161,16 +159,16 @@ def test_slot_mismatch_names_hostfile_slots_ranks_breakdown_and_fix(tmp_path, ca
     assert f"set 'localhost slots=4' on {path}:2" in err
 
 
-def test_slot_mismatch_after_num_gpus_suggests_changing_the_selection(tmp_path, capsys):
+def test_slot_mismatch_after_num_gpus_suggests_changing_the_selection(tmp_path, run):
     path = hostfile(tmp_path, "localhost slots=8\n")
-    code, _, err = run(capsys, "--hostfile", path, "--num_gpus", "2", "--recipe", TINY, "layout=disaggregated")
+    code, _, err = run("--hostfile", path, "--num_gpus", "2", "--recipe", TINY, "layout=disaggregated")
     err = one_line_error(code, err)
     assert "2 slots used" in err and "--num_nodes/--num_gpus/--include/--exclude" in err
 
 
-def test_reference_layout_needs_exactly_one_slot(tmp_path, capsys):
+def test_reference_layout_needs_exactly_one_slot(tmp_path, run):
     path = hostfile(tmp_path, "localhost slots=2\n")
-    code, _, err = run(capsys, "--hostfile", path, "--recipe", TINY)
+    code, _, err = run("--hostfile", path, "--recipe", TINY)
     assert "needs 1 rank (reference: one process)" in one_line_error(code, err)
 
 
@@ -198,14 +196,14 @@ def test_local_names_include_localhost_and_this_machines_hostname():
     assert "127.0.0.2" not in names
 
 
-def test_cli_unreachable_host_is_one_line_naming_host_and_line(tmp_path, capsys):
+def test_cli_unreachable_host_is_one_line_naming_host_and_line(tmp_path, run):
     path = hostfile(tmp_path, "# cluster\n192.0.2.1 slots=2\nno-such-host.invalid slots=2\n")
     argv = ["--hostfile", path, "--connect-timeout", "0.5", "--recipe", TINY, "layout=disaggregated"]
-    code, _, err = run(capsys, *argv)
+    code, _, err = run(*argv)
     err = one_line_error(code, err)
     assert err.startswith(f"error: {path}:2: host '192.0.2.1' is unreachable")
     assert f"{path}:3: host 'no-such-host.invalid' does not resolve" in err
-    code, out, _ = run(capsys, *argv, "--skip-reachability", "--dry-run")
+    code, out, _ = run(*argv, "--skip-reachability", "--dry-run")
     assert code == 0 and "skipped for 2 remote hosts" in out
 
 
@@ -218,10 +216,10 @@ def command_of(out: str) -> list[str]:
     return shlex.split(lines[0].removeprefix("command: "))
 
 
-def test_dry_run_prints_checks_and_local_deepspeed_command_without_launching(tmp_path, capsys):
+def test_dry_run_prints_checks_and_local_deepspeed_command_without_launching(tmp_path, run):
     path = hostfile(tmp_path, "localhost slots=4\n")
     argv = ["--hostfile", path, "--dry-run", "--master_port", "29611", "--recipe", TINY, "layout=disaggregated"]
-    code, out, err = run(capsys, *argv, "train.steps=2")
+    code, out, err = run(*argv, "train.steps=2")
     assert code == 0 and err == ""
     assert "needs 4 ranks (encoder 1 + llm 2 + generator 1): matches" in out
     assert "dry run: not launching" in out
@@ -237,10 +235,10 @@ def test_dry_run_prints_checks_and_local_deepspeed_command_without_launching(tmp
     assert cmd[script + 1 :] == ["--recipe", TINY, "layout=disaggregated", "train.steps=2"]
 
 
-def test_dry_run_with_reachable_remote_host_probes_it_and_keeps_ssh(tmp_path, capsys, listener):
+def test_dry_run_with_reachable_remote_host_probes_it_and_keeps_ssh(tmp_path, run, listener):
     path = hostfile(tmp_path, "localhost slots=2\n127.0.0.2 slots=2\n")
     argv = ["--hostfile", path, "--ssh-port", str(listener), "--dry-run", "--recipe", TINY, "layout=disaggregated"]
-    code, out, err = run(capsys, *argv)
+    code, out, err = run(*argv)
     assert code == 0, err
     assert f"reachability: 1 remote host answered on port {listener}" in out
     cmd = command_of(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 import subprocess
 import sys
@@ -19,13 +21,9 @@ TINY = Path(optimize.__file__).parent / "examples" / "tiny_cpu.json"
 MODULE_KEYS = {"gpus", "dp", "tp", "pp"}
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture
+def run(run_main):
+    return functools.partial(run_main, cli.main)
 
 
 def assert_one_line_error(code: int, out: str, err: str) -> str:
@@ -35,8 +33,8 @@ def assert_one_line_error(code: int, out: str, err: str) -> str:
     return err
 
 
-def test_json_output_is_one_object_with_exactly_the_plan_keys(capsys):
-    code, out, err = run(capsys, "--profile", str(TINY), "--json")
+def test_json_output_is_one_object_with_exactly_the_plan_keys(run):
+    code, out, err = run("--profile", str(TINY), "--json")
     assert code == 0
     data = json.loads(out)
     assert set(data) == {"encoder", "llm", "generator", "t_iter_ms", "t_warmup_ms",
@@ -46,8 +44,8 @@ def test_json_output_is_one_object_with_exactly_the_plan_keys(capsys):
     assert data == optimize.plan(load_profile(TINY)).to_json()
 
 
-def test_human_output_tabulates_every_module_and_the_times(capsys):
-    code, out, _ = run(capsys, "--profile", str(TINY))
+def test_human_output_tabulates_every_module_and_the_times(run):
+    code, out, _ = run("--profile", str(TINY))
     assert code == 0
     result = optimize.plan(load_profile(TINY))
     lines = out.splitlines()
@@ -59,13 +57,13 @@ def test_human_output_tabulates_every_module_and_the_times(capsys):
     assert "predicted MFU" in out
 
 
-def test_write_recipe_sets_layout_and_parallel_degrees_and_keeps_the_rest(capsys, tmp_path):
+def test_write_recipe_sets_layout_and_parallel_degrees_and_keeps_the_rest(run, tmp_path):
     base = {"model": {"llm": "llama3-7b", "seq_len": 8192}, "layout": "colocated",
             "parallel": {"llm": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 1}},
             "train": {"steps": 10, "lr": 3.0e-4}}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     out_path = tmp_path / "out.yaml"
-    code, out, _ = run(capsys, "--profile", str(TINY), "--json", "--recipe",
+    code, out, _ = run("--profile", str(TINY), "--json", "--recipe",
                        str(tmp_path / "base.yaml"), "--write-recipe", str(out_path))
     assert code == 0
     plan = json.loads(out)
@@ -78,56 +76,56 @@ def test_write_recipe_sets_layout_and_parallel_degrees_and_keeps_the_rest(capsys
     assert written["model"] == base["model"] and written["train"] == base["train"]
 
 
-def test_write_recipe_refuses_to_overwrite_unless_forced(capsys, tmp_path):
+def test_write_recipe_refuses_to_overwrite_unless_forced(run, tmp_path):
     (tmp_path / "base.yaml").write_text("train: {steps: 3}\n")
     target = tmp_path / "out.yaml"
     target.write_text("keep: me\n")
     args = ["--profile", str(TINY), "--recipe", str(tmp_path / "base.yaml"),
             "--write-recipe", str(target)]
-    err = assert_one_line_error(*run(capsys, *args))
+    err = assert_one_line_error(*run(*args))
     assert "already exists" in err and str(target) in err
     assert target.read_text() == "keep: me\n"
-    code, _, _ = run(capsys, *args, "--force")
+    code, _, _ = run(*args, "--force")
     assert code == 0 and yaml.safe_load(target.read_text())["layout"] == "disaggregated"
 
 
-def test_bad_profile_gives_one_line_naming_field_and_file(capsys, tmp_path):
+def test_bad_profile_gives_one_line_naming_field_and_file(run, tmp_path):
     data = json.loads(TINY.read_text())
     del data["modules"]["llm"]["cost_ms"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
-    err = assert_one_line_error(*run(capsys, "--profile", str(bad), "--json"))
+    err = assert_one_line_error(*run("--profile", str(bad), "--json"))
     assert str(bad) in err and "'modules.llm.cost_ms'" in err
 
 
 @pytest.mark.parametrize("which", ["profile", "recipe"])
-def test_missing_input_file_gives_one_line_error(capsys, tmp_path, which):
+def test_missing_input_file_gives_one_line_error(run, tmp_path, which):
     missing = tmp_path / "nope.yaml"
     args = ["--profile", str(missing if which == "profile" else TINY)]
     if which == "recipe":
         args += ["--recipe", str(missing), "--write-recipe", str(tmp_path / "out.yaml")]
-    err = assert_one_line_error(*run(capsys, *args))
+    err = assert_one_line_error(*run(*args))
     assert str(missing) in err and "not found" in err
     assert not (tmp_path / "out.yaml").exists()
 
 
-def test_infeasible_profile_reports_the_binding_constraint(capsys, tmp_path):
+def test_infeasible_profile_reports_the_binding_constraint(run, tmp_path):
     data = json.loads(TINY.read_text())
     data["gpus"] = 2
     path = tmp_path / "small.json"
     path.write_text(json.dumps(data))
-    err = assert_one_line_error(*run(capsys, "--profile", str(path)))
+    err = assert_one_line_error(*run("--profile", str(path)))
     assert "needs at least 3 GPUs" in err
 
 
-def test_write_recipe_without_base_recipe_is_a_usage_error(capsys, tmp_path):
-    err = assert_one_line_error(*run(capsys, "--profile", str(TINY), "--write-recipe",
+def test_write_recipe_without_base_recipe_is_a_usage_error(run, tmp_path):
+    err = assert_one_line_error(*run("--profile", str(TINY), "--write-recipe",
                                      str(tmp_path / "o.yaml")))
     assert "--recipe" in err
 
 
-def test_missing_required_argument_is_one_line(capsys):
-    err = assert_one_line_error(*run(capsys, "--json"))
+def test_missing_required_argument_is_one_line(run):
+    err = assert_one_line_error(*run("--json"))
     assert "--profile" in err
 
 
@@ -144,9 +142,9 @@ def test_module_entry_point_prints_only_json_on_stdout_and_fails_cleanly(tmp_pat
     assert fail.stderr.count("\n") == 1 and "invalid JSON" in fail.stderr
 
 
-def test_write_recipe_warns_when_recipe_batch_differs_from_profile(capsys, tmp_path):
+def test_write_recipe_warns_when_recipe_batch_differs_from_profile(run, tmp_path):
     (tmp_path / "base.yaml").write_text("train: {global_batch: 3, micro_batch: 1}\n")
-    code, _, err = run(capsys, "--profile", str(TINY), "--recipe", str(tmp_path / "base.yaml"),
+    code, _, err = run("--profile", str(TINY), "--recipe", str(tmp_path / "base.yaml"),
                        "--write-recipe", str(tmp_path / "out.yaml"))
     assert code == 0
     assert "warning" in err and "train.global_batch is 3" in err and "micro_batch" not in err
