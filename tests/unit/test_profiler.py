@@ -64,16 +64,33 @@ def test_profile_round_trips_and_plans(tiny, capsys):
     assert "T_iter" in capsys.readouterr().out
 
 
-def test_tp1_is_measured_and_larger_degrees_interpolated(tiny):
+def test_tp1_is_measured_larger_degrees_interpolated_and_unsplittable_ones_left_out(tiny):
     path, out = tiny
     profile = load_profile(path)
+    # Tiny sizes: encoder 2 heads, LLM 2 KV heads, so TP 4 and 8 cannot split them (the runtime refuses).
+    want = {"encoder": {1, 2}, "llm": {1, 2}, "generator": {1, 2, 4, 8}}
     for name, m in profile.modules.items():
-        assert set(m.cost_ms) == {1, 2, 4, 8}
-        for t in (2, 4, 8):
+        assert set(m.cost_ms) == want[name], name
+        for t in set(m.cost_ms) - {1}:
             assert m.cost_ms[t] == pytest.approx(m.cost_ms[1] / (t * 0.9 ** math.log2(t)), rel=1e-12)
     assert "TP=1 measured" in profile.description
     assert "TP=2/4/8 interpolated, not measured" in profile.description
-    assert "interpolated (not measured)" in out
+    assert "left out, sizes do not split: encoder TP=4 (model.encoder.heads)" in profile.description
+    assert "llm TP=4 (model.llm.kv_heads)" in profile.description
+    assert "interpolated, not measured" in out and "generator" in out
+
+
+def test_cost_table_takes_measured_degrees_and_interpolates_the_rest():
+    from disttrain_ds.profile_tp import cost_table
+
+    recipe = load_recipe(TINY)
+    c1 = {"encoder": 10.0, "llm": 40.0, "generator": 20.0}
+    measured = {2: {"encoder": 7.0, "llm": 30.0, "generator": 12.0}}
+    costs, text = cost_table(recipe, c1, measured, 0.8, gpus_per_node=4)
+    assert costs["llm"] == {1: 40.0, 2: 30.0}  # TP=4 does not split 2 KV heads
+    # TP=4 scaled from the measured TP=2, not from TP=1; 8 > gpus_per_node.
+    assert costs["generator"] == {1: 20.0, 2: 12.0, 4: pytest.approx(12.0 / (2 * 0.8))}
+    assert "TP=2 measured" in text and "TP=4 interpolated" in text and "TP=8" not in text
 
 
 def test_module_figures_come_from_the_real_model(tiny):
@@ -134,6 +151,8 @@ def test_refuses_to_overwrite_unless_forced(tmp_path):
     (("model.llm.layerz=3",), "layerz"),
     (("--samples", "0"), "--samples must be >= 1, got 0"),
     (("--tp-efficiency", "1.5"), "--tp-efficiency must be <= 1"),
+    (("--measure-tp", "3"), "--measure-tp: 3 is not one of 2, 4, 8"),
+    (("--measure-tp", "8", "--gpus-per-node", "4"), "--measure-tp: 8 is above --gpus-per-node 4"),
 ])
 def test_bad_arguments_give_one_line(tmp_path, argv, message):
     err = assert_one_line_error(*run("--recipe", TINY, *argv, "--out", tmp_path / "p.json"))
