@@ -361,6 +361,11 @@ def validate(r: Recipe) -> None:
     bad = data_problem(d, g.query_tokens)
     if bad:
         raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]}")
+    # Real images give RGB generation targets; a latent-space U-Net (e.g. the sd21 preset's 4
+    # channels) would need a VAE in the data pipeline, which there is not.
+    _check(d.source not in ("mmc4", "laion", "local") or g.in_channels == 3, src, "model.generator.in_channels",
+           f"data.source {d.source} produces RGB generation targets (3 channels), got {g.in_channels}; "
+           "use data.source=paper_stats or synthetic for a latent-space generator")
     for name in ("encoder", "llm", "generator"):
         ckpt = getattr(r.model, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"model.{name}.checkpoint", f"{ckpt} does not exist")

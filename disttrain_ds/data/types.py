@@ -96,3 +96,12 @@ class PackedSample:
             seq_len=int(self.input_ids.shape[0]),
             doc_lens=self.doc_lens,
         )
+
+
+def batch_bytes(samples: list[PackedSample]) -> int:
+    """Bytes of the tensors of a global batch (what a producer writes and a host's spool holds per step)."""
+    total = 0
+    for s in samples:
+        for t in (s.input_ids, s.labels, s.gen_targets, *s.images):
+            total += t.numel() * t.element_size()
+    return total

@@ -18,6 +18,7 @@ import torch.distributed as tdist
 from ..comm.boundary import BoundaryComm
 from ..comm.p2p import P2P, PeerInfo
 from ..comm.routes import blocks
+from ..data.types import batch_bytes
 from ..config import Recipe, resolve_path
 from ..data.spool import default_base, host_key, plan_shares
 from ..dsconfig import engine_config, load_ds_config
@@ -238,6 +239,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
                     "tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
                     "perf/tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
                     "lr": recipe.optim.lr * lr_lambda(recipe)(step),
+                    "data/batch_mib": batch_bytes(samples) / 2**20,
                     **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
                     **mfu(samples, rec["step_seconds"]),
                     **dp_balance(costs.costs([s.stats(patch, spec.special) for s in samples]), slot, dps),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.types import batch_bytes
 from ..config import Recipe
 from ..models.mllm import MODULES, BatchNorms, ReferenceMLLM, collate
 from ..metrics.logger import RunLogger
@@ -92,6 +93,7 @@ def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype
         "time/step": dt,
         "lr": recipe.optim.lr * lr_lambda(recipe)(step),
         "time/data_wait": source.last_wait_seconds,
+        "data/batch_mib": batch_bytes(samples) / 2**20,
         **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
     }, samples
 

@@ -18,6 +18,7 @@ def test_one_producer_per_host_feeds_every_rank_the_reference_batches(tmp_path, 
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e}"
+    assert all(r["data/batch_mib"] > 0 for r in rows)
     log = (tmp_path / "job" / "launch.log").read_text()
     assert "prepared by 1 producer processes per host, shared by its 5 ranks" in log
     assert list(spool_dir.iterdir()) == []  # the spool is gone once the job ends

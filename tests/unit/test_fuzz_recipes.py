@@ -254,6 +254,11 @@ RANGE = [  # (dotted overrides applied to tiny_cpu, key named in the message)
     ({"data.producers": -1}, "data.producers"),
     ({"data.queue_depth": 0}, "data.queue_depth"),
     ({"data.resolution_sampler": "random"}, "data.resolution_sampler"),
+    ({"data.share": "host"}, "data.share"),
+    ({"data.spool_dir": "/no/such/dir"}, "data.spool_dir"),
+    # Real images give RGB targets: a latent-space (4-channel) U-Net cannot train on them.
+    ({"data.source": "laion", "model.generator.in_channels": 4},
+     "model.generator.in_channels"),
     ({"emulate.time_scale": -1.0}, "emulate.time_scale"),
     ({"emulate.calibration_batches": 0}, "emulate.calibration_batches"),
 ]

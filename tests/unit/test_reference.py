@@ -25,7 +25,7 @@ def test_reference_loss_goes_down_over_20_steps(tmp_path):
     assert last < 0.8 * first, losses
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21))
-    for key in ("loss", "loss/lm", "loss/gen", "step_seconds", "samples_per_s", "tokens_per_s", "time/data_wait"):
+    for key in ("loss", "loss/lm", "loss/gen", "step_seconds", "samples_per_s", "tokens_per_s", "time/data_wait", "data/batch_mib"):
         assert all(key in r for r in rows), key
     for r in rows:
         mfu = [r[f"perf/mfu/{m}"] for m in ("encoder", "llm", "generator")]
