@@ -161,13 +161,14 @@ class ProducedSource(SampleSource):
         self._extra: dict[str, int] = {}
 
     def describe(self) -> str:
+        procs = f"{self.cfg.producers} producer process{'es' if self.cfg.producers != 1 else ''}"
         if not self.cfg.producers:
             where = "in-process"
         elif self.share is not None:
             n = len(self.share.readers)
-            where = f"by {self.cfg.producers} producer processes per host, shared by its {n} ranks through {self.share.directory}"
+            where = f"by {procs} per host, shared by its {n} ranks through {self.share.directory}"
         else:
-            where = f"by {self.cfg.producers} producer processes"
+            where = f"by {procs}"
         return f"{self.inner.describe()}, prepared {where}" + (", reordered" if self.cfg.reorder else "")
 
     def share_with(self, share: NodeShare) -> None:

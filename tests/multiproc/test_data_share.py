@@ -20,5 +20,5 @@ def test_one_producer_per_host_feeds_every_rank_the_reference_batches(tmp_path, 
     assert worst < 1e-5, f"{where} differs by {worst:.2e}"
     assert all(r["data/batch_mib"] > 0 for r in rows)
     log = (tmp_path / "job" / "launch.log").read_text()
-    assert "prepared by 1 producer processes per host, shared by its 5 ranks" in log
+    assert "prepared by 1 producer process per host, shared by its 5 ranks" in log
     assert list(spool_dir.iterdir()) == []  # the spool is gone once the job ends
