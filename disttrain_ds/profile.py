@@ -32,17 +32,16 @@ PROG = "python -m disttrain_ds.profile"
 
 
 def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Namespace, opts: Options,
-                  device_name: str, peak: tuple[float, str], measured: dict[int, dict[str, float]] | None = None
+                  device_name: str, peak: tuple[float, str], tp_table: tuple[dict[str, dict[int, float]], str]
                   ) -> Profile:
     """The planner profile of ``results``; provenance goes in ``description`` (the schema is closed).
 
-    ``measured``: per TP degree > 1, the module medians ``profile_tp`` measured.
+    ``tp_table``: ``profile_tp.cost_table``'s cost_ms per module and TP degree, and its sentence.
     """
     width = float(torch.empty(0, dtype=opts.dtype).element_size())
     # Adam's two fp32 moments (this SGD has no momentum), plus fp32 master weights under bf16.
     optim = (8.0 if recipe.optim.name == "adamw" else 0.0) + (4.0 if recipe.train.dtype == "bf16" else 0.0)
-    costs, tp_text = cost_table(recipe, {r.name: r.median_ms for r in results}, measured or {},
-                                args.tp_efficiency, args.gpus_per_node)
+    costs, tp_text = tp_table
     modules = {r.name: ModuleProfile(
         layers=r.layers, cost_ms=costs[r.name],
         params=float(r.params), frozen=r.mode != "train", weight_bytes_per_param=width,
@@ -168,15 +167,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{opts.warmup} warm-up passes", file=sys.stderr)
         results = profile_recipe(recipe, opts)
         measured = measure_tp(args, recipe, "cuda" if cuda else "cpu")
-        profile = build_profile(recipe, results, args, opts, name, peak, measured)
+        tp_table = cost_table(recipe, {r.name: r.median_ms for r in results}, measured, args.tp_efficiency,
+                              args.gpus_per_node)
+        profile = build_profile(recipe, results, args, opts, name, peak, tp_table)
     except (ConfigError, torch.OutOfMemoryError) as exc:
         return _fail(str(exc).splitlines()[0])
     if args.out.exists() and not args.force:  # appeared while measuring
         return _fail(f"{args.out}: already exists (use --force to overwrite)")
     save_profile(profile, args.out)
-    tp_text = cost_table(recipe, {r.name: r.median_ms for r in results}, measured, args.tp_efficiency,
-                         args.gpus_per_node)[1]
-    print(format_report(results, profile, cuda, tp_text))
+    print(format_report(results, profile, cuda, tp_table[1]))
     print(f"wrote {args.out}; plan with: python -m disttrain_ds.plan --profile {args.out}", file=sys.stderr)
     return 0
 

@@ -33,15 +33,6 @@ from disttrain_ds.planner.profile import MODULES, TP_DEGREES
 WORKER_TIMEOUT_S = 3600
 
 
-def feasible(recipe: Recipe, tp: int) -> dict[str, str | None]:
-    """Per module: None if ``tp`` splits it, else why not."""
-    out = {}
-    for m in MODULES:
-        problem = tp_shape_problem(recipe, m, tp)
-        out[m] = None if problem is None else f"{problem[0]}: {problem[1]}"
-    return out
-
-
 def cost_table(recipe: Recipe, c1: dict[str, float], measured: dict[int, dict[str, float]], efficiency: float,
                gpus_per_node: int) -> tuple[dict[str, dict[int, float]], str]:
     """cost_ms per module and TP degree, and the sentence for the profile's description.
@@ -138,7 +129,7 @@ def _worker(argv: list[str]) -> int:
 
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     opts = Options(args.samples, args.warmup, device, dtype, build=lambda d: shard_layer(d.build(), tp), sync=sync)
-    skip = frozenset(m for m, why in feasible(recipe, size).items() if why)
+    skip = frozenset(m for m in MODULES if tp_shape_problem(recipe, m, size))
     medians = {}
     for r in profile_recipe(recipe, opts, whole=skip):
         if r.name in skip:

@@ -80,11 +80,14 @@ def prepare(source: SampleSource, step: int, cfg: DataConfig, shape: ShapeSpec) 
     return samples
 
 
-def _put(q, item, stop) -> bool:
+def _keep_going(stop) -> bool:
+    """Not told to stop, and the trainer is alive (an orphan exits instead of blocking forever)."""
     parent = mp.parent_process()
-    while not stop.is_set():
-        if parent is not None and not parent.is_alive():
-            return False  # the trainer is gone: exit instead of blocking forever
+    return not stop.is_set() and (parent is None or parent.is_alive())
+
+
+def _put(q, item, stop) -> bool:
+    while _keep_going(stop):
         try:
             q.put(item, timeout=_POLL_S)
             return True
@@ -96,11 +99,6 @@ def _put(q, item, stop) -> bool:
 def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int = 0) -> None:
     """Prepare steps ``first_step, first_step + stride, ...`` into queue ``q`` or the spool ``writer``."""
     step = job.first_step
-
-    def keep_going() -> bool:
-        parent = mp.parent_process()
-        return not stop.is_set() and (parent is None or parent.is_alive())
-
     try:
         source = open_source(job.cfg, job.shape, job.batch, job.seed)
         if job.state:
@@ -110,7 +108,7 @@ def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int =
             plan, extra = source.step_skips(step)
             if writer is not None:
                 payload = {"step": step, "samples": samples, "plan": plan, "extra": extra, "state": source.state_dict()}
-                sent = writer.put(step, payload, keep_going)
+                sent = writer.put(step, payload, lambda: _keep_going(stop))
             else:
                 sent = _put(q, ("ok", step, _encode(samples), plan, extra, source.state_dict()), stop)
             if not sent:
@@ -179,7 +177,7 @@ class ProducedSource(SampleSource):
         self.share = share
         if share.leader:
             try:
-                spool.create(share, "data.spool_dir")
+                spool.create(share)
             except SpoolError as exc:
                 raise ProducerError(str(exc)) from None
             self._spool_finalizer = weakref.finalize(self, spool.remove, share.directory)
@@ -197,7 +195,7 @@ class ProducedSource(SampleSource):
         writer = None
         if self.share is not None:
             spool.reset(self.share.directory)
-            writer = SpoolWriter(self.share.directory, self.share.readers, self.cfg.queue_depth, step, "data.spool_dir")
+            writer = SpoolWriter(self.share.directory, self.share.readers, self.cfg.queue_depth, step)
             self._queues = [None] * n
         else:
             depth = max(1, -(-self.cfg.queue_depth // n))

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 PREFIX = "disttrain-spool-"
+KEY = "data.spool_dir"  # the recipe key errors about the spool's file system name
 _POLL_S = 0.005
 _POLL_MAX_S = 0.05
 
@@ -123,7 +124,7 @@ def consumed(directory: Path, readers: tuple[int, ...], before: int) -> int:
 # ----------------------------------------------------------------------------- leader
 
 
-def create(share: NodeShare, spool_key: str) -> None:
+def create(share: NodeShare) -> None:
     """Leader: make this launch's spool directory (removing spools of dead launches on this host)."""
     base = share.directory.parent
     try:
@@ -132,7 +133,7 @@ def create(share: NodeShare, spool_key: str) -> None:
         share.directory.mkdir()
         (share.directory / "owner").write_text(f"{host_key()} {os.getpid()}\n")
     except OSError as exc:
-        raise SpoolError(f"{spool_key}: cannot create a batch spool in {base}: {exc.strerror or exc}") from None
+        raise SpoolError(f"{KEY}: cannot create a batch spool in {base}: {exc.strerror or exc}") from None
 
 
 def remove_stale(base: Path) -> list[Path]:
@@ -181,7 +182,6 @@ class SpoolWriter:
     """Batches allowed ahead of the slowest reader."""
     first_step: int
     """First step of this start: every reader has consumed ``first_step - 1``."""
-    spool_key: str
 
     def put(self, step: int, payload: dict, keep_going: Callable[[], bool]) -> bool:
         """Write ``payload`` for ``step`` once there is room; False if told to stop while waiting."""
@@ -196,7 +196,7 @@ class SpoolWriter:
             _write_atomic(path, lambda tmp: torch.save(payload, tmp))
         except OSError as exc:
             why = exc.strerror or str(exc)
-            raise SpoolError(f"{self.spool_key}: cannot write step {step} to {self.directory}: {why} "
+            raise SpoolError(f"{KEY}: cannot write step {step} to {self.directory}: {why} "
                              "(point it to a larger file system, or give the container more /dev/shm)") from None
         return True
 

@@ -18,9 +18,9 @@ import torch.distributed as tdist
 from ..comm.boundary import BoundaryComm
 from ..comm.p2p import P2P, PeerInfo
 from ..comm.routes import blocks
-from ..data.types import batch_bytes
 from ..config import Recipe, resolve_path
 from ..data.spool import default_base, host_key, plan_shares
+from ..data.types import batch_bytes
 from ..dsconfig import engine_config, load_ds_config
 from ..models.mllm import MODULES, BatchNorms, collate
 from ..parallel.engine import build_pipeline_module, make_engine, write_trace

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..data.types import batch_bytes
 from ..config import Recipe
+from ..data.types import batch_bytes
 from ..models.mllm import MODULES, BatchNorms, ReferenceMLLM, collate
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
