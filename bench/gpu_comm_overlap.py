@@ -169,23 +169,24 @@ def _p2p_comm(args, device, numel, dist_ctx):
     Returns (start, finish, barrier, agree, path, bytes moved per pair)."""
     import torch.distributed as dist
 
-    from disttrain_ds.comm.p2p import P2P, PeerInfo
+    from disttrain_ds.comm.p2p import ACT, P2P, PeerInfo, new_channel_groups
 
     rank, world = dist_ctx
-    p2p = P2P(dist.group.WORLD, rank, device, 300.0, PeerInfo({r: "bench" for r in range(world)}))
+    p2p = P2P(new_channel_groups(world), rank, device, 300.0, PeerInfo({r: "bench" for r in range(world)}))
     peer = rank + 1 if rank % 2 == 0 else rank - 1
     active = peer < world
     sender = rank % 2 == 0
     bufs = [torch.full((numel,), 0.5, device=device, dtype=DTYPE) for _ in range(args.transfers)]
-    state = {"tag": 0}
+    pending: list = []
 
     def start() -> None:
         if not active:
             return
-        state["tag"] += args.transfers
         if sender:
-            for i, b in enumerate(bufs):
-                p2p.isend(b, peer, state["tag"] + i, "bench activation")
+            for b in bufs:
+                p2p.isend(b, peer, ACT, "bench activation")
+        else:  # shapes are known ahead, so every receive is posted at once, in sending order
+            pending[:] = [p2p.irecv(b.shape, DTYPE, peer, ACT, "bench activation") for b in bufs]
 
     def finish() -> None:
         if not active:
@@ -193,10 +194,8 @@ def _p2p_comm(args, device, numel, dist_ctx):
         if sender:
             p2p.flush_sends()
             return
-        # One message at a time: NCCL ignores tags and matches a pair's transfers in posting
-        # order, and a message's payload receive is only posted once its header is in.
-        for i in range(args.transfers):
-            p2p.irecv(peer, state["tag"] + i, "bench activation").result()
+        for p in pending:
+            p.result()
 
     def agree(n: int) -> int:
         t = torch.tensor([n], device=device)

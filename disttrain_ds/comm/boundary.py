@@ -5,7 +5,12 @@ microbatch by sample over the downstream DP replicas that own those samples and 
 asynchronously; ``recv_grad`` gathers the gradient pieces back in sample order. Downstream side
 (the downstream engine's first stage): ``recv_activation`` gathers the pieces from the upstream
 replicas; ``send_grad`` returns the gradient split the same way. Receives are posted ahead of
-need (``prefetch_*``) so the transfer runs while the rank still computes the previous microbatch.
+need (``prefetch_*``) so the transfer runs while the rank still computes.
+
+Every message's shape is known to both ends: its rows come from the per-sample row counts of the
+microbatch both hold (``MicroBatch.sample_rows``), its trailing dims and dtype from the model.
+Activations travel on the ``activations`` channel and gradients on the ``gradients`` channel
+(``p2p.py``); on each, both ends of a pair post one message per microbatch in microbatch order.
 
 With tensor parallelism, the TP ranks of a stage hold the same boundary tensors, so only TP
 index 0 of each side talks across the boundary; it broadcasts what it receives to its TP group.
@@ -19,17 +24,30 @@ import torch
 import torch.distributed as dist
 
 from ..topology import ModuleGrid
-from .p2p import HEADER, P2P, PendingRecv, empty_like_header, shape_header
-from .routes import blocks, routes_from, routes_to, split_rows
-
-ACT, GRAD = 0, 1
+from .p2p import ACT, GRAD, P2P, PendingRecv
+from .routes import blocks, routes, routes_from, routes_to, split_rows
 
 
 class BoundaryComm:
-    """One boundary between ``up`` and ``down`` module grids, for the calling rank."""
+    """One boundary between ``up`` and ``down`` module grids, for the calling rank.
 
-    def __init__(self, p2p: P2P, up: ModuleGrid, down: ModuleGrid, slot: int, boundary_id: int, tp=None):
-        self.p2p, self.up, self.down, self.slot, self.bid = p2p, up, down, slot, boundary_id
+    ``features`` and ``dtype`` describe one row of the boundary tensor (the upstream module's
+    output); ``rows_key`` names its per-sample row counts in ``MicroBatch.sample_rows``.
+    """
+
+    def __init__(
+        self,
+        p2p: P2P,
+        up: ModuleGrid,
+        down: ModuleGrid,
+        slot: int,
+        rows_key: str,
+        features: tuple[int, ...],
+        dtype: torch.dtype,
+        tp=None,
+    ):
+        self.p2p, self.up, self.down, self.slot = p2p, up, down, slot
+        self.rows_key, self.features, self.dtype = rows_key, tuple(features), dtype
         me = p2p.rank
         self.side = "up" if me in up.ranks else "down"
         grid = up if self.side == "up" else down
@@ -45,8 +63,7 @@ class BoundaryComm:
             self.routes = routes_to(self.dp, slot, up.dp, down.dp)
             self.peers = [up.rank(stage=up.pp - 1, dp=r.up) for r in self.routes]
         self.block = blocks(slot, grid.dp)[self.dp]
-        self._pending: dict[tuple[int, int], list[PendingRecv]] = {}
-        self._piece_rows: dict[int, list[int]] = {}
+        self._pending: dict[tuple[str, int], list[PendingRecv | None]] = {}
         self.wait_seconds = 0.0
         self.shapes_seen: set[tuple[int, ...]] = set()  # activation shapes received (diagnostics)
 
@@ -55,80 +72,100 @@ class BoundaryComm:
         """Factor on gradients coming back upstream: each engine averages over its own DP group."""
         return self.up.dp / self.down.dp
 
-    def _tag(self, kind: int, mb: int) -> int:
-        return ((self.bid * 2 + kind) << 16) + (mb & 0xFFFF)
+    def _sizes(self, rows_per_sample: list[int]) -> list[int]:
+        """Rows of the message to or from each peer, from this rank's block's rows per sample."""
+        if len(rows_per_sample) != len(self.block):
+            raise ValueError(f"{len(rows_per_sample)} row counts for a block of {len(self.block)} samples")
+        return split_rows(rows_per_sample, self.block, [r.samples for r in self.routes])
 
-    def _post(self, kind: int, mb: int) -> list[PendingRecv]:
-        key = (kind, mb)
+    def _post(self, channel: str, mb: int, rows_per_sample: list[int]) -> list[PendingRecv | None]:
+        key = (channel, mb)
         if key not in self._pending:
-            what = f"{'activation' if kind == ACT else 'gradient'} of microbatch {mb}"
-            self._pending[key] = [self.p2p.irecv(src, self._tag(kind, mb), what) for src in self.peers]
+            what = f"{'activation' if channel == ACT else 'gradient'} of microbatch {mb}"
+            self._pending[key] = [
+                self.p2p.irecv((n, *self.features), self.dtype, src, channel, what) if n else None
+                for n, src in zip(self._sizes(rows_per_sample), self.peers)
+            ]
         return self._pending[key]
 
-    def _gather(self, kind: int, mb: int) -> list[torch.Tensor]:
+    def _gather(self, channel: str, mb: int, rows_per_sample: list[int]) -> torch.Tensor:
         t0 = time.perf_counter()
-        pieces = [p.result() for p in self._post(kind, mb)]
-        del self._pending[(kind, mb)]
+        pending = self._post(channel, mb, rows_per_sample)
+        del self._pending[(channel, mb)]
+        pieces = [p.result() for p in pending if p is not None]
         self.wait_seconds += time.perf_counter() - t0
-        return pieces
+        if not pieces:  # nothing crosses for these samples
+            return torch.empty((0, *self.features), dtype=self.dtype, device=self.p2p.device)
+        return torch.cat(pieces)
 
-    def _share(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        """TP index 0's tensor on every rank of its TP group (shape first: it varies)."""
+    def _share(self, tensor: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """TP index 0's tensor on every rank of its TP group (all of them know its shape)."""
         if self.tp is None or self.tp.size == 1:
             return tensor
         t0 = time.perf_counter()
-        device = self.p2p.device
-        header = shape_header(tensor).to(device) if self.talks else torch.empty(HEADER, dtype=torch.int64, device=device)
-        dist.broadcast(header, src=self.tp.root, group=self.tp.group)
         if not self.talks:
-            tensor = empty_like_header(header.cpu(), device)
+            tensor = torch.empty((rows, *self.features), dtype=self.dtype, device=self.p2p.device)
         if tensor.numel():
             tensor = tensor.contiguous()
             dist.broadcast(tensor, src=self.tp.root, group=self.tp.group)
         self.wait_seconds += time.perf_counter() - t0
         return tensor
 
-    def _send_split(self, kind: int, mb: int, tensor: torch.Tensor, sizes: list[int]) -> None:
-        what = f"{'activation' if kind == ACT else 'gradient'} of microbatch {mb}"
-        for piece, dst in zip(torch.split(tensor, sizes), self.peers):
-            self.p2p.isend(piece, dst, self._tag(kind, mb), what)
+    def _send_split(self, channel: str, mb: int, tensor: torch.Tensor, rows_per_sample: list[int]) -> None:
+        what = f"{'activation' if channel == ACT else 'gradient'} of microbatch {mb}"
+        sizes = self._sizes(rows_per_sample)
+        if tuple(tensor.shape) != (sum(sizes), *self.features) or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"{what}: {tuple(tensor.shape)} {tensor.dtype} does not match what its samples make "
+                f"({(sum(sizes), *self.features)} {self.dtype}), so the receiver's buffer would not fit"
+            )
+        for piece, n, dst in zip(torch.split(tensor, sizes), sizes, self.peers):
+            if n:
+                self.p2p.isend(piece, dst, channel, what)
 
     # upstream side
     def send_activation(self, mb: int, tensor: torch.Tensor, rows_per_sample: list[int]) -> None:
-        if not self.talks:
-            return
-        sizes = split_rows(rows_per_sample, self.block, [r.samples for r in self.routes])
-        if sum(sizes) != tensor.shape[0]:
-            raise ValueError(f"boundary output has {tensor.shape[0]} rows but its samples need {sum(sizes)}")
-        self._send_split(ACT, mb, tensor, sizes)
-
-    def prefetch_grad(self, mb: int) -> None:
         if self.talks:
-            self._post(GRAD, mb)
+            self._send_split(ACT, mb, tensor, rows_per_sample)
 
-    def recv_grad(self, mb: int) -> torch.Tensor:
-        return self._share(torch.cat(self._gather(GRAD, mb)) if self.talks else None)
+    def prefetch_grad(self, mb: int, rows_per_sample: list[int]) -> None:
+        if self.talks:
+            self._post(GRAD, mb, rows_per_sample)
+
+    def recv_grad(self, mb: int, rows_per_sample: list[int]) -> torch.Tensor:
+        out = self._gather(GRAD, mb, rows_per_sample) if self.talks else None
+        return self._share(out, sum(rows_per_sample))
 
     # downstream side
-    def prefetch_activation(self, mb: int) -> None:
+    def prefetch_activation(self, mb: int, rows_per_sample: list[int]) -> None:
         if self.talks:
-            self._post(ACT, mb)
+            self._post(ACT, mb, rows_per_sample)
 
-    def recv_activation(self, mb: int) -> torch.Tensor:
-        out = None
-        if self.talks:
-            pieces = self._gather(ACT, mb)
-            self._piece_rows[mb] = [p.shape[0] for p in pieces]
-            out = torch.cat(pieces)
-        out = self._share(out)
+    def recv_activation(self, mb: int, rows_per_sample: list[int]) -> torch.Tensor:
+        out = self._gather(ACT, mb, rows_per_sample) if self.talks else None
+        out = self._share(out, sum(rows_per_sample))
         self.shapes_seen.add(tuple(out.shape))
         return out
 
-    def send_grad(self, mb: int, grad: torch.Tensor) -> None:
+    def send_grad(self, mb: int, grad: torch.Tensor, rows_per_sample: list[int]) -> None:
         if not self.talks:
             return  # TP index 0 holds the same gradient and sends it
-        rows = self._piece_rows.pop(mb)
-        if grad.shape[0] != sum(rows):
+        rows = sum(rows_per_sample)
+        if grad.shape[0] != rows:
             # The receiver computed on a stand-in (nothing arrived): nothing flows back either.
-            grad = grad.new_zeros((sum(rows), *grad.shape[1:]))
-        self._send_split(GRAD, mb, grad, rows)
+            grad = grad.new_zeros((rows, *grad.shape[1:]))
+        self._send_split(GRAD, mb, grad.to(self.dtype), rows_per_sample)
+
+
+def boundary_links(modules: tuple[ModuleGrid, ...], slot: int, backward: dict[str, bool]) -> list[tuple[str, int, int]]:
+    """Every (channel, low rank, high rank) pair that talks across a boundary, in one global order:
+    activations between neighbouring modules' TP-0 ranks, gradients where upstream trains."""
+    links = set()
+    for up, down in zip(modules, modules[1:]):
+        for r in routes(slot, up.dp, down.dp):
+            a, b = up.rank(stage=up.pp - 1, dp=r.up), down.rank(stage=0, dp=r.down)
+            lo, hi = min(a, b), max(a, b)
+            links.add((ACT, lo, hi))
+            if backward[up.name]:
+                links.add((GRAD, lo, hi))
+    return sorted(links, key=lambda link: (link[1], link[2], link[0]))

@@ -1,10 +1,21 @@
-"""Asynchronous point-to-point messages with a shape handshake and a deadline.
+"""Asynchronous point-to-point messages between module engines, correct under NCCL's rules.
 
-Each message is two transfers: a fixed-size int64 header (dtype, rank, shape) and the payload,
-so receivers need not know shapes in advance (images per sample vary). On CUDA, transfers are
-issued on a dedicated side stream ordered against the compute stream with stream waits, so they
-overlap compute; on CPU (gloo) the same code runs without streams. Waits poll with a deadline and
-raise ``CommTimeoutError`` naming both ends instead of hanging forever.
+NCCL matches point-to-point messages between two ranks in posting order (no tags), runs both
+directions of a pair on one stream (a pending receive blocks later ops to that peer), and a send
+completes only when the peer's receive runs. So this transport:
+
+- has one **channel per direction**, each its own process group (hence its own NCCL communicator
+  and stream per pair): activations flow down one, gradients up the other, and a receive posted
+  ahead on one can never hold up a send on the other;
+- sends **no shape headers**: both ends compute every message's shape from the microbatch they
+  both hold, so each message is one transfer and receives can be posted early, into buffers of
+  the right size (an empty message is skipped by both ends);
+- creates every pair's communicator up front (``connect``) in one global order, since NCCL sets
+  a pair up on its first message and that blocks the posting thread until the peer joins.
+
+On CUDA, transfers are issued from a side stream that waits on the compute stream, so they
+overlap compute; the compute stream waits on a received buffer only when it uses it. Waits poll
+with a deadline and raise ``CommTimeoutError`` naming both ends (NCCL work has no wait timeout).
 """
 
 from __future__ import annotations
@@ -17,29 +28,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-HEADER = 10  # dtype id, ndim, up to 8 dims
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+ACT, GRAD = "activations", "gradients"
+CHANNELS = (ACT, GRAD)
 
 
 class CommTimeoutError(RuntimeError):
     """A peer did not send or receive in time (stuck or dead)."""
-
-
-def shape_header(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s dtype and shape as the fixed-size int64 header sent ahead of its payload."""
-    if t.dim() > HEADER - 2:
-        raise ValueError(f"tensor of {t.dim()} dims exceeds the header's {HEADER - 2}")
-    h = torch.zeros(HEADER, dtype=torch.int64)
-    h[0], h[1] = DTYPES.index(t.dtype), t.dim()
-    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
-
-
-def empty_like_header(h: torch.Tensor, device) -> torch.Tensor:
-    """An uninitialised tensor of the dtype and shape ``h`` describes, to receive the payload into."""
-    ndim = int(h[1])
-    shape = [int(x) for x in h[2 : 2 + ndim]]
-    return torch.empty(shape, dtype=DTYPES[int(h[0])], device=device)
 
 
 @dataclass
@@ -53,37 +47,49 @@ class PeerInfo:
         return f"rank {rank} ({self.names.get(rank, '?')})"
 
 
-class P2P:
-    """Tagged async send/recv on one process group, with side stream and timeouts."""
+def new_channel_groups(world: int) -> dict[str, object]:
+    """One process group per direction (every rank calls this, in the same order)."""
+    return {ch: dist.new_group(list(range(world))) for ch in CHANNELS}
 
-    def __init__(self, group, rank: int, device: torch.device, timeout_s: float, peers: PeerInfo):
-        self.group, self.rank, self.device, self.timeout_s, self.peers = group, rank, device, timeout_s, peers
+
+class P2P:
+    """Sends and receives on the two channels of one rank, with side stream and deadlines."""
+
+    def __init__(self, groups: dict[str, object], rank: int, device: torch.device, timeout_s: float, peers: PeerInfo):
+        self.groups, self.rank, self.device, self.timeout_s, self.peers = groups, rank, device, timeout_s, peers
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sends: list[tuple[object, torch.Tensor, str]] = []
 
     def _on_side(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
-        """Start sending ``tensor`` (header then payload); completion is checked later."""
+    def connect(self, links: list[tuple[str, int, int]]) -> None:
+        """Exchange one token on every (channel, low rank, high rank) link this rank is on, in the
+        given order (the same list on every rank): each pair's communicator then exists before the
+        first step, and a global order of blocking exchanges cannot deadlock."""
+        token = torch.zeros(1, device=self.device)
+        for channel, lo, hi in links:
+            if self.rank == lo:
+                dist.send(token, hi, group=self.groups[channel])
+            elif self.rank == hi:
+                dist.recv(token, lo, group=self.groups[channel])
+
+    def isend(self, tensor: torch.Tensor, dst: int, channel: str, what: str) -> None:
+        """Start sending ``tensor``; completion is checked by ``flush_sends``."""
         tensor = tensor.detach().contiguous()
-        header = shape_header(tensor).to(self.device)
         if self.stream is not None:
             # The payload was produced on the compute stream: order the side stream after it.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        # An empty tensor (no image in these samples) travels as its header alone.
-        parts = ((header, 2 * tag), (tensor, 2 * tag + 1)) if tensor.numel() else ((header, 2 * tag),)
         with self._on_side():
-            for t, tg in parts:
-                work = dist.isend(t, dst, group=self.group, tag=tg)
-                self._sends.append((work, t, f"{what} to {self.peers(dst)}"))
+            work = dist.isend(tensor, dst, group=self.groups[channel])
+        self._sends.append((work, tensor, f"{what} to {self.peers(dst)}"))
 
-    def irecv(self, src: int, tag: int, what: str) -> "PendingRecv":
-        """Post the header receive now; the payload receive is posted once the header is in."""
-        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+    def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, channel: str, what: str) -> "PendingRecv":
+        """Post the receive of a message of known shape now; ``result()`` waits for it."""
         with self._on_side():
-            work = dist.irecv(header, src, group=self.group, tag=2 * tag)
-        return PendingRecv(self, src, tag, header, work, f"{what} from {self.peers(src)}")
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            work = dist.irecv(buf, src, group=self.groups[channel])
+        return PendingRecv(self, buf, work, f"{what} from {self.peers(src)}")
 
     def _timeout(self, what: str) -> CommTimeoutError:
         return CommTimeoutError(
@@ -106,7 +112,7 @@ class P2P:
             if time.monotonic() > deadline:
                 raise self._timeout(what)
             time.sleep(0.0002)
-        work.wait()
+        work.wait()  # the current (compute) stream now waits for the transfer
 
     def flush_sends(self) -> None:
         """Wait for every outstanding send (called once per step, and before exit)."""
@@ -115,31 +121,16 @@ class P2P:
         self._sends.clear()
 
 
-
 class PendingRecv:
-    """A message being received: ``result()`` waits (with deadline) and returns the tensor."""
+    """A message being received into a preallocated buffer."""
 
-    def __init__(self, p2p: P2P, src: int, tag: int, header: torch.Tensor, work, what: str):
-        self.p2p, self.src, self.tag, self.header, self.work, self.what = p2p, src, tag, header, work, what
-        self._payload = None
-        self._payload_work = None
-
-    def _post_payload(self) -> None:
-        self.p2p.wait(self.work, "the shape header of " + self.what)
-        self._payload = empty_like_header(self.header.cpu(), self.p2p.device)
-        if self._payload.numel() == 0:
-            return
-        with self.p2p._on_side():
-            self._payload_work = dist.irecv(self._payload, self.src, group=self.p2p.group, tag=2 * self.tag + 1)
+    def __init__(self, p2p: P2P, buf: torch.Tensor, work, what: str):
+        self.p2p, self.buf, self.work, self.what = p2p, buf, work, what
 
     def result(self) -> torch.Tensor:
-        if self._payload is None:
-            self._post_payload()
-        if self._payload_work is None:  # empty: nothing beyond the header
-            return self._payload
-        self.p2p.wait(self._payload_work, self.what)
+        self.p2p.wait(self.work, self.what)
         if self.p2p.stream is not None:
             cur = torch.cuda.current_stream(self.p2p.device)
             cur.wait_stream(self.p2p.stream)
-            self._payload.record_stream(cur)
-        return self._payload
+            self.buf.record_stream(cur)  # allocated on the side stream, used on the compute stream
+        return self.buf

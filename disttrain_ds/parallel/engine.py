@@ -107,7 +107,7 @@ class ModuleEngine(PipelineEngine):
             if comm is not None:
                 comm.wait_seconds = 0.0
         if self.upstream is not None and self.place.first_of_engine:
-            self.upstream.prefetch_activation(0)
+            self.upstream.prefetch_activation(0, self._rows(self.upstream, 0))
         self.trace: list[dict] = []  # this step's spans, for the per-rank timeline
         for step_cmds in self._steps:
             for cmd in step_cmds:
@@ -127,6 +127,10 @@ class ModuleEngine(PipelineEngine):
         comm_wait = sum(c.wait_seconds for c in (self.upstream, self.downstream) if c is not None)
         return {**self.stats, "comm_wait_s": comm_wait}
 
+    def _rows(self, comm: BoundaryComm, mb: int) -> list[int]:
+        """Per-sample rows of ``comm``'s boundary tensor in microbatch ``mb``: both ends know them."""
+        return self.batches[mb].sample_rows[comm.rows_key]
+
     def p2p_flush(self) -> None:
         for comm in (self.upstream, self.downstream):
             if comm is not None:
@@ -136,9 +140,9 @@ class ModuleEngine(PipelineEngine):
     # ---- instructions -----------------------------------------------------------------------
     def _exec_boundary_recv_activation(self, buffer_id: int) -> None:
         mb = self._next_fwd
-        act = self.upstream.recv_activation(mb)
+        act = self.upstream.recv_activation(mb, self._rows(self.upstream, mb))
         if mb + 1 < self.micro_batches:
-            self.upstream.prefetch_activation(mb + 1)
+            self.upstream.prefetch_activation(mb + 1, self._rows(self.upstream, mb + 1))
         if self.place.upstream_backward:
             act.requires_grad_(True)
         self.extra["recv"][buffer_id] = act
@@ -176,17 +180,18 @@ class ModuleEngine(PipelineEngine):
             if loss is not None:
                 self.stats["own_loss"] += float(loss.detach())
             if out is not None:
-                rows = self.batches[mb].sample_rows[self.role.rows_key]
+                rows = self._rows(self.downstream, mb)
                 self.downstream.send_activation(mb, out.detach(), rows)
                 if self.place.backward:
-                    self.downstream.prefetch_grad(mb)
+                    self.downstream.prefetch_grad(mb, rows)
             self.extra["loss"][buffer_id] = loss
             self.extra["out"][buffer_id] = out
         self.stats["compute_s"] += time.perf_counter() - t0
 
     def _exec_boundary_recv_grad(self, buffer_id: int) -> None:
         mb = self.extra["mb"][buffer_id]
-        self.extra["out_grad"][buffer_id] = self.downstream.recv_grad(mb) * self.downstream.grad_scale
+        grad = self.downstream.recv_grad(mb, self._rows(self.downstream, mb))
+        self.extra["out_grad"][buffer_id] = grad * self.downstream.grad_scale
 
     def _exec_backward(self, buffer_id: int) -> None:
         t0 = time.perf_counter()
@@ -234,7 +239,7 @@ class ModuleEngine(PipelineEngine):
         mb = self.extra["mb"][buffer_id]
         leaf = self.pipe_buffers["inputs"][buffer_id][self.role.boundary_input_index]
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        self.upstream.send_grad(mb, grad)
+        self.upstream.send_grad(mb, grad, self._rows(self.upstream, mb))
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_reduce(self) -> None:

@@ -28,6 +28,10 @@ class Role:
     def boundary_output(self, outputs, mb: MicroBatch) -> torch.Tensor | None:
         return None
 
+    def boundary_features(self) -> tuple[int, ...]:
+        """Trailing dims of one row of ``boundary_output`` (its rows vary per sample)."""
+        raise NotImplementedError(f"{self.name} sends nothing downstream")
+
 
 class EncoderRole(Role):
     name = "encoder"
@@ -38,6 +42,9 @@ class EncoderRole(Role):
 
     def boundary_output(self, outputs, mb):
         return outputs
+
+    def boundary_features(self):
+        return (self.spec.llm.hidden_size,)  # one projected patch embedding per row
 
 
 class LLMRole(Role):
@@ -55,6 +62,9 @@ class LLMRole(Role):
     def boundary_output(self, outputs, mb):
         _, hidden = outputs
         return gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens)
+
+    def boundary_features(self):
+        return (self.spec.generator.query_tokens, self.spec.llm.hidden_size)  # one image's queries per row
 
 
 class GeneratorRole(Role):

@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from ..comm.boundary import BoundaryComm
-from ..comm.p2p import P2P, PeerInfo
+from ..comm import nccl_emulation
+from ..comm.boundary import BoundaryComm, boundary_links
+from ..comm.p2p import P2P, PeerInfo, new_channel_groups
 from ..comm.routes import blocks
 from ..config import Recipe, resolve_path
+from ..configtools import ConfigError
 from ..data.spool import default_base, host_key, plan_shares
 from ..data.types import batch_bytes
 from ..dsconfig import engine_config, load_ds_config
@@ -47,9 +49,13 @@ def init_processes(timeout_s: float) -> torch.device:
     # Only used for inference all-reduce; building it costs ~45 s per process on CPU.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     cuda = torch.cuda.is_available()
+    if cuda and nccl_emulation.enabled():
+        raise ConfigError(f"{nccl_emulation.ENV}=1 emulates NCCL on CPU processes (gloo); unset it on GPUs")
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    if nccl_emulation.enabled():
+        nccl_emulation.install()  # hold every point-to-point message to NCCL's rules on gloo
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -79,6 +85,13 @@ def tp_context(grid, stage: int, dp: int, tp_index: int) -> TPContext:
         return TPContext(None, 0, 1, ranks[0])
     group = tdist.new_group(ranks, use_local_synchronization=True)
     return TPContext(group, tp_index, grid.tp, ranks[0])
+
+
+def boundary_tensor(spec, module: str, recipe: Recipe) -> tuple[str, tuple[int, ...], torch.dtype]:
+    """What ``module`` sends downstream: its rows key, the trailing dims of a row, and dtype."""
+    role = ROLES[module](spec)
+    dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
+    return role.rows_key, role.boundary_features(), dtype
 
 
 def share_batches(recipe: Recipe, source, rank: int, world: int, group) -> None:
@@ -139,17 +152,20 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     slot = recipe.parallel.llm.dp * recipe.train.micro_batch
     backward = needs_backward(recipe, topo)
 
-    # Boundary traffic gets its own group so it never queues behind DeepSpeed's own P2P.
-    comm_group = tdist.new_group(list(range(world)))
+    # Boundary traffic gets its own groups (one per direction), apart from DeepSpeed's own P2P.
+    channels = new_channel_groups(world)
     # Step figures and timeline bookkeeping are small CPU tensors: keep them on gloo even with NCCL.
     meta_group = tdist.new_group(list(range(world)), backend="gloo")
-    p2p = P2P(comm_group, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
+    p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     share_batches(recipe, source, rank, world, meta_group)
     tp = tp_context(grid, stage, dp_index, tp_index)
     up_grid, down_grid = topo.neighbours(grid.name)
-    idx = [m.name for m in topo.modules].index(grid.name)
-    upstream = BoundaryComm(p2p, up_grid, grid, slot, idx - 1, tp) if up_grid and stage == 0 else None
-    downstream = BoundaryComm(p2p, grid, down_grid, slot, idx, tp) if down_grid and stage == grid.pp - 1 else None
+    upstream = downstream = None
+    if up_grid and stage == 0:
+        upstream = BoundaryComm(p2p, up_grid, grid, slot, *boundary_tensor(spec, up_grid.name, recipe), tp)
+    if down_grid and stage == grid.pp - 1:
+        downstream = BoundaryComm(p2p, grid, down_grid, slot, *boundary_tensor(spec, grid.name, recipe), tp)
+    p2p.connect(boundary_links(topo.modules, slot, backward))
     place = StagePlace(
         total_stages=topo.total_stages,
         global_stage=topo.stage_offset(grid.name) + stage,

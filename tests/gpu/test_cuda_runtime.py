@@ -20,15 +20,16 @@ def _need_gpus(n: int) -> None:
         pytest.skip(f"needs {n} CUDA devices")
 
 
-def test_disaggregated_tiny_on_four_gpus_matches_cpu_reference(tmp_path):
-    _need_gpus(4)
+@pytest.mark.parametrize("gpus, layout", [(4, []), (3, ["parallel.llm.pp=1"])])
+def test_disaggregated_tiny_on_gpus_matches_cpu_reference(gpus, layout, tmp_path):
+    _need_gpus(gpus)
     from disttrain_ds.config import load_recipe
     from disttrain_ds.runtime.reference import train_reference
 
     steps = ["train.steps=3", "optim.name=sgd", "optim.lr=0.05"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            str(REPO / "tools" / "train.py"), "--recipe", str(REPO / "recipes" / "tiny_cpu.yaml"),
-           "layout=disaggregated", f"logging.dir={tmp_path / 'run'}", "logging.wandb=disabled", *steps]
+           "layout=disaggregated", f"logging.dir={tmp_path / 'run'}", "logging.wandb=disabled", *steps, *layout]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -15,18 +15,26 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("run_layout.py")
+# Every multi-process job holds its point-to-point messages to NCCL's rules (comm/nccl_emulation.py):
+# a protocol that only works under gloo's tag matching and buffering must fail here.
+NCCL_RULES = {"DISTTRAIN_NCCL_EMULATION": "1"}
 
 
-def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None, timeout: int = 600):
-    """Run tests/multiproc/run_layout.py under torchrun; returns (losses per step, params, shapes)."""
+def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None, timeout: int = 600,
+           env_extra: dict | None = None, check: bool = True):
+    """Run tests/multiproc/run_layout.py under torchrun; returns (losses per step, params, shapes),
+    or with ``check=False`` the finished process, whatever its exit code."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RUNNER), str(out)]
     if fault:
         cmd += ["--fault", fault]
     cmd += ["parallel.comm_timeout_s=120", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **NCCL_RULES,
+           **(env_extra or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     (out / "launch.log").write_text(proc.stdout + proc.stderr)
+    if not check:
+        return proc
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     params: dict[str, torch.Tensor] = {}
@@ -76,7 +84,7 @@ def start_ranks(run_dir: Path, world: int, overrides: list[str]) -> list[subproc
     procs = []
     for rank in range(world):
         env = {
-            **os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled",
+            **os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **NCCL_RULES,
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         }

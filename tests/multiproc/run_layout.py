@@ -4,7 +4,9 @@ export every rank's final parameters and what crossed the communicator.
     torchrun --standalone --nproc_per_node=N tests/multiproc/run_layout.py OUT_DIR [--fault NAME] [key=value ...]
 
 ``--fault drop_encoder_grad`` zeroes the gradient the LLM returns to the encoder: the negative
-control that the fidelity check must catch.
+control that the fidelity check must catch. ``--fault one_channel`` sends activations and gradients
+over one process group, as before the channel split: the negative control for NCCL's one stream per
+pair (a gradient receive posted ahead then holds up the next activation send).
 """
 
 from __future__ import annotations
@@ -36,10 +38,18 @@ def main() -> int:
     if fault == "drop_encoder_grad":
         original = BoundaryComm.send_grad
 
-        def send_zero_to_encoder(self, mb, grad):
-            return original(self, mb, torch.zeros_like(grad) if self.up.name == "encoder" else grad)
+        def send_zero_to_encoder(self, mb, grad, rows_per_sample):
+            return original(self, mb, torch.zeros_like(grad) if self.up.name == "encoder" else grad, rows_per_sample)
 
         BoundaryComm.send_grad = send_zero_to_encoder
+    elif fault == "one_channel":
+        import torch.distributed as dist
+
+        from disttrain_ds.comm.p2p import CHANNELS
+
+        distributed.new_channel_groups = lambda world: dict.fromkeys(CHANNELS, dist.new_group(list(range(world))))
+    elif fault is not None:
+        raise SystemExit(f"unknown fault {fault!r}")
     seen: list[BoundaryComm] = []
     original_init = BoundaryComm.__init__
 
@@ -51,9 +61,9 @@ def main() -> int:
     sends: list[list[int]] = []  # [destination rank, elements] of every inter-engine send
     original_isend = P2P.isend
 
-    def counting_isend(self, tensor, dst, tag, what):
+    def counting_isend(self, tensor, dst, channel, what):
         sends.append([dst, tensor.numel()])
-        return original_isend(self, tensor, dst, tag, what)
+        return original_isend(self, tensor, dst, channel, what)
 
     P2P.isend = counting_isend
     rc = distributed.train_distributed(recipe, log=print, export_dir=str(out))
