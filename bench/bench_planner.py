@@ -1,6 +1,7 @@
 """Solver time of the orchestration optimizer at the DistTrain paper's Table 2 scales.
 
-Profiles are built from the paper's published figures (``disttrain_paper.json``):
+Profiles are built from the paper's published figures (``disttrain_ds/paper/disttrain_paper.json``,
+shipped with the package; ``--paper PATH`` reads another copy):
 
 * forward times from Fig. 3 (one Llama3-70B stage at PP=10, TP=8, 8K sequence; whole ViT-Huge
   and whole SD 2.1, taken as TP=1 times), with backward = 2 x forward, so C = 3 x forward;
@@ -22,7 +23,6 @@ examples under ``disttrain_ds/planner/examples`` were made).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -35,6 +35,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from disttrain_ds.configtools import ConfigError  # noqa: E402
+from disttrain_ds.paper import load_paper_figures  # noqa: E402
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
 from disttrain_ds.planner.profile import (Profile, profile_from_dict,  # noqa: E402
@@ -106,8 +108,8 @@ def _time_ms(profile: Profile, repeats: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--paper", type=Path, default=REPO.parent / "shared" / "fixtures"
-                    / "disttrain_paper.json", help="the paper's figures (JSON)")
+    ap.add_argument("--paper", type=Path, default=None,
+                    help="the paper's figures (JSON); default: the copy shipped in disttrain_ds/paper")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3-70b")
     ap.add_argument("--config", default="8img_1024", help="Fig. 3 input configuration")
     ap.add_argument("--repeats", type=int, default=7)
@@ -115,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=1296)
     ap.add_argument("--batch", type=int, default=1920)
     args = ap.parse_args(argv)
-    paper = json.loads(args.paper.read_text())
+    try:
+        paper = load_paper_figures(args.paper)
+    except ConfigError as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 2
     if args.write_example:
         save_profile(paper_profile(paper, args.gpus, args.batch, args.model, args.config),
                      args.write_example)

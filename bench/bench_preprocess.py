@@ -1,11 +1,11 @@
 """Trainer-side wait for data: in-process preprocessing vs producer processes.
 
-Reads the MMC4 fixture with real image decode and resize, tokenises with SmolLM2's BPE, packs
+Reads an MMC4 JSONL file (``--path``) with real image decode and resize, tokenises with SmolLM2's BPE, packs
 and (optionally) reorders, while a simulated trainer "computes" for ``--compute-ms`` per step.
 Prints the median wait per step for each producer count (first batch excluded: it includes
 process start-up, reported in its own column).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_preprocess.py --compute-ms 150
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_preprocess.py --path mmc4_sample.jsonl --compute-ms 150
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.registry import DEFAULT_FILES, DEFAULT_FIXTURES
 from disttrain_ds.data.source import ShapeSpec, build_source
 
 
@@ -38,7 +37,7 @@ def run(cfg: DataConfig, shape: ShapeSpec, batch: int, steps: int, compute_s: fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", default=str(DEFAULT_FIXTURES / DEFAULT_FILES["mmc4"]), help="MMC4 JSONL file")
+    ap.add_argument("--path", required=True, help="MMC4 JSONL file (e.g. the 107-document mmc4_sample.jsonl)")
     ap.add_argument("--compute-ms", type=float, default=150.0, help="simulated trainer compute per step")
     ap.add_argument("--steps", type=int, default=12, help="measured steps after the first")
     ap.add_argument("--global-batch", type=int, default=8)

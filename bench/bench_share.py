@@ -1,14 +1,14 @@
 """Several trainer ranks on one host: producers per rank (``data.share: rank``) vs one set of
 producers for the host writing a shared spool (``data.share: node``).
 
-Each "rank" is a process that asks for global batches of the MMC4 fixture (real image decode and
-resize, SmolLM2 BPE, packing) and then "computes" for ``--compute-ms`` (a sleep, so the CPU is
-free for preprocessing). Prints per configuration, over the steps after the first (which includes
+Each "rank" is a process that asks for global batches of an MMC4 JSONL file (``--path``; real
+image decode and resize, SmolLM2 BPE, packing) and then "computes" for ``--compute-ms`` (a sleep,
+so the CPU is free for preprocessing). Prints per configuration, over the steps after the first (which includes
 starting processes): the median wait for data per step over all ranks, the median rank's step
 time, and the CPU seconds the whole process tree used per step (ranks, producers and
 forkservers; read from /proc, Linux only).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_share.py --ranks 4 --compute-ms 300
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_share.py --path mmc4_sample.jsonl --ranks 4 --compute-ms 300
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ sys.path.insert(0, str(REPO))
 
 from disttrain_ds.data import spool  # noqa: E402
 from disttrain_ds.data.config import DataConfig  # noqa: E402
-from disttrain_ds.data.registry import DEFAULT_FILES, DEFAULT_FIXTURES  # noqa: E402
 from disttrain_ds.data.source import ShapeSpec, build_source  # noqa: E402
 
 SHAPE = ShapeSpec(patch_size=14, gen_resolution=256, gen_channels=3, query_tokens=64)
@@ -108,7 +107,7 @@ def run(cfg: DataConfig, ranks: int, share: str, steps: int, compute_s: float) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", default=str(DEFAULT_FIXTURES / DEFAULT_FILES["mmc4"]), help="MMC4 JSONL file")
+    ap.add_argument("--path", required=True, help="MMC4 JSONL file (e.g. the 107-document mmc4_sample.jsonl)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--producers", type=int, default=1, help="producers per rank (rank) or per host (node)")
     ap.add_argument("--compute-ms", type=float, default=300.0)

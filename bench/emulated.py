@@ -66,17 +66,24 @@ class BenchError(Exception):
 # --------------------------------------------------------------------------- profiles
 
 
-def paper_profile(paper_path: Path) -> Profile:
-    """MLLM-9B from the paper's figures (``planner.scale``), TP=1 costs only, memory unchecked."""
+def paper_profile(paper_path: Path | None) -> Profile:
+    """MLLM-9B from the paper's figures (``planner.scale``), TP=1 costs only, memory unchecked.
+
+    ``paper_path`` None reads the figures shipped in ``disttrain_ds/paper``."""
+    from disttrain_ds.configtools import ConfigError
     from disttrain_ds.data.paper_stats import draw_sequence_layouts
+    from disttrain_ds.paper import load_paper_figures, packaged_figures_name
     from disttrain_ds.planner import scale
 
-    paper = json.loads(paper_path.read_text())
+    try:
+        paper = load_paper_figures(paper_path)
+    except ConfigError as exc:
+        raise BenchError(str(exc)) from None
     spec = scale.model_specs(paper)["MLLM-9B"]
     costs = scale.sample_costs(draw_sequence_layouts(256, 8192, np.random.default_rng(0)), spec, 8192)
     d = profile_to_dict(scale.build_profile(paper, spec, costs, gpus=8, global_batch=16))
     d.pop("gpu_memory_gb", None)
-    return profile_from_dict(_tp1(d), src=str(paper_path))
+    return profile_from_dict(_tp1(d), src=str(paper_path or packaged_figures_name()))
 
 
 def _tp1(d: dict) -> dict:
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="launches per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of each median")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per launch")
-    ap.add_argument("--paper", type=Path, default=REPO.parent / "shared" / "fixtures" / "disttrain_paper.json")
+    ap.add_argument("--paper", type=Path, default=None, help="the paper's figures (JSON); default: the copy shipped in disttrain_ds/paper")
     ap.add_argument("--cpu-profile", type=Path, default=None,
                     help=f"profile to use instead of profiling (default: {SHIPPED_CPU_PROFILE.relative_to(REPO)} if present)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_emulated" / time.strftime("%Y%m%d-%H%M%S"),
@@ -310,9 +317,6 @@ def main(argv: list[str] | None = None) -> int:
     profiles = {}
     for name in args.profiles:
         if name == "paper":
-            if not args.paper.is_file():
-                print(f"skipping the paper profile: {args.paper} not found", flush=True)
-                continue
             profiles[name] = paper_profile(args.paper)
         else:
             profiles[name] = cpu_profile(cpu_path, out)

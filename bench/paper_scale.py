@@ -6,13 +6,13 @@ For each model the profile is built from the paper's figures (``disttrain_ds.pla
 planned three ways (ours, Megatron-LM's rigid layout, FLOP-proportional), and one training
 iteration of each plan is simulated on 8K packed sequences drawn from the paper's LAION-400M
 statistics, without and with data reordering. Tables are Markdown; every number is computed
-except the columns headed "paper", which are read from ``disttrain_paper.json``.
+except the columns headed "paper", which are read from the paper's figures shipped in
+``disttrain_ds/paper/disttrain_paper.json`` (``--paper PATH`` reads another copy).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +26,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from disttrain_ds.configtools import ConfigError  # noqa: E402
 from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
+from disttrain_ds.paper import load_paper_figures  # noqa: E402
 from disttrain_ds.planner import scale  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, plan  # noqa: E402
 from disttrain_ds.planner.profile import MODULES, Profile  # noqa: E402
@@ -269,8 +271,8 @@ def disagreements(paper: dict, big: dict[str, Setting], small: dict[str, Setting
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--paper", type=Path, default=REPO.parent / "shared" / "fixtures"
-                    / "disttrain_paper.json", help="the paper's figures (JSON)")
+    ap.add_argument("--paper", type=Path, default=None,
+                    help="the paper's figures (JSON); default: the copy shipped in disttrain_ds/paper")
     ap.add_argument("--quick", action="store_true", help="1 iteration, short searches")
     ap.add_argument("--iterations", type=int, default=3, help="global batches simulated")
     ap.add_argument("--budget", type=float, default=0.5,
@@ -280,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.iterations, args.budget, args.repeats = 1, 0.1, 3
-    paper = json.loads(args.paper.read_text())
+    try:
+        paper = load_paper_figures(args.paper)
+    except ConfigError as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 2
     specs = scale.model_specs(paper)
     seq, batch = paper["sequence_length"], paper["megatron_baseline_layout"]["global_batch"]
     t0 = time.perf_counter()

@@ -1,11 +1,13 @@
 """Recipe schema: one YAML file (plus ``a.b=c`` overrides) describes a whole training job.
 
 ``load_recipe`` validates everything that can be checked before any process group starts and
-raises ``ConfigError`` with one line naming the key and the file.
+raises ``ConfigError`` with one line naming the key and the file. A recipe is a YAML path or the
+name of one shipped with the package (``tiny_cpu`` is ``disttrain_ds/recipes/tiny_cpu.yaml``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -14,7 +16,10 @@ from .configtools import ConfigError, apply_overrides, from_dict, load_yaml
 from .data.config import DataConfig
 from .models.configs import PRESETS, EncoderConfig, GeneratorConfig, LLMConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = Path(__file__).resolve().parent
+"""The package, with its shipped ``recipes/*.yaml`` and ``ds_configs/*.json``."""
+RECIPES_DIR = PACKAGE_DIR / "recipes"
+"""Shipped recipes, found by name (``--recipe tiny_cpu``)."""
 
 
 @dataclass
@@ -183,7 +188,8 @@ class Recipe:
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
     """Emulated compute for benchmarks of the runtime on machines without the real accelerators."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"
-    """DeepSpeed JSON used by every module engine unless the module names its own."""
+    """DeepSpeed JSON used by every module engine unless the module names its own. A relative path
+    is looked up beside the recipe, in the working directory, then among the shipped ``ds_configs/``."""
     source_file: str = ""
     """Set by the loader: the recipe file this came from (for error messages)."""
 
@@ -206,15 +212,53 @@ def _apply_presets(data: dict, src: str) -> dict:
     return data
 
 
+def shipped_recipes() -> list[str]:
+    """Names of the recipes shipped with the package."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def find_recipe(recipe: str | Path) -> Path:
+    """The recipe file ``recipe`` names: a path as given, or for a bare name (no ``/``, no
+    ``.yaml``) that is not a file here, the shipped recipe of that name."""
+    text = str(recipe)
+    if "/" in text or os.sep in text or text.endswith((".yaml", ".yml")) or Path(text).is_file():
+        return Path(recipe)
+    path = RECIPES_DIR / f"{text}.yaml"
+    if text and path.is_file():
+        return path
+    raise ConfigError(f"recipe {text!r}: no shipped recipe of that name (shipped: "
+                      f"{', '.join(shipped_recipes()) or 'none'}); give a YAML path for any other recipe")
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Parse and validate a recipe file with ``a.b=c`` overrides."""
+    """Parse and validate a recipe (a YAML path or a shipped recipe's name) with ``a.b=c`` overrides."""
+    path = find_recipe(path)
     src = str(path)
     data = apply_overrides(load_yaml(path), overrides or [])
     data = _apply_presets(data, src)
     recipe = from_dict(Recipe, data, src=src)
     recipe.source_file = src
+    _anchor_paths(recipe)
     validate(recipe)
     return recipe
+
+
+def _input_paths(r: Recipe) -> list[tuple[object, str]]:
+    """(section, attribute) of each file a recipe reads through ``resolve_path``."""
+    modules = (r.parallel.encoder, r.parallel.llm, r.parallel.generator)
+    return [(r, "deepspeed_config"), *((m, "ds_config") for m in modules), (r.emulate, "profile")]
+
+
+def _anchor_paths(r: Recipe) -> None:
+    """Replace each relative input path that resolves by its absolute path, so every process
+    (whatever its working directory) reads the file validation read. Unresolved paths are left
+    for ``validate`` to report."""
+    for section, attr in _input_paths(r):
+        value = getattr(section, attr)
+        if value and not Path(value).is_absolute():
+            found = next((c for c in path_candidates(value, r.source_file) if c.is_file()), None)
+            if found is not None:
+                setattr(section, attr, str(found))
 
 
 def _check(cond: bool, src: str, key: str, msg: str) -> None:
@@ -376,10 +420,33 @@ def validate(r: Recipe) -> None:
     for name in ("encoder", "llm", "generator"):
         path = getattr(p, name).ds_config or r.deepspeed_config
         key = f"parallel.{name}.ds_config" if getattr(p, name).ds_config else "deepspeed_config"
-        load_ds_config(resolve_path(path), key=key, recipe_src=src)
+        load_ds_config(require_file(path, key, src, r.source_file), key=key, recipe_src=src)
 
 
-def resolve_path(path: str) -> Path:
-    """Recipe paths are relative to the repository root when not absolute."""
+def path_candidates(path: str | Path, recipe_file: str | Path = "") -> list[Path]:
+    """Where a relative path in a recipe may be, in order: beside the recipe file, in the working
+    directory, in the package's shipped data (``ds_configs/zero1.json``). An absolute path is itself."""
     p = Path(path)
-    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+    if p.is_absolute():
+        return [p]
+    bases = [Path(recipe_file).absolute().parent] if recipe_file else []
+    return list(dict.fromkeys(base / p for base in (*bases, Path.cwd(), PACKAGE_DIR)))
+
+
+def resolve_path(path: str | Path, recipe_file: str | Path = "") -> Path:
+    """The first of ``path_candidates`` that exists, else ``path`` unchanged."""
+    return next((c for c in path_candidates(path, recipe_file) if c.exists()), Path(path))
+
+
+def require_file(path: str | Path, key: str, recipe_src: str, recipe_file: str | Path = "") -> Path:
+    """The file a recipe's ``key`` names; a one-line ``ConfigError`` naming the key and the
+    places tried when there is none."""
+    candidates = path_candidates(path, recipe_file)
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is not None:
+        return found
+    if len(candidates) == 1:
+        what = " (a directory)" if candidates[0].is_dir() else ""
+        raise ConfigError(f"{recipe_src}: '{key}' file not found: {path}{what}")
+    tried = ", ".join(str(c) for c in candidates)
+    raise ConfigError(f"{recipe_src}: '{key}' file not found: {path} (tried {tried})")

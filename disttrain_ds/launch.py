@@ -1,8 +1,11 @@
 """Check a DeepSpeed hostfile against the recipe and the network, then start the ``deepspeed`` launcher.
 
-    python tools/launch.py --hostfile H [--num_nodes N] [--num_gpus G] [--include S | --exclude S]
+    disttrain-launch --hostfile H [--num_nodes N] [--num_gpus G] [--include S | --exclude S]
         [--master_port P] [--master_addr A] [--ssh-port 22] [--connect-timeout 5]
         [--skip-reachability] [--dry-run] --recipe R.yaml [key=value ...]
+
+(``python tools/launch.py`` in a checkout is the same command; it starts ``tools/train.py`` on every
+node, while ``disttrain-launch`` starts the installed ``disttrain_ds.cli.train`` module.)
 
 Left to itself the launcher finds a bad hostfile line with a dump of the whole file, a slot count
 that does not match the layout only once every rank has started, and a dead node as an ssh error
@@ -24,10 +27,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli import OneLineParser
+from .cli import OneLineParser, prog_name
 from .configtools import ConfigError
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train.py"
+TRAIN_MODULE = "disttrain_ds.cli.train"
+"""What every rank runs (``python -m``) when no training script is given."""
 _SLOTS = re.compile(r"slots=(\S*)")
 _MAX_LISTED = 4  # hosts named in a one-line summary before "+N more"
 
@@ -265,8 +269,9 @@ def _display_path(path: Path) -> str:
         return str(path)
 
 
-def launcher_command(args, *, all_local: bool, train_script: Path) -> list[str]:
-    """The exact command that starts the job under the ``deepspeed`` launcher."""
+def launcher_command(args, *, all_local: bool, train_script: Path | None = None) -> list[str]:
+    """The exact command that starts the job under the ``deepspeed`` launcher; without
+    ``train_script`` every rank runs the installed ``TRAIN_MODULE``."""
     cmd = launcher_prefix() + ["--hostfile", args.hostfile]
     for flag in ("num_nodes", "num_gpus", "include", "exclude", "master_port"):
         value = getattr(args, flag)
@@ -280,13 +285,15 @@ def launcher_command(args, *, all_local: bool, train_script: Path) -> list[str]:
         cmd.append("--no_ssh_check")  # a hostfile makes DeepSpeed ssh even to localhost
     elif args.ssh_port != 22:
         cmd += ["--ssh_port", str(args.ssh_port)]
-    return cmd + [_display_path(train_script), "--recipe", args.recipe, *args.overrides]
+    target = ["--module", TRAIN_MODULE] if train_script is None else [_display_path(train_script)]
+    return cmd + target + ["--recipe", args.recipe, *args.overrides]
 
 
 def _parser() -> OneLineParser:
-    p = OneLineParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog=prog_name("disttrain-launch", "launch.py"), description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hostfile", "-H", required=True, help="DeepSpeed hostfile: lines 'HOST slots=N'")
-    p.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
+    p.add_argument("--recipe", required=True, help="shipped recipe name (e.g. tiny_cpu) or recipe YAML path")
     p.add_argument("--num_nodes", type=int, default=None, help="use the first N hosts (as deepspeed)")
     p.add_argument("--num_gpus", "--num_accelerators", type=int, default=None, help="use slots 0..G-1 on each host")
     p.add_argument("--include", "-i", default="", help="NAME[:SLOT[,SLOT...]][@...]: use only these (as deepspeed)")
@@ -301,7 +308,7 @@ def _parser() -> OneLineParser:
     return p
 
 
-def prepare(args, train_script: Path = TRAIN_SCRIPT) -> tuple[list[str], list[str]]:
+def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str]]:
     """Run every check; return the lines reporting them and the launcher command."""
     from .config import load_recipe
 
@@ -309,7 +316,7 @@ def prepare(args, train_script: Path = TRAIN_SCRIPT) -> tuple[list[str], list[st
         raise LaunchError(f"--ssh-port must be 1-65535, got {args.ssh_port}")
     if args.connect_timeout <= 0:
         raise LaunchError(f"--connect-timeout must be > 0, got {args.connect_timeout:g}")
-    if not train_script.is_file():
+    if train_script is not None and not train_script.is_file():
         raise LaunchError(f"{train_script}: training script not found")
     src = args.hostfile
     hosts = parse_hostfile(src)
@@ -349,8 +356,9 @@ def prepare(args, train_script: Path = TRAIN_SCRIPT) -> tuple[list[str], list[st
     return report, launcher_command(args, all_local=not remote, train_script=train_script)
 
 
-def main(argv: list[str] | None = None, *, train_script: Path = TRAIN_SCRIPT) -> int:
-    """Check, then replace this process with the launcher (or just print the command on --dry-run)."""
+def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> int:
+    """Check, then replace this process with the launcher (or just print the command on --dry-run);
+    ``train_script``: what each rank runs (default: the ``TRAIN_MODULE`` module)."""
     args = _parser().parse_intermixed_args(argv)
     try:
         report, cmd = prepare(args, train_script)

@@ -1,7 +1,10 @@
 """Plan a disaggregated layout from a profile, and optionally write it into a recipe.
 
-    python -m disttrain_ds.plan --profile P.json [--json]
-    python -m disttrain_ds.plan --profile P.json --write-recipe out.yaml --recipe base.yaml [--force]
+    disttrain-plan --profile P.json [--json]
+    disttrain-plan --profile P.json --write-recipe out.yaml --recipe base.yaml [--force]
+
+(``python -m disttrain_ds.plan`` is the same command.) ``--recipe`` takes a YAML path or the name of
+a shipped recipe (``mllm_9b``).
 
 Errors (bad profile, no feasible layout, missing files, refusing to overwrite) are one line on
 stderr and exit status 2.
@@ -17,12 +20,13 @@ from typing import Any
 
 import yaml
 
-from disttrain_ds.cli import OneLineParser
+from disttrain_ds.cli import OneLineParser, prog_name
+from disttrain_ds.config import find_recipe
 from disttrain_ds.configtools import ConfigError, load_yaml
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
 from disttrain_ds.planner.profile import MODULES, Profile, load_profile
 
-PROG = "python -m disttrain_ds.plan"
+PROG = prog_name("disttrain-plan", "python -m disttrain_ds.plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--write-recipe", type=Path, metavar="OUT",
                     help="write --recipe with layout and parallel degrees set to the plan")
-    ap.add_argument("--recipe", type=Path, metavar="BASE", help="base recipe YAML")
+    ap.add_argument("--recipe", type=Path, metavar="BASE", help="base recipe: YAML path or shipped recipe name")
     ap.add_argument("--force", action="store_true", help="overwrite --write-recipe's file")
     return ap
 
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_recipe is not None:
             if args.write_recipe.exists() and not args.force:
                 return _fail(f"{args.write_recipe}: already exists (use --force to overwrite)")
-            base = load_yaml(args.recipe)
+            base = load_yaml(find_recipe(args.recipe))
             recipe = recipe_with_plan(base, result, str(args.recipe))
     except (ConfigError, PlanError) as exc:
         return _fail(str(exc))

@@ -1,7 +1,9 @@
 """Measure a recipe's three modules and write a planner profile (see docs/profiler.md).
 
-    python -m disttrain_ds.profile --recipe R.yaml [key=value ...] [--samples 8] [--warmup 2]
+    disttrain-profile --recipe R.yaml [key=value ...] [--samples 8] [--warmup 2]
         [--gpus N] [--global-batch BS] [--gpus-per-node 8] [--measure-tp 2 4 8] [--out profile.json] [--force]
+
+(``python -m disttrain_ds.profile`` is the same command; ``--recipe`` also takes a shipped recipe's name.)
 
 Each module is built from its real layers and runs forward+backward on samples drawn from the
 recipe's data source, fed the real output of the module before it. The median time per sample is
@@ -21,14 +23,14 @@ from pathlib import Path
 import torch
 
 from disttrain_ds.config import Recipe, load_recipe
-from disttrain_ds.cli import OneLineParser
+from disttrain_ds.cli import OneLineParser, prog_name
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.metrics.peak import resolve_peak
 from disttrain_ds.planner.profile import GIB, TP_DEGREES, Profile, ModuleProfile, save_profile
 from disttrain_ds.profile_measure import ModuleResult, Options, profile_recipe
 from disttrain_ds.profile_tp import cost_table, measure_tp
 
-PROG = "python -m disttrain_ds.profile"
+PROG = prog_name("disttrain-profile", "python -m disttrain_ds.profile")
 
 
 def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Namespace, opts: Options,
@@ -89,8 +91,8 @@ def format_report(results: list[ModuleResult], profile: Profile, cuda: bool, tp_
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     ap = OneLineParser(prog=PROG, description="Measure each module of a recipe's model and write a "
-                 "profile for python -m disttrain_ds.plan.")
-    ap.add_argument("--recipe", required=True, type=Path, help="recipe YAML (see recipes/)")
+                 "profile for the planner (disttrain-plan, or python -m disttrain_ds.plan).")
+    ap.add_argument("--recipe", required=True, type=Path, help="recipe: YAML path or shipped recipe name (tiny_cpu)")
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. model.llm.layers=8")
     ap.add_argument("--samples", type=int, default=8, help="samples to time (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed passes per module first (default 2)")

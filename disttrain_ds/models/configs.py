@@ -106,7 +106,7 @@ ENCODER_PRESETS: dict[str, dict] = {
 
 LLM_PRESETS: dict[str, dict] = {
     "tiny": {},
-    # The paper's backbone table (disttrain_paper.json: llm_backbones); vocab per family.
+    # The paper's backbone table (disttrain_ds/paper/disttrain_paper.json: llm_backbones); vocab per family.
     "llama-7b": dict(hidden_size=4096, layers=32, heads=32, kv_heads=32, ffn_hidden=11008, vocab_size=32000),
     "llama-13b": dict(hidden_size=5120, layers=40, heads=40, kv_heads=40, ffn_hidden=13824, vocab_size=32000),
     "llama-70b": dict(

@@ -53,7 +53,7 @@ def module_tp(topo: Topology) -> dict[str, int]:
 
 def check_emulate(recipe, src: str) -> None:
     """One-line ``ConfigError`` for an ``emulate`` section that cannot run."""
-    from ..config import resolve_path
+    from ..config import require_file
     from ..planner.profile import load_profile
 
     e = recipe.emulate
@@ -65,9 +65,7 @@ def check_emulate(recipe, src: str) -> None:
             raise ConfigError(f"{src}: 'emulate.tflops' must be > 0 when 'emulate.profile' is empty, "
                               f"got {e.tflops}")
         return
-    path = resolve_path(e.profile)
-    if not path.is_file():
-        raise ConfigError(f"{src}: 'emulate.profile' {e.profile} is not a file")
+    path = require_file(e.profile, "emulate.profile", src, recipe.source_file)
     profile = load_profile(path)  # ProfileError (a ConfigError) names the field and the file
     for name, tp in module_tp(Topology.from_recipe(recipe)).items():
         if tp not in profile.modules[name].cost_ms:
@@ -164,7 +162,7 @@ def recipe_rates(recipe, topo: Topology) -> dict[str, float]:
     e = recipe.emulate
     if not e.profile:
         return module_rates(e, topo, None)
-    profile = load_profile(resolve_path(e.profile))
+    profile = load_profile(resolve_path(e.profile, recipe.source_file))
     return module_rates(e, topo, mean_module_flops(calibration_flops(recipe)), profile)
 
 

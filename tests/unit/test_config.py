@@ -73,6 +73,17 @@ def test_encoder_dp_must_divide_llm_slot_in_disaggregated_layout():
     assert "'parallel.encoder.dp'" in msg
 
 
+@pytest.mark.parametrize("source", ["mmc4", "laion"])
+def test_real_data_sources_need_data_path_and_never_fall_back(source):
+    msg = _error([f"data.source={source}"])
+    assert "'data.path'" in msg and f"data.source {source} reads" in msg and "set data.path to" in msg, msg
+
+
+def test_real_data_source_loads_with_an_explicit_path(fixtures_dir):
+    r = load_recipe(TINY, ["data.source=mmc4", f"data.path={fixtures_dir / 'mmc4_sample.jsonl'}"])
+    assert r.data.source == "mmc4" and r.data.path.endswith("mmc4_sample.jsonl")
+
+
 def test_missing_recipe_file_and_bad_yaml(tmp_path):
     assert "file not found" in _error([], tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"

@@ -9,7 +9,6 @@ import signal
 import pytest
 import torch
 
-from disttrain_ds.data import registry
 from disttrain_ds.data.batch_order import reorder_batch
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import ProducerError
@@ -19,7 +18,7 @@ SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=
 
 
 def mmc4(fixtures_dir, **kw) -> DataConfig:
-    path = fixtures_dir / registry.DEFAULT_FILES["mmc4"]
+    path = fixtures_dir / "mmc4_sample.jsonl"
     return DataConfig(**{"source": "mmc4", "path": str(path), "seq_len": 256, "image_sizes": [16, 32], **kw})
 
 
@@ -90,7 +89,7 @@ def test_reorder_keeps_the_samples_and_balances_dp_ranks(fixtures_dir):
     cost = CostModel(enc_per_patch=1.0, enc_per_patch_sq=0.0, llm_per_token=0.0, llm_per_doc_token_sq=0.0,
                      gen_per_latent=0.0, gen_per_latent_sq=0.0, gen_per_image=20.0)
     shape = dataclasses.replace(SHAPE, dp_size=2, micro_batch=2, cost_model=cost)
-    laion = DataConfig(source="laion", path=str(fixtures_dir / registry.DEFAULT_FILES["laion"]), seq_len=256,
+    laion = DataConfig(source="laion", path=str(fixtures_dir / "laion_captions.jsonl"), seq_len=256,
                        image_sizes=[16, 32], gen_images=[0, 2])
     src = build_source(laion, shape, 8, 3)
 

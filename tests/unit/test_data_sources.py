@@ -1,13 +1,10 @@
-"""Real-record sources on the MMC4 and LAION fixtures: validity, determinism, resume, fallback."""
+"""Real-record sources on the MMC4 and LAION fixtures: validity, determinism, resume, no fallback."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 
-from disttrain_ds.data import registry
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.images import ImageRef, load_image
 from disttrain_ds.data.source import ShapeSpec, SyntheticSource, build_source
@@ -15,10 +12,11 @@ from disttrain_ds.data.validate import sample_problems
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 BATCH = 4
+FIXTURE_FILES = {"mmc4": "mmc4_sample.jsonl", "laion": "laion_captions.jsonl"}
 
 
 def cfg_for(fixtures_dir, source: str, **kw) -> DataConfig:
-    path = fixtures_dir / registry.DEFAULT_FILES[source]
+    path = fixtures_dir / FIXTURE_FILES[source]
     return DataConfig(**{"source": source, "path": str(path), "seq_len": 256, "image_sizes": [16, 32], **kw})
 
 
@@ -116,16 +114,11 @@ def test_state_from_another_data_setup_is_rejected(fixtures_dir):
         other.load_state_dict(src.state_dict())
 
 
-def test_missing_default_fixtures_fall_back_to_synthetic_with_one_warning(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(registry, "DEFAULT_FIXTURES", tmp_path / "absent")
-    caplog.set_level(logging.WARNING, logger=registry.__name__)
-    for _ in range(2):
-        src = build_source(DataConfig(source="mmc4"), SHAPE, BATCH, 0)
-        assert isinstance(src.inner, SyntheticSource)
-        assert len(src.global_batch(0)) == BATCH
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1
-    assert "synthetic" in warnings[0] and str(tmp_path / "absent") in warnings[0]
+@pytest.mark.parametrize("source", ["mmc4", "laion", "local"])
+def test_a_record_source_without_a_path_is_a_one_line_error_not_synthetic_data(source):
+    with pytest.raises(ValueError, match=f"^data.path: data.source {source} reads .*set data.path to") as exc:
+        build_source(DataConfig(source=source), SHAPE, BATCH, 0)
+    assert "\n" not in str(exc.value)
 
 
 def test_explicit_missing_path_is_an_error_naming_data_path(tmp_path):

@@ -241,7 +241,9 @@ RANGE = [  # (dotted overrides applied to tiny_cpu, key named in the message)
     ({"data.image_sizes": [0]}, "data.image_sizes"),
     ({"data.image_sizes": []}, "data.image_sizes"),
     ({"data.source": "imagenet"}, "data.source"),
-    ({"data.source": "local"}, "data.path"),  # the local source needs a path
+    ({"data.source": "local"}, "data.path"),  # the record sources need a path: no default data
+    ({"data.source": "mmc4"}, "data.path"),
+    ({"data.source": "laion"}, "data.path"),
     ({"data.gen_images": [2, 1]}, "data.gen_images"),
     ({"data.gen_images": [1]}, "data.gen_images"),
     ({"data.gen_images": [-1, 1]}, "data.gen_images"),
@@ -257,7 +259,7 @@ RANGE = [  # (dotted overrides applied to tiny_cpu, key named in the message)
     ({"data.share": "host"}, "data.share"),
     ({"data.spool_dir": "/no/such/dir"}, "data.spool_dir"),
     # Real images give RGB targets: a latent-space (4-channel) U-Net cannot train on them.
-    ({"data.source": "laion", "model.generator.in_channels": 4},
+    ({"data.source": "laion", "data.path": f"{TMP}/captions.jsonl", "model.generator.in_channels": 4},
      "model.generator.in_channels"),
     ({"emulate.time_scale": -1.0}, "emulate.time_scale"),
     ({"emulate.calibration_batches": 0}, "emulate.calibration_batches"),
@@ -266,7 +268,9 @@ RANGE = [  # (dotted overrides applied to tiny_cpu, key named in the message)
 
 def range_cases() -> list[Case]:
     tiny = BASES["tiny_cpu.yaml"]
-    return [Case(f"range-{key}-{i}", with_keys(tiny, **{k.replace(".", "__"): v for k, v in sets.items()}), (f"'{key}'",))
+    captions = (("captions.jsonl", b'{"caption": "a cat on a mat"}\n'),)
+    return [Case(f"range-{key}-{i}", with_keys(tiny, **{k.replace(".", "__"): v for k, v in sets.items()}), (f"'{key}'",),
+                 files=captions if sets.get("data.path") else ())
             for i, (sets, key) in enumerate(RANGE)]
 
 

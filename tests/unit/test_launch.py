@@ -217,9 +217,10 @@ def command_of(out: str) -> list[str]:
 
 
 def test_dry_run_prints_checks_and_local_deepspeed_command_without_launching(tmp_path, run):
+    """``tools/launch.py`` (a checkout) starts ``tools/train.py`` on every rank."""
     path = hostfile(tmp_path, "localhost slots=4\n")
     argv = ["--hostfile", path, "--dry-run", "--master_port", "29611", "--recipe", TINY, "layout=disaggregated"]
-    code, out, err = run(*argv, "train.steps=2")
+    code, out, err = run_main_checkout(run, *argv, "train.steps=2")
     assert code == 0 and err == ""
     assert "needs 4 ranks (encoder 1 + llm 2 + generator 1): matches" in out
     assert "dry run: not launching" in out
@@ -231,8 +232,26 @@ def test_dry_run_prints_checks_and_local_deepspeed_command_without_launching(tmp
         i = launcher_opts.index(opt[0])
         assert launcher_opts[i : i + 2] == opt
     assert "--no_ssh_check" in launcher_opts  # a local hostfile must not make DeepSpeed ssh to itself
+    assert "--module" not in launcher_opts
     assert (Path.cwd() / cmd[script]).resolve() == REPO / "tools" / "train.py"
     assert cmd[script + 1 :] == ["--recipe", TINY, "layout=disaggregated", "train.steps=2"]
+
+
+def run_main_checkout(run, *argv: str) -> tuple[int, str, str]:
+    """``launch.main`` as ``tools/launch.py`` calls it."""
+    main = functools.partial(launch.main, train_script=REPO / "tools" / "train.py")
+    return run.func(main, *argv)  # ``run`` is run_main bound to launch.main
+
+
+def test_installed_launcher_runs_the_train_module_on_every_rank(tmp_path, run):
+    """``disttrain-launch`` needs no checkout: ranks run ``python -m disttrain_ds.cli.train``."""
+    path = hostfile(tmp_path, "localhost slots=4\n")
+    code, out, err = run("--hostfile", path, "--dry-run", "--recipe", "tiny_cpu", "layout=disaggregated")
+    assert code == 0, err
+    cmd = command_of(out)
+    i = cmd.index("--module")
+    assert cmd[i + 1 :] == [launch.TRAIN_MODULE, "--recipe", "tiny_cpu", "layout=disaggregated"]
+    assert not any(arg.endswith("train.py") for arg in cmd)
 
 
 def test_dry_run_with_reachable_remote_host_probes_it_and_keeps_ssh(tmp_path, run, listener):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from disttrain_ds.data import paper_stats as ps
 from disttrain_ds.data.paper_stats import (
     Subsequence, draw_sample_stats, draw_sequence_layouts, layout_to_stats)
+from disttrain_ds.paper import load_paper_figures
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,8 @@ def _within(values, published, rel):
     assert values.max() <= published["max"]
 
 
-def test_constants_match_the_paper_figures(fixtures_dir):
-    paper = json.loads((fixtures_dir / "disttrain_paper.json").read_text())
+def test_constants_match_the_paper_figures():
+    paper = load_paper_figures()
     fig5 = paper["laion400m_subsequence_stats_fig5"]
     assert fig5["text_tokens"] == ps.LAION_TEXT_TOKENS
     assert fig5["image_tokens"] == ps.LAION_IMAGE_TOKENS

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from disttrain_ds.metrics import peak
 from disttrain_ds.metrics.mfu import StepFlops, module_mfu, overall_mfu, tflops_per_gpu
 from disttrain_ds.metrics.peak import lookup_peak_tflops, measure_cpu_peak_tflops, resolve_peak
+from disttrain_ds.paper import load_paper_figures
 
 
 @pytest.mark.parametrize("name,tflops", [
@@ -34,8 +34,8 @@ def test_names_that_only_share_a_prefix_with_a_known_device_are_unknown(name):
     assert lookup_peak_tflops(name) is None
 
 
-def test_table_agrees_with_the_papers_a800_peak(fixtures_dir):
-    paper = json.loads((fixtures_dir / "disttrain_paper.json").read_text())["hardware"]
+def test_table_agrees_with_the_papers_a800_peak():
+    paper = load_paper_figures()["hardware"]
     assert lookup_peak_tflops(paper["gpu"]) == paper["bf16_peak_tflops"]
 
 

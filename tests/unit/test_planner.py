@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from disttrain_ds.paper import load_paper_figures
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan, ratio_split
 from disttrain_ds.planner.optimize import (Degrees, PlanError, divisors, exhaustive_plan,
@@ -129,8 +130,8 @@ def test_tiny_example_plan_is_the_exhaustive_optimum():
     assert plan(profile).to_json() == exhaustive_plan(profile).to_json()
 
 
-def test_paper_example_is_derived_from_the_papers_figure3(fixtures_dir):
-    paper = json.loads((fixtures_dir / "disttrain_paper.json").read_text())
+def test_paper_example_is_derived_from_the_papers_figure3():
+    paper = load_paper_figures()
     fwd = paper["forward_ms_profile_fig3"]["8img_1024"]
     profile = load_profile(EXAMPLES / "mllm_72b_1296gpus.json")
     # backward = 2 x forward; the LLM figure is one of PP=10 stages at TP=8
@@ -139,8 +140,8 @@ def test_paper_example_is_derived_from_the_papers_figure3(fixtures_dir):
     assert profile.module("generator").cost_ms[1] == pytest.approx(3 * fwd["sd21"])
 
 
-def test_disttrain_beats_the_papers_megatron_layout_at_paper_scale(fixtures_dir):
-    paper = json.loads((fixtures_dir / "disttrain_paper.json").read_text())
+def test_disttrain_beats_the_papers_megatron_layout_at_paper_scale():
+    paper = load_paper_figures()
     layout = paper["megatron_baseline_layout"]
     profile = load_profile(EXAMPLES / "mllm_72b_1296gpus.json")
     rigid = megatron_plan(profile, tp=layout["tp"], pp=layout["pp_llm"]["MLLM-72B"])

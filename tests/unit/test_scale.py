@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import numpy as np
 import pytest
 
 from disttrain_ds.data.paper_stats import draw_sequence_layouts
+from disttrain_ds.paper import load_paper_figures
 from disttrain_ds.planner import scale
 from disttrain_ds.planner.baselines import ratio_plan
 from disttrain_ds.planner.optimize import Degrees, PlanError, build_plan, plan, t_iter
@@ -18,8 +18,8 @@ MODELS = ("MLLM-9B", "MLLM-15B", "MLLM-72B")
 
 
 @pytest.fixture(scope="module")
-def paper(fixtures_dir) -> dict:
-    return json.loads((fixtures_dir / "disttrain_paper.json").read_text())
+def paper() -> dict:
+    return load_paper_figures()
 
 
 @pytest.fixture(scope="module")
