@@ -44,6 +44,9 @@ class DataConfig:
     """independent: height and width each drawn from ``image_sizes``; square: one draw for both."""
     shuffle: bool = True
     """Visit records in a seeded random order, a new one each epoch (false: file order)."""
+    max_image_pixels: int = 4096 * 4096
+    """Largest image file (width x height, from its header) a record may name; a larger one is
+    skipped as ``image_too_large`` before any pixel is decoded (decompression bombs)."""
     cache_dir: str = ""
     """Cache for the Arrow record tables and the tokenizer; empty: $DISTTRAIN_CACHE or ~/.cache/disttrain_ds."""
     producers: int = 0
@@ -106,6 +109,8 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
         return "max_images", f"must be >= {least}, got {cfg.max_images}"
     if not 0.0 <= cfg.gen_prob <= 1.0:
         return "gen_prob", f"must be in [0, 1], got {cfg.gen_prob}"
+    if cfg.max_image_pixels < 1:
+        return "max_image_pixels", f"must be >= 1, got {cfg.max_image_pixels}"
     if cfg.producers < 0:
         return "producers", f"must be >= 0, got {cfg.producers}"
     if cfg.queue_depth < 1:

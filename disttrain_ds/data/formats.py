@@ -70,8 +70,8 @@ class Bad:
     """A record that was skipped."""
 
     reason: str
-    """missing_image | corrupt_image | empty_text | too_long | too_many_images | not_utf8 |
-    bad_json | bad_type | bad_image."""
+    """missing_image | corrupt_image | image_too_large | empty_text | too_long | too_many_images |
+    not_utf8 | bad_json | bad_type | bad_image."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _text(ctx: ParseContext, value: object, first: bool) -> TextSeg | None:
 
 def _image(ctx: ParseContext, rng: np.random.Generator, ref: ImageRef, generate: bool) -> ImageSeg:
     if ref.kind == "file":
-        reason = check_file(ref.key)
+        reason = check_file(ref.key, ref.max_pixels)
         if reason:
             raise _BadRecord(reason)
     h, w = _draw_size(rng, ctx.cfg)
@@ -129,11 +129,11 @@ def _url(value: object) -> str:
     return value.strip()
 
 
-def _file_ref(value: object, base: Path) -> ImageRef:
+def _file_ref(value: object, base: Path, ctx: ParseContext) -> ImageRef:
     if not isinstance(value, str) or not value.strip():
         raise _BadRecord("bad_image")
     try:
-        return ImageRef("file", str((base / value).resolve()))
+        return ImageRef("file", str((base / value).resolve()), ctx.cfg.max_image_pixels)
     except (ValueError, OSError, RuntimeError):  # NUL byte, lone surrogate, name too long, symlink loop
         raise _BadRecord("bad_image") from None
 
@@ -218,11 +218,11 @@ def parse_local(obj: dict, rec: RawRecord, ctx: ParseContext, rng: np.random.Gen
                     segs.append(text)
                 continue
             generate = bool(it.get("generate")) if explicit else seen == n_images - 1
-            segs.append(_image(ctx, rng, _file_ref(it["image"], base), generate and _generating(ctx)))
+            segs.append(_image(ctx, rng, _file_ref(it["image"], base, ctx), generate and _generating(ctx)))
             seen += 1
         return Document(tuple(segs), splittable=True)
     if "image" in obj and "caption" in obj:
-        return _pair(ctx, rng, _file_ref(obj["image"], base), obj["caption"], obj.get("generate"))
+        return _pair(ctx, rng, _file_ref(obj["image"], base, ctx), obj["caption"], obj.get("generate"))
     raise _BadRecord("bad_type")
 
 
@@ -260,10 +260,14 @@ def _check_fits(doc: Document, ctx: ParseContext) -> None:
         raise _BadRecord("too_many_images")
 
 
+_BOM = b"\xef\xbb\xbf"
+"""UTF-8 byte-order mark."""
+
+
 def parse_record(fmt: str, rec: RawRecord, ctx: ParseContext, rng: np.random.Generator) -> Document | Bad:
     """Decode, validate and tokenise one raw record; never raises for bad data."""
     try:
-        text = rec.raw.decode("utf-8")
+        text = rec.raw.removeprefix(_BOM).decode("utf-8")  # editors may start each file (or line) with one
     except UnicodeDecodeError:
         return Bad("not_utf8")
     try:

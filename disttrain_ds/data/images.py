@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,17 @@ class ImageRef:
     """photo (a URL mapped onto a shipped photograph) | file (a local image file)."""
     key: str
     """The URL or the absolute file path."""
+    max_pixels: int = 0
+    """Files: largest width x height decoded (checked on the header first); 0: PIL's own limit only."""
 
 
 class ImageDecodeError(ValueError):
     """An image file exists but cannot be decoded."""
+
+
+def too_large(size: tuple[int, int], max_pixels: int) -> bool:
+    """Whether a header's ``(width, height)`` is over ``max_pixels`` (0: no limit of ours)."""
+    return max_pixels > 0 and size[0] * size[1] > max_pixels
 
 
 def stable_hash(key: str) -> int:
@@ -69,9 +77,18 @@ def _photo(key: str) -> Image.Image:
     return img.crop((x0, y0, x0 + cw, y0 + ch))
 
 
-def _file(path: str) -> Image.Image:
+def _open(path: str | Path) -> Image.Image:
+    """``Image.open`` without PIL's size warning: ``data.max_image_pixels`` is the limit that applies."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        return Image.open(path)
+
+
+def _file(path: str, max_pixels: int = 0) -> Image.Image:
     try:
-        with Image.open(path) as img:
+        with _open(path) as img:
+            if too_large(img.size, max_pixels):  # the header only: nothing decoded yet
+                raise ValueError(f"{img.size[0]} x {img.size[1]} pixels, more than {max_pixels}")
             if img.mode.startswith("I;16"):  # 16-bit grey: convert() would clip it to white; keep the top 8 bits
                 return Image.fromarray((np.asarray(img).astype(np.uint16) >> 8).astype(np.uint8)).convert("RGB")
             return img.convert("RGB")  # convert() forces the full decode inside the try
@@ -95,7 +112,7 @@ def to_tensor(img: Image.Image) -> torch.Tensor:
 
 def load_image(ref: ImageRef, height: int, width: int, square_crop: bool = False) -> torch.Tensor:
     """Decode ``ref`` and resize it to ``height`` x ``width`` (centre-square crop first if asked)."""
-    img = _photo(ref.key) if ref.kind == "photo" else _file(ref.key)
+    img = _photo(ref.key) if ref.kind == "photo" else _file(ref.key, ref.max_pixels)
     if square_crop:
         img = _center_square(img)
     return to_tensor(img.resize((width, height), Image.Resampling.BICUBIC))
@@ -113,11 +130,13 @@ def _tail_ok(path: Path, fmt: str | None) -> bool:
 
 
 @functools.lru_cache(maxsize=65536)
-def check_file(path: str) -> str | None:
-    """Why an image file is unusable (``missing_image`` | ``corrupt_image``), or None when it reads.
+def check_file(path: str, max_pixels: int = 0) -> str | None:
+    """Why an image file is unusable (``missing_image`` | ``corrupt_image`` | ``image_too_large``), or None.
 
-    Reads the header and the last bytes only, so planning stays cheap; a file that passes and still
-    fails to decode later is replaced by a grey image and counted as ``image_decode_failed``.
+    Reads the header and the last bytes only, so planning stays cheap and a decompression bomb is
+    never decoded: over ``max_pixels`` (0: no limit of ours), or over PIL's own limit, it is
+    ``image_too_large``. A file that passes and still fails to decode later is replaced by a grey
+    image and counted as ``image_decode_failed``.
     """
     p = Path(path)
     try:
@@ -126,10 +145,12 @@ def check_file(path: str) -> str | None:
     except (OSError, ValueError):  # e.g. a name too long for the filesystem: no such file can exist
         return "missing_image"
     try:
-        with Image.open(p) as img:
+        with _open(p) as img:
             fmt, (w, h) = img.format, img.size
+    except Image.DecompressionBombError:  # a header over twice PIL's MAX_IMAGE_PIXELS
+        return "image_too_large"
     except Exception:  # noqa: BLE001 - any header failure means the file is not an image
         return "corrupt_image"
     if w < 1 or h < 1 or not _tail_ok(p, fmt):
         return "corrupt_image"
-    return None
+    return "image_too_large" if too_large((w, h), max_pixels) else None

@@ -27,7 +27,7 @@ from .config import DataConfig
 from . import spool
 from .registry import open_source
 from .source import SampleSource, ShapeSpec
-from .spool import NodeShare, SpoolError, SpoolWriter
+from .spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
 from .types import PackedSample
 
 _POLL_S = 0.2
@@ -107,8 +107,8 @@ def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int =
             samples = prepare(source, step, job.cfg, job.shape)
             plan, extra = source.step_skips(step)
             if writer is not None:
-                payload = {"step": step, "samples": samples, "plan": plan, "extra": extra, "state": source.state_dict()}
-                sent = writer.put(step, payload, lambda: _keep_going(stop))
+                batch = SpoolBatch(step, samples, plan, extra, source.state_dict())
+                sent = writer.put(batch, lambda: _keep_going(stop))
             else:
                 sent = _put(q, ("ok", step, _encode(samples), plan, extra, source.state_dict()), stop)
             if not sent:
@@ -243,13 +243,13 @@ class ProducedSource(SampleSource):
             return None
 
         try:
-            payload = spool.fetch(share, step, producers_gone)
+            batch = spool.fetch(share, step, producers_gone)
         except SpoolError as exc:
             self.close()
             raise ProducerError(f"data.producers: {exc}", exc.details) from None
         if share.leader:
             spool.collect(share.directory, share.readers)
-        return payload["samples"], payload["plan"], payload["extra"], payload["state"]
+        return batch.samples, batch.plan, batch.extra, batch.state
 
     def global_batch(self, step: int) -> list[PackedSample]:
         t0 = time.perf_counter()

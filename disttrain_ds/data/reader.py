@@ -3,7 +3,8 @@
 Each row keeps the record's raw bytes, untouched: parsing happens later, record by record, so a
 line that is not UTF-8, not JSON or has the wrong field types is counted and skipped instead of
 failing the whole load (``load_dataset("json")`` infers one schema and stops at the first bad
-line). The Arrow cache lives under the user cache directory, never inside the repository.
+line). A UTF-8 byte-order mark starting a line is kept here and dropped when the record is parsed.
+The Arrow cache lives under the user cache directory, never inside the repository.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _rows(files: list[str], stamps: list[tuple[int, int]]):
         else:
             with open(name, "rb") as f:
                 for line, raw in enumerate(f, start=1):
-                    if raw.strip():
+                    if raw.removeprefix(b"\xef\xbb\xbf").strip():  # a byte-order mark alone is a blank line
                         yield {"raw": raw.rstrip(b"\r\n"), "file": index, "line": line}
 
 

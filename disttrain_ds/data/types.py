@@ -97,6 +97,38 @@ class PackedSample:
             doc_lens=self.doc_lens,
         )
 
+    def to_plain(self) -> dict:
+        """Tensors and plain values only: what ``torch.load(weights_only=True)`` reads back."""
+        return {"input_ids": self.input_ids, "labels": self.labels, "images": list(self.images),
+                "gen_targets": self.gen_targets, "sample_id": self.sample_id, "doc_lens": tuple(self.doc_lens),
+                "meta": self.meta}
+
+    @staticmethod
+    def from_plain(d: object) -> "PackedSample":
+        """Inverse of ``to_plain``; ValueError naming the first field that does not fit."""
+        if not isinstance(d, dict) or set(d) != _PLAIN_FIELDS:
+            got = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"a sample must have the fields {sorted(_PLAIN_FIELDS)}, got {got}")
+        for key in ("input_ids", "labels", "gen_targets"):
+            if not isinstance(d[key], torch.Tensor):
+                raise ValueError(f"sample field {key} is a {type(d[key]).__name__}, not a tensor")
+        images, docs = d["images"], d["doc_lens"]
+        if not isinstance(images, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in images):
+            raise ValueError("sample field images is not a list of tensors")
+        if not isinstance(docs, (list, tuple)) or not all(_is_int(n) for n in docs):
+            raise ValueError("sample field doc_lens is not a list of ints")
+        if not _is_int(d["sample_id"]) or not isinstance(d["meta"], dict):
+            raise ValueError("sample field sample_id is not an int, or meta is not a dict")
+        return PackedSample(d["input_ids"], d["labels"], list(images), d["gen_targets"], d["sample_id"],
+                            tuple(docs), d["meta"])
+
+
+_PLAIN_FIELDS = {"input_ids", "labels", "images", "gen_targets", "sample_id", "doc_lens", "meta"}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 def batch_bytes(samples: list[PackedSample]) -> int:
     """Bytes of the tensors of a global batch (what a producer writes and a host's spool holds per step)."""

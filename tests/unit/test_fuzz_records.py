@@ -1,6 +1,6 @@
 """Fuzzing the record readers: corrupt local, Parquet, MMC4 and LAION records are counted, not fatal.
 
-Every corrupt record (truncated or empty image, a missing file, non-UTF-8 text, malformed JSON,
+Every corrupt record (truncated, empty or oversize image, a missing file, non-UTF-8 text, malformed JSON,
 wrong field types, oversize samples, ...) must be skipped and counted under its documented reason
 in ``skip_counts()`` (docs/data.md, "Bad records"), while the valid records around it, images of
 any PIL mode included, still come through as valid samples. A file with no usable record stops with
@@ -33,7 +33,8 @@ from disttrain_ds.data.validate import sample_problems
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 SEQ = 64
 SEED = 20240811
-REASONS = {"not_utf8", "bad_json", "bad_type", "bad_image", "missing_image", "corrupt_image", "empty_text", "too_long"}
+REASONS = {"not_utf8", "bad_json", "bad_type", "bad_image", "missing_image", "corrupt_image", "image_too_large",
+           "empty_text", "too_long"}
 
 
 # ----------------------------------------------------------------------------- images
@@ -98,12 +99,19 @@ def corrupt_images(rng: np.random.Generator, py: random.Random) -> dict[str, byt
         "empty.png": b"",
         "empty.jpg": b"",
         "zero_by_zero.png": _png(0, 0, zlib.compress(b"")),
-        "bomb.png": _png(30000, 30000, zlib.compress(b"\0" * 64)),  # 900 Mpixel header: refused unread
         "text.png": b"this is not an image\n",
         "noise.jpg": bytes(rng.integers(0, 256, 300, dtype=np.uint8)),
         "header_only.png": png[:33],
     })
     return out
+
+
+def oversize_images() -> dict[str, bytes]:
+    """Headers over ``data.max_image_pixels`` (and over PIL's own limit): ``image_too_large``, never decoded."""
+    return {
+        "bomb.png": _png(30000, 30000, zlib.compress(b"\0" * 64)),  # 900 Mpixel header, over PIL's limit too
+        "wide.png": _png(70000, 300, zlib.compress(b"\0" * 64)),  # 21 Mpixel: over the 16.8 Mpixel default
+    }
 
 
 def undecodable_images(rng: np.random.Generator) -> dict[str, bytes]:
@@ -162,8 +170,8 @@ def text(py: random.Random, lo: int = 3, hi: int = 25) -> str:
     return out[: py.randint(lo, hi)].strip() or "kite"
 
 
-def bad_text_lines(make) -> list[tuple[bytes, str]]:
-    """Lines that fail before their fields are read: encoding, JSON syntax, top-level type."""
+def bad_text_lines(make) -> list[tuple[bytes, str | None]]:
+    """Lines that fail before their fields are read (encoding, JSON syntax, top-level type), and one that does not."""
     return [
         (make("caf\xe9").encode("latin-1"), "not_utf8"),
         (b"\xff" + make("x").encode(), "not_utf8"),
@@ -175,7 +183,8 @@ def bad_text_lines(make) -> list[tuple[bytes, str]]:
         (make("ok").encode()[:-3], "bad_json"),  # truncated
         (b"{" + make("ok").encode()[1:-1] + b",}", "bad_json"),  # trailing comma
         (make("ok").encode().replace(b'"', b"'"), "bad_json"),
-        (b"\xef\xbb\xbf" + make("ok").encode(), "bad_json"),  # a UTF-8 byte-order mark
+        (b"\xef\xbb\xbf" + make("ok").encode(), None),  # a UTF-8 byte-order mark: dropped, the record is read
+        (b"\xef\xbb\xbf" + make("ok").encode()[:-3], "bad_json"),  # ... but it does not mend what follows
         (b"not json at all", "bad_json"),
         (b"{", "bad_json"),
         (b'{"caption": "a' + b"\x01" + b'"}', "bad_json"),  # raw control character
@@ -195,7 +204,8 @@ def local_corpus(root: Path, py: random.Random, rng: np.random.Generator) -> Cor
     images = root / "images"
     images.mkdir(parents=True)
     good, corrupt, undecodable = valid_images(rng), corrupt_images(rng, py), undecodable_images(rng)
-    for name, blob in {**good, **corrupt, **undecodable}.items():
+    oversize = oversize_images()
+    for name, blob in {**good, **corrupt, **undecodable, **oversize}.items():
         (images / name).write_bytes(blob)
     (images / "folder.png").mkdir()
     os.symlink(images / "gone.png", images / "dangling.png")
@@ -217,6 +227,9 @@ def local_corpus(root: Path, py: random.Random, rng: np.random.Generator) -> Cor
         c.add({"image": f"images/{name}", "caption": text(py)}, "corrupt_image")
         if py.random() < 0.3:
             c.add({"segments": [{"text": text(py)}, {"image": f"images/{name}"}]}, "corrupt_image")
+    for name in oversize:
+        c.add({"image": f"images/{name}", "caption": text(py)}, "image_too_large")
+        c.add({"segments": [{"text": text(py)}, {"image": f"images/{name}"}]}, "image_too_large")
     for ref in ["images/nope.png", str(root / "elsewhere" / "x.jpg"), "images/folder.png", "images/dangling.png",
                 "../../../../no/such/file.png", "images/rgb.png/inside.png", "images/" + "x" * 300 + ".png"]:
         c.add({"image": ref, "caption": text(py)}, "missing_image")
@@ -374,12 +387,12 @@ def test_corrupt_local_parquet_rows_are_counted_like_jsonl(tmp_path):
     py, rng = random.Random(SEED + 1), np.random.default_rng(SEED + 1)
     data = tmp_path / "data"
     (data / "images").mkdir(parents=True)
-    for name, blob in {**valid_images(rng), **corrupt_images(rng, py)}.items():
+    for name, blob in {**valid_images(rng), **corrupt_images(rng, py), **oversize_images()}.items():
         (data / "images" / name).write_bytes(blob)
     rows = [("images/rgb.png", text(py), None, None), ("images/cmyk.jpg", text(py), False, None),
             ("images/grey16.png", text(py), True, None), ("images/palette.gif", text(py), None, None),
             ("images/nope.png", text(py), None, "missing_image"), ("images/cut3.png", text(py), None, "corrupt_image"),
-            ("images/empty.jpg", text(py), None, "corrupt_image"), ("images/bomb.png", text(py), None, "corrupt_image"),
+            ("images/empty.jpg", text(py), None, "corrupt_image"), ("images/bomb.png", text(py), None, "image_too_large"),
             ("images/rgb.png", None, None, "bad_type"), ("images/rgb.png", "", None, "empty_text"),
             ("images/rgb.png", "k" * 80, False, "too_long"), ("", text(py), None, "bad_image"),
             (None, text(py), None, "bad_image"), ("images/la.png", text(py), None, None)]
