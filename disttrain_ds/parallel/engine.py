@@ -26,6 +26,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from ..comm.boundary import BoundaryComm
 from ..models.layers import LayerDef
 from ..models.mllm import MicroBatch
+from ..runtime.ckpt_engine import install as install_safe_checkpoint_engine
 from .grid import OffsetTopology, subset_grid_for_pipeline_module
 from .roles import Role
 from .tensor_parallel import TPContext, mark_norm_owners, shard_layer
@@ -311,10 +312,11 @@ def _to_device_mb(mb: MicroBatch, device) -> MicroBatch:
 
 
 def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> ModuleEngine:
-    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class."""
+    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class and a
+    checkpoint engine that reads files back without running code (``runtime/ckpt_engine.py``)."""
     mpu = pm.mpu()
     config_class = DeepSpeedConfig(config, mpu)
-    return ModuleEngine(
+    engine = ModuleEngine(
         args=None,
         model=pm,
         optimizer=optimizer,
@@ -327,3 +329,5 @@ def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> Mo
         config=config,
         config_class=config_class,
     )
+    install_safe_checkpoint_engine(engine)
+    return engine

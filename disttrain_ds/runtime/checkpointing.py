@@ -4,133 +4,72 @@ Layout of ``checkpoint.dir``::
 
     step_00000300/
         encoder/ llm/ generator/    one DeepSpeed checkpoint per module engine (tag = module name)
-        rng/rank00000.pt ...        each rank's RNG states
-        data.pt                     the sample source's state (cursor, skip counts)
-        manifest.json               written last: step, layout, run directory, files
+        rng/rank00000.pt ...        each rank's RNG states (tensors and numbers only)
+        data.json                   the sample source's state (cursor, skip counts)
+        manifest.json               written last: step, layout, run directory, size and SHA-256 of every file
 
 A step is written into ``step_XXXXXXXX.partial`` and renamed once every rank has finished and the
 manifest is on disk, so a directory named ``step_XXXXXXXX`` with a manifest is always complete; a
 crash mid-save leaves only a ``.partial`` directory that resuming ignores. Complete checkpoints are
-never written over: pruning renames a directory away before deleting it.
+never written over: pruning renames a directory away before deleting it, and a leftover directory
+of the same step that is not an intact checkpoint is renamed aside (``.invalid``, ``.damaged``).
+
+Resuming checks every file against the manifest before anything is loaded (each rank an equal share
+of its own module's files, its own RNG file and the data state), and reads files back only in forms
+that cannot run code (``ckpt_files.py``, ``ckpt_engine.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-import numpy as np
-import torch
 import torch.distributed as tdist
 
 from ..config import Recipe
-from ..configtools import ConfigError, to_dict
-
-MANIFEST = "manifest.json"
-FORMAT = 1
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def checkpoint_root(recipe: Recipe) -> Path:
-    return Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else Path("checkpoints") / recipe.name
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def read_manifest(path: Path) -> dict | None:
-    """The manifest of a complete checkpoint directory, or None if it is not one."""
-    m = _STEP_DIR.match(path.name)
-    try:
-        data = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if not m or not isinstance(data, dict) or data.get("step") != int(m.group(1)) or data.get("format") != FORMAT:
-        return None
-    return data
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every complete checkpoint under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        man = read_manifest(d) if d.is_dir() else None
-        if man is not None:
-            found.append((man["step"], d))
-    return sorted(found)
+from ..configtools import ConfigError
+from ..topology import MODULES, Topology
+from .ckpt_files import (
+    CHECKSUM,
+    DATA_STATE,
+    RNG_DIR,
+    file_entry,
+    first_problem,
+    load_data_state,
+    load_rng,
+    rng_file,
+    save_data_state,
+    save_rng,
+    size_problem,
+)
+from .ckpt_manifest import (  # noqa: F401 - re-exported: the runtime and tests import them from here
+    FORMAT,
+    MANIFEST,
+    Log,
+    checkpoint_root,
+    complete_checkpoints,
+    fingerprint,
+    inspect_step_dir,
+    newest_intact,
+    read_manifest,
+    resolve_resume,
+    set_aside,
+    step_dir_name,
+)
 
 
-def fingerprint(recipe: Recipe, world: int) -> dict:
-    """What a checkpoint must agree with to be resumed: model, data, batch and rank layout."""
-    r = to_dict(recipe)
-    return {
-        "world_size": world,
-        "layout": recipe.layout,
-        "seed": recipe.seed,
-        "model": r["model"],
-        "data": r["data"],
-        "parallel": {m: r["parallel"][m] for m in ("encoder", "llm", "generator")},
-        "train.global_batch": recipe.train.global_batch,
-        "train.micro_batch": recipe.train.micro_batch,
-        "train.dtype": recipe.train.dtype,
-        "optim.name": recipe.optim.name,
-    }
-
-
-def _first_difference(a, b, prefix: str = "") -> str | None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            d = _first_difference(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
-            if d:
-                return d
-        return None
-    return None if a == b else f"{prefix} (checkpoint: {a!r}, this run: {b!r})"
-
-
-def resolve_resume(recipe: Recipe, world: int) -> tuple[Path | None, dict | None]:
-    """The checkpoint this run starts from (``train.resume``), checked against the recipe."""
-    src, mode, root = recipe.source_file, recipe.train.resume, checkpoint_root(recipe)
-    if mode == "none":
-        existing = complete_checkpoints(root)
-        if existing and recipe.checkpoint.every:
-            raise ConfigError(
-                f"{src}: 'checkpoint.dir' {root} already holds checkpoints (newest: step {existing[-1][0]}); "
-                "set train.resume=auto to continue that run, or choose another checkpoint.dir"
-            )
-        return None, None
-    if mode == "auto":
-        existing = complete_checkpoints(root)
-        if not existing:
-            return None, None
-        path = existing[-1][1]
-    else:
-        path = Path(mode)
-    manifest = read_manifest(path)
-    if manifest is None:
-        raise ConfigError(f"{src}: 'train.resume' {path} is not a complete checkpoint (no valid {MANIFEST})")
-    diff = _first_difference(manifest["fingerprint"], fingerprint(recipe, world))
-    if diff:
-        raise ConfigError(f"{src}: 'train.resume' {path} was written by a different setup: {diff}")
-    later = [s for s, _ in complete_checkpoints(checkpoint_root(recipe)) if s > manifest["step"]]
-    if later and recipe.checkpoint.every:
-        raise ConfigError(
-            f"{src}: 'train.resume' {path} is step {manifest['step']} but {checkpoint_root(recipe)} holds later "
-            f"checkpoints (step {later[-1]}) that this run would write over; move them or choose another checkpoint.dir"
-        )
-    if manifest["step"] > recipe.train.steps:
-        raise ConfigError(
-            f"{src}: 'train.steps' {recipe.train.steps} is below the checkpoint's step {manifest['step']} ({path})"
-        )
-    return path, manifest
+def share(files: dict[str, dict], names: list[str], parts: int, index: int) -> list[str]:
+    """Part ``index`` of ``names`` split into ``parts`` of nearly equal total size (deterministic)."""
+    loads, owner = [0] * parts, {}
+    for name in sorted(names, key=lambda n: (-files[n]["size"], n)):
+        k = loads.index(min(loads))
+        owner[name], loads[k] = k, loads[k] + files[name]["size"]
+    return sorted(n for n in names if owner[n] == index)
 
 
 @dataclass
@@ -139,13 +78,15 @@ class Checkpointer:
 
     recipe: Recipe
     engine: object
-    """This rank's ``ModuleEngine``."""
+    """This rank's ``ModuleEngine`` (made by ``make_engine``: its checkpoint engine reads safely)."""
     module: str
     """This rank's module name (the DeepSpeed tag of its engine's files)."""
     rank: int
     world: int
     group: object
-    """A gloo group over all ranks for bookkeeping collectives."""
+    """A gloo group over all ranks for bookkeeping collectives; None: one process acting alone."""
+    log: Log = field(default=print)
+    """Where rank 0 reports (fallbacks, verification time)."""
 
     @property
     def root(self) -> Path:
@@ -156,52 +97,101 @@ class Checkpointer:
         every = self.recipe.checkpoint.every
         return every > 0 and (step % every == 0 or step == self.recipe.train.steps)
 
-    def _agree(self, error: str | None) -> None:
-        """Rank 0 tells every rank whether its file-system work succeeded; all fail alike."""
-        box = [error]
-        tdist.broadcast_object_list(box, src=0, group=self.group)
-        if box[0]:
-            raise ConfigError(box[0])
+    def _say(self, line: str) -> None:
+        if self.rank == 0 or self.group is None:
+            self.log(line)
 
+    def _gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        box = [None] * self.world
+        tdist.all_gather_object(box, obj, group=self.group)
+        return box
+
+    def _on_rank0(self, work: Callable[[], object], failure: str):
+        """Run file-system ``work`` on rank 0 and share its result; all ranks fail alike."""
+        box = [None, None]
+        if self.rank == 0 or self.group is None:
+            try:
+                box = [work(), None]
+            except (OSError, ConfigError) as exc:
+                box = [None, f"{failure}: {exc}"]
+        if self.group is not None:
+            tdist.broadcast_object_list(box, src=0, group=self.group)
+        if box[1]:
+            raise ConfigError(box[1])
+        return box[0]
+
+    # ---- saving --------------------------------------------------------------------------------
     def save(self, step: int, source, run_dir: str) -> Path:
         final = self.root / step_dir_name(step)
         partial = final.with_name(final.name + ".partial")
-        error = None
-        if self.rank == 0:
-            try:
-                if final.exists():
-                    raise ConfigError(f"checkpoint {final} already exists; it is never written over")
-                if partial.exists():  # left by a crash during an earlier save of this step
-                    shutil.rmtree(partial)
-                (partial / "rng").mkdir(parents=True)
-            except (OSError, ConfigError) as exc:
-                error = f"checkpoint.dir: cannot write {partial}: {exc}"
-        self._agree(error)
+        self._on_rank0(lambda: self.prepare(final, partial), f"checkpoint.dir: cannot write {partial}")
         t0 = time.perf_counter()
-        # Each engine writes its own tag directory; DeepSpeed's internal barriers span all ranks,
-        # which all call this together.
-        self.engine.save_checkpoint(str(partial), tag=self.module, client_state={"step": step}, save_latest=False)
-        torch.save(rng_state(), partial / "rng" / f"rank{self.rank:05d}.pt")
-        if self.rank == 0:
-            torch.save({"source": source.state_dict()}, partial / "data.pt")
-        tdist.barrier(group=self.group)
-        error = None
-        if self.rank == 0:
-            try:
-                self._seal(partial, final, step, run_dir)
-                self._prune()
-            except OSError as exc:
-                error = f"checkpoint.dir: could not complete {final}: {exc}"
-        self._agree(error)
+        reported = {}
+        for entries in self._gather(self.write_share(partial, step, source)):
+            reported.update(entries)
+        self._on_rank0(lambda: (self.seal(partial, final, step, run_dir, reported), self._prune()),
+                       f"checkpoint.dir: could not complete {final}")
         self.seconds = time.perf_counter() - t0
         return final
 
-    def _seal(self, partial: Path, final: Path, step: int, run_dir: str) -> None:
-        missing = [m for m in ("encoder", "llm", "generator") if not (partial / m).is_dir()]
-        rngs = len(list((partial / "rng").glob("rank*.pt")))
+    def prepare(self, final: Path, partial: Path) -> None:
+        """Rank 0, before a save: an empty ``partial`` directory, and no leftover ``final`` in the way."""
+        if final.exists():
+            self._clear_leftover(final)
+        if partial.exists():  # left by a crash during an earlier save of this step
+            shutil.rmtree(partial)
+        (partial / RNG_DIR).mkdir(parents=True)
+
+    def write_share(self, partial: Path, step: int, source) -> dict[str, dict]:
+        """This rank's files (its engine's, its RNG states, rank 0 the data state) and their manifest entries."""
+        take_saved = getattr(getattr(self.engine, "checkpoint_engine", None), "take_saved", None)
+        if take_saved:
+            take_saved()
+        # Each engine writes its own tag directory; DeepSpeed's internal barriers span all ranks,
+        # which all call this together.
+        self.engine.save_checkpoint(str(partial), tag=self.module, client_state={"step": step}, save_latest=False)
+        written = take_saved() if take_saved else []
+        save_rng(partial / rng_file(self.rank))
+        written.append(str(partial / rng_file(self.rank)))
+        if self.rank == 0:
+            save_data_state(source.state_dict(), partial / DATA_STATE)
+            written.append(str(partial / DATA_STATE))
+        # Checksummed by the rank that wrote them (still in its page cache), all ranks in parallel.
+        base, entries = os.path.abspath(partial), {}
+        for p in written:
+            rel = os.path.relpath(os.path.abspath(p), base)
+            if not rel.startswith(".."):
+                entries[Path(rel).as_posix()] = file_entry(Path(p))
+        return entries
+
+    def _clear_leftover(self, final: Path) -> None:
+        """A directory of the step being saved: refuse an intact checkpoint, set anything else aside."""
+        manifest, why = inspect_step_dir(final)
+        if manifest is not None:
+            why = first_problem(final, manifest["files"], sorted(manifest["files"]), full=False)
+            if why is None:
+                raise ConfigError(f"checkpoint {final} already exists; it is never written over")
+        aside = set_aside(final, "damaged" if manifest is not None else "invalid")
+        self._say(f"checkpoint {final} is not an intact checkpoint ({why}); moved it to {aside.name}")
+
+    def seal(self, partial: Path, final: Path, step: int, run_dir: str, reported: dict[str, dict]) -> None:
+        """Rank 0, once every rank has written: check the parts, write the manifest, rename."""
+        missing = [m for m in MODULES if not (partial / m).is_dir()]
+        rngs = len(list((partial / RNG_DIR).glob("rank*.pt")))
         if missing or rngs != self.world:
             raise OSError(f"incomplete: modules missing {missing}, {rngs}/{self.world} rank files")
-        files = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
+        on_disk = sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file())
+        lost = sorted(set(reported) - set(on_disk))
+        if lost:
+            raise OSError(f"incomplete: {len(lost)} written files not found, e.g. {lost[0]}")
+        files = {}
+        for name in on_disk:  # files no rank reported (e.g. DeepSpeed's helper scripts): rank 0 checksums them
+            files[name] = reported.get(name) or file_entry(partial / name)
+            problem = size_problem(partial, name, files[name])
+            if problem:
+                raise OSError(f"incomplete: {problem} (not yet visible here?)")
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -209,6 +199,7 @@ class Checkpointer:
             "recipe": self.recipe.source_file,
             "run_dir": str(Path(run_dir).resolve()),
             "fingerprint": fingerprint(self.recipe, self.world),
+            "checksum": CHECKSUM,
             "files": files,
         }
         tmp = partial / (MANIFEST + ".tmp")
@@ -228,33 +219,89 @@ class Checkpointer:
             os.rename(d, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 
+    # ---- resuming ------------------------------------------------------------------------------
     def load(self, path: Path, source) -> None:
+        """Verify and load ``path``; a damaged checkpoint is an error (under ``train.resume: auto``
+        it is also set aside, so the next run continues from the previous one)."""
+        self.resume(path, source, fall_back=False)
+
+    def resume(self, path: Path, source, fall_back: bool = True) -> tuple[Path, dict]:
+        """Verify and load ``path``; under ``train.resume: auto`` a damaged checkpoint is set aside
+        (``.damaged``) and the newest intact earlier one is loaded instead. Returns what was loaded."""
+        manifest, why = inspect_step_dir(path)
+        if manifest is None:
+            raise ConfigError(f"train.resume: {path} is not a complete checkpoint ({why})")
+        auto = self.recipe.train.resume == "auto"
+        while (problem := self._verify(path, manifest)) is not None:
+            if not auto:
+                raise ConfigError(f"train.resume: {path} is damaged: {problem}")
+            aside = self._on_rank0(lambda p=path: set_aside(p, "damaged"), f"train.resume: cannot set aside {path}")
+            found = newest_intact(self.recipe, self.world, manifest["step"], self._say) if fall_back else None
+            if found is None:
+                then = "relaunch to continue from the previous checkpoint" if not fall_back else "no intact earlier checkpoint is left"
+                raise ConfigError(f"train.resume: {path} is damaged: {problem}; moved it to {aside.name}; {then}")
+            self._say(f"train.resume: auto: {path} is damaged ({problem}); moved it to {aside.name}; "
+                      f"resuming from {found[0]} (step {found[1]['step']}) instead")
+            path, manifest = found
+        self._load_verified(path, manifest, source)
+        return path, manifest
+
+    def my_files(self, files: dict[str, dict]) -> list[str]:
+        """What this rank checks: an equal share (by size) of its module's files among the module's
+        ranks, its own RNG file, the data state, and (rank 0) anything else outside module folders."""
+        ranks = list(Topology.from_recipe(self.recipe).module(self.module).ranks)
+        ours = [n for n in files if n.startswith(self.module + "/")]
+        mine = share(files, ours, len(ranks), ranks.index(self.rank))
+        mine += [n for n in (rng_file(self.rank), DATA_STATE) if n in files]
+        if self.rank == 0:
+            mine += [n for n in files if n.split("/")[0] not in (*MODULES, RNG_DIR) and n != DATA_STATE]
+        return mine
+
+    def _verify(self, path: Path, manifest: dict) -> str | None:
+        """Every rank checks its files (``my_files``) in parallel; the first problem found anywhere, or None."""
+        t0, files = time.perf_counter(), manifest["files"]
+        mine = self.my_files(files)
+        problem = next((f"{n} is not in the manifest" for n in (rng_file(self.rank), DATA_STATE) if n not in files), None)
+        problem = problem or first_problem(path, files, mine)
+        if problem is None and self.rank == Topology.from_recipe(self.recipe).module(self.module).ranks[0]:
+            problem = self._unlisted(path, files)
+        results = self._gather((problem, sum(files[n]["size"] for n in mine), time.perf_counter() - t0))
+        total, slowest = sum(r[1] for r in results), max(r[2] for r in results)
+        self._say(f"checkpoint {path}: {total / 2**30:.3f} GiB checked ({CHECKSUM}) in {slowest:.2f} s by {len(results)} ranks")
+        return next((r[0] for r in results if r[0]), None)
+
+    def _unlisted(self, path: Path, files: dict[str, dict]) -> str | None:
+        """DeepSpeed globs its tag folder for files to load: nothing the manifest does not list may be there."""
+        tag = path / self.module
+        if not tag.is_dir():
+            return f"{self.module}/ is missing"
+        for p in sorted(tag.rglob("*")):
+            name = p.relative_to(path).as_posix()
+            if p.is_file() and name not in files:
+                return f"{name} is not listed in the manifest"
+        return None
+
+    def _load_verified(self, path: Path, manifest: dict, source) -> None:
+        checkpoint_engine = getattr(self.engine, "checkpoint_engine", None)
+        if not hasattr(checkpoint_engine, "expected"):
+            raise RuntimeError("the engine was not made by make_engine: its checkpoint engine would unpickle files")
+        checkpoint_engine.expected = {os.path.abspath(path / n): e["size"] for n, e in manifest["files"].items()}
         frozen = self.engine.optimizer is None
-        load_path, _ = self.engine.load_checkpoint(
-            str(path), tag=self.module, load_optimizer_states=not frozen, load_lr_scheduler_states=not frozen
-        )
+        try:
+            load_path, _ = self.engine.load_checkpoint(
+                str(path), tag=self.module, load_optimizer_states=not frozen, load_lr_scheduler_states=not frozen
+            )
+        finally:
+            checkpoint_engine.expected = None
         if load_path is None:
             raise ConfigError(f"train.resume: {path} holds no '{self.module}' engine files")
-        set_rng_state(torch.load(path / "rng" / f"rank{self.rank:05d}.pt", weights_only=False))
+        load_rng(path / rng_file(self.rank))
         try:
-            source.load_state_dict(torch.load(path / "data.pt", weights_only=False)["source"])
+            source.load_state_dict(load_data_state(path / DATA_STATE))
         except ValueError as exc:
+            if isinstance(exc, ConfigError):
+                raise
             raise ConfigError(f"train.resume: {path}: {exc}") from None
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _fsync_dir(path: Path) -> None:

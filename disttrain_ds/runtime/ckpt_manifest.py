@@ -1,0 +1,193 @@
+"""Step directories and their manifests: which checkpoints are complete and intact, which one to resume.
+
+Pure file-system bookkeeping, run by every rank before any process group starts; the checksums of
+the chosen checkpoint are checked afterwards, in parallel (``checkpointing.Checkpointer.resume``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+from ..config import Recipe
+from ..configtools import ConfigError, to_dict
+from .ckpt_files import CHECKSUM, first_problem, valid_entry
+
+MANIFEST = "manifest.json"
+FORMAT = 2
+"""2: RNG states as plain tensors, data state as JSON, checksums of every file (1 held pickles)."""
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+Log = Callable[[str], None]
+
+
+def checkpoint_root(recipe: Recipe) -> Path:
+    return Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else Path("checkpoints") / recipe.name
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def inspect_step_dir(path: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) for a complete checkpoint directory, else (None, why it is not one)."""
+    m = _STEP_DIR.match(path.name)
+    if not m:
+        return None, "not a step_XXXXXXXX directory"
+    try:
+        data = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, f"no {MANIFEST}"
+    except OSError as exc:
+        return None, f"{MANIFEST} cannot be read ({exc.strerror or exc})"
+    except (ValueError, RecursionError):
+        return None, f"{MANIFEST} is not valid JSON (truncated?)"
+    if not isinstance(data, dict):
+        return None, f"{MANIFEST} is not a JSON object"
+    if data.get("format") != FORMAT:
+        return None, f"{MANIFEST} has format {data.get('format')!r}; this version reads format {FORMAT}"
+    if data.get("step") != int(m.group(1)):
+        return None, f"{MANIFEST} is for step {data.get('step')!r}"
+    files = data.get("files")
+    if not isinstance(files, dict) or not all(valid_entry(k, v) for k, v in files.items()):
+        return None, f"{MANIFEST} does not list its files with size and {CHECKSUM}"
+    if not isinstance(data.get("fingerprint"), dict) or not isinstance(data.get("run_dir"), str):
+        return None, f"{MANIFEST} lacks the run's fingerprint or run directory"
+    return data, None
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest of a complete checkpoint directory, or None if it is not one."""
+    return inspect_step_dir(path)[0]
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), d) for d in root.iterdir() if (m := _STEP_DIR.match(d.name)) and d.is_dir())
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint under ``root``, oldest first."""
+    return [(s, d) for s, d in _step_dirs(root) if read_manifest(d) is not None]
+
+
+def fingerprint(recipe: Recipe, world: int) -> dict:
+    """What a checkpoint must agree with to be resumed: model, data, batch and rank layout."""
+    r = to_dict(recipe)
+    return {
+        "world_size": world,
+        "layout": recipe.layout,
+        "seed": recipe.seed,
+        "model": r["model"],
+        "data": r["data"],
+        "parallel": {m: r["parallel"][m] for m in ("encoder", "llm", "generator")},
+        "train.global_batch": recipe.train.global_batch,
+        "train.micro_batch": recipe.train.micro_batch,
+        "train.dtype": recipe.train.dtype,
+        "optim.name": recipe.optim.name,
+    }
+
+
+def _first_difference(a, b, prefix: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            d = _first_difference(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+            if d:
+                return d
+        return None
+    return None if a == b else f"{prefix} (checkpoint: {a!r}, this run: {b!r})"
+
+
+def _rank0_print(line: str) -> None:
+    """Before process groups exist every rank resolves the same checkpoint: rank 0 says so."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+
+
+def _check_usable(recipe: Recipe, world: int, path: Path, manifest: dict) -> None:
+    src = recipe.source_file
+    diff = _first_difference(manifest["fingerprint"], fingerprint(recipe, world))
+    if diff:
+        raise ConfigError(f"{src}: 'train.resume' {path} was written by a different setup: {diff}")
+    if manifest["step"] > recipe.train.steps:
+        raise ConfigError(
+            f"{src}: 'train.steps' {recipe.train.steps} is below the checkpoint's step {manifest['step']} ({path})"
+        )
+
+
+def newest_intact(recipe: Recipe, world: int, below: int | None, log: Log) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint (before step ``below``) whose files all have their recorded
+    sizes; each one passed over is logged in one line."""
+    root = checkpoint_root(recipe)
+    for step, path in reversed(_step_dirs(root)):
+        if below is not None and step >= below:
+            continue
+        manifest, why = inspect_step_dir(path)
+        if manifest is None:
+            log(f"train.resume: auto: skipping {path}: not a complete checkpoint ({why})")
+            continue
+        problem = first_problem(path, manifest["files"], sorted(manifest["files"]), full=False)
+        if problem:
+            log(f"train.resume: auto: skipping {path}: damaged, {problem}")
+            continue
+        _check_usable(recipe, world, path, manifest)
+        return path, manifest
+    return None
+
+
+def resolve_resume(recipe: Recipe, world: int, log: Log | None = None) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run starts from (``train.resume``), checked against the recipe.
+
+    ``auto`` takes the newest intact checkpoint (directories without a valid manifest, or with a
+    file missing or of the wrong size, are passed over and logged); an explicit path must be intact.
+    Checksums are checked later, by every rank in parallel (``Checkpointer.resume``).
+    """
+    log = log or _rank0_print
+    src, mode, root = recipe.source_file, recipe.train.resume, checkpoint_root(recipe)
+    if mode == "none":
+        existing = complete_checkpoints(root)
+        if existing and recipe.checkpoint.every:
+            raise ConfigError(
+                f"{src}: 'checkpoint.dir' {root} already holds checkpoints (newest: step {existing[-1][0]}); "
+                "set train.resume=auto to continue that run, or choose another checkpoint.dir"
+            )
+        return None, None
+    if mode == "auto":
+        found = newest_intact(recipe, world, None, log)
+        if found is None:
+            if complete_checkpoints(root):
+                raise ConfigError(
+                    f"{src}: 'train.resume' auto: no checkpoint in {root} is intact (see above); move them aside "
+                    "or choose another checkpoint.dir"
+                )
+            return None, None
+        return found
+    path = Path(mode)
+    manifest, why = inspect_step_dir(path)
+    if manifest is None:
+        raise ConfigError(f"{src}: 'train.resume' {path} is not a complete checkpoint ({why})")
+    problem = first_problem(path, manifest["files"], sorted(manifest["files"]), full=False)
+    if problem:
+        raise ConfigError(f"{src}: 'train.resume' {path} is damaged: {problem}")
+    _check_usable(recipe, world, path, manifest)
+    later = [s for s, _ in complete_checkpoints(root) if s > manifest["step"]]
+    if later and recipe.checkpoint.every:
+        raise ConfigError(
+            f"{src}: 'train.resume' {path} is step {manifest['step']} but {root} holds later "
+            f"checkpoints (step {later[-1]}) that this run would write over; move them or choose another checkpoint.dir"
+        )
+    return path, manifest
+
+
+def set_aside(path: Path, label: str) -> Path:
+    """Rename ``path`` to ``<path>.<label>`` (or ``.<label>.N``, the first free name); nothing is deleted."""
+    target, n = path.with_name(f"{path.name}.{label}"), 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{label}.{n}")
+    os.rename(path, target)
+    return target
