@@ -83,6 +83,10 @@ class TrainConfig:
     peak_tflops: float = 0.0
     """Accelerator peak for MFU; 0 looks the device up (A100 312, H100 989, ...) or, on CPU,
     measures a matmul estimate once."""
+    device_memory_gib: float = 0.0
+    """Memory of one rank's device in GiB (2^30 bytes) that ``--dry-run`` and the check before
+    training hold each rank's estimated peak against; 0: this machine's GPU, or without one its
+    RAM shared by the job's ranks on it."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in ``checkpoint.dir`` if there is one;
     none: start from scratch (refused if ``checkpoint.dir`` already holds checkpoints);
@@ -332,6 +336,7 @@ def validate(r: Recipe) -> None:
     _check(t.global_batch >= 1, src, "train.global_batch", f"must be >= 1, got {t.global_batch}")
     _check(t.micro_batch >= 1, src, "train.micro_batch", f"must be >= 1, got {t.micro_batch}")
     _check(t.peak_tflops >= 0, src, "train.peak_tflops", f"must be >= 0 (0: look the device up), got {t.peak_tflops}")
+    _check(t.device_memory_gib >= 0, src, "train.device_memory_gib", f"must be >= 0 (0: this machine's), got {t.device_memory_gib}")
     _check(p.llm.dp >= 1, src, "parallel.llm.dp", f"must be >= 1, got {p.llm.dp}")
     slot = p.llm.dp * t.micro_batch
     _check(

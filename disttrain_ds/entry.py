@@ -1,4 +1,5 @@
-"""What ``tools/train.py`` runs: load the recipe, pick the layout, train."""
+"""What ``tools/train.py`` runs: load the recipe, check that every rank fits in memory, pick the
+layout, train; or, for ``--dry-run``, only print the rank map and each rank's memory estimate."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
                 f"{recipe_path}: 'layout' reference runs in one process but {world} processes were launched; "
                 "run it without a launcher or choose layout=disaggregated"
             )
+        check_memory(recipe, ranks_per_host=1)
         from .runtime.reference import train_reference
         from .runtime.rundir import make_run_dir, write_resolved_recipe
 
@@ -53,8 +55,45 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
         return 0
     # Before the runtime (DeepSpeed) is imported and before any process group starts.
     Topology.from_recipe(recipe).check_world(world, recipe.source_file)
+    check_memory(recipe, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    from .runtime.console import Console
+
+    console = Console.start(int(os.environ.get("RANK", "0")))  # library output to a log from here on
     from .runtime.distributed import train_distributed
 
-    return train_distributed(recipe)
+    try:
+        return train_distributed(recipe, console=console)
+    except ConfigError:
+        console.discard()
+        raise
 
 
+def check_memory(recipe, ranks_per_host: int) -> None:
+    """Stop with one line naming the rank and module whose estimated peak memory does not fit."""
+    from .runtime.memory import check_fits, device_limit_gib, estimate
+
+    limit, source = device_limit_gib(recipe, ranks_per_host)
+    check_fits(recipe, estimate(recipe), limit, source)
+
+
+def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:
+    """Print the rank map and every rank's estimated peak memory; no processes, no weights.
+
+    Raises ``ConfigError`` (one line naming the rank and module) when a rank does not fit."""
+    from .runtime.memory import check_fits, describe, device_limit_gib, estimate
+
+    recipe = load_recipe(recipe_path, overrides)
+    if recipe.layout == "reference":
+        ranks = 1
+        out("layout reference: 1 rank (encoder, llm and generator in one process)")
+    else:
+        topo = Topology.from_recipe(recipe)
+        ranks = topo.world_size
+        out(topo.describe())
+    limit, source = device_limit_gib(recipe, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
+    rows = estimate(recipe)
+    for line in describe(recipe, rows, limit, source):
+        out(line)
+    check_fits(recipe, rows, limit, source)
+    out(f"recipe {recipe.source_file}: fits (dry run: nothing started)")
+    return 0

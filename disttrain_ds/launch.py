@@ -10,6 +10,8 @@ node, while ``disttrain-launch`` starts the installed ``disttrain_ds.cli.train``
 Left to itself the launcher finds a bad hostfile line with a dump of the whole file, a slot count
 that does not match the layout only once every rank has started, and a dead node as an ssh error
 or a hang. Here each of those is one line naming the hostfile line, before any process starts.
+The recipe is loaded and validated first (and, with ``train.device_memory_gib``, each rank's
+estimated peak memory checked), so a recipe error is also one line, the last one printed.
 The hostfile grammar is DeepSpeed's (``HOST slots=N``, ``#`` comments, blank lines, anything after
 the slots token ignored), and slot selection follows its ``--include/--exclude/--num_nodes/--num_gpus``.
 """
@@ -162,6 +164,22 @@ def required_ranks(recipe) -> tuple[int, str]:
 
     topo = Topology.from_recipe(recipe)
     return topo.world_size, " + ".join(f"{m.name} {m.size}" for m in topo.modules)
+
+
+def check_memory(recipe) -> str:
+    """Check each rank's estimated peak against ``train.device_memory_gib`` (a one-line
+    ``ConfigError`` naming the rank when one does not fit); the line reporting it. Without that
+    field the launching machine says nothing about the nodes: each rank checks at start-up."""
+    if recipe.train.device_memory_gib <= 0:
+        return "memory: checked by every rank at start-up (set train.device_memory_gib to check here)"
+    from .runtime.memory import GIB, check_fits, estimate, per_rank_totals
+
+    rows = estimate(recipe)
+    check_fits(recipe, rows, recipe.train.device_memory_gib, "train.device_memory_gib")
+    totals = per_rank_totals(rows)
+    worst = max(totals, key=totals.get)
+    return (f"memory: estimated peak {totals[worst] / GIB:.1f} GiB (rank {worst}) of "
+            f"{recipe.train.device_memory_gib:g} GiB per device: fits")
 
 
 def _n(count: int, word: str) -> str:
@@ -318,13 +336,14 @@ def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str
         raise LaunchError(f"--connect-timeout must be > 0, got {args.connect_timeout:g}")
     if train_script is not None and not train_script.is_file():
         raise LaunchError(f"{train_script}: training script not found")
+    recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe is the first thing reported
+    ranks, breakdown = required_ranks(recipe)
+    memory = check_memory(recipe)
     src = args.hostfile
     hosts = parse_hostfile(src)
     active = select_slots(
         hosts, src=src, num_nodes=args.num_nodes, num_gpus=args.num_gpus, include=args.include, exclude=args.exclude
     )
-    recipe = load_recipe(args.recipe, args.overrides)
-    ranks, breakdown = required_ranks(recipe)
     filtered = bool(args.include or args.exclude) or args.num_nodes is not None or args.num_gpus is not None
     check_slots(
         hosts,
@@ -342,6 +361,7 @@ def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str
     report = [
         f"hostfile {src}: {_n(len(used), 'host')}, {_n(ranks, 'slot')} used ({_summary(active)})",
         f"recipe {args.recipe}: layout {recipe.layout} needs {_n(ranks, 'rank')} ({breakdown}): matches",
+        memory,
     ]
     if not remote:
         report.append("reachability: every host is this machine, nothing to probe")

@@ -5,6 +5,10 @@
     torchrun --standalone --nproc_per_node=4 tools/train.py --recipe recipes/tiny_cpu.yaml layout=disaggregated
     deepspeed --num_gpus 4 tools/train.py --recipe recipes/tiny_cpu.yaml layout=disaggregated
     torchrun --standalone --nproc_per_node=4 -m disttrain_ds.cli.train --recipe tiny_cpu layout=disaggregated
+    disttrain-train --recipe mllm_9b --dry-run        # rank map and each rank's estimated peak memory
+
+In a multi-process job only rank 0 prints (rank map, data, recipe, steps); library output goes
+to <run dir>/logs/rank<N>.log and failures to standard error.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True,
                         help="shipped recipe name (e.g. tiny_cpu) or recipe YAML path")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the rank map and each rank's estimated peak memory against "
+                             "train.device_memory_gib, start nothing; exit 2 if a rank does not fit")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 layout=disaggregated")
     return parser
@@ -26,15 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 with one line on stderr for a bad recipe)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     # Set before torch is imported: several ranks on few cores crawl without it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from ..configtools import ConfigError
-    from ..entry import run
+    from ..entry import dry_run, run
 
     try:
+        if args.dry_run:
+            return dry_run(args.recipe, args.overrides)
         return run(args.recipe, args.overrides)
     except ConfigError as exc:
+        from ..runtime.console import tell_launcher
+
+        tell_launcher(f"error: {exc}")  # torchrun's failure summary shows it as the root cause
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
             print(f"error: {exc}", file=sys.stderr)
         return 2

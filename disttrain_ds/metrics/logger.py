@@ -4,7 +4,8 @@
 run directory (the source of truth, always written), a wandb run (offline by default, files
 under ``<run_dir>/wandb/``) and a tqdm progress bar on a terminal. wandb is optional: if it
 cannot be imported, started or written to, training goes on with ``metrics.jsonl`` only and
-one warning line on stderr.
+one warning line on stderr. wandb's own terminal output is silenced (``WANDB_SILENT``); the
+logger says in one line where its run is.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ..configtools import to_dict
 from ..runtime.rundir import MetricsWriter
@@ -52,6 +53,8 @@ class LoggerOptions:
     """Optimizer steps the progress bar counts to; None leaves it open-ended."""
     progress: bool = True
     """Show a tqdm progress bar; it is shown only when stderr is a terminal."""
+    out: TextIO | None = None
+    """Where :meth:`RunLogger.echo` writes; None: standard output at the time of the call."""
 
 
 def resolve_wandb_mode(requested: str, warn: Callable[[str], None] = _stderr) -> str:
@@ -103,10 +106,13 @@ class RunLogger:
         if self.wandb_mode != "disabled":
             self.wandb_run = self._start_wandb(dict(config or {}))
         self.bar = self._start_bar()  # tqdm bar; None off a terminal or with progress=False
+        if self.wandb_run is not None:
+            self.echo(f"wandb: {self.wandb_mode} run in {self.run_dir / 'wandb'}")
 
     @classmethod
     def from_recipe(cls, run_dir: str | Path, recipe: Any, resolved: Mapping[str, Any] | None = None,
-                    progress: bool = True, warn: Callable[[str], None] = _stderr) -> RunLogger:
+                    progress: bool = True, warn: Callable[[str], None] = _stderr,
+                    out: TextIO | None = None) -> RunLogger:
         """Logger for a :class:`~disttrain_ds.config.Recipe`: project, run name, wandb mode and
         step count from the recipe; wandb config is the recipe plus ``resolved`` (world size,
         topology), the same content as ``recipe.yaml``."""
@@ -115,7 +121,7 @@ class RunLogger:
             config["resolved"] = dict(resolved)
         options = LoggerOptions(project=recipe.logging.project, name=recipe.name,
                                 mode=recipe.logging.wandb, total_steps=recipe.train.steps,
-                                progress=progress)
+                                progress=progress, out=out)
         return cls(run_dir, options, config, warn)
 
     @property
@@ -124,6 +130,7 @@ class RunLogger:
         return self.run_dir / "metrics.jsonl"
 
     def _start_wandb(self, config: dict[str, Any]) -> Any:
+        os.environ.setdefault("WANDB_SILENT", "true")  # no banners; where the run is: one line
         try:
             import wandb
 
@@ -163,10 +170,11 @@ class RunLogger:
 
     def echo(self, line: str) -> None:
         """Print a line without breaking the progress bar."""
+        out = self.options.out or sys.stdout
         if self.bar is not None:
-            self.bar.write(line)
+            self.bar.write(line, file=out)
         else:
-            print(line, flush=True)
+            print(line, file=out, flush=True)
 
     def _finish_wandb(self, exit_code: int = 0) -> None:
         run, self.wandb_run = self.wandb_run, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,7 @@ from .reference import step_tokens
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
 from .checkpointing import Checkpointer, resolve_resume
+from .console import Console, tell_launcher
 from .health import Watchdog, connect_store
 from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
 from ..metrics.balance import dp_balance
@@ -115,11 +117,13 @@ def layer_state(pm, module: str, layer_defs, tp: TPContext) -> dict[str, torch.T
     return out
 
 
-def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) -> int:
+def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, console: Console | None = None) -> int:
     """Train; with ``export_dir`` every rank also saves its final layer parameters there.
 
-    A failure on any rank stops every rank within ``parallel.heartbeat_timeout_s`` (plus a few
-    seconds) with one line naming the failed rank and its module (``runtime/health.py``).
+    With ``console`` (``Console.start``), rank 0's own lines go to its terminal through
+    ``console.say`` and library output to ``<run dir>/logs/rank<N>.log``. A failure on any rank
+    stops every rank within ``parallel.heartbeat_timeout_s`` (plus a few seconds) with one line
+    naming the failed rank and its module (``runtime/health.py``).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     topo = Topology.from_recipe(recipe)
@@ -128,9 +132,18 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     device = init_processes(recipe.parallel.comm_timeout_s)
     rank = tdist.get_rank()
     names = {r: rank_name(m, r) for m in topo.modules for r in m.ranks}
-    watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s).start()
+    console = console or Console(rank, sys.stdout)
+    if console.log_path is not None:
+        log = console.say
+
+    def emit(line: str) -> None:  # failure lines: terminal, naming the library log until it moves
+        print(line + console.note(), file=sys.stderr, flush=True)
+        tell_launcher(line)
+
+    watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s, emit=emit).start()
     try:
-        rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir)
+        rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir,
+                    console)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in one line, on every rank
         watchdog.handle(exc, recipe.parallel.heartbeat_timeout_s + 5)
         raise
@@ -139,7 +152,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None) 
     return rc
 
 
-def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir) -> int:
+def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir, console) -> int:
     resume_from, manifest = resume
     is_logger = rank == 0
     if is_logger:
@@ -197,10 +210,11 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     if recipe.emulate.enabled:
         engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
 
-    ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group)
+    ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
     start = 0
     if resume_from is not None:
-        ckpt.load(resume_from, source)
+        # Verified before loading; under resume: auto a damaged one gives way to the newest intact one.
+        resume_from, manifest = ckpt.resume(resume_from, source)
         start = manifest["step"]
 
     my_block = blocks(slot, grid.dp)[dp_index]
@@ -217,7 +231,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         else:
             run_dir = make_run_dir(recipe.logging.dir, recipe.name)
             write_resolved_recipe(run_dir, recipe, resolved)
-        writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved)
+        writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved, out=console.terminal)
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         gpus = {m.name: m.size for m in topo.modules}
         mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
@@ -230,6 +244,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     dirs = [str(run_dir) if is_logger else None]
     tdist.broadcast_object_list(dirs, src=0, group=meta_group)
     watchdog.failure_dir = dirs[0]
+    console.move_to(dirs[0])
     try:
         for step in range(start, recipe.train.steps):
             watchdog.step = step + 1

@@ -1,0 +1,152 @@
+"""Bytes autograd keeps for backward, per pipeline layer and per sample, from the model config.
+
+One list per module, aligned with its pipeline layer list (``models/mllm.py``: encoder = embed,
+blocks, head; LLM = embed, blocks, head; generator = projector, U-Net in, downs, mid, ups, out).
+The counts follow what the layers save (checked against saved-tensor hooks on real layers in
+``tests/unit/test_memory.py``): scaled-dot-product attention keeps q, k, v, its output and the
+log-sum-exp (no score matrix), norms keep their input and statistics, MLPs their inputs and the
+pre-activation. Per sample means the worst case the data allows: a full ``data.seq_len``
+sequence, the most image patches ``data.max_images`` and ``data.image_sizes`` can place in it,
+and ``data.gen_images[1]`` generated images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+FP32 = 4
+"""Bytes of the float32 tensors kept whatever the compute dtype (norm statistics, log-sum-exp, loss)."""
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """The largest sample the recipe's data can produce, as the modules see it."""
+
+    tokens: int
+    """LLM sequence length (packed sequences are always full)."""
+    images: int
+    """Input images (encoder)."""
+    patches: int
+    """Encoder patches over all input images (each is one LLM token, so at most ``tokens``)."""
+    gen_images: int
+    """Images the generator produces (at least 1: an empty sample still runs one stand-in)."""
+
+
+def sample_shape(recipe) -> SampleShape:
+    """The worst-case sample of ``recipe``'s ``data`` section."""
+    d, enc, gen = recipe.data, recipe.model.encoder, recipe.model.generator
+    per_image = (max(d.image_sizes) // enc.patch_size) ** 2 if d.image_sizes else 0
+    patches = min(d.seq_len, d.max_images * per_image)
+    images = min(d.max_images, -(-patches // per_image)) if per_image else 0
+    gens = max(1, min(d.gen_images[1], d.seq_len // gen.query_tokens))
+    return SampleShape(d.seq_len, images, patches, gens)
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Per-sample bytes of a module's pipeline layers, in layer order."""
+
+    saved: list[float]
+    """What each layer's autograd graph keeps for backward."""
+    outputs: list[float]
+    """What each layer returns (a pipeline stage keeps its last layer's output until backward)."""
+    inputs: float
+    """What the module's first layer takes in (a stage keeps the tensors it receives)."""
+
+
+def llm_layers(cfg, shape: SampleShape, b: int) -> LayerBytes:
+    """LLM: embed, decoder blocks, head (norm + LM head + cross-entropy), at ``b`` bytes per element."""
+    h, f, a, s, v = cfg.hidden_size, cfg.ffn_hidden, cfg.heads, shape.tokens, cfg.vocab_size
+    d = h // a
+    kv = cfg.kv_heads * d
+    # Per token: RMSNorm input kept in float32 plus its normed output, twice (attention, MLP);
+    # q, k, v after rotary, cos/sin, attention output; SwiGLU gate, up, silu(gate), down input.
+    block = (6 * h + 2 * kv + 2 * d + 4 * f) * b + (2 * h + a + 2) * FP32
+    head = 2 * h * b + (h + 1) * FP32 + v * FP32  # norm, LM-head input, float32 log-softmax
+    saved = [9.0 * s, *[block * s] * cfg.layers, head * s]  # embed: token ids and image mask
+    outputs = [h * b * s] * (cfg.layers + 1) + [(v + h) * b * s]  # the head returns logits and states
+    return LayerBytes(saved, outputs, 8.0 * s + h * b * shape.patches)
+
+
+def encoder_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
+    """Encoder: patch embedding, ViT blocks, head (norm + input projector), per sample."""
+    e, fe, a, p = cfg.hidden_size, cfg.ffn_hidden, cfg.heads, cfg.patch_size
+    tokens = shape.patches + shape.images  # one CLS token per image
+    pixels = 3 * p * p * shape.patches * b  # the patches the convolution reads
+    # Per token: two LayerNorm inputs, normed inputs of q/k/v and the MLP, q, k, v, attention
+    # output, GELU input and fc2 input.
+    block = ((8 * e + 2 * fe) * b + (a + 4) * FP32) * tokens
+    head = (e * b + 2 * FP32) * tokens + (e + 2 * llm_hidden) * b * shape.patches
+    saved = [pixels, *[block] * cfg.layers, head]
+    outputs = [e * b * tokens] * (cfg.layers + 1) + [llm_hidden * b * shape.patches]
+    return LayerBytes(saved, outputs, pixels)
+
+
+def _resnet(cin: int, cout: int, pixels: int, b: int) -> float:
+    """A diffusers ResnetBlock2D: GroupNorm, SiLU and conv inputs on both halves."""
+    return (3 * cin + 3 * cout) * pixels * b
+
+
+def _transformer(c: int, pixels: int, cond: int, cross: int, b: int) -> float:
+    """A diffusers Transformer2DModel with one BasicTransformerBlock (self-, cross-attention, GEGLU)."""
+    per_pixel = 2 + 6 + 4 + 18 + 1  # norm+proj_in, self-attention, cross-attention, GEGLU FF, proj_out
+    return per_pixel * c * pixels * b + 3 * cross * cond * b
+
+
+def generator_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
+    """Generator: output projector, U-Net in, down blocks, mid, up blocks, out; per sample."""
+    n, lpb, ch = len(cfg.block_out_channels), cfg.layers_per_block, cfg.block_out_channels
+    k, cross, r, c_in = cfg.query_tokens, cfg.cross_attention_dim, cfg.resolution, cfg.in_channels
+
+    def px(level: int) -> int:
+        return (r // 2**level) ** 2
+
+    def attn(c: int, level: int, kind: str) -> float:
+        return _transformer(c, px(level), k, cross, b) if "CrossAttn" in kind else 0.0
+
+    cond = k * cross + 4 * ch[0]  # conditioning and time embedding travel with every U-Net layer
+    skips = [ch[0] * px(0)]
+    saved = [k * (llm_hidden + 2 * cross) * b, c_in * px(0) * b]
+    outputs = [(k * cross + c_in * px(0)) * b, (cond + 2 * ch[0] * px(0)) * b]
+    for i, kind in enumerate(cfg.down_block_types):
+        cin, cout, total = ch[max(i - 1, 0)], ch[i], 0.0
+        for j in range(lpb):
+            total += _resnet(cin if j == 0 else cout, cout, px(i), b) + attn(cout, i, kind)
+            skips.append(cout * px(i))
+        if i < n - 1:  # downsampling conv
+            total += cout * px(i) * b
+            skips.append(cout * px(i + 1))
+        saved.append(total)
+        outputs.append((cond + skips[-1] + sum(skips)) * b)
+    c = ch[-1]
+    saved.append(2 * _resnet(c, c, px(n - 1), b) + attn(c, n - 1, "CrossAttn"))
+    outputs.append(outputs[-1])
+    rev, prev = list(reversed(ch)), ch[-1]
+    for i, kind in enumerate(cfg.up_block_types):
+        level, cout, cin = n - 1 - i, rev[i], rev[min(i + 1, n - 1)]
+        total = 0.0
+        for j in range(lpb + 1):
+            skip = cin if j == lpb else cout
+            total += _resnet((prev if j == 0 else cout) + skip, cout, px(level), b) + attn(cout, level, kind)
+            skips.pop()
+        last = i == n - 1
+        total += 0.0 if last else cout * px(level - 1) * b  # upsampling conv input
+        saved.append(total)
+        sample = cout * px(level if last else level - 1)
+        outputs.append((sample + (0 if last else cond + sum(skips))) * b)
+        prev = cout
+    saved.append(3 * ch[0] * px(0) * b)  # GroupNorm, SiLU and conv_out inputs
+    outputs.append(c_in * px(0) * b)
+    g = shape.gen_images
+    return LayerBytes([x * g for x in saved], [x * g for x in outputs], (k * llm_hidden + c_in * px(0)) * b * g)
+
+
+def module_layers(recipe, module: str, vocab_size: int) -> LayerBytes:
+    """Per-sample bytes of each pipeline layer of ``module`` (``vocab_size``: the LLM's, resolved)."""
+    m, shape = recipe.model, sample_shape(recipe)
+    b = 2 if recipe.train.dtype == "bf16" else 4
+    if module == "encoder":
+        return encoder_layers(m.encoder, m.llm.hidden_size, shape, b)
+    if module == "llm":
+        return llm_layers(replace(m.llm, vocab_size=vocab_size), shape, b)
+    return generator_layers(m.generator, m.llm.hidden_size, shape, b)

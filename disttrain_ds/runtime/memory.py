@@ -1,0 +1,278 @@
+"""Estimated peak memory of every rank of a recipe, with no processes and no weights.
+
+Parameter counts come from the model's own pipeline layers built on the meta device, split over
+stages as DeepSpeed splits them; activation bytes from ``runtime/activations.py``; and each
+rank's total from the planner's memory model (``planner.optimize.memory_per_gpu``): weights,
+gradients and optimizer states (sharded over DP under ZeRO-1), plus the activations of the
+microbatches 1F1B keeps in flight at that stage. ``--dry-run`` prints it; a real run checks it
+before building anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from ..configtools import ConfigError
+from .activations import LayerBytes, module_layers
+from .console import prefer_cpu_accelerator
+
+GIB = 2**30
+MODULES = ("encoder", "llm", "generator")
+CPU_PROCESS_GIB = 0.5
+"""Resident memory of one CPU rank before any model is built (Python, torch, DeepSpeed,
+transformers, diffusers); measured about 0.45 GiB. Taken off each rank's share of host RAM."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated peak bytes on each rank that holds one pipeline stage of one module."""
+
+    module: str
+    """encoder | llm | generator."""
+    stage: int
+    """Stage index inside the module."""
+    ranks: range
+    """Global ranks holding this stage (its DP and TP replicas hold the same)."""
+    layers: range
+    """Pipeline layers of the module on this stage."""
+    params: int
+    """Parameters of those layers (before tensor-parallel sharding)."""
+    weights: float
+    """Weight bytes per rank."""
+    grads: float
+    """Gradient bytes per rank (gradient accumulation buffers included)."""
+    optimizer: float
+    """Optimizer bytes per rank (fp32 master weights and moments; sharded over DP under ZeRO-1)."""
+    activations: float
+    """Bytes kept for backward by the microbatches in flight."""
+    in_flight: int
+    """Microbatches 1F1B keeps in flight here."""
+    samples: int
+    """Samples per microbatch on one replica."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    def who(self) -> str:
+        """How errors name the stage: its first rank, module and stage."""
+        more = f", like ranks {self.ranks.start + 1}-{self.ranks.stop - 1}" if len(self.ranks) > 1 else ""
+        return f"rank {self.ranks.start} ({self.module} stage {self.stage}{more})"
+
+
+def zero_stage(recipe, module: str) -> int:
+    """The ZeRO stage of ``module``'s DeepSpeed config (0 in the reference layout)."""
+    if recipe.layout == "reference":
+        return 0
+    from ..config import resolve_path
+    from ..dsconfig import load_ds_config
+
+    path = getattr(recipe.parallel, module).ds_config or recipe.deepspeed_config
+    return int(load_ds_config(resolve_path(path, recipe.source_file)).get("zero_optimization", {}).get("stage", 0))
+
+
+def state_bytes(recipe, module: str) -> tuple[float, float, float, bool]:
+    """(weight, gradient, optimizer) bytes per parameter, and whether optimizer bytes shard over DP."""
+    w = 2 if recipe.train.dtype == "bf16" else 4
+    if getattr(recipe.model, module).frozen:
+        return w, 0, 0, False
+    moments = 2 if recipe.optim.name == "adamw" else 0  # torch SGD without momentum keeps none
+    if recipe.layout == "reference":  # torch optimizer on the parameters themselves
+        return w, w, moments * w, False
+    if zero_stage(recipe, module) >= 1:  # fp32 master partition, its moments and its fp32 gradient
+        return w, w, 4 + 4 * moments + 4, True
+    if w == 2:  # DeepSpeed's bf16 optimizer: fp32 gradient accumulation, fp32 master partition
+        return w, w + 4, 4 + 4 * moments, True
+    return w, w, 4 * moments, False
+
+
+def vocab_size(recipe) -> int:
+    """The LLM vocabulary the runtime will build (``model.llm.vocab_size``, or the tokenizer's)."""
+    if recipe.model.llm.vocab_size:
+        return recipe.model.llm.vocab_size
+    from ..data.tokenizer import SMOLLM2_VOCAB, ByteTokenizer, load_tokenizer
+    from ..data.types import SpecialTokens
+
+    name = recipe.data.tokenizer
+    base = {"byte": ByteTokenizer.vocab_size, "smollm2": SMOLLM2_VOCAB}.get(name)
+    if base is None:
+        base = load_tokenizer(name, recipe.data.cache_dir).vocab_size
+    return SpecialTokens.after(base).vocab_size
+
+
+def layer_params(recipe, module: str, vocab: int) -> list[int]:
+    """Parameters of each pipeline layer of ``module``, counted on the meta device."""
+    import torch
+
+    from ..data.types import SpecialTokens
+    from ..models import unet, vit
+    from ..models.mllm import MLLMSpec
+
+    m = recipe.model
+    cfgs = {n: replace(getattr(m, n), checkpoint="") for n in MODULES}  # nothing is read
+    cfgs["llm"] = replace(cfgs["llm"], vocab_size=vocab)
+    spec = MLLMSpec(cfgs["encoder"], cfgs["llm"], cfgs["generator"], SpecialTokens.after(0), recipe.seed)
+    try:
+        with torch.device("meta"):
+            return [sum(p.numel() for p in d.build().parameters()) for d in spec.layers(module)]
+    finally:  # the builders cache one whole model; never leave a meta one behind
+        vit._full_vit.cache_clear()
+        unet._full_unet.cache_clear()
+
+
+def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:
+    """Layer boundaries of ``pp`` stages, as DeepSpeed's PipelineModule computes them."""
+    prefer_cpu_accelerator()  # importing DeepSpeed without a GPU would otherwise warn
+    from deepspeed.runtime import utils as ds_utils
+
+    if method == "parameters":
+        return ds_utils.partition_balanced(weights=params, num_parts=pp)
+    return ds_utils.partition_uniform(num_items=len(params), num_parts=pp)
+
+
+def _per_gpu(params: float, act: float, per_param: tuple, dp: int, tp: int, samples: int, k: int,
+             workspace: float = 0.0) -> list[float]:
+    """(weights, grads, optimizer, activations) bytes of one rank by ``memory_per_gpu``, plus a
+    backward ``workspace`` (per sample) for one microbatch in the activations."""
+    from ..planner.optimize import Degrees, memory_per_gpu
+    from ..planner.profile import ModuleProfile
+
+    w, g, o, sharded = per_param
+    full = ModuleProfile(layers=1, cost_ms={1: 0.0}, params=params, weight_bytes_per_param=w,
+                         grad_bytes_per_param=g, optimizer_bytes_per_param=o, activation_bytes_per_sample=act)
+    deg = Degrees(dp if sharded else 1, tp, 1)  # one stage: the stage's own parameters and activations
+    parts = [replace(full, grad_bytes_per_param=0, optimizer_bytes_per_param=0, activation_bytes_per_sample=0),
+             replace(full, weight_bytes_per_param=0, optimizer_bytes_per_param=0, activation_bytes_per_sample=0),
+             replace(full, weight_bytes_per_param=0, grad_bytes_per_param=0, activation_bytes_per_sample=0),
+             replace(full, params=0)]
+    out = [memory_per_gpu(p, deg, samples_per_microbatch=samples, in_flight=k) for p in parts]
+    out[3] += workspace * samples / tp
+    return out
+
+
+def _stage_activations(lb: LayerBytes, lo: int, hi: int) -> tuple[float, float]:
+    """Per-sample bytes a stage holding layers ``lo:hi`` keeps for each microbatch in flight
+    (what its layers save, the input it received beside the copy its first layer reads, its
+    output), and the backward workspace of one microbatch (the gradients of one layer's saved
+    tensors: about what the largest layer saves)."""
+    received = lb.inputs if lo == 0 else lb.outputs[lo - 1]
+    kept = sum(lb.saved[lo:hi]) + received + (lb.outputs[hi - 1] if hi > lo else 0.0)
+    return kept, max(lb.saved[lo:hi], default=0.0)
+
+
+def backward_modules(recipe) -> dict[str, bool]:
+    """A module runs backward if it or anything upstream of it trains."""
+    out, trains = {}, False
+    for name in MODULES:
+        trains = trains or not getattr(recipe.model, name).frozen
+        out[name] = trains
+    return out
+
+
+def estimate(recipe) -> list[StageMemory]:
+    """Every stage of every module, with its estimated per-rank peak (reference: one row per
+    module, all on rank 0)."""
+    vocab = vocab_size(recipe)
+    backward = backward_modules(recipe)
+    micro = recipe.train.micro_batch
+    gas = recipe.train.global_batch // (recipe.parallel.llm.dp * micro)  # microbatches per step
+    rows = []
+    if recipe.layout == "reference":
+        for name in MODULES:
+            params, lb = layer_params(recipe, name, vocab), module_layers(recipe, name, vocab)
+            act, work = _stage_activations(lb, 0, len(lb.saved)) if backward[name] else (0.0, 0.0)
+            parts = _per_gpu(sum(params), act, state_bytes(recipe, name), 1, 1, micro, 1, work)
+            rows.append(StageMemory(name, 0, range(1), range(len(params)), sum(params), *parts, 1, micro))
+        return rows
+    from ..topology import Topology
+
+    topo = Topology.from_recipe(recipe)
+    slot = recipe.parallel.llm.dp * micro
+    for grid in topo.modules:
+        params, lb = layer_params(recipe, grid.name, vocab), module_layers(recipe, grid.name, vocab)
+        bounds = stage_bounds(params, grid.pp, getattr(recipe.parallel, grid.name).partition)
+        samples = slot // grid.dp
+        for s in range(grid.pp):
+            lo, hi = bounds[s], bounds[s + 1]
+            k = min(topo.total_stages - topo.stage_offset(grid.name) - s, gas)
+            act, work = _stage_activations(lb, lo, hi) if backward[grid.name] else (0.0, 0.0)
+            n = sum(params[lo:hi])
+            parts = _per_gpu(n, act, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k, work)
+            ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)
+            rows.append(StageMemory(grid.name, s, ranks, range(lo, hi), n, *parts, k, samples))
+    return rows
+
+
+def device_limit_gib(recipe, ranks_per_host: int) -> tuple[float, str]:
+    """Memory each rank may use, in GiB, and where the figure comes from."""
+    if recipe.train.device_memory_gib > 0:
+        return recipe.train.device_memory_gib, "train.device_memory_gib"
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        return total, f"{torch.cuda.get_device_name(0)} memory"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    share = ram / max(ranks_per_host, 1) - CPU_PROCESS_GIB
+    return share, f"host RAM {ram:.1f} GiB / {ranks_per_host} ranks - {CPU_PROCESS_GIB:g} GiB runtime each"
+
+
+def per_rank_totals(rows: list[StageMemory]) -> dict[int, float]:
+    """Estimated peak bytes of each rank (the reference layout's modules share rank 0)."""
+    totals: dict[int, float] = {}
+    for row in rows:
+        for r in row.ranks:
+            totals[r] = totals.get(r, 0.0) + row.total
+    return totals
+
+
+def check_fits(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> None:
+    """Raise a one-line ``ConfigError`` naming the rank and module whose estimate exceeds the limit."""
+    totals = per_rank_totals(rows)
+    worst = max(totals, key=totals.get)
+    need = totals[worst] / GIB
+    if need <= limit_gib:
+        return
+    here = [r for r in rows if worst in r.ranks]
+    big = max(here, key=lambda r: r.total)
+    who = big.who() if len(here) == 1 else f"rank {worst} ({big.module} {_size(big.total)} of it, with " \
+        f"{' and '.join(r.module for r in here if r is not big)} in the same process)"
+    parts = ", ".join(f"{k} {_size(sum(getattr(r, k) for r in here))}"
+                      for k in ("weights", "grads", "optimizer", "activations"))
+    raise ConfigError(
+        f"{recipe.source_file}: {who} needs an estimated {_size(totals[worst])} ({parts}) but has "
+        f"{_size(limit_gib * GIB)} ({source}); more ranks (parallel.*) or a smaller train.micro_batch or "
+        "data.seq_len lower it (--dry-run shows every rank)"
+    )
+
+
+def _size(n: float, short: bool = False) -> str:
+    """Bytes in GiB (MiB below 0.1 GiB); ``short``: a table cell."""
+    value, unit = (n / GIB, "GiB") if n >= GIB / 10 else (n / 2**20, "MiB")
+    return f"{value:.2f}{unit[0]}" if short else f"{value:.1f} {unit}"
+
+
+def describe(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> list[str]:
+    """The dry run's table: one line per stage (the ranks holding it), then the verdict."""
+    per = state_bytes(recipe, "llm")
+    zero = "reference: torch optimizer" if recipe.layout == "reference" else f"ZeRO stage {zero_stage(recipe, 'llm')}"
+    lines = [f"memory per rank, estimated ({recipe.train.dtype}, {recipe.optim.name}, {zero}; "
+             f"llm bytes/param weights {per[0]:g} grads {per[1]:g} optimizer {per[2]:g}"
+             f"{' / dp' if per[3] else ''}), limit {_size(limit_gib * GIB)} ({source}):",
+             f"  {'ranks':<11} {'module':<9} {'stage':>5} {'layers':>7} {'params':>9} {'weights':>8} "
+             f"{'grads':>8} {'optim':>8} {'activ':>8} {'in flight':>10} {'total':>8} {'use':>5}"]
+    for r in rows:
+        ranks = f"{r.ranks.start}" if len(r.ranks) == 1 else f"{r.ranks.start}-{r.ranks.stop - 1}"
+        flight = f"{r.in_flight} x {r.samples}"
+        lines.append(
+            f"  {ranks:<11} {r.module:<9} {r.stage:>5} {r.layers.start:>3}-{r.layers.stop - 1:<3} "
+            f"{r.params / 1e6:>8.2f}M {_size(r.weights, True):>8} {_size(r.grads, True):>8} "
+            f"{_size(r.optimizer, True):>8} {_size(r.activations, True):>8} {flight:>10} "
+            f"{_size(r.total, True):>8} {f'{100 * r.total / GIB / limit_gib:.0f}%' if limit_gib > 0 else '-':>5}"
+        )
+    totals = per_rank_totals(rows)
+    worst = max(totals, key=totals.get)
+    lines.append(f"largest: rank {worst}, {_size(totals[worst])} of {_size(limit_gib * GIB)} "
+                 f"(activations: the largest sample the data allows; allocator slack not included)")
+    return lines

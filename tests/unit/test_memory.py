@@ -1,0 +1,180 @@
+"""Memory estimate: activation formulas against real saved tensors, per-parameter bytes, the dry
+run (``--dry-run``) and the check a real run makes before building anything."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain_ds.cli.train import build_parser, main
+from disttrain_ds.config import load_recipe
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.entry import run
+from disttrain_ds.models.llama import gen_condition
+from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, lm_loss_sum
+from disttrain_ds.runtime import activations, memory
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
+
+
+def _saved_bytes(layer: torch.nn.Module, fn) -> tuple[int, object]:
+    """Bytes autograd keeps in ``fn()``, parameters excluded, each storage once."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def _leaf(x):
+    if isinstance(x, tuple):
+        return tuple(_leaf(t) for t in x)
+    return x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+
+
+def _measure(spec, module: str, inputs, head=None) -> tuple[list[int], object]:
+    """Saved bytes of each pipeline layer of ``module`` on ``inputs``, and the module's output."""
+    out, sizes, defs = inputs, [], spec.layers(module)
+    for i, d in enumerate(defs):
+        layer, x = d.build(), _leaf(out)
+        last = i == len(defs) - 1
+        n, out = _saved_bytes(layer, (lambda: head(layer(x))) if last and head else (lambda: layer(x)))
+        sizes.append(n)
+    return sizes, out
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["model.generator.block_out_channels=[16,32,32]", "model.generator.resolution=32",
+     "model.generator.down_block_types=[CrossAttnDownBlock2D,CrossAttnDownBlock2D,DownBlock2D]",
+     "model.generator.up_block_types=[UpBlock2D,CrossAttnUpBlock2D,CrossAttnUpBlock2D]",
+     "model.generator.attention_head_dim=[2,4,4]", "model.generator.layers_per_block=2",
+     "model.llm.hidden_size=96", "model.llm.heads=6", "model.llm.kv_heads=3", "model.encoder.heads=4"],
+])
+def test_activation_formulas_match_saved_tensors_of_real_layers(overrides):
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    recipe = load_recipe(TINY, ["train.global_batch=1", *overrides])
+    source, spec = build_data_and_spec(recipe)
+    sample = source.global_batch(0)[0]
+    source.close()
+    sample.labels[:] = 1  # every position labelled: the LM loss's worst case, as estimated
+    mb = collate([sample], BatchNorms.of([sample], 1), spec)
+    p = recipe.model.encoder.patch_size
+    shape = activations.SampleShape(
+        tokens=recipe.data.seq_len, images=len(sample.images),
+        patches=sum((im.shape[1] // p) * (im.shape[2] // p) for im in sample.images),
+        gen_images=max(1, sample.gen_targets.shape[0]))
+    m, b = recipe.model, 4
+    est = {"encoder": activations.encoder_layers(m.encoder, m.llm.hidden_size, shape, b).saved,
+           "llm": activations.llm_layers(spec.llm, shape, b).saved,
+           "generator": activations.generator_layers(m.generator, m.llm.hidden_size, shape, b).saved}
+    got = {}
+    got["encoder"], embeds = _measure(spec, "encoder", (mb.pixels, mb.image_hw))
+    got["llm"], out = _measure(spec, "llm", (mb.input_ids, embeds),
+                               head=lambda o: (lm_loss_sum(o[0], mb.labels, mb.lm_scale), o[1]))
+    states = generator_states(gen_condition(out[1], mb.gen_mask, spec.generator.query_tokens), mb)
+    got["generator"], _ = _measure(spec, "generator", (states, mb.noisy, mb.timesteps))
+    for module in est:
+        assert len(est[module]) == len(got[module])
+        assert sum(est[module]) == pytest.approx(sum(got[module]), rel=0.06), module
+
+
+@pytest.mark.parametrize("dtype, ds, optim, frozen, expected", [
+    ("fp32", "ds_configs/cpu_fp32.json", "adamw", False, (4, 4, 8, False)),
+    ("fp32", "ds_configs/zero1.json", "adamw", False, (4, 4, 16, True)),
+    ("bf16", "ds_configs/zero1.json", "adamw", False, (2, 2, 16, True)),
+    ("bf16", "ds_configs/cpu_fp32.json", "adamw", False, (2, 6, 12, True)),
+    ("fp32", "ds_configs/cpu_fp32.json", "sgd", False, (4, 4, 0, False)),
+    ("bf16", "ds_configs/zero1.json", "adamw", True, (2, 0, 0, False)),
+])
+def test_bytes_per_parameter_follow_dtype_zero_stage_optimizer_and_frozen(dtype, ds, optim, frozen, expected):
+    recipe = load_recipe(TINY, ["layout=disaggregated", f"train.dtype={dtype}", f"deepspeed_config={ds}",
+                                f"optim.name={optim}", f"model.llm.frozen={str(frozen).lower()}"])
+    assert memory.state_bytes(recipe, "llm") == expected
+
+
+def test_parameter_counts_on_meta_match_the_built_model(tiny_spec, tiny_recipe):
+    counts = memory.layer_params(tiny_recipe, "llm", tiny_spec.llm.vocab_size)
+    built = [sum(p.numel() for p in d.build().parameters()) for d in tiny_spec.layers("llm")]
+    assert counts == built
+    assert memory.vocab_size(tiny_recipe) == tiny_spec.llm.vocab_size
+
+
+def test_stages_split_layers_and_in_flight_microbatches_follow_1f1b():
+    recipe = load_recipe(TINY, ["layout=disaggregated", "train.global_batch=8"])
+    rows = memory.estimate(recipe)
+    assert [(r.module, r.stage, list(r.ranks)) for r in rows] == [
+        ("encoder", 0, [0]), ("llm", 0, [1]), ("llm", 1, [2]), ("generator", 0, [3])]
+    assert [r.in_flight for r in rows] == [4, 3, 2, 1]  # min(stages after it, microbatches)
+    llm = [r for r in rows if r.module == "llm"]
+    assert llm[0].layers.stop == llm[1].layers.start and llm[1].layers.stop == 6  # embed, 4 blocks, head
+
+
+def test_optimizer_states_shard_over_data_parallel_ranks_under_zero1():
+    base = ["layout=disaggregated", "parallel.llm.pp=1", "deepspeed_config=ds_configs/zero1.json"]
+    one = {r.module: r for r in memory.estimate(load_recipe(TINY, base))}
+    two = {r.module: r for r in memory.estimate(load_recipe(TINY, [*base, "parallel.llm.dp=2"]))}
+    assert two["llm"].optimizer == pytest.approx(one["llm"].optimizer / 2)
+    assert two["llm"].weights == one["llm"].weights and len(two["llm"].ranks) == 2
+
+
+def test_parser_accepts_dry_run_anywhere():
+    args = build_parser().parse_intermixed_args(["--recipe", "tiny_cpu", "layout=disaggregated", "--dry-run"])
+    assert args.dry_run and args.overrides == ["layout=disaggregated"]
+
+
+def test_dry_run_prints_every_rank_and_exits_0_for_tiny(run_main):
+    code, out, err = run_main(main, "--recipe", TINY, "--dry-run", "layout=disaggregated", "parallel.llm.pp=3")
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
+    assert sorted(int(r[0]) for r in rows if r[1] in memory.MODULES) == list(range(5))
+    assert "layout disaggregated: 5 ranks" in out and "fits" in out.splitlines()[-1]
+
+
+def test_dry_run_of_a_recipe_that_cannot_fit_exits_2_naming_rank_and_module(run_main):
+    code, out, err = run_main(main, "--recipe", "mllm_9b", "--dry-run", "layout=reference",
+                              "train.device_memory_gib=80")
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert "rank 0 (llm" in err and "but has 80.0 GiB" in err and "Traceback" not in err
+    assert "rank 0" in out  # the table still came first
+
+
+def test_dry_run_names_the_stage_rank_that_does_not_fit(run_main):
+    code, _, err = run_main(main, "--recipe", TINY, "--dry-run", "layout=disaggregated",
+                            "train.device_memory_gib=0.005")
+    assert code == 2
+    assert "rank 3 (generator stage 0)" in err and err.count("\n") == 1
+
+
+def test_a_real_run_that_does_not_fit_stops_before_building_anything(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"rank 0 \(generator .* MiB of it, with encoder and llm"):
+        run(TINY, ["train.device_memory_gib=0.001", f"logging.dir={run_dir}"])
+    assert not run_dir.exists()
+
+
+def test_device_limit_comes_from_the_recipe_or_this_machine(tiny_recipe):
+    assert memory.device_limit_gib(dataclasses.replace(
+        tiny_recipe, train=dataclasses.replace(tiny_recipe.train, device_memory_gib=80.0)), 4) == (
+        80.0, "train.device_memory_gib")
+    if not torch.cuda.is_available():
+        one, _ = memory.device_limit_gib(tiny_recipe, 1)
+        four, source = memory.device_limit_gib(tiny_recipe, 4)
+        assert 0 < four < one and "host RAM" in source
+
+
+def test_negative_device_memory_is_refused():
+    with pytest.raises(ConfigError, match="'train.device_memory_gib' must be >= 0"):
+        load_recipe(TINY, ["train.device_memory_gib=-1"])
