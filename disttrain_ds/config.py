@@ -8,6 +8,7 @@ name of one shipped with the package (``tiny_cpu`` is ``disttrain_ds/recipes/tin
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -91,6 +92,10 @@ class TrainConfig:
     """auto: continue from the newest complete checkpoint in ``checkpoint.dir`` if there is one;
     none: start from scratch (refused if ``checkpoint.dir`` already holds checkpoints);
     or the path of one checkpoint step directory."""
+    on_nonfinite: Literal["stop", "continue"] = "stop"
+    """stop: a NaN or infinite loss ends the job with one line naming the step, on every rank, before
+    that step is checkpointed; continue: log it and train on. There is no ``skip``: each DeepSpeed
+    engine applies its update inside its own schedule, before the step's loss is known everywhere."""
 
 
 @dataclass
@@ -265,6 +270,10 @@ def _anchor_paths(r: Recipe) -> None:
                 setattr(section, attr, str(found))
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+"""A run name: letters, digits and ``._-``, not starting with ``.``, 1 to 100 characters."""
+
+
 def _check(cond: bool, src: str, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{src}: '{key}' {msg}")
@@ -305,6 +314,8 @@ def validate(r: Recipe) -> None:
     """Cross-field checks that need no processes."""
     src = r.source_file or "<recipe>"
     t, p = r.train, r.parallel
+    _check(RUN_NAME.fullmatch(r.name) is not None, src, "name", f"must be a plain name (letters, digits, '._-', "
+           f"not starting with '.', 1 to 100 characters): it names the run directory, got {r.name!r}")
     _check(0 <= r.seed < 2**63, src, "seed", f"must be in [0, 2**63), got {r.seed}")
     # Model sizes first: the layer counts and patch size below depend on them.
     m = r.model

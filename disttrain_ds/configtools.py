@@ -167,9 +167,33 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+MAX_YAML_NODES = 100_000
+"""Most nodes a YAML document may hold with its aliases expanded (a recipe has a few hundred);
+bounds "billion laughs" documents whose nested aliases would expand to billions of nodes."""
+
+
 class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses duplicate keys (PyYAML keeps the last one silently) and
-    reports a value it cannot build (an integer too long to convert) at its line."""
+    """``yaml.SafeLoader`` that refuses duplicate keys (PyYAML keeps the last one silently),
+    documents whose aliases expand to more than ``MAX_YAML_NODES`` nodes, and reports a value it
+    cannot build (an integer too long to convert) at its line."""
+
+    def compose_node(self, parent, index):
+        # Expanded size of each node, bottom up: an alias counts as the whole node it repeats.
+        sizes = self.__dict__.setdefault("_expanded", {})
+        node = super().compose_node(parent, index)
+        if id(node) not in sizes:
+            if isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            elif isinstance(node, yaml.SequenceNode):
+                children = node.value
+            else:
+                children = []
+            size = 1 + sum(sizes.get(id(c), 1) for c in children)
+            sizes[id(node)] = size
+            if size > MAX_YAML_NODES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"aliases expand to more than {MAX_YAML_NODES} nodes", node.start_mark)
+        return node
 
     def construct_object(self, node, deep=False):
         try:

@@ -43,7 +43,8 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
                 f"{recipe_path}: 'layout' reference runs in one process but {world} processes were launched; "
                 "run it without a launcher or choose layout=disaggregated"
             )
-        check_memory(recipe, ranks_per_host=1)
+        rows = check_memory(recipe, ranks_per_host=1)
+        check_output_dirs(recipe, rows)
         from .runtime.reference import train_reference
         from .runtime.rundir import make_run_dir, write_resolved_recipe
 
@@ -55,7 +56,8 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
         return 0
     # Before the runtime (DeepSpeed) is imported and before any process group starts.
     Topology.from_recipe(recipe).check_world(world, recipe.source_file)
-    check_memory(recipe, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    rows = check_memory(recipe, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_output_dirs(recipe, rows)  # writable run and checkpoint directories, room for a checkpoint
     from .runtime.console import Console
 
     console = Console.start(int(os.environ.get("RANK", "0")))  # library output to a log from here on
@@ -68,12 +70,23 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
         raise
 
 
-def check_memory(recipe, ranks_per_host: int) -> None:
-    """Stop with one line naming the rank and module whose estimated peak memory does not fit."""
+def check_memory(recipe, ranks_per_host: int) -> list:
+    """Stop with one line naming the rank and module whose estimated peak memory does not fit;
+    returns the estimate's rows."""
     from .runtime.memory import check_fits, device_limit_gib, estimate
 
     limit, source = device_limit_gib(recipe, ranks_per_host)
-    check_fits(recipe, estimate(recipe), limit, source)
+    rows = estimate(recipe)
+    check_fits(recipe, rows, limit, source)
+    return rows
+
+
+def check_output_dirs(recipe, rows: list) -> None:
+    """Stop with one line naming ``logging.dir`` or ``checkpoint.dir`` when it cannot be written or
+    (checkpoints) has no room for one checkpoint."""
+    from .runtime.guards import check_output_dirs as check
+
+    check(recipe, rows)
 
 
 def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:

@@ -32,12 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 with one line on stderr for a bad recipe)."""
+    """Entry point; returns the exit status (2 with one line on stderr for a bad recipe, 1 for a
+    loss that is not finite)."""
     args = build_parser().parse_intermixed_args(argv)
     # Set before torch is imported: several ranks on few cores crawl without it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from ..configtools import ConfigError
     from ..entry import dry_run, run
+    from ..runtime.guards import TrainingDiverged
 
     try:
         if args.dry_run:
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainingDiverged as exc:  # the reference layout (distributed ranks end in runtime/health.py)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

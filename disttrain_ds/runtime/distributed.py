@@ -36,6 +36,7 @@ from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
 from .checkpointing import Checkpointer, resolve_resume
 from .console import Console, tell_launcher
+from .guards import check_finite_loss, fresh_path
 from .health import Watchdog, connect_store
 from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
 from ..metrics.balance import dp_balance
@@ -278,6 +279,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
                 writer.log(rec)
                 if (step + 1) % recipe.logging.every == 0:
                     writer.echo(progress_line(rec))
+            # Every rank holds the same gathered loss: all stop here together, before any save.
+            check_finite_loss(rec, step + 1, recipe.train.on_nonfinite)
             if ckpt.due(step + 1):
                 path = ckpt.save(step + 1, source, dirs[0])
                 if is_logger:
@@ -291,7 +294,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     tdist.all_reduce(origin, op=tdist.ReduceOp.MIN, group=meta_group)  # same clock on one host; roughly aligned otherwise
     trace_dir = os.path.join(dirs[0], "trace")
     os.makedirs(trace_dir, exist_ok=True)
-    write_trace(trace, os.path.join(trace_dir, f"rank{rank}.json"), rank, names[rank], float(origin))
+    # A relaunch into the same run directory (resume) keeps the traces of earlier launches.
+    write_trace(trace, str(fresh_path(os.path.join(trace_dir, f"rank{rank}.json"))), rank, names[rank], float(origin))
     if engine.emulator is not None:
         engine.emulator.save(os.path.join(dirs[0], "emulate"), rank)
     if export_dir:

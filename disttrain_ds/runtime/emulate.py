@@ -214,8 +214,11 @@ class Emulator:
             rec["overrun_s"] += -left
 
     def save(self, directory: str | os.PathLike, rank: int) -> Path:
-        """``<directory>/rank<r>.json``: module, stage, replica, rate and every step's times."""
-        path = Path(directory) / f"rank{rank}.json"
+        """``<directory>/rank<r>.json`` (``rank<r>-2.json``, ... when an earlier launch wrote one):
+        module, stage, replica, rate and every step's times."""
+        from .guards import fresh_path
+
+        path = fresh_path(Path(directory) / f"rank{rank}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
             "rank": rank, "module": self.module, "global_stage": self.global_stage, "dp": self.dp,

@@ -21,7 +21,9 @@ from typing import Callable
 EXIT_PEER_FAILED = 3
 """Exit code of a rank that stops because another rank failed."""
 EXIT_FAILED = 1
-"""Exit code of the rank where the failure happened."""
+"""Exit code of the rank where the failure happened (and of every rank when the loss diverged)."""
+DIVERGED_QUIET_S = 2.0
+"""How long ranks other than 0 wait before exiting after a non-finite loss (rank 0 reports it)."""
 
 
 def connect_store(timeout_s: float = 10.0):
@@ -148,11 +150,21 @@ class Watchdog:
         the caller so the entry point prints it)."""
         from ..comm.p2p import CommTimeoutError
         from ..configtools import ConfigError
+        from .guards import TrainingDiverged
 
         here = self.who(self.rank)
         if isinstance(exc, ConfigError):
             self.fail(str(exc))
             return
+        if isinstance(exc, TrainingDiverged):
+            # Every rank saw the same loss at the same step: nobody to blame; rank 0 says it once
+            # and the others wait a moment so a launcher does not end rank 0 before it has.
+            self.fail(str(exc))
+            if self.rank == 0:
+                self.emit(f"error: {exc}")
+            else:
+                time.sleep(DIVERGED_QUIET_S)
+            return self._exit(EXIT_FAILED)
         if isinstance(exc, KeyboardInterrupt):
             self.fail("interrupted")
             self.emit(f"{here}: interrupted{self._at()}")

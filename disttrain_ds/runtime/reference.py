@@ -16,6 +16,7 @@ from ..data.types import batch_bytes
 from ..models.mllm import MODULES, BatchNorms, ReferenceMLLM, collate
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
+from .guards import check_finite_loss
 from .rundir import progress_line
 from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
 
@@ -25,7 +26,10 @@ def step_tokens(samples, pad_id: int) -> int:
 
 
 def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[list[dict], ReferenceMLLM]:
-    """Train for ``train.steps`` optimizer steps; returns the per-step records and the model."""
+    """Train for ``train.steps`` optimizer steps; returns the per-step records and the model.
+
+    Raises ``guards.TrainingDiverged`` after logging a step whose loss is not finite (unless
+    ``train.on_nonfinite`` is ``continue``)."""
     torch.manual_seed(recipe.seed)
     source, spec = build_data_and_spec(recipe)
     model = ReferenceMLLM(spec)
@@ -53,6 +57,7 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
                 writer.log(rec)
             if log and (step + 1) % recipe.logging.every == 0:
                 (writer.echo if writer else log)(progress_line(rec))
+            check_finite_loss(rec, step + 1, recipe.train.on_nonfinite)
     finally:
         source.close()  # stops producer processes, if any
         if writer:

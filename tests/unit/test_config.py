@@ -127,3 +127,14 @@ def test_cli_prints_one_line_error_and_exit_code_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "train.stepz" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["", "..", ".hidden", "../escape", "a/b", "/abs", "a b", "x" * 101, "caf\u00e9", "a\nb"])
+def test_run_name_must_be_a_plain_name(name):
+    msg = _error([f"name={name!r}" if name else "name=''"])
+    assert "'name'" in msg and "plain name" in msg
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "run-2", "a.b", "x" * 100, "0"])
+def test_plain_run_names_load(name):
+    assert load_recipe(TINY, [f"name='{name}'"]).name == name
