@@ -131,6 +131,9 @@ class CheckpointConfig:
     """Save after every N optimizer steps (and after the last step); 0 disables checkpoints."""
     keep: int = 3
     """Complete checkpoints kept (oldest removed first); 0 keeps all."""
+    sigterm_grace_s: float = 120.0
+    """After SIGTERM every rank saves a checkpoint at the next step boundary and exits 143; if no
+    boundary is reached within this many seconds the rank exits 143 without saving. 0: no limit."""
 
 
 @dataclass
@@ -398,6 +401,7 @@ def validate(r: Recipe) -> None:
     c = r.checkpoint
     _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")
     _check(c.keep >= 0, src, "checkpoint.keep", f"must be >= 0, got {c.keep}")
+    _check(c.sigterm_grace_s >= 0, src, "checkpoint.sigterm_grace_s", f"must be >= 0, got {c.sigterm_grace_s:g}")
     e = r.emulate
     _check(e.time_scale >= 0, src, "emulate.time_scale", f"must be >= 0, got {e.time_scale}")
     _check(e.calibration_batches >= 1, src, "emulate.calibration_batches", f"must be >= 1, got {e.calibration_batches}")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import socket
+import threading
 import time
 import traceback
 import weakref
@@ -31,6 +33,10 @@ from .spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
 from .types import PackedSample
 
 _POLL_S = 0.2
+_BEAT_S = 0.5
+"""How often a producer's heartbeat thread bumps its counter."""
+STALL_TIMEOUT_S = 20.0
+"""Default ``ProducedSource.stall_timeout_s`` (the default ``parallel.heartbeat_timeout_s``)."""
 _PRELOAD = ["torch", "numpy", "PIL.Image", "datasets", "disttrain_ds.data.record_source"]
 
 
@@ -96,9 +102,18 @@ def _put(q, item, stop) -> bool:
     return False
 
 
-def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int = 0) -> None:
+def _heartbeat(beat) -> None:
+    """Bump ``beat`` while this process runs (it stops when the process is stopped, killed or wedged)."""
+    while True:
+        beat.value += 1
+        time.sleep(_BEAT_S)
+
+
+def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int = 0, beat=None) -> None:
     """Prepare steps ``first_step, first_step + stride, ...`` into queue ``q`` or the spool ``writer``."""
     step = job.first_step
+    if beat is not None:
+        threading.Thread(target=_heartbeat, args=(beat,), name="producer-heartbeat", daemon=True).start()
     try:
         source = open_source(job.cfg, job.shape, job.batch, job.seed)
         if job.state:
@@ -147,9 +162,13 @@ class ProducedSource(SampleSource):
         self.inner = open_source(cfg, shape, global_batch, seed)  # vocabulary, describe, in-process batches
         self.special, self.base_vocab = self.inner.special, self.inner.base_vocab
         self.last_wait_seconds = 0.0
+        self.stall_timeout_s = STALL_TIMEOUT_S
+        """A producer whose heartbeat stops this long while its batch is due has failed."""
         self.share: NodeShare | None = None
         self._procs: list[Any] = []
         self._queues: list[Any] = []
+        self._beats: list[Any] = []
+        self._seen: list[tuple[int, float]] = []  # per producer: (last heartbeat value, monotonic time it changed)
         self._stop = None
         self._finalizer: weakref.finalize | None = None
         self._spool_finalizer: weakref.finalize | None = None
@@ -200,13 +219,29 @@ class ProducedSource(SampleSource):
         else:
             depth = max(1, -(-self.cfg.queue_depth // n))
             self._queues = [ctx.Queue(maxsize=depth) for _ in range(n)]
+        self._beats = [ctx.RawValue("Q", 0) for _ in range(n)]
         for k in range(n):
             job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state)
-            proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop, writer, k), daemon=True,
-                               name=f"data-producer-{k}")
+            proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop, writer, k, self._beats[k]),
+                               daemon=True, name=f"data-producer-{k}")
             proc.start()
             self._procs.append(proc)
+        self._seen = [(0, time.monotonic()) for _ in range(n)]  # once started (the first start waits for the server)
         self._finalizer = weakref.finalize(self, _shutdown, list(self._procs), list(self._queues), self._stop)
+
+    def _stalled(self, k: int, step: int) -> str | None:
+        """Why producer ``k`` is alive but has failed (its heartbeat stopped: stopped or hung), or None."""
+        value, now = self._beats[k].value, time.monotonic()
+        last, since = self._seen[k]
+        if value != last:
+            self._seen[k] = (value, now)
+            return None
+        if now - since <= self.stall_timeout_s or not self._procs[k].is_alive():
+            return None
+        proc = self._procs[k]
+        proc.kill()  # a stopped process ignores everything else; it must not outlive the job
+        return (f"producer {k} (pid {proc.pid}, host {socket.gethostname()}) stopped making progress: "
+                f"no heartbeat for {now - since:.0f} s (stopped or hung) while step {step} was due")
 
     def _receive(self, step: int) -> tuple:
         k = step % len(self._procs)
@@ -224,6 +259,10 @@ class ProducedSource(SampleSource):
                         self.close()
                         why = f"producer {k} exited (code {proc.exitcode}) before step {step}"
                         raise ProducerError(f"data.producers: {why}") from None
+                stalled = self._stalled(k, step)
+                if stalled:
+                    self.close()
+                    raise ProducerError(f"data.producers: {stalled}") from None
         if msg[0] == "error":
             self.close()
             raise ProducerError(f"data.producers: producer {k} failed at step {msg[1]}: {msg[2]}", msg[3])
@@ -240,6 +279,10 @@ class ProducedSource(SampleSource):
             for k, proc in enumerate(self._procs):
                 if not proc.is_alive():
                     return f"producer {k} exited (code {proc.exitcode}) before step {step}"
+            for k in range(len(self._procs)):
+                stalled = self._stalled(k, step)
+                if stalled:
+                    return stalled
             return None
 
         try:
@@ -302,7 +345,7 @@ class ProducedSource(SampleSource):
         """Stop the producers (a shared spool stays until ``release_spool`` or exit)."""
         if self._procs:
             self._finalizer()  # runs _shutdown once; also registered for garbage collection and exit
-        self._procs, self._queues = [], []
+        self._procs, self._queues, self._beats, self._seen = [], [], [], []
 
 
 def _shutdown(procs: list, queues: list, stop) -> None:
@@ -320,7 +363,10 @@ def _shutdown(procs: list, queues: list, stop) -> None:
                 proc.join(timeout=_POLL_S)
         if proc.is_alive():
             proc.terminate()
-            proc.join(timeout=5.0)
+            proc.join(timeout=2.0)
+        if proc.is_alive():  # a stopped process does not act on SIGTERM
+            proc.kill()
+            proc.join(timeout=2.0)
         if q is not None:
             q.close()
             q.cancel_join_thread()

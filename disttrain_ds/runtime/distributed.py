@@ -42,6 +42,7 @@ from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_
 from ..metrics.balance import dp_balance
 from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda
 from .emulate import Emulator
+from .preempt import EXIT_PREEMPTED, Preemption, injected_kill
 
 
 def init_processes(timeout_s: float) -> torch.device:
@@ -56,7 +57,13 @@ def init_processes(timeout_s: float) -> torch.device:
         raise ConfigError(f"{nccl_emulation.ENV}=1 emulates NCCL on CPU processes (gloo); unset it on GPUs")
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store across --max-restarts and env:// adds no per-attempt prefix: a
+        # restarted job would read the dead attempt's addresses (Gloo connectFullMesh refused).
+        tdist.init_process_group(backend, store=attempt_store(timeout), timeout=timeout,
+                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # adopts a group already started
     if nccl_emulation.enabled():
         nccl_emulation.install()  # hold every point-to-point message to NCCL's rules on gloo
     if cuda:
@@ -64,6 +71,13 @@ def init_processes(timeout_s: float) -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def attempt_store(timeout: timedelta):
+    """A client of torchrun's agent store, prefixed by this launch attempt (``TORCHELASTIC_RESTART_COUNT``)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return tdist.PrefixStore(f"disttrain/attempt/{restart}/", store)
 
 
 def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
@@ -127,6 +141,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     naming the failed rank and its module (``runtime/health.py``).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    preempt = Preemption(recipe.checkpoint.sigterm_grace_s).install()  # SIGTERM: save at the next step, stop
     topo = Topology.from_recipe(recipe)
     topo.check_world(world, recipe.source_file)
     resume_from, manifest = resolve_resume(recipe, world)
@@ -144,22 +159,25 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s, emit=emit).start()
     try:
         rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir,
-                    console)
+                    console, preempt)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in one line, on every rank
         watchdog.handle(exc, recipe.parallel.heartbeat_timeout_s + 5)
         raise
+    preempt.handled()
     watchdog.finished()
     tdist.destroy_process_group()
     return rc
 
 
-def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir, console) -> int:
+def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir, console, preempt) -> int:
     resume_from, manifest = resume
     is_logger = rank == 0
     if is_logger:
         log(topo.describe())
 
     source, spec = build_data_and_spec(recipe)
+    if hasattr(source, "stall_timeout_s"):  # a stopped producer is caught within the heartbeat timeout
+        source.stall_timeout_s = recipe.parallel.heartbeat_timeout_s
     grid = topo.module_of(rank)
     stage, dp_index, tp_index = grid.coords(rank)
     gas = grad_accum_steps(recipe)
@@ -246,6 +264,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     tdist.broadcast_object_list(dirs, src=0, group=meta_group)
     watchdog.failure_dir = dirs[0]
     console.move_to(dirs[0])
+    preempted = None
     try:
         for step in range(start, recipe.train.steps):
             watchdog.step = step + 1
@@ -262,7 +281,9 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
             stats = engine.run_step(batches)
             stats["data_wait_s"] = data_wait
             elapsed = time.perf_counter() - t0
-            rec = gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, meta_group)
+            rec = gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, meta_group,
+                                     preempt.requested)
+            stop = rec.pop("preempt") and step + 1 < recipe.train.steps  # any rank got SIGTERM
             if is_logger:
                 rec = {
                     "step": step + 1,
@@ -281,13 +302,21 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
                     writer.echo(progress_line(rec))
             # Every rank holds the same gathered loss: all stop here together, before any save.
             check_finite_loss(rec, step + 1, recipe.train.on_nonfinite)
-            if ckpt.due(step + 1):
+            if stop:
+                preempt.handled()
+            if ckpt.due(step + 1) or (stop and recipe.checkpoint.every > 0):
                 path = ckpt.save(step + 1, source, dirs[0])
                 if is_logger:
                     writer.echo(f"checkpoint {path} ({ckpt.seconds:.1f} s)")
+            if stop:
+                preempted = (step + 1, path if recipe.checkpoint.every > 0 else None)
+                break
+            injected_kill(rank, step + 1)
     finally:
         source.close()  # stops producer processes, if any
     p2p.flush_sends()
+    if preempted is not None:
+        return _stop_preempted(*preempted, source, writer, log, meta_group)
     # Per-rank timeline of the last step; ranks agree on a time origin through the step start.
     trace = getattr(engine, "trace", [])  # none if a resumed run had no step left
     origin = torch.tensor([min(sp["start"] for sp in trace) if trace else 0.0], dtype=torch.float64)
@@ -309,8 +338,23 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     return 0
 
 
-def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, group) -> dict:
-    """All ranks contribute their figures; every rank gets the step record (rank 0 writes it)."""
+def _stop_preempted(step: int, path, source, writer, log, group) -> int:
+    """After SIGTERM: every rank has saved ``step`` (or checkpoints are off); say so once and stop."""
+    tdist.barrier(group=group)
+    source.release_spool()  # a relaunch reads on from the checkpoint's data state
+    if writer is not None:
+        writer.close()
+        if path is not None:
+            log(f"preempted: checkpoint {path} saved at step {step}; relaunch with train.resume=auto to continue")
+        else:
+            log(f"preempted: stopped after step {step}; no checkpoint written (checkpoint.every=0)")
+    return EXIT_PREEMPTED
+
+
+def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, group,
+                       preempt: bool = False) -> dict:
+    """All ranks contribute their figures; every rank gets the step record (rank 0 writes it).
+    ``preempt``: this rank got SIGTERM; the record's ``preempt`` is whether any rank did."""
     mine = torch.tensor(
         [
             MODULES.index(grid.name),
@@ -321,6 +365,7 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
             stats["comm_wait_s"],
             stats["data_wait_s"],
             peak_memory_gib(),
+            1.0 if preempt else 0.0,
         ],
         dtype=torch.float64,
     )
@@ -342,6 +387,7 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
         "time/data_wait": float(table[:, 6].max()),
         "time/comm_wait": float(table[:, 5].mean()),
         "time/bubble": float(idle.clamp(min=0).mean()),
+        "preempt": bool(table[:, 8].max() > 0),
     }
     for i, name in enumerate(MODULES):
         sel = table[table[:, 0] == i]

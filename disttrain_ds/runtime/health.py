@@ -10,6 +10,7 @@ and exit. Counters, not timestamps, so clocks of different nodes need not agree.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -24,6 +25,18 @@ EXIT_FAILED = 1
 """Exit code of the rank where the failure happened (and of every rank when the loss diverged)."""
 DIVERGED_QUIET_S = 2.0
 """How long ranks other than 0 wait before exiting after a non-finite loss (rank 0 reports it)."""
+STORE_OP_MAX_S = 10.0
+"""Longest a watchdog store operation may block (a stopped store host answers nothing)."""
+
+LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
+                          errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EFBIG, errno.ENAMETOOLONG})
+"""File-system errors that are this rank's own, never the sign of a dead peer."""
+COMM_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
+                         errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENOTCONN, errno.ESHUTDOWN})
+_COMM_TEXT = re.compile(
+    r"connection (reset|closed|refused|aborted)|broken pipe|socket|timed out|timeout|\bpeer\b|gloo|nccl"
+    r"|process ?group|\bstore\b|rendezvous|unexpected end|remote process exited|transport", re.IGNORECASE)
+_DIST_ERRORS = frozenset({"DistError", "DistNetworkError", "DistBackendError", "DistStoreError"})
 
 
 def connect_store(timeout_s: float = 10.0):
@@ -53,6 +66,10 @@ class Watchdog:
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.emit = emit or (lambda line: print(line, file=sys.stderr, flush=True))
         self.exit_fn = exit_fn
+        self.store_host = store_host_name()
+        self.store_op_s = max(1.0, min(STORE_OP_MAX_S, timeout_s / 2))
+        """Longest wait for one store operation before the store host is declared gone."""
+        self._store_lost: str | None = None
         self._beats = 0
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value, monotonic time it changed)
         self._stop = threading.Event()
@@ -74,18 +91,40 @@ class Watchdog:
         self._thread.start()
         return self
 
+    def _op(self, name: str, *args):
+        """``store.<name>(*args)``, given up after ``store_op_s`` (a stopped store host never answers:
+        the client blocks whatever its timeout says)."""
+        if self._store_lost:
+            raise ConnectionError(self._store_lost)
+        box: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = getattr(self.store, name)(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="disttrain-store-op", daemon=True).start()
+        if not done.wait(self.store_op_s):
+            raise TimeoutError(f"no answer to a store {name} in {self.store_op_s:.0f} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(f"hb/{self.rank}", str(self._beats))
+        self._op("set", f"hb/{self.rank}", str(self._beats))
 
     def check(self, now: float | None = None) -> str | None:
         """One look at the others: the reason to stop, or None."""
         now = time.monotonic() if now is None else now
-        if self.store.check(["fault"]):
-            note = self.store.get("fault").decode()
-            return note
+        if self._op("check", ["fault"]):
+            return self._op("get", "fault").decode()
         others = [r for r in self.names if r != self.rank]
-        values = self.store.multi_get([f"hb/{r}" for r in others]) if others else []
+        values = self._op("multi_get", [f"hb/{r}" for r in others]) if others else []
         for r, v in zip(others, values):
             last = self._seen.get(r)
             if last is None or last[0] != v:
@@ -94,13 +133,19 @@ class Watchdog:
                 return f"{self.who(r)} stopped responding (no heartbeat for {now - last[1]:.0f} s: killed, stopped or hung)"
         return None
 
+    def store_lost(self, exc: BaseException) -> str:
+        """The verdict after a store operation failed or timed out: the store host is gone."""
+        if self._store_lost is None:
+            self._store_lost = f"{self.store_host} stopped responding ({one_line(exc)})"
+        return self._store_lost
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self._beat()
                 reason = self.check()
             except Exception as exc:  # noqa: BLE001 - the store itself is gone
-                reason = f"the job's rendezvous store is unreachable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the launcher or rank 0 is gone"
+                reason = self.store_lost(exc)
             if reason and not self._stop.is_set():
                 self.verdict = reason
                 self._publish(reason)  # everyone stops for the same, first-found reason
@@ -115,10 +160,12 @@ class Watchdog:
         while time.monotonic() < deadline:
             if self.verdict:
                 return self.verdict
+            if self._store_lost:
+                return self._store_lost
             try:
                 reason = self.check()
-            except Exception:  # noqa: BLE001
-                return None
+            except Exception as exc:  # noqa: BLE001 - the store host is gone: that is the culprit
+                return self.store_lost(exc)
             if reason:
                 return reason
             time.sleep(self.interval_s)
@@ -130,9 +177,11 @@ class Watchdog:
         self._publish(f"{self.who(self.rank)} failed: {line}")
 
     def _publish(self, note: str) -> None:
+        if self._store_lost:
+            return  # nobody can read it, and each try would block for the store timeout
         try:
-            if not self.store.check(["fault"]):
-                self.store.set("fault", note)
+            if not self._op("check", ["fault"]):
+                self._op("set", "fault", note)
         except Exception:  # noqa: BLE001 - peers will see the heartbeat stop instead
             pass
 
@@ -140,8 +189,10 @@ class Watchdog:
         """This rank is done: its silence from now on is not a failure."""
         self._stop.set()
         self._thread.join(timeout=2 * self.interval_s)
+        if self._store_lost:
+            return
         try:
-            self.store.set(f"hb/{self.rank}", "done")
+            self._op("set", f"hb/{self.rank}", "done")
         except Exception:  # noqa: BLE001
             pass
 
@@ -171,7 +222,8 @@ class Watchdog:
             return self._exit(130)
         line = one_line(exc)
         # A broken connection is usually the neighbour's death: give the heartbeats time to say whose.
-        if isinstance(exc, (RuntimeError, OSError)) and not isinstance(exc, CommTimeoutError):
+        # A local error (disk full, unreadable file, a check of ours) is reported at once.
+        if waits_for_peer(exc) and not isinstance(exc, CommTimeoutError):
             culprit = self.blame(blame_wait_s)
             if culprit:
                 self.emit(f"{here}: stopping{self._at()} because {culprit} (seen here as: {line})")
@@ -208,6 +260,43 @@ class Watchdog:
         if self.hosts_store:
             time.sleep(3 * self.interval_s)
         self.exit_fn(code)
+
+
+def store_host_name() -> str:
+    """How messages name the host of the job's rendezvous store."""
+    host = os.environ.get("MASTER_ADDR", "?")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"the launcher's rendezvous store (host {host})"
+    return f"the store host (rank 0, host {host})"
+
+
+def waits_for_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` may be a neighbour's death seen from here (a broken or timed-out connection),
+    so the heartbeats should get time to name the culprit; False for errors that are this rank's own."""
+    from ..configtools import ConfigError
+
+    for e in (exc, exc.__cause__):
+        if e is None or isinstance(e, (ConfigError, ValueError, KeyError, TypeError, AssertionError)):
+            continue
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(e, OSError) and e.errno is not None:
+            if e.errno in COMM_ERRNOS:
+                return True
+            if e.errno in LOCAL_ERRNOS or e.filename is not None:
+                continue
+        if type(e).__name__ in _DIST_ERRORS:
+            return True
+        if isinstance(e, OSError) and e.errno is None and not e.args[1:]:
+            return True  # a bare OSError (e.g. files another rank should have written): ambiguous, so wait
+        if isinstance(e, RuntimeError) and not _is_ours(e) and _COMM_TEXT.search(str(e)):
+            return True
+    return False
+
+
+def _is_ours(exc: BaseException) -> bool:
+    """Raised by this package's own checks (its messages name what is wrong here)."""
+    return type(exc).__module__.startswith("disttrain_ds.") and type(exc).__name__ != "CommTimeoutError"
 
 
 def one_line(exc: BaseException) -> str:
