@@ -21,16 +21,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_matches_straight_run(tmp_
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     ck = [f"train.steps={STEPS}", "checkpoint.every=1000", f"checkpoint.dir={ckpt}"]
     procs = start_ranks(run, 4, ck)
-    try:
-        wait_until(lambda: len(metrics_steps(run)) >= 2, procs, "step 2")
-        for p in procs:  # as a scheduler does: every rank at once
-            p.send_signal(signal.SIGTERM)
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = _sigterm_after(run, procs, 2, procs)  # as a scheduler does: every rank at once
     codes = [p.returncode for p in procs]
     assert codes == [EXIT_PREEMPTED] * 4, (codes, [e[-2000:] for _, e in outs])
     saved = sorted(ckpt.glob("step_*/manifest.json"))
@@ -53,14 +44,20 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_matches_straight_run(tmp_
 def test_sigterm_without_checkpoints_stops_cleanly(tmp_path):
     run = tmp_path / "run"
     procs = start_ranks(run, 4, ["train.steps=100000"])
+    outs = _sigterm_after(run, procs, 1, procs[2:3])  # one rank only: the others learn it at the step boundary
+    assert [p.returncode for p in procs] == [EXIT_PREEMPTED] * 4, [e[-2000:] for _, e in outs]
+    assert "no checkpoint written (checkpoint.every=0)" in outs[0][0]
+
+
+def _sigterm_after(run, procs, step: int, targets) -> list[tuple[str, str]]:
+    """SIGTERM ``targets`` once ``step`` is in the metrics; every rank's (stdout, stderr)."""
     try:
-        wait_until(lambda: len(metrics_steps(run)) >= 1, procs, "step 1")
-        procs[2].send_signal(signal.SIGTERM)  # one rank only: the others learn it at the step boundary
-        outs = [p.communicate(timeout=300) for p in procs]
+        wait_until(lambda: len(metrics_steps(run)) >= step, procs, f"step {step}")
+        for p in targets:
+            p.send_signal(signal.SIGTERM)
+        return [p.communicate(timeout=300) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [EXIT_PREEMPTED] * 4, [e[-2000:] for _, e in outs]
-    assert "no checkpoint written (checkpoint.every=0)" in outs[0][0]
