@@ -35,7 +35,9 @@ sys.path.insert(0, str(REPO))
 
 from disttrain_ds.planner.baselines import megatron_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
-from disttrain_ds.planner.profile import MODULES, Profile, load_profile, profile_from_dict, profile_to_dict  # noqa: E402
+from disttrain_ds.planner.profile import (  # noqa: E402
+    MODULES, Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict,
+)
 from disttrain_ds.runtime import emulate_sim  # noqa: E402
 
 RECIPE = "recipes/tiny_cpu.yaml"
@@ -104,7 +106,10 @@ def cpu_profile(path: Path | None, out: Path) -> Profile:
         proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
         if proc.returncode:
             raise BenchError(f"profiler failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return profile_from_dict(_tp1(profile_to_dict(load_profile(path))), src=str(path))
+    try:
+        return profile_from_dict(_tp1(profile_to_dict(load_profile(path))), src=str(path))
+    except ProfileError as exc:  # missing or malformed --cpu-profile
+        raise BenchError(f"--cpu-profile: {exc}") from None
 
 
 def at_scale(profile: Profile, ranks: int) -> tuple[Profile, dict[str, Plan]]:
