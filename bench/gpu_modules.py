@@ -103,7 +103,9 @@ class Result:
 
 
 def llm_case(tiny: bool, seq_len: int, batch: int) -> Case:
-    from disttrain_ds.models.llama import llm_layers, lm_loss
+    from disttrain_ds.families import BuildContext
+    from disttrain_ds.families.llama.model import llm_layers
+    from disttrain_ds.models.objectives import lm_loss
 
     cfg = LLMConfig(preset="bench", **(LLM_TINY if tiny else LLM_1B))
     cfg.max_position = max(cfg.max_position, seq_len)
@@ -118,12 +120,14 @@ def llm_case(tiny: bool, seq_len: int, batch: int) -> Case:
     flops = lambda: llm_flops_packed(  # noqa: E731
         layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
         kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, doc_lens=[seq_len] * batch)
-    return Case("llm", f"{batch} x {seq_len} tokens", lambda: [d.build() for d in llm_layers(cfg, image_token, 0)],
+    return Case("llm", f"{batch} x {seq_len} tokens", lambda: [d.build() for d in llm_layers(cfg, BuildContext("llm", 0, cfg.hidden_size, image_token))],
                 inputs, lambda out, labels: lm_loss(out[0], labels), flops)
 
 
 def vit_case(tiny: bool, batch: int) -> Case:
-    from disttrain_ds.models.vit import encoder_layers, pack_images
+    from disttrain_ds.families import BuildContext
+    from disttrain_ds.families.vit.model import encoder_layers
+    from disttrain_ds.models.pixels import pack_images
 
     cfg = EncoderConfig() if tiny else EncoderConfig(preset="vit-h-14", **ENCODER_PRESETS["vit-h-14"])
     width, side = PROJ_WIDTH[tiny], cfg.image_size
@@ -141,12 +145,14 @@ def vit_case(tiny: bool, batch: int) -> Case:
         return enc + proj * patches * batch
 
     return Case("vit", f"{batch} x {side}px ({patches} patches)",
-                lambda: [d.build() for d in encoder_layers(cfg, width, 0)],
+                lambda: [d.build() for d in encoder_layers(cfg, BuildContext("encoder", 0, width))],
                 inputs, lambda out, _: out.float().square().mean(), flops)
 
 
 def unet_case(name: str, tiny: bool, batch: int) -> Case:
-    from disttrain_ds.models.unet import diffusion_loss, generator_layers, unet_kwargs
+    from disttrain_ds.families import BuildContext
+    from disttrain_ds.families.unet.model import generator_layers, unet_kwargs
+    from disttrain_ds.models.objectives import diffusion_loss
 
     latent = LATENT[tiny][name]
     base = GeneratorConfig() if tiny else GeneratorConfig(preset="sd21", **GENERATOR_PRESETS["sd21"])
@@ -170,7 +176,7 @@ def unet_case(name: str, tiny: bool, batch: int) -> Case:
         return net + proj * batch * cfg.query_tokens
 
     return Case(name, f"{batch} x {latent}x{latent} latent",
-                lambda: [d.build() for d in generator_layers(cfg, width, 0)],
+                lambda: [d.build() for d in generator_layers(cfg, BuildContext("generator", 0, width))],
                 inputs, lambda out, tgt: diffusion_loss(out, tgt[0], tgt[1]), flops)
 
 
@@ -189,9 +195,9 @@ def build_cases(names: list[str], tiny: bool, seq_len: int, batch: dict[str, int
 def _drop_build_caches() -> None:
     # The ViT and U-Net builders keep the whole initial fp32 model cached for their pipeline
     # layers to copy from; on a GPU that is gigabytes this benchmark never needs again.
-    for name, fn in (("disttrain_ds.models.vit", "_full_vit"), ("disttrain_ds.models.unet", "_full_unet")):
-        if name in sys.modules:
-            getattr(sys.modules[name], fn).cache_clear()
+    from disttrain_ds.families import clear_build_caches
+
+    clear_build_caches()
 
 
 def _attention(backend: str):

@@ -15,7 +15,8 @@ from typing import Literal
 
 from .configtools import ConfigError, apply_overrides, from_dict, load_yaml
 from .data.config import DataConfig
-from .models.configs import PRESETS, EncoderConfig, GeneratorConfig, LLMConfig
+from .families import DEFAULT_FAMILY, get_family
+from .models.configs import EncoderConfig, GeneratorConfig, LLMConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 """The package, with its shipped ``recipes/*.yaml`` and ``ds_configs/*.json``."""
@@ -207,16 +208,18 @@ class Recipe:
 
 
 def _apply_presets(data: dict, src: str) -> dict:
-    """Expand ``model.<module>.preset`` into its field values; explicit fields win."""
+    """Expand ``model.<module>.preset`` (a preset of the module's family) into its field values;
+    explicit fields win."""
     model = data.get("model")
     if not isinstance(model, dict):
         return data
-    for module, presets in PRESETS.items():
+    for module, default in DEFAULT_FAMILY.items():
         section = model.get(module)
         if section is None:
             continue
         if not isinstance(section, dict):
             raise ConfigError(f"{src}: 'model.{module}' must be a mapping")
+        presets = get_family(section.get("family", default), module, src, f"model.{module}.family").presets
         name = section.get("preset", "tiny")
         if not isinstance(name, str) or name not in presets:
             raise ConfigError(f"{src}: 'model.{module}.preset' must be one of {' | '.join(presets)}, got {name!r}")
@@ -284,29 +287,19 @@ def _check(cond: bool, src: str, key: str, msg: str) -> None:
 
 def layer_counts(recipe: Recipe) -> dict[str, int]:
     """Pipeline layers per module (what PP may split)."""
-    g = recipe.model.generator
-    return {
-        "encoder": recipe.model.encoder.layers + 2,
-        "llm": recipe.model.llm.layers + 2,
-        "generator": 2 + len(g.down_block_types) + 1 + len(g.up_block_types) + 1,
-    }
+    return {name: module_family(recipe, name).layer_count(getattr(recipe.model, name)) for name in DEFAULT_FAMILY}
+
+
+def module_family(recipe, module: str):
+    """The ``Family`` of ``model.<module>``."""
+    cfg = getattr(recipe.model, module)
+    return get_family(cfg.family, module, recipe.source_file or "<recipe>", f"model.{module}.family")
 
 
 def tp_shape_problem(recipe, module: str, tp: int) -> tuple[str, str] | None:
     """(recipe key, why) of the first size that ``tp`` does not divide in ``module``, or None."""
     m = recipe.model
-    checks: list[tuple[str, int]] = []
-    if module == "llm":
-        checks = [("model.llm.heads", m.llm.heads), ("model.llm.kv_heads", m.llm.kv_heads),
-                  ("model.llm.ffn_hidden", m.llm.ffn_hidden)]
-    elif module == "encoder":
-        checks = [("model.encoder.heads", m.encoder.heads), ("model.encoder.ffn_hidden", m.encoder.ffn_hidden),
-                  ("model.llm.hidden_size", m.llm.hidden_size)]  # the input projector's hidden width
-    elif module == "generator":
-        g = m.generator
-        checks = [("model.generator.cross_attention_dim", g.cross_attention_dim)]  # the output projector
-        # U-Net attention: ``attention_head_dim`` holds head counts (diffusers' naming).
-        checks += [(f"model.generator.attention_head_dim[{i}]", h) for i, h in enumerate(g.attention_head_dim)]
+    checks = module_family(recipe, module).tp_sizes(getattr(m, module), f"model.{module}", m.llm.hidden_size)
     for key, value in checks:
         if value % tp:
             return key, f"{value} does not split over the {module}'s tensor-parallel degree {tp}"
@@ -316,6 +309,8 @@ def tp_shape_problem(recipe, module: str, tp: int) -> tuple[str, str] | None:
 def validate(r: Recipe) -> None:
     """Cross-field checks that need no processes."""
     src = r.source_file or "<recipe>"
+    for name in DEFAULT_FAMILY:
+        module_family(r, name)  # a family override that skipped the preset expansion
     t, p = r.train, r.parallel
     _check(RUN_NAME.fullmatch(r.name) is not None, src, "name", f"must be a plain name (letters, digits, '._-', "
            f"not starting with '.', 1 to 100 characters): it names the run directory, got {r.name!r}")

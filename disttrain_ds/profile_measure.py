@@ -201,9 +201,9 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     """
     # Model code pulls in transformers and diffusers (seconds): imported only once the recipe and
     # arguments are known to be good, so errors come back at once.
-    from disttrain_ds.models.llama import gen_condition
     from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, lm_loss_sum
-    from disttrain_ds.models.unet import build_unet, diffusion_loss
+    from disttrain_ds.families.unet.model import build_unet
+    from disttrain_ds.models.objectives import diffusion_loss, gen_condition
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     torch.manual_seed(recipe.seed)

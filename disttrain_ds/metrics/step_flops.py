@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..data.types import PackedSample
 from ..models.mllm import MODULES, MLLMSpec
-from ..models.unet import unet_kwargs
+from ..families.unet.model import unet_kwargs
 from .flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
 from .mfu import StepFlops
 

@@ -1,9 +1,9 @@
 """Initialise modules from local weights instead of random init (nothing is downloaded).
 
 Accepted: a ``.safetensors`` file or a directory of them (sharded is fine) saved by
-transformers 5 / diffusers ``save_pretrained`` (ViTModel, LlamaForCausalLM or LlamaModel,
-UNet2DConditionModel), or a file of this project's own ``module/layer/param`` keys. Each pipeline
-layer reads only its own tensors (lazily, via ``safe_open``), so a stage never loads the whole
+transformers 5 / diffusers ``save_pretrained`` in a layout the module's family maps (its
+``hf_rules``: ViTModel, LlamaForCausalLM, Qwen2ForCausalLM, UNet2DConditionModel, ...), or a
+file of this project's own ``module/layer/param`` keys. Each pipeline layer reads only its own tensors (lazily, via ``safe_open``), so a stage never loads the whole
 model. Projectors have no pretrained counterpart and keep their seeded init.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors import safe_open
@@ -19,43 +20,15 @@ from torch import nn
 
 from .layers import LayerDef
 
-# (pattern on the HF key, replacement giving "layer/param")
-_RULES: dict[str, list[tuple[str, str]]] = {
-    "encoder": [
-        # Hub / save_pretrained layout (encoder.layer.N.attention.attention.query ...).
-        (r"^(?:vit\.)?encoder\.layer\.(\d+)\.attention\.attention\.query\.(.*)$", r"block\1/layer.attention.q_proj.\2"),
-        (r"^(?:vit\.)?encoder\.layer\.(\d+)\.attention\.attention\.key\.(.*)$", r"block\1/layer.attention.k_proj.\2"),
-        (r"^(?:vit\.)?encoder\.layer\.(\d+)\.attention\.attention\.value\.(.*)$", r"block\1/layer.attention.v_proj.\2"),
-        (r"^(?:vit\.)?encoder\.layer\.(\d+)\.attention\.output\.dense\.(.*)$", r"block\1/layer.attention.o_proj.\2"),
-        (r"^(?:vit\.)?encoder\.layer\.(\d+)\.intermediate\.dense\.(.*)$", r"block\1/layer.mlp.fc1.\2"),
-        (r"^(?:vit\.)?encoder\.layer\.(\d+)\.output\.dense\.(.*)$", r"block\1/layer.mlp.fc2.\2"),
-        (r"^(?:vit\.)?encoder\.layer\.(\d+)\.(layernorm_before|layernorm_after)\.(.*)$", r"block\1/layer.\2.\3"),
-        # In-memory transformers 5 names.
-        (r"^(?:vit\.)?embeddings\.(.*)$", r"embed/embeddings.\1"),
-        (r"^(?:vit\.)?layers\.(\d+)\.(.*)$", r"block\1/layer.\2"),
-        (r"^(?:vit\.)?layernorm\.(.*)$", r"head/layernorm.\1"),
-    ],
-    "llm": [
-        (r"^(?:model\.)?embed_tokens\.(.*)$", r"embed/embed_tokens.\1"),
-        (r"^(?:model\.)?layers\.(\d+)\.(.*)$", r"block\1/layer.\2"),
-        (r"^(?:model\.)?norm\.(.*)$", r"head/norm.\1"),
-        (r"^lm_head\.(.*)$", r"head/lm_head.\1"),
-    ],
-    "generator": [
-        (r"^(conv_in|time_embedding)\.(.*)$", r"unet_in/\1.\2"),
-        (r"^down_blocks\.(\d+)\.(.*)$", r"down\1/block.\2"),
-        (r"^mid_block\.(.*)$", r"mid/block.\1"),
-        (r"^up_blocks\.(\d+)\.(.*)$", r"up\1/block.\2"),
-        (r"^(conv_norm_out|conv_out)\.(.*)$", r"unet_out/\1.\2"),
-    ],
-}
+Rules = Sequence[tuple[str, str]]
+"""(regex on a checkpoint key, replacement giving ``layer/param``): a family's ``hf_rules``."""
 
 
-def map_key(module: str, key: str) -> str | None:
+def map_key(module: str, key: str, rules: Rules) -> str | None:
     """'layer/param' for a checkpoint key of ``module``, or None if it has no place here."""
     if key.startswith(module + "/"):
         return key[len(module) + 1 :]
-    for pattern, repl in _RULES[module]:
+    for pattern, repl in rules:
         if re.match(pattern, key):
             return re.sub(pattern, repl, key)
     return None
@@ -81,13 +54,13 @@ def _index(path: str) -> dict[str, str]:
     return index
 
 
-def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str) -> int:
+def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str, rules: Rules) -> int:
     """Copy this layer's tensors from the checkpoint; returns how many were loaded."""
     wanted = {f"{layer_name}/{k}": k for k in layer.state_dict()}
     found: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[tuple[str, str]]] = {}
     for ckpt_key, f in _index(path).items():
-        mapped = map_key(module, ckpt_key)
+        mapped = map_key(module, ckpt_key, rules)
         if mapped in wanted:
             by_file.setdefault(f, []).append((ckpt_key, wanted[mapped]))
     for f, pairs in by_file.items():
@@ -104,7 +77,7 @@ def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str
     return len(found)
 
 
-def with_checkpoint(module: str, defs: list[LayerDef], path: str) -> list[LayerDef]:
+def with_checkpoint(module: str, defs: list[LayerDef], path: str, rules: Rules) -> list[LayerDef]:
     """Layer builders that load their weights from ``path`` after the seeded init."""
     if not path:
         return defs
@@ -114,7 +87,7 @@ def with_checkpoint(module: str, defs: list[LayerDef], path: str) -> list[LayerD
     def wrap(d: LayerDef) -> LayerDef:
         def build() -> nn.Module:
             layer = d.build()
-            load_layer_weights(module, d.name, layer, path)
+            load_layer_weights(module, d.name, layer, path, rules)
             return layer
 
         return LayerDef(d.name, build)

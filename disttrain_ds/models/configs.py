@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 class EncoderConfig:
     """Modality encoder: a ViT (transformers ViTModel layers) plus an MLP input projector."""
 
+    family: str = "vit"
+    """Model family (vit): which network this module is (``disttrain_ds/families``)."""
     preset: str = "tiny"
     """Named size this config starts from (tiny | vit-h-14); fields given beside it override it."""
     hidden_size: int = 32
@@ -38,6 +40,8 @@ class EncoderConfig:
 class LLMConfig:
     """LLM backbone: Llama decoder layers (transformers LlamaDecoderLayer) with an LM head."""
 
+    family: str = "llama"
+    """Model family (llama | qwen2): which network this module is (``disttrain_ds/families``)."""
     preset: str = "tiny"
     """Named size (tiny | llama-7b | llama-13b | llama-70b); fields given beside it override it."""
     hidden_size: int = 64
@@ -66,6 +70,8 @@ class LLMConfig:
 class GeneratorConfig:
     """Modality generator: an MLP output projector plus a diffusers UNet2DConditionModel."""
 
+    family: str = "unet"
+    """Model family (unet): which network this module is (``disttrain_ds/families``)."""
     preset: str = "tiny"
     """Named size (tiny | sd21); fields given beside it override it."""
     block_out_channels: list[int] = field(default_factory=lambda: [16, 32])

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from ..data.types import IGNORE_INDEX, PackedSample, SpecialTokens
-from .configs import EncoderConfig, GeneratorConfig, LLMConfig
+from ..families import BuildContext, Family, get_family
 from .checkpoint import with_checkpoint
+from .configs import EncoderConfig, GeneratorConfig, LLMConfig
 from .layers import LayerDef, Sequential
-from .llama import gen_condition, llm_layers
-from .unet import diffusion_loss, generator_layers, noise_sample
-from .vit import encoder_layers, pack_images
+from .objectives import diffusion_loss, gen_condition, noise_sample
+from .pixels import pack_images
 
 MODULES = ("encoder", "llm", "generator")
 
@@ -41,16 +41,15 @@ class MLLMSpec:
     gen_loss_weight: float = 1.0
     """Weight of the diffusion loss relative to the LM loss."""
 
-    def layers(self, module: str) -> list[LayerDef]:
-        if module == "encoder":
-            defs = encoder_layers(self.encoder, self.llm.hidden_size, self.seed)
-        elif module == "llm":
-            defs = llm_layers(self.llm, self.special.image, self.seed)
-        elif module == "generator":
-            defs = generator_layers(self.generator, self.llm.hidden_size, self.seed)
-        else:
+    def family(self, module: str) -> Family:
+        if module not in MODULES:
             raise ValueError(f"unknown module {module!r}")
-        return with_checkpoint(module, defs, getattr(self, module).checkpoint)
+        return get_family(getattr(self, module).family, module)
+
+    def layers(self, module: str) -> list[LayerDef]:
+        fam, cfg = self.family(module), getattr(self, module)
+        ctx = BuildContext(module=module, seed=self.seed, llm_hidden=self.llm.hidden_size, image_token=self.special.image)
+        return with_checkpoint(module, fam.layers(cfg, ctx), cfg.checkpoint, fam.hf_rules)
 
     def frozen(self, module: str) -> bool:
         return getattr(self, module).frozen

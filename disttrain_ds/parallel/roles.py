@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.llama import gen_condition
 from ..models.mllm import MicroBatch, MLLMSpec, generator_states, lm_loss_sum
-from ..models.unet import diffusion_loss
+from ..models.objectives import diffusion_loss, gen_condition
 
 
 class Role:

@@ -21,14 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from diffusers.models.attention import FeedForward
-from diffusers.models.attention_processor import Attention as DiffusersAttention
 from diffusers.models.activations import GEGLU
+from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
-from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 
-from ..models.llama import LlmHead
+from ..families import tp_plans
 from ..models.projectors import MLPProjector
 
 
@@ -140,16 +137,8 @@ class RowParallelLinear(nn.Module):
 
 
 # Which linears of which module types are split, by submodule path: "col" | "row" | "col_gather".
-_PLANS: list[tuple[type, dict[str, str]]] = [
-    (LlamaAttention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
-    (LlamaMLP, {"gate_proj": "col", "up_proj": "col", "down_proj": "row"}),
-    (ViTAttention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
-    (ViTMLP, {"fc1": "col", "fc2": "row"}),
-    (MLPProjector, {"0": "col", "2": "row"}),
-    (LlmHead, {"lm_head": "col_gather"}),
-    (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row"}),
-    (FeedForward, {"net.0.proj": "col", "net.2": "row"}),
-]
+# The families own theirs; projectors are shared by all.
+_PLANS: list[tuple[type, dict[str, str]]] = [*tp_plans(), (MLPProjector, {"0": "col", "2": "row"})]
 
 
 def _plan_for(module: nn.Module) -> dict[str, str] | None:

@@ -106,7 +106,7 @@ def layer_params(recipe, module: str, vocab: int) -> list[int]:
     import torch
 
     from ..data.types import SpecialTokens
-    from ..models import unet, vit
+    from ..families import clear_build_caches
     from ..models.mllm import MLLMSpec
 
     m = recipe.model
@@ -117,8 +117,7 @@ def layer_params(recipe, module: str, vocab: int) -> list[int]:
         with torch.device("meta"):
             return [sum(p.numel() for p in d.build().parameters()) for d in spec.layers(module)]
     finally:  # the builders cache one whole model; never leave a meta one behind
-        vit._full_vit.cache_clear()
-        unet._full_unet.cache_clear()
+        clear_build_caches()
 
 
 def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:

@@ -21,6 +21,8 @@ from .test_fidelity import SGD, STEPS
 LAYOUTS = {
     # name: (ranks, overrides)
     "llm_tp2_pp2": (6, ["layout=disaggregated", "parallel.llm.tp=2"]),
+    # A second LLM family: Qwen2's biased q/k/v shard with their rows.
+    "qwen2_llm_tp2_pp2": (6, ["layout=disaggregated", "model.llm.family=qwen2", "parallel.llm.tp=2"]),
     # Fan-in from two encoder replicas into a TP group, and TP on both sides of the second boundary.
     "enc_dp2_llm_tp2_gen_tp2": (
         6,

@@ -14,7 +14,7 @@ from disttrain_ds.models.mllm import MLLMSpec
 def test_llm_layers_load_transformers_save_pretrained(tmp_path, tiny_spec):
     from transformers import LlamaForCausalLM
 
-    from disttrain_ds.models.llama import hf_config
+    from disttrain_ds.families.llama.model import hf_config
 
     with torch.random.fork_rng():
         torch.manual_seed(99)
@@ -30,8 +30,8 @@ def test_llm_layers_load_transformers_save_pretrained(tmp_path, tiny_spec):
 def test_vit_and_unet_weights_load_and_differ_from_seeded_init(tmp_path, tiny_spec):
     from transformers import ViTModel
 
-    from disttrain_ds.models.unet import build_unet
-    from disttrain_ds.models.vit import hf_config
+    from disttrain_ds.families.unet.model import build_unet
+    from disttrain_ds.families.vit.model import hf_config
 
     with torch.random.fork_rng():
         torch.manual_seed(5)

@@ -13,7 +13,7 @@ from disttrain_ds.cli.train import build_parser, main
 from disttrain_ds.config import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.entry import run
-from disttrain_ds.models.llama import gen_condition
+from disttrain_ds.models.objectives import gen_condition
 from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, lm_loss_sum
 from disttrain_ds.runtime import activations, memory
 

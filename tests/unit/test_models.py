@@ -16,8 +16,8 @@ from disttrain_ds.models.configs import (
 )
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.models.mllm import MLLMSpec
-from disttrain_ds.models.unet import build_unet
-from disttrain_ds.models.vit import hf_config as vit_hf_config
+from disttrain_ds.families.unet.model import build_unet
+from disttrain_ds.families.vit.model import hf_config as vit_hf_config
 
 
 def _meta_params(module: str, llm: str = "llama-7b") -> int:
@@ -67,7 +67,7 @@ def test_mllm_totals_match_paper_names():
 
 
 def test_encoder_tokens_follow_image_resolution(tiny_spec):
-    from disttrain_ds.models.vit import pack_images
+    from disttrain_ds.models.pixels import pack_images
 
     enc = Sequential([d.build() for d in tiny_spec.layers("encoder")])
     p = tiny_spec.encoder.patch_size
@@ -77,7 +77,7 @@ def test_encoder_tokens_follow_image_resolution(tiny_spec):
 
 
 def test_encoder_packed_equals_one_image_at_a_time(tiny_spec):
-    from disttrain_ds.models.vit import pack_images
+    from disttrain_ds.models.pixels import pack_images
 
     enc = Sequential([d.build() for d in tiny_spec.layers("encoder")])
     images = [torch.randn(3, 16, 16), torch.randn(3, 32, 24), torch.randn(3, 16, 16)]
@@ -87,10 +87,11 @@ def test_encoder_packed_equals_one_image_at_a_time(tiny_spec):
 
 
 def test_split_unet_equals_diffusers_forward(tiny_spec):
-    from disttrain_ds.models.unet import _unet
+    from disttrain_ds.families.unet.model import _unet
+    from disttrain_ds.models.layers import layer_seed
 
     gen = Sequential([d.build() for d in tiny_spec.layers("generator")])
-    unet = _unet(tiny_spec.generator, tiny_spec.seed)
+    unet = _unet(tiny_spec.generator, layer_seed(tiny_spec.seed, "generator", "init"))
     r, k = tiny_spec.generator.resolution, tiny_spec.generator.query_tokens
     states = torch.randn(2, k, tiny_spec.llm.hidden_size)
     noisy = torch.randn(2, 3, r, r)

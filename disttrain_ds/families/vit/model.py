@@ -15,10 +15,13 @@ import json
 import torch
 from torch import nn
 from transformers import ViTConfig, ViTModel
+from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 
-from .configs import EncoderConfig
-from .layers import LayerDef, seeded
-from .projectors import MLPProjector
+from ...models.configs import EncoderConfig
+from ...models.pixels import unpack_images
+from ...models.layers import LayerDef, layer_seed, seeded
+from ..base import BuildContext
+from ...models.projectors import MLPProjector
 
 
 def hf_config(cfg: EncoderConfig) -> ViTConfig:
@@ -47,23 +50,6 @@ def _vit_part(cfg: EncoderConfig, seed: int, pick):
     """A private copy of one part of the cached initial ViT (the cache itself is never trained)."""
     return copy.deepcopy(pick(_full_vit(json.dumps(cfg.__dict__, sort_keys=True), seed)))
 
-
-def pack_images(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten images [3, H, W] into one 1-D tensor plus an int64 [n, 2] (H, W) table."""
-    if not images:
-        return torch.zeros(0), torch.zeros(0, 2, dtype=torch.long)
-    flat = torch.cat([im.reshape(-1) for im in images])
-    hw = torch.tensor([[im.shape[1], im.shape[2]] for im in images], dtype=torch.long)
-    return flat, hw
-
-
-def unpack_images(flat: torch.Tensor, hw: torch.Tensor, channels: int = 3) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for h, w in hw.tolist():
-        n = channels * h * w
-        out.append(flat[offset : offset + n].view(channels, h, w))
-        offset += n
-    return out
 
 
 def _by_length(counts: list[int]) -> dict[int, list[int]]:
@@ -132,16 +118,30 @@ class VitHead(nn.Module):
         return self.projector(hidden[keep])
 
 
-def encoder_layers(cfg: EncoderConfig, llm_hidden: int, seed: int) -> list[LayerDef]:
+def encoder_layers(cfg: EncoderConfig, ctx: BuildContext) -> list[LayerDef]:
     """Ordered pipeline layers of the encoder: embed, ``cfg.layers`` blocks, head."""
-    part = lambda pick: _vit_part(cfg, seed, pick)  # noqa: E731
-    defs = [seeded(seed, "encoder", "embed", lambda: VitEmbed(part(lambda v: v.embeddings)))]
+    seed, module = ctx.seed, ctx.module
+    init = layer_seed(seed, module, "init")  # two ViT encoders of one size start apart
+    part = lambda pick: _vit_part(cfg, init, pick)  # noqa: E731
+    defs = [seeded(seed, module, "embed", lambda: VitEmbed(part(lambda v: v.embeddings)))]
     for i in range(cfg.layers):
-        defs.append(seeded(seed, "encoder", f"block{i}", lambda i=i: VitBlock(part(lambda v: v.layers[i]))))
-    head = lambda: VitHead(part(lambda v: v.layernorm), cfg.hidden_size, llm_hidden)  # noqa: E731
-    defs.append(seeded(seed, "encoder", "head", head))
+        defs.append(seeded(seed, module, f"block{i}", lambda i=i: VitBlock(part(lambda v: v.layers[i]))))
+    head = lambda: VitHead(part(lambda v: v.layernorm), cfg.hidden_size, ctx.llm_hidden)  # noqa: E731
+    defs.append(seeded(seed, module, "head", head))
     return defs
 
 
 def patches_per_image(h: int, w: int, patch_size: int) -> int:
     return (h // patch_size) * (w // patch_size)
+
+
+def clear_caches() -> None:
+    _full_vit.cache_clear()
+
+
+layers = encoder_layers
+
+TP_PLAN = (
+    (ViTAttention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
+    (ViTMLP, {"fc1": "col", "fc2": "row"}),
+)

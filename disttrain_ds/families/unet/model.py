@@ -14,13 +14,15 @@ import functools
 import json
 
 import torch
-import torch.nn.functional as F
-from diffusers import DDPMScheduler, UNet2DConditionModel
+from diffusers import UNet2DConditionModel
+from diffusers.models.attention import FeedForward
+from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
 
-from .configs import GeneratorConfig
-from .layers import LayerDef, seeded
-from .projectors import MLPProjector
+from ...models.configs import GeneratorConfig
+from ...models.layers import LayerDef, layer_seed, seeded
+from ..base import BuildContext
+from ...models.projectors import MLPProjector
 
 
 def build_unet(cfg: GeneratorConfig) -> UNet2DConditionModel:
@@ -163,43 +165,37 @@ def _out_parts(u: UNet2DConditionModel) -> tuple:
     return u.conv_norm_out, u.conv_act, u.conv_out
 
 
-def generator_layers(cfg: GeneratorConfig, llm_hidden: int, seed: int) -> list[LayerDef]:
+def generator_layers(cfg: GeneratorConfig, ctx: BuildContext) -> list[LayerDef]:
     """Ordered pipeline layers of the generator: projector, U-Net in, downs, mid, ups, out."""
     if cfg.resolution % (2 ** (len(cfg.block_out_channels) - 1)):
         raise ValueError(
             f"generator.resolution {cfg.resolution} must be divisible by {2 ** (len(cfg.block_out_channels) - 1)}"
         )
-    part = lambda pick: _unet_part(cfg, seed, pick)  # noqa: E731
+    seed, module, llm_hidden = ctx.seed, ctx.module, ctx.llm_hidden
+    init = layer_seed(seed, module, "init")  # two U-Nets of one size start apart
+    part = lambda pick: _unet_part(cfg, init, pick)  # noqa: E731
     defs = [
-        seeded(seed, "generator", "out_projector", lambda: OutProjector(llm_hidden, cfg)),
-        seeded(seed, "generator", "unet_in", lambda: UnetIn(part(_in_parts))),
+        seeded(seed, module, "out_projector", lambda: OutProjector(llm_hidden, cfg)),
+        seeded(seed, module, "unet_in", lambda: UnetIn(part(_in_parts))),
     ]
     for i in range(len(cfg.down_block_types)):
-        defs.append(seeded(seed, "generator", f"down{i}", lambda i=i: UnetDown(part(lambda u: u.down_blocks[i]))))
-    defs.append(seeded(seed, "generator", "mid", lambda: UnetMid(part(lambda u: u.mid_block))))
+        defs.append(seeded(seed, module, f"down{i}", lambda i=i: UnetDown(part(lambda u: u.down_blocks[i]))))
+    defs.append(seeded(seed, module, "mid", lambda: UnetMid(part(lambda u: u.mid_block))))
     n_up = len(cfg.up_block_types)
     for i in range(n_up):
         up = lambda i=i: UnetUp(part(lambda u: u.up_blocks[i]), i == n_up - 1)  # noqa: E731
-        defs.append(seeded(seed, "generator", f"up{i}", up))
-    defs.append(seeded(seed, "generator", "unet_out", lambda: UnetOut(part(_out_parts))))
+        defs.append(seeded(seed, module, f"up{i}", up))
+    defs.append(seeded(seed, module, "unet_out", lambda: UnetOut(part(_out_parts))))
     return defs
 
 
-def diffusion_loss(noise_pred: torch.Tensor, noise: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum over images of the per-image mean squared error (epsilon prediction)."""
-    per_image = F.mse_loss(noise_pred.float(), noise.float(), reduction="none").flatten(1).mean(1)
-    return (per_image * weights).sum()
+def clear_caches() -> None:
+    _full_unet.cache_clear()
 
 
-@functools.lru_cache(maxsize=4)
-def scheduler(train_timesteps: int) -> DDPMScheduler:
-    return DDPMScheduler(num_train_timesteps=train_timesteps)
+layers = generator_layers
 
-
-def noise_sample(target: torch.Tensor, sample_id: int, image_index: int, seed: int, train_timesteps: int):
-    """Deterministic (noisy, timestep, noise) for one target image, the same in every layout."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + sample_id * 101 + image_index) & 0x7FFFFFFFFFFFFFFF)
-    noise = torch.randn(target.shape, generator=g)
-    t = torch.randint(0, train_timesteps, (1,), generator=g)
-    noisy = scheduler(train_timesteps).add_noise(target.unsqueeze(0), noise.unsqueeze(0), t)[0]
-    return noisy, t[0], noise
+TP_PLAN = (
+    (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row"}),
+    (FeedForward, {"net.0.proj": "col", "net.2": "row"}),
+)

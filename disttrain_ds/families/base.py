@@ -1,0 +1,69 @@
+"""What a model family tells the rest of the system: one record per family, no torch.distributed.
+
+A family (ViT, Llama, Qwen2, U-Net, ...) is everything that depends on the network's code: how
+its config becomes pipeline layers, which linears tensor parallelism splits, how Hugging Face /
+diffusers checkpoint keys map onto its layers, which sizes a TP degree must divide, and how many
+FLOPs a step costs. The runtime, checkpoint loader, recipe validation and MFU meter ask the
+family instead of switching on module names, so adding a family is one folder and one line in
+``families/__init__.py``.
+
+The record itself is light (no torch): recipe validation reads it without importing any network
+code; the layers and the TP plan live in the family's ``model`` module, imported when needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from ..models.layers import LayerDef
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a family's layer builder needs beyond its own config."""
+
+    module: str
+    """The module's name in the graph (part of every layer's seed and checkpoint key)."""
+    seed: int
+    """Model initialisation seed shared by all layouts."""
+    llm_hidden: int
+    """Width of the LLM's hidden states (what encoders project to and generators read)."""
+    image_token: int = -1
+    """Token id of an image placeholder (LLM families)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its role, config type, presets and the formulas that depend on its code."""
+
+    name: str
+    """Recipe value of ``model.<module>.family``."""
+    role: str
+    """encoder | llm | generator: where in the graph a module of this family may sit."""
+    config_type: type
+    """The dataclass of ``model.<module>`` for this family."""
+    presets: dict[str, dict]
+    """Named sizes (``model.<module>.preset``); each maps config fields to values."""
+    model: str
+    """Module defining ``layers(cfg, ctx) -> list[LayerDef]`` (ordered pipeline layers) and
+    ``TP_PLAN``: (submodule class, {linear path: col | row | col_gather}) pairs."""
+    layer_count: Callable[[Any], int]
+    """Pipeline layers ``layers`` returns for a config (what PP may split), without building them."""
+    tp_sizes: Callable[[Any, str, int], list[tuple[str, int]]]
+    """(cfg, key prefix ``model.<module>``, LLM hidden width) -> (recipe key, size) pairs a
+    tensor-parallel degree must divide (the projectors split widths of the LLM too)."""
+    hf_rules: Sequence[tuple[str, str]] = ()
+    """(regex on a Hugging Face / diffusers checkpoint key, replacement giving ``layer/param``)."""
+    hf_formats: str = ""
+    """The checkpoint layouts ``hf_rules`` read, for messages."""
+
+    def layers(self, cfg: Any, ctx: BuildContext) -> list[LayerDef]:
+        """Ordered pipeline layers of a module of this family."""
+        return importlib.import_module(self.model).layers(cfg, ctx)
+
+    def tp_plan(self) -> Sequence[tuple[type, dict[str, str]]]:
+        """Which linears of which submodule classes tensor parallelism splits."""
+        return importlib.import_module(self.model).TP_PLAN

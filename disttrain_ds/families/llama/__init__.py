@@ -1,0 +1,31 @@
+"""Llama decoder LLM (transformers ``LlamaDecoderLayer``) with embedding, image scatter and LM head."""
+
+from ...models.configs import LLM_PRESETS, LLMConfig
+from ..base import Family
+
+
+def decoder_tp_sizes(cfg: LLMConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:
+    """Sizes a TP degree must divide in a Llama-shaped decoder."""
+    return [(f"{prefix}.heads", cfg.heads), (f"{prefix}.kv_heads", cfg.kv_heads),
+            (f"{prefix}.ffn_hidden", cfg.ffn_hidden)]
+
+
+DECODER_HF_RULES = (
+    (r"^(?:model\.)?embed_tokens\.(.*)$", r"embed/embed_tokens.\1"),
+    (r"^(?:model\.)?layers\.(\d+)\.(.*)$", r"block\1/layer.\2"),
+    (r"^(?:model\.)?norm\.(.*)$", r"head/norm.\1"),
+    (r"^lm_head\.(.*)$", r"head/lm_head.\1"),
+)
+"""Hugging Face causal-LM keys (``model.layers.N...``, ``lm_head``) onto embed / blockN / head."""
+
+FAMILY = Family(
+    name="llama",
+    role="llm",
+    config_type=LLMConfig,
+    presets=LLM_PRESETS,
+    model="disttrain_ds.families.llama.model",
+    layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head
+    tp_sizes=decoder_tp_sizes,
+    hf_rules=DECODER_HF_RULES,
+    hf_formats="transformers LlamaForCausalLM or LlamaModel",
+)

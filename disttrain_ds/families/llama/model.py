@@ -1,0 +1,141 @@
+"""LLM backbone as pipeline layers: embedding (+ image scatter), decoder blocks, norm + LM head.
+
+Written for Llama; any decoder family of the same shape (RMSNorm, rotary positions, one decoder
+layer class) reuses it by passing its own ``Decoder`` (see ``families/qwen2``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from dataclasses import dataclass
+from typing import Callable
+
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from ...models.configs import LLMConfig
+from ...models.layers import LayerDef, seeded
+from ..base import BuildContext
+
+
+def hf_kwargs(cfg: LLMConfig) -> dict:
+    """transformers config arguments shared by Llama-shaped decoders."""
+    if cfg.vocab_size <= 0:
+        raise ValueError("llm.vocab_size must be resolved (positive) before building the model")
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_position,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        attention_dropout=0.0,
+        attn_implementation="sdpa",
+    )
+
+
+def hf_config(cfg: LLMConfig) -> LlamaConfig:
+    return LlamaConfig(**hf_kwargs(cfg))
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """The transformers classes one Llama-shaped decoder family is built from."""
+
+    config: Callable[[LLMConfig], PretrainedConfig]
+    """Our config -> the family's transformers config."""
+    layer: type
+    """Decoder layer class, constructed as ``layer(hf_config, index)``."""
+    norm: type
+    """Final RMSNorm class, constructed as ``norm(hidden_size)``."""
+    rotary: type
+    """Rotary embedding class, constructed as ``rotary(hf_config)``."""
+
+
+LLAMA = Decoder(hf_config, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding)
+
+
+class LlmEmbed(nn.Module):
+    """(input_ids [B, S], image_embeds [P, H]) -> (hidden [B, S, H],).
+
+    Image placeholders are replaced, in order, by the projected patch embeddings from the encoder.
+    """
+
+    def __init__(self, cfg: LLMConfig, image_token: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.image_token = image_token
+
+    def forward(self, inputs):
+        input_ids, image_embeds = inputs
+        hidden = self.embed_tokens(input_ids)
+        mask = input_ids == self.image_token
+        n = int(mask.sum())
+        if n != image_embeds.shape[0]:
+            raise ValueError(f"{n} image placeholders but {image_embeds.shape[0]} image embeddings")
+        if n:
+            hidden = hidden.masked_scatter(mask.unsqueeze(-1), image_embeds.to(hidden.dtype))
+        return (hidden,)
+
+
+class LlmBlock(nn.Module):
+    """(hidden,) -> (hidden,): one decoder layer (causal, rotary positions)."""
+
+    def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
+        super().__init__()
+        hf = decoder.config(cfg)
+        self.layer = decoder.layer(hf, index)
+        self.rotary = decoder.rotary(hf)
+
+    def forward(self, inputs):
+        (hidden,) = inputs if isinstance(inputs, tuple) else (inputs,)
+        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # attention_mask=None with SDPA gives causal attention over the packed sequence.
+        out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos))
+        return (out[0] if isinstance(out, tuple) else out,)
+
+
+class LlmHead(nn.Module):
+    """(hidden,) -> (logits [B, S, V], normed hidden [B, S, H]); the latter feeds the generator."""
+
+    def __init__(self, cfg: LLMConfig, decoder: Decoder = LLAMA):
+        super().__init__()
+        self.norm = decoder.norm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, inputs):
+        (hidden,) = inputs if isinstance(inputs, tuple) else (inputs,)
+        h = self.norm(hidden)
+        return self.lm_head(h), h
+
+
+def decoder_layers(cfg: LLMConfig, ctx: BuildContext, decoder: Decoder) -> list[LayerDef]:
+    """Ordered pipeline layers of a decoder LLM: embed, ``cfg.layers`` decoder blocks, head."""
+    seed, module = ctx.seed, ctx.module
+    defs = [seeded(seed, module, "embed", lambda: LlmEmbed(cfg, ctx.image_token))]
+    for i in range(cfg.layers):
+        defs.append(seeded(seed, module, f"block{i}", lambda i=i: LlmBlock(cfg, i, decoder)))
+    defs.append(seeded(seed, module, "head", lambda: LlmHead(cfg, decoder)))
+    return defs
+
+
+def llm_layers(cfg: LLMConfig, ctx: BuildContext) -> list[LayerDef]:
+    return decoder_layers(cfg, ctx, LLAMA)
+
+
+layers = llm_layers
+
+TP_PLAN = (
+    (LlamaAttention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
+    (LlamaMLP, {"gate_proj": "col", "up_proj": "col", "down_proj": "row"}),
+    (LlmHead, {"lm_head": "col_gather"}),
+)

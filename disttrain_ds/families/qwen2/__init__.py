@@ -1,0 +1,27 @@
+"""Qwen2 decoder LLM (transformers ``Qwen2DecoderLayer``: Llama's shape with biased q/k/v projections).
+
+Everything but the transformers classes and the presets is the Llama family's code.
+"""
+
+from ...models.configs import LLMConfig
+from ..base import Family
+from ..llama import DECODER_HF_RULES, decoder_tp_sizes
+
+PRESETS: dict[str, dict] = {
+    "tiny": {},
+    # Qwen/Qwen2-7B config.json (untied embeddings, grouped-query attention with 4 KV heads).
+    "qwen2-7b": dict(hidden_size=3584, layers=28, heads=28, kv_heads=4, ffn_hidden=18944, vocab_size=152064,
+                     rope_theta=1000000.0, max_position=32768),
+}
+
+FAMILY = Family(
+    name="qwen2",
+    role="llm",
+    config_type=LLMConfig,
+    presets=PRESETS,
+    model="disttrain_ds.families.qwen2.model",
+    layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head
+    tp_sizes=decoder_tp_sizes,
+    hf_rules=DECODER_HF_RULES,
+    hf_formats="transformers Qwen2ForCausalLM or Qwen2Model",
+)

@@ -1,0 +1,34 @@
+"""ViT image encoder (transformers ``ViTModel`` layers) with its MLP input projector."""
+
+from ...models.configs import ENCODER_PRESETS, EncoderConfig
+from ..base import Family
+
+_HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
+
+FAMILY = Family(
+    name="vit",
+    role="encoder",
+    config_type=EncoderConfig,
+    presets=ENCODER_PRESETS,
+    model="disttrain_ds.families.vit.model",
+    layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head (norm + projector)
+    tp_sizes=lambda cfg, prefix, llm_hidden: [
+        (f"{prefix}.heads", cfg.heads), (f"{prefix}.ffn_hidden", cfg.ffn_hidden),
+        ("model.llm.hidden_size", llm_hidden),  # the input projector's hidden width
+    ],
+    hf_rules=(
+        # Hub / save_pretrained layout (encoder.layer.N.attention.attention.query ...).
+        (_HF + r"attention\.attention\.query\.(.*)$", r"block\1/layer.attention.q_proj.\2"),
+        (_HF + r"attention\.attention\.key\.(.*)$", r"block\1/layer.attention.k_proj.\2"),
+        (_HF + r"attention\.attention\.value\.(.*)$", r"block\1/layer.attention.v_proj.\2"),
+        (_HF + r"attention\.output\.dense\.(.*)$", r"block\1/layer.attention.o_proj.\2"),
+        (_HF + r"intermediate\.dense\.(.*)$", r"block\1/layer.mlp.fc1.\2"),
+        (_HF + r"output\.dense\.(.*)$", r"block\1/layer.mlp.fc2.\2"),
+        (_HF + r"(layernorm_before|layernorm_after)\.(.*)$", r"block\1/layer.\2.\3"),
+        # In-memory transformers 5 names.
+        (r"^(?:vit\.)?embeddings\.(.*)$", r"embed/embeddings.\1"),
+        (r"^(?:vit\.)?layers\.(\d+)\.(.*)$", r"block\1/layer.\2"),
+        (r"^(?:vit\.)?layernorm\.(.*)$", r"head/layernorm.\1"),
+    ),
+    hf_formats="transformers ViTModel",
+)

@@ -1,0 +1,48 @@
+"""The training objectives every family of a role shares: next-token loss, generation queries,
+DDPM epsilon prediction with noise drawn identically in every layout."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler
+
+from ..data.types import IGNORE_INDEX
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over labelled positions (label[i] is predicted at i)."""
+    valid = labels != IGNORE_INDEX
+    if not bool(valid.any()):
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits[valid].float(), labels[valid])
+
+
+def gen_condition(hidden: torch.Tensor, gen_mask: torch.Tensor, query_tokens: int) -> torch.Tensor:
+    """Hidden states at the generation-query positions, as [n_images, query_tokens, H]."""
+    picked = hidden[gen_mask]
+    if picked.shape[0] % query_tokens:
+        raise ValueError(f"{picked.shape[0]} generation queries is not a multiple of {query_tokens}")
+    return picked.view(-1, query_tokens, hidden.shape[-1])
+
+
+def diffusion_loss(noise_pred: torch.Tensor, noise: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over images of the per-image mean squared error (epsilon prediction)."""
+    per_image = F.mse_loss(noise_pred.float(), noise.float(), reduction="none").flatten(1).mean(1)
+    return (per_image * weights).sum()
+
+
+@functools.lru_cache(maxsize=4)
+def scheduler(train_timesteps: int) -> DDPMScheduler:
+    return DDPMScheduler(num_train_timesteps=train_timesteps)
+
+
+def noise_sample(target: torch.Tensor, sample_id: int, image_index: int, seed: int, train_timesteps: int):
+    """Deterministic (noisy, timestep, noise) for one target image, the same in every layout."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + sample_id * 101 + image_index) & 0x7FFFFFFFFFFFFFFF)
+    noise = torch.randn(target.shape, generator=g)
+    t = torch.randint(0, train_timesteps, (1,), generator=g)
+    noisy = scheduler(train_timesteps).add_noise(target.unsqueeze(0), noise.unsqueeze(0), t)[0]
+    return noisy, t[0], noise
