@@ -127,6 +127,7 @@ def llm_case(tiny: bool, seq_len: int, batch: int) -> Case:
 def vit_case(tiny: bool, batch: int) -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.vit.model import encoder_layers
+    from disttrain_ds.models.projectors import InputProjector
     from disttrain_ds.models.pixels import pack_images
 
     cfg = EncoderConfig() if tiny else EncoderConfig(preset="vit-h-14", **ENCODER_PRESETS["vit-h-14"])
@@ -145,13 +146,15 @@ def vit_case(tiny: bool, batch: int) -> Case:
         return enc + proj * patches * batch
 
     return Case("vit", f"{batch} x {side}px ({patches} patches)",
-                lambda: [d.build() for d in encoder_layers(cfg, BuildContext("encoder", 0, width))],
+                lambda: [*(d.build() for d in encoder_layers(cfg, BuildContext("encoder", 0, width))),
+                         InputProjector(cfg.hidden_size, width)],
                 inputs, lambda out, _: out.float().square().mean(), flops)
 
 
 def unet_case(name: str, tiny: bool, batch: int) -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.unet.model import generator_layers, unet_kwargs
+    from disttrain_ds.models.projectors import ConditionProjector
     from disttrain_ds.models.objectives import diffusion_loss
 
     latent = LATENT[tiny][name]
@@ -176,7 +179,8 @@ def unet_case(name: str, tiny: bool, batch: int) -> Case:
         return net + proj * batch * cfg.query_tokens
 
     return Case(name, f"{batch} x {latent}x{latent} latent",
-                lambda: [d.build() for d in generator_layers(cfg, BuildContext("generator", 0, width))],
+                lambda: [ConditionProjector(width, cfg.cross_attention_dim),
+                         *(d.build() for d in generator_layers(cfg, BuildContext("generator", 0, width)))],
                 inputs, lambda out, tgt: diffusion_loss(out, tgt[0], tgt[1]), flops)
 
 

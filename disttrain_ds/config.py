@@ -16,7 +16,7 @@ from typing import Literal
 from .configtools import ConfigError, apply_overrides, from_dict, load_yaml
 from .data.config import DataConfig
 from .families import DEFAULT_FAMILY, get_family
-from .models.configs import EncoderConfig, GeneratorConfig, LLMConfig
+from .models.configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 """The package, with its shipped ``recipes/*.yaml`` and ``ds_configs/*.json``."""
@@ -286,8 +286,13 @@ def _check(cond: bool, src: str, key: str, msg: str) -> None:
 
 
 def layer_counts(recipe: Recipe) -> dict[str, int]:
-    """Pipeline layers per module (what PP may split)."""
-    return {name: module_family(recipe, name).layer_count(getattr(recipe.model, name)) for name in DEFAULT_FAMILY}
+    """Pipeline layers per module (what PP may split): the family's, plus the projector of an
+    encoder or generator."""
+    out = {}
+    for name in DEFAULT_FAMILY:
+        fam = module_family(recipe, name)
+        out[name] = fam.layer_count(getattr(recipe.model, name)) + (fam.role != "llm")
+    return out
 
 
 def module_family(recipe, module: str):
@@ -298,8 +303,13 @@ def module_family(recipe, module: str):
 
 def tp_shape_problem(recipe, module: str, tp: int) -> tuple[str, str] | None:
     """(recipe key, why) of the first size that ``tp`` does not divide in ``module``, or None."""
-    m = recipe.model
-    checks = module_family(recipe, module).tp_sizes(getattr(m, module), f"model.{module}", m.llm.hidden_size)
+    m, fam = recipe.model, module_family(recipe, module)
+    cfg, prefix = getattr(m, module), f"model.{module}"
+    checks = fam.tp_sizes(cfg, prefix, m.llm.hidden_size)
+    if fam.role == "encoder":  # the input projector's hidden width is the LLM's
+        checks.append(("model.llm.hidden_size", m.llm.hidden_size))
+    elif fam.role == "generator":  # the output projector's hidden width is the conditioning width
+        checks.insert(0, (f"{prefix}.{fam.width_key}", fam.width(cfg)))
     for key, value in checks:
         if value % tp:
             return key, f"{value} does not split over the {module}'s tensor-parallel degree {tp}"
@@ -428,8 +438,15 @@ def validate(r: Recipe) -> None:
     for name in ("encoder", "llm", "generator"):
         ckpt = getattr(r.model, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"model.{name}.checkpoint", f"{ckpt} does not exist")
-    if r.model.encoder.frozen and r.model.llm.frozen and r.model.generator.frozen:
+    if not any(trains(getattr(r.model, n)) for n in DEFAULT_FAMILY):
         raise ConfigError(f"{src}: 'model': every module is frozen; nothing would train")
+    for name in ("encoder", "generator"):
+        cfg = getattr(r.model, name)
+        # Stages without trainable weights skip DeepSpeed's optimizer collectives (gradient norm,
+        # overflow checks) that the projector's stage would wait for.
+        _check(not (cfg.frozen and trains(cfg)) or r.layout != "disaggregated" or getattr(p, name).pp == 1, src,
+               f"parallel.{name}.pp", f"must be 1 when model.{name}.frozen is set and its projector trains "
+               f"(got {getattr(p, name).pp})")
     from .dsconfig import load_ds_config  # local import: keeps config parsing free of DeepSpeed
 
     for name in ("encoder", "llm", "generator"):

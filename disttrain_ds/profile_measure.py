@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from disttrain_ds.models.configs import trains
 from disttrain_ds.config import Recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.metrics.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
@@ -97,7 +98,7 @@ def modes(recipe: Recipe) -> dict[str, tuple[str, bool]]:
     """Per module: (mode, whether its float input needs a gradient for a trained module upstream)."""
     out, upstream = {}, False
     for name in MODULES:
-        frozen = getattr(recipe.model, name).frozen
+        frozen = not trains(getattr(recipe.model, name))
         out[name] = (("frozen_passthrough" if upstream else "frozen") if frozen else "train", upstream)
         upstream = upstream or not frozen
     return out

@@ -50,11 +50,16 @@ class Family:
     model: str
     """Module defining ``layers(cfg, ctx) -> list[LayerDef]`` (ordered pipeline layers) and
     ``TP_PLAN``: (submodule class, {linear path: col | row | col_gather}) pairs."""
+    width: Callable[[Any], int]
+    """Width at the module's LLM-side boundary: an encoder's output features, the LLM's hidden
+    size, a generator's conditioning width (the projectors map between these)."""
+    width_key: str
+    """The config field ``width`` reads (named in tensor-parallel errors about the projector)."""
     layer_count: Callable[[Any], int]
     """Pipeline layers ``layers`` returns for a config (what PP may split), without building them."""
     tp_sizes: Callable[[Any, str, int], list[tuple[str, int]]]
     """(cfg, key prefix ``model.<module>``, LLM hidden width) -> (recipe key, size) pairs a
-    tensor-parallel degree must divide (the projectors split widths of the LLM too)."""
+    tensor-parallel degree must divide in the family's own layers (projectors are checked apart)."""
     hf_rules: Sequence[tuple[str, str]] = ()
     """(regex on a Hugging Face / diffusers checkpoint key, replacement giving ``layer/param``)."""
     hf_formats: str = ""

@@ -16,14 +16,16 @@ from .mfu import StepFlops
 
 
 def flops_modes(spec: MLLMSpec) -> dict[str, str]:
-    """train | frozen_passthrough | frozen for each module (data flows encoder -> generator)."""
+    """train | frozen_passthrough | frozen for each module's own layers (key: module name) and
+    for each projector (key: ``<module>/projector``), in data-flow order: encoder, its
+    projector, LLM, the generator's projector, generator."""
+    parts = [("encoder", spec.encoder.frozen), ("encoder/projector", spec.encoder.projector.frozen),
+             ("llm", spec.llm.frozen),
+             ("generator/projector", spec.generator.projector.frozen), ("generator", spec.generator.frozen)]
     modes, trainable_upstream = {}, False
-    for name in MODULES:
-        if not spec.frozen(name):
-            modes[name] = "train"
-        else:
-            modes[name] = "frozen_passthrough" if trainable_upstream else "frozen"
-        trainable_upstream = trainable_upstream or not spec.frozen(name)
+    for name, frozen in parts:
+        modes[name] = "train" if not frozen else "frozen_passthrough" if trainable_upstream else "frozen"
+        trainable_upstream = trainable_upstream or not frozen
     return modes
 
 
@@ -54,7 +56,7 @@ class StepFlopsCounter:
                 patch_size=p, mode=self.modes["encoder"],
             )
             enc += sum(patches) * projector_flops_per_token(
-                in_dim=e.hidden_size, hidden_dim=l.hidden_size, out_dim=l.hidden_size, mode=self.modes["encoder"]
+                in_dim=e.hidden_size, hidden_dim=l.hidden_size, out_dim=l.hidden_size, mode=self.modes["encoder/projector"]
             )
         llm = 0.0
         for s in samples:
@@ -69,7 +71,7 @@ class StepFlopsCounter:
             + g.query_tokens
             * projector_flops_per_token(
                 in_dim=l.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim,
-                mode=self.modes["generator"],
+                mode=self.modes["generator/projector"],
             )
         )
         return StepFlops(encoder=enc, llm=llm, generator=gen)

@@ -9,6 +9,7 @@ model. Projectors have no pretrained counterpart and keep their seeded init.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -90,7 +91,7 @@ def with_checkpoint(module: str, defs: list[LayerDef], path: str, rules: Rules) 
             load_layer_weights(module, d.name, layer, path, rules)
             return layer
 
-        return LayerDef(d.name, build)
+        return dataclasses.replace(d, build=build)
 
     return [wrap(d) for d in defs]
 

@@ -11,8 +11,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class ProjectorConfig:
+    """The MLP that maps between an encoder or generator and the LLM (its own pipeline layer)."""
+
+    frozen: bool = False
+    """Keep the projector's weights fixed (independently of its module's ``frozen``)."""
+
+
+@dataclass
 class EncoderConfig:
-    """Modality encoder: a ViT (transformers ViTModel layers) plus an MLP input projector."""
+    """Image encoder (family vit: transformers ViTModel layers) plus its MLP input projector."""
 
     family: str = "vit"
     """Model family (vit): which network this module is (``disttrain_ds/families``)."""
@@ -31,14 +39,17 @@ class EncoderConfig:
     image_size: int = 32
     """Side of the position-embedding grid in pixels; other resolutions are interpolated."""
     frozen: bool = False
-    """Keep the encoder's weights fixed (no weight gradients, no optimizer state)."""
+    """Keep the encoder's own weights fixed (no weight gradients, no optimizer state); its
+    projector follows ``projector.frozen``."""
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    """The input projector (encoder width -> LLM width) after the encoder's last layer."""
     checkpoint: str = ""
     """Local ViT weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
 
 
 @dataclass
 class LLMConfig:
-    """LLM backbone: Llama decoder layers (transformers LlamaDecoderLayer) with an LM head."""
+    """LLM backbone (family llama or qwen2: transformers decoder layers) with an LM head."""
 
     family: str = "llama"
     """Model family (llama | qwen2): which network this module is (``disttrain_ds/families``)."""
@@ -61,14 +72,14 @@ class LLMConfig:
     rope_theta: float = 10000.0
     """Rotary embedding base."""
     frozen: bool = False
-    """Keep the backbone's weights fixed (gradients still flow through to the encoder)."""
+    """Keep the backbone's weights fixed (gradients still flow through to the encoders' projectors)."""
     checkpoint: str = ""
     """Local Llama weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
 
 
 @dataclass
 class GeneratorConfig:
-    """Modality generator: an MLP output projector plus a diffusers UNet2DConditionModel."""
+    """Image generator (family unet: a diffusers UNet2DConditionModel) after its MLP output projector."""
 
     family: str = "unet"
     """Model family (unet): which network this module is (``disttrain_ds/families``)."""
@@ -99,7 +110,9 @@ class GeneratorConfig:
     train_timesteps: int = 1000
     """DDPM training timesteps (diffusers DDPMScheduler, epsilon prediction)."""
     frozen: bool = False
-    """Keep the generator's weights fixed."""
+    """Keep the generator's own weights fixed; its projector follows ``projector.frozen``."""
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    """The output projector (LLM width -> ``cross_attention_dim``) before the generator's first layer."""
     checkpoint: str = ""
     """Local U-Net weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
 
@@ -139,3 +152,9 @@ GENERATOR_PRESETS: dict[str, dict] = {
 }
 
 PRESETS = {"encoder": ENCODER_PRESETS, "llm": LLM_PRESETS, "generator": GENERATOR_PRESETS}
+
+
+def trains(cfg) -> bool:
+    """Whether any weight of a module trains: its own layers, or its projector."""
+    projector = getattr(cfg, "projector", None)
+    return not cfg.frozen or (projector is not None and not projector.frozen)

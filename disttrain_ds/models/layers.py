@@ -29,6 +29,8 @@ class LayerDef:
     """Stable, unique name within the module (used for seeding and checkpoint keys)."""
     build: Callable[[], nn.Module]
     """Zero-argument constructor; already seeds the RNG, so calling it twice gives equal weights."""
+    frozen: bool = False
+    """Keep this layer's weights fixed (no weight gradients, no optimizer state)."""
 
 
 def layer_seed(seed: int, module: str, name: str) -> int:

@@ -8,7 +8,7 @@ every layout (reference, monolithic, disaggregated) computes the same number.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -16,10 +16,11 @@ from torch import nn
 from ..data.types import IGNORE_INDEX, PackedSample, SpecialTokens
 from ..families import BuildContext, Family, get_family
 from .checkpoint import with_checkpoint
-from .configs import EncoderConfig, GeneratorConfig, LLMConfig
-from .layers import LayerDef, Sequential
+from .configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
+from .layers import LayerDef, Sequential, seeded
 from .objectives import diffusion_loss, gen_condition, noise_sample
 from .pixels import pack_images
+from .projectors import ConditionProjector, InputProjector
 
 MODULES = ("encoder", "llm", "generator")
 
@@ -47,12 +48,22 @@ class MLLMSpec:
         return get_family(getattr(self, module).family, module)
 
     def layers(self, module: str) -> list[LayerDef]:
+        """The module's pipeline layers: its family's, with the projector on the LLM side."""
         fam, cfg = self.family(module), getattr(self, module)
         ctx = BuildContext(module=module, seed=self.seed, llm_hidden=self.llm.hidden_size, image_token=self.special.image)
-        return with_checkpoint(module, fam.layers(cfg, ctx), cfg.checkpoint, fam.hf_rules)
+        body = [replace(d, frozen=cfg.frozen) for d in with_checkpoint(module, fam.layers(cfg, ctx), cfg.checkpoint, fam.hf_rules)]
+        if fam.role == "llm":
+            return body
+        width, llm = fam.width(cfg), self.llm.hidden_size
+        if fam.role == "encoder":
+            proj = seeded(self.seed, module, "projector", lambda: InputProjector(width, llm))
+            return body + [replace(proj, frozen=cfg.projector.frozen)]
+        proj = seeded(self.seed, module, "projector", lambda: ConditionProjector(llm, width))
+        return [replace(proj, frozen=cfg.projector.frozen)] + body
 
     def frozen(self, module: str) -> bool:
-        return getattr(self, module).frozen
+        """Nothing in the module trains (neither its own layers nor its projector)."""
+        return not trains(getattr(self, module))
 
 
 @dataclass(frozen=True)
@@ -169,12 +180,8 @@ class ReferenceMLLM(nn.Module):
     def __init__(self, spec: MLLMSpec):
         super().__init__()
         self.spec = spec
-        self.encoder = Sequential([d.build() for d in spec.layers("encoder")])
-        self.llm = Sequential([d.build() for d in spec.layers("llm")])
-        self.generator = Sequential([d.build() for d in spec.layers("generator")])
         for name in MODULES:
-            if spec.frozen(name):
-                getattr(self, name).requires_grad_(False)
+            setattr(self, name, Sequential([build_layer(d) for d in spec.layers(name)]))
 
     def forward(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         image_embeds = self.encoder((mb.pixels, mb.image_hw))
@@ -184,6 +191,14 @@ class ReferenceMLLM(nn.Module):
         pred = self.generator((states, mb.noisy, mb.timesteps))
         gen = diffusion_loss(pred, mb.noise, mb.gen_weights)
         return {"loss": lm + gen, "lm": lm, "gen": gen}
+
+
+def build_layer(d: LayerDef) -> nn.Module:
+    """Build one layer; a frozen layer's weights get no gradients."""
+    layer = d.build()
+    if d.frozen:
+        layer.requires_grad_(False)
+    return layer
 
 
 def module_parameters(model: nn.Module) -> int:

@@ -57,8 +57,9 @@ class DefSpec(LayerSpec):
         return shard_layer(self.layer_def.build(), self.tp)
 
 
-def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, frozen: bool, tp: TPContext) -> PipelineModule:
-    """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the module's ranks."""
+def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: TPContext) -> PipelineModule:
+    """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the
+    module's ranks; layers whose ``LayerDef`` is frozen get no weight gradients."""
     with subset_grid_for_pipeline_module(tp.group):  # the TP group made for the layers, not a second one
         pm = PipelineModule(
             layers=[DefSpec(d, tp) for d in layer_defs],
@@ -66,8 +67,9 @@ def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, froz
             partition_method=partition,
             dynamic_shape=True,  # images per sample vary, so activation shapes do too
         )
-    if frozen:
-        pm.requires_grad_(False)
+    for idx in range(pm._local_start, pm._local_stop):
+        if layer_defs[idx].frozen:
+            getattr(pm, str(idx)).requires_grad_(False)
     mark_norm_owners(pm, tp)
     return pm
 

@@ -54,7 +54,7 @@ class StagePlace:
     has_downstream: bool
     """This engine feeds another engine."""
     backward: bool
-    """This engine runs backward passes."""
+    """This engine runs backward passes (it or an engine upstream has weights that train)."""
     upstream_backward: bool
     """The upstream engine runs backward passes (so it wants input gradients back)."""
 

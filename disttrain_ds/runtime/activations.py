@@ -69,16 +69,17 @@ def llm_layers(cfg, shape: SampleShape, b: int) -> LayerBytes:
 
 
 def encoder_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
-    """Encoder: patch embedding, ViT blocks, head (norm + input projector), per sample."""
+    """Encoder: patch embedding, ViT blocks, head (norm, CLS dropped), input projector; per sample."""
     e, fe, a, p = cfg.hidden_size, cfg.ffn_hidden, cfg.heads, cfg.patch_size
     tokens = shape.patches + shape.images  # one CLS token per image
     pixels = 3 * p * p * shape.patches * b  # the patches the convolution reads
     # Per token: two LayerNorm inputs, normed inputs of q/k/v and the MLP, q, k, v, attention
     # output, GELU input and fc2 input.
     block = ((8 * e + 2 * fe) * b + (a + 4) * FP32) * tokens
-    head = (e * b + 2 * FP32) * tokens + (e + 2 * llm_hidden) * b * shape.patches
-    saved = [pixels, *[block] * cfg.layers, head]
-    outputs = [e * b * tokens] * (cfg.layers + 1) + [llm_hidden * b * shape.patches]
+    head = (e * b + 2 * FP32) * tokens
+    projector = (e + 2 * llm_hidden) * b * shape.patches  # fc1 input, GELU input, fc2 input
+    saved = [pixels, *[block] * cfg.layers, head, projector]
+    outputs = [e * b * tokens] * (cfg.layers + 1) + [e * b * shape.patches, llm_hidden * b * shape.patches]
     return LayerBytes(saved, outputs, pixels)
 
 
@@ -94,7 +95,7 @@ def _transformer(c: int, pixels: int, cond: int, cross: int, b: int) -> float:
 
 
 def generator_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
-    """Generator: output projector, U-Net in, down blocks, mid, up blocks, out; per sample."""
+    """Generator: output projector, then the U-Net: in, down blocks, mid, up blocks, out; per sample."""
     n, lpb, ch = len(cfg.block_out_channels), cfg.layers_per_block, cfg.block_out_channels
     k, cross, r, c_in = cfg.query_tokens, cfg.cross_attention_dim, cfg.resolution, cfg.in_channels
 

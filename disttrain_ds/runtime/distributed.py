@@ -25,6 +25,7 @@ from ..configtools import ConfigError
 from ..data.spool import default_base, host_key, plan_shares
 from ..data.types import batch_bytes
 from ..dsconfig import engine_config, load_ds_config
+from ..models.configs import trains
 from ..models.mllm import MODULES, BatchNorms, collate
 from ..parallel.engine import build_pipeline_module, make_engine, write_trace
 from ..parallel.roles import ROLES
@@ -84,7 +85,7 @@ def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
     out, any_trainable = {}, False
     for m in topo.modules:
-        any_trainable = any_trainable or not getattr(recipe.model, m.name).frozen
+        any_trainable = any_trainable or trains(getattr(recipe.model, m.name))
         out[m.name] = any_trainable
     return out
 
@@ -198,6 +199,11 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     if down_grid and stage == grid.pp - 1:
         downstream = BoundaryComm(p2p, grid, down_grid, slot, *boundary_tensor(spec, grid.name, recipe), tp)
     p2p.connect(boundary_links(topo.modules, slot, backward))
+    mp = getattr(recipe.parallel, grid.name)
+    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp)
+    if recipe.train.dtype == "bf16":
+        pm.to(torch.bfloat16)
+    frozen = not any(p.requires_grad for p in pm.parameters())  # this stage holds nothing to train
     place = StagePlace(
         total_stages=topo.total_stages,
         global_stage=topo.stage_offset(grid.name) + stage,
@@ -209,11 +215,6 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         upstream_backward=up_grid is not None and backward[up_grid.name],
     )
 
-    frozen = spec.frozen(grid.name)
-    mp = getattr(recipe.parallel, grid.name)
-    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, frozen, tp)
-    if recipe.train.dtype == "bf16":
-        pm.to(torch.bfloat16)
     optimizer = scheduler = None
     if not frozen:
         optimizer = build_optimizer(recipe, pm.parameters())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from ..models.configs import trains
 from ..configtools import ConfigError
 from .activations import LayerBytes, module_layers
 from .console import prefer_cpu_accelerator
@@ -75,7 +76,7 @@ def zero_stage(recipe, module: str) -> int:
 def state_bytes(recipe, module: str) -> tuple[float, float, float, bool]:
     """(weight, gradient, optimizer) bytes per parameter, and whether optimizer bytes shard over DP."""
     w = 2 if recipe.train.dtype == "bf16" else 4
-    if getattr(recipe.model, module).frozen:
+    if not trains(getattr(recipe.model, module)):  # a trained projector counts as the module training
         return w, 0, 0, False
     moments = 2 if recipe.optim.name == "adamw" else 0  # torch SGD without momentum keeps none
     if recipe.layout == "reference":  # torch optimizer on the parameters themselves
@@ -162,10 +163,10 @@ def _stage_activations(lb: LayerBytes, lo: int, hi: int) -> tuple[float, float]:
 
 def backward_modules(recipe) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
-    out, trains = {}, False
+    out, upstream = {}, False
     for name in MODULES:
-        trains = trains or not getattr(recipe.model, name).frozen
-        out[name] = trains
+        upstream = upstream or trains(getattr(recipe.model, name))
+        out[name] = upstream
     return out
 
 

@@ -72,19 +72,32 @@ def test_dropped_encoder_gradient_is_detected(tmp_path, reference_run):
     assert max_param_mismatch(llm, {k: ref_params[k] for k in llm})[0] > 1e-5  # later steps see other activations
 
 
-def test_frozen_encoder_stays_bit_identical_while_llm_trains(tmp_path, reference_run):
+FROZEN_CASES = {
+    # The whole encoder module frozen (its engine runs no backward) while the rest trains.
+    "frozen_encoder": (["model.encoder.frozen=true", "model.encoder.projector.frozen=true"], ("llm/", "generator/")),
+    # LLaVA's first stage: encoder and LLM frozen, only the input projector trains; gradients
+    # pass through the frozen LLM to it.
+    "projector_only": (["model.encoder.frozen=true", "model.llm.frozen=true", "model.generator.frozen=true",
+                        "model.generator.projector.frozen=true"], ("encoder/projector/",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FROZEN_CASES))
+def test_frozen_parts_stay_bit_identical_while_the_rest_trains(case, tmp_path, reference_run):
     from disttrain_ds.config import load_recipe
     from disttrain_ds.models.mllm import ReferenceMLLM
     from disttrain_ds.runtime.reference import reference_layer_state
     from disttrain_ds.runtime.setup import build_data_and_spec
 
-    frozen = ["model.encoder.frozen=true"]
+    frozen, trained = FROZEN_CASES[case]
     rows, params, _ = launch(tmp_path, 4, [STEPS, *SGD, "layout=disaggregated", *frozen])
     recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", frozen)
     initial = reference_layer_state(ReferenceMLLM(build_data_and_spec(recipe)[1]))
-    for k, v in params.items():
-        if k.startswith("encoder/"):
-            assert v.equal(initial[k]), k
-    assert any(not params[k].equal(initial[k]) for k in params if k.startswith("llm/"))
-    ref_losses, _ = reference_run([*frozen, STEPS, *SGD])
+    moved = {k for k in params if not params[k].equal(initial[k])}
+    assert moved and all(k.startswith(trained) for k in moved), sorted(moved)[:5]
+    for prefix in trained:
+        assert any(k.startswith(prefix) for k in moved), prefix
+    ref_losses, ref_params = reference_run([*frozen, STEPS, *SGD])
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e}"

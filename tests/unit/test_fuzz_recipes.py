@@ -195,7 +195,7 @@ RANGE = [  # (dotted overrides applied to tiny_cpu, key named in the message)
     ({"parallel.generator.tp": 16}, "parallel.generator.tp"),
     ({"parallel.llm.pp": 0}, "parallel.llm.pp"),
     ({"parallel.llm.pp": 7}, "parallel.llm.pp"),  # tiny LLM: 4 layers + embedding + head
-    ({"parallel.encoder.pp": 5}, "parallel.encoder.pp"),
+    ({"parallel.encoder.pp": 6}, "parallel.encoder.pp"),  # tiny ViT: 2 blocks + embed + head + projector
     ({"parallel.generator.pp": 9}, "parallel.generator.pp"),  # tiny U-Net: 8 pipeline layers
     ({"parallel.llm.dp": 0}, "parallel.llm.dp"),
     ({"parallel.encoder.dp": -1}, "parallel.encoder.dp"),
@@ -233,7 +233,9 @@ RANGE = [  # (dotted overrides applied to tiny_cpu, key named in the message)
     ({"model.generator.norm_num_groups": 5}, "model.generator.norm_num_groups"),
     ({"model.generator.resolution": 15}, "model.generator.resolution"),
     ({"model.generator.query_tokens": 0}, "model.generator.query_tokens"),
-    ({"model.encoder.frozen": True, "model.llm.frozen": True, "model.generator.frozen": True}, "model"),
+    ({"model.encoder.frozen": True, "model.encoder.projector.frozen": True, "model.llm.frozen": True,
+      "model.generator.frozen": True, "model.generator.projector.frozen": True}, "model"),
+    ({"layout": "disaggregated", "parallel.encoder.pp": 2, "model.encoder.frozen": True}, "parallel.encoder.pp"),
     ({"model.llm.preset": "gpt-5"}, "model.llm.preset"),
     ({"layout": "pipeline"}, "layout"),
     ({"data.seq_len": 8}, "data.seq_len"),

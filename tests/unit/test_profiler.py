@@ -123,7 +123,8 @@ def test_timings_positive_and_a_deeper_llm_is_slower():
 
 def test_frozen_modules_are_flagged_and_timed_as_such(tmp_path):
     path = tmp_path / "frozen.json"
-    code, _, err = run("--recipe", TINY, "model.encoder.frozen=true", *FAST, "--out", path)
+    code, _, err = run("--recipe", TINY, "model.encoder.frozen=true", "model.encoder.projector.frozen=true", *FAST,
+                       "--out", path)
     assert code == 0, err
     modules = json.loads(path.read_text())["modules"]
     assert modules["encoder"]["frozen"] is True

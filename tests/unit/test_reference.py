@@ -40,16 +40,27 @@ def test_same_seed_same_losses_different_seed_different():
     assert [r["loss"] for r in a] != [r["loss"] for r in c]
 
 
-def test_frozen_encoder_keeps_weights_in_reference(tmp_path):
-    recipe = load_recipe(TINY, ["train.steps=2", "model.encoder.frozen=true"])
+def _encoder_before_after(overrides: list[str]):
     from disttrain_ds.models.mllm import ReferenceMLLM
     from disttrain_ds.runtime.setup import build_data_and_spec
 
+    recipe = load_recipe(TINY, ["train.steps=2", *overrides])
     _, spec = build_data_and_spec(recipe)
     before = {k: v.clone() for k, v in ReferenceMLLM(spec).encoder.state_dict().items()}
     _, model = train_reference(recipe, None, log=None)
     after = model.encoder.state_dict()
-    assert all(torch_equal(before[k], after[k]) for k in before)
+    changed = {k for k in before if not torch_equal(before[k], after[k])}
+    return before.keys(), changed
+
+
+def test_frozen_encoder_keeps_its_weights_and_trains_only_its_projector():
+    projector = "layers.4."  # embed, block0, block1, head, projector
+    keys, changed = _encoder_before_after(["model.encoder.frozen=true"])
+    assert changed and all(k.startswith(projector) for k in changed)
+    assert {k for k in keys if k.startswith(projector)} == changed
+    # Projector frozen as well: nothing of the encoder moves.
+    _, changed = _encoder_before_after(["model.encoder.frozen=true", "model.encoder.projector.frozen=true"])
+    assert not changed
 
 
 def torch_equal(a, b) -> bool:

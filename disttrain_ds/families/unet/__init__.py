@@ -5,10 +5,8 @@ from ..base import Family
 
 
 def _tp_sizes(cfg: GeneratorConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:
-    # ``attention_head_dim`` holds head counts (diffusers' naming); the output projector splits
-    # the cross-attention width.
-    return [(f"{prefix}.cross_attention_dim", cfg.cross_attention_dim)] + [
-        (f"{prefix}.attention_head_dim[{i}]", h) for i, h in enumerate(cfg.attention_head_dim)]
+    # ``attention_head_dim`` holds head counts (diffusers' naming).
+    return [(f"{prefix}.attention_head_dim[{i}]", h) for i, h in enumerate(cfg.attention_head_dim)]
 
 
 FAMILY = Family(
@@ -17,8 +15,10 @@ FAMILY = Family(
     config_type=GeneratorConfig,
     presets=GENERATOR_PRESETS,
     model="disttrain_ds.families.unet.model",
-    # out projector, U-Net in, downs, mid, ups, out
-    layer_count=lambda cfg: 2 + len(cfg.down_block_types) + 1 + len(cfg.up_block_types) + 1,
+    # U-Net in, downs, mid, ups, out
+    width=lambda cfg: cfg.cross_attention_dim,
+    width_key="cross_attention_dim",
+    layer_count=lambda cfg: 1 + len(cfg.down_block_types) + 1 + len(cfg.up_block_types) + 1,
     tp_sizes=_tp_sizes,
     hf_rules=(
         (r"^(conv_in|time_embedding)\.(.*)$", r"unet_in/\1.\2"),

@@ -1,4 +1,4 @@
-"""Modality generator as pipeline layers: output projector, then a diffusers U-Net split by block.
+"""Diffusion generator as pipeline layers: a diffusers U-Net split by block (after the projector).
 
 Tuples between layers: ``(sample, emb, cond, *skips)``; the down blocks append their skip
 connections and the up blocks consume them, exactly as ``UNet2DConditionModel.forward`` does, so
@@ -22,7 +22,6 @@ from torch import nn
 from ...models.configs import GeneratorConfig
 from ...models.layers import LayerDef, layer_seed, seeded
 from ..base import BuildContext
-from ...models.projectors import MLPProjector
 
 
 def build_unet(cfg: GeneratorConfig) -> UNet2DConditionModel:
@@ -46,6 +45,12 @@ def unet_kwargs(cfg: GeneratorConfig) -> dict:
     )
 
 
+
+def _cache_key(cfg) -> str:
+    """The config's own fields as JSON (the projector is not part of this network)."""
+    return json.dumps({k: v for k, v in cfg.__dict__.items() if k != "projector"}, sort_keys=True)
+
+
 @functools.lru_cache(maxsize=4)
 def _full_unet(cfg_json: str, seed: int) -> UNet2DConditionModel:
     """The whole U-Net, built once per process; each pipeline layer takes its block from it."""
@@ -56,23 +61,11 @@ def _full_unet(cfg_json: str, seed: int) -> UNet2DConditionModel:
 
 def _unet(cfg: GeneratorConfig, seed: int) -> UNet2DConditionModel:
     """The cached initial U-Net. Never train it: layers take private copies via ``_unet_part``."""
-    return _full_unet(json.dumps(cfg.__dict__, sort_keys=True), seed)
+    return _full_unet(_cache_key(cfg), seed)
 
 
 def _unet_part(cfg: GeneratorConfig, seed: int, pick):
     return copy.deepcopy(pick(_unet(cfg, seed)))
-
-
-class OutProjector(nn.Module):
-    """(llm_states [n, K, H], noisy [n, C, R, R], timesteps [n]) -> (cond, noisy, timesteps)."""
-
-    def __init__(self, llm_hidden: int, cfg: GeneratorConfig):
-        super().__init__()
-        self.proj = MLPProjector(llm_hidden, cfg.cross_attention_dim)
-
-    def forward(self, inputs):
-        states, noisy, timesteps = inputs
-        return self.proj(states), noisy, timesteps
 
 
 class UnetIn(nn.Module):
@@ -166,16 +159,16 @@ def _out_parts(u: UNet2DConditionModel) -> tuple:
 
 
 def generator_layers(cfg: GeneratorConfig, ctx: BuildContext) -> list[LayerDef]:
-    """Ordered pipeline layers of the generator: projector, U-Net in, downs, mid, ups, out."""
+    """Ordered pipeline layers of the U-Net: in (time embedding, conv_in), downs, mid, ups, out;
+    the first takes (cond [n, K, cross_attention_dim], noisy, timesteps)."""
     if cfg.resolution % (2 ** (len(cfg.block_out_channels) - 1)):
         raise ValueError(
             f"generator.resolution {cfg.resolution} must be divisible by {2 ** (len(cfg.block_out_channels) - 1)}"
         )
-    seed, module, llm_hidden = ctx.seed, ctx.module, ctx.llm_hidden
+    seed, module = ctx.seed, ctx.module
     init = layer_seed(seed, module, "init")  # two U-Nets of one size start apart
     part = lambda pick: _unet_part(cfg, init, pick)  # noqa: E731
     defs = [
-        seeded(seed, module, "out_projector", lambda: OutProjector(llm_hidden, cfg)),
         seeded(seed, module, "unet_in", lambda: UnetIn(part(_in_parts))),
     ]
     for i in range(len(cfg.down_block_types)):

@@ -11,10 +11,11 @@ FAMILY = Family(
     config_type=EncoderConfig,
     presets=ENCODER_PRESETS,
     model="disttrain_ds.families.vit.model",
-    layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head (norm + projector)
+    width=lambda cfg: cfg.hidden_size,
+    width_key="hidden_size",
+    layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head (norm)
     tp_sizes=lambda cfg, prefix, llm_hidden: [
         (f"{prefix}.heads", cfg.heads), (f"{prefix}.ffn_hidden", cfg.ffn_hidden),
-        ("model.llm.hidden_size", llm_hidden),  # the input projector's hidden width
     ],
     hf_rules=(
         # Hub / save_pretrained layout (encoder.layer.N.attention.attention.query ...).

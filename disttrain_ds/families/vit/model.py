@@ -1,4 +1,4 @@
-"""Modality encoder as pipeline layers: ViT embeddings, ViT blocks, final norm + input projector.
+"""Image encoder as pipeline layers: ViT embeddings, ViT blocks, final norm (the projector follows).
 
 Images of different resolutions give different numbers of patches, so activations travel packed:
 ``hidden`` is [sum of tokens over images, width] and ``counts`` (int64, one entry per image) says
@@ -21,7 +21,6 @@ from ...models.configs import EncoderConfig
 from ...models.pixels import unpack_images
 from ...models.layers import LayerDef, layer_seed, seeded
 from ..base import BuildContext
-from ...models.projectors import MLPProjector
 
 
 def hf_config(cfg: EncoderConfig) -> ViTConfig:
@@ -38,6 +37,12 @@ def hf_config(cfg: EncoderConfig) -> ViTConfig:
     )
 
 
+
+def _cache_key(cfg) -> str:
+    """The config's own fields as JSON (the projector is not part of this network)."""
+    return json.dumps({k: v for k, v in cfg.__dict__.items() if k != "projector"}, sort_keys=True)
+
+
 @functools.lru_cache(maxsize=4)
 def _full_vit(cfg_json: str, seed: int) -> ViTModel:
     """The whole HF ViT, built once per process with HF's own init; layers are taken from it."""
@@ -48,7 +53,7 @@ def _full_vit(cfg_json: str, seed: int) -> ViTModel:
 
 def _vit_part(cfg: EncoderConfig, seed: int, pick):
     """A private copy of one part of the cached initial ViT (the cache itself is never trained)."""
-    return copy.deepcopy(pick(_full_vit(json.dumps(cfg.__dict__, sort_keys=True), seed)))
+    return copy.deepcopy(pick(_full_vit(_cache_key(cfg), seed)))
 
 
 
@@ -102,12 +107,11 @@ class VitBlock(nn.Module):
 
 
 class VitHead(nn.Module):
-    """(hidden, counts) -> image embeddings [patches, llm width]: norm, drop CLS, project."""
+    """(hidden, counts) -> patch features [patches, ViT width]: norm, drop CLS."""
 
-    def __init__(self, layernorm: nn.Module, vit_hidden: int, llm_hidden: int):
+    def __init__(self, layernorm: nn.Module):
         super().__init__()
         self.layernorm = layernorm
-        self.projector = MLPProjector(vit_hidden, llm_hidden)
 
     def forward(self, inputs):
         hidden, counts = inputs
@@ -115,7 +119,7 @@ class VitHead(nn.Module):
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         starts = torch.cumsum(counts, 0) - counts
         keep[starts] = False  # CLS rows
-        return self.projector(hidden[keep])
+        return hidden[keep]
 
 
 def encoder_layers(cfg: EncoderConfig, ctx: BuildContext) -> list[LayerDef]:
@@ -126,8 +130,7 @@ def encoder_layers(cfg: EncoderConfig, ctx: BuildContext) -> list[LayerDef]:
     defs = [seeded(seed, module, "embed", lambda: VitEmbed(part(lambda v: v.embeddings)))]
     for i in range(cfg.layers):
         defs.append(seeded(seed, module, f"block{i}", lambda i=i: VitBlock(part(lambda v: v.layers[i]))))
-    head = lambda: VitHead(part(lambda v: v.layernorm), cfg.hidden_size, ctx.llm_hidden)  # noqa: E731
-    defs.append(seeded(seed, module, "head", head))
+    defs.append(seeded(seed, module, "head", lambda: VitHead(part(lambda v: v.layernorm))))
     return defs
 
 
