@@ -2,7 +2,8 @@
 
     disttrain-launch --hostfile H [--num_nodes N] [--num_gpus G] [--include S | --exclude S]
         [--master_port P] [--master_addr A] [--ssh-port 22] [--connect-timeout 5]
-        [--skip-reachability] [--dry-run] --recipe R.yaml [key=value ...]
+        [--skip-reachability] [--dry-run] [--max-restarts N [--restart-delay S]]
+        --recipe R.yaml [key=value ...]
 
 (``python tools/launch.py`` in a checkout is the same command; it starts ``tools/train.py`` on every
 node, while ``disttrain-launch`` starts the installed ``disttrain_ds.cli.train`` module.)
@@ -14,6 +15,7 @@ The recipe is loaded and validated first (and, with ``train.device_memory_gib``,
 estimated peak memory checked), so a recipe error is also one line, the last one printed.
 The hostfile grammar is DeepSpeed's (``HOST slots=N``, ``#`` comments, blank lines, anything after
 the slots token ignored), and slot selection follows its ``--include/--exclude/--num_nodes/--num_gpus``.
+With ``--max-restarts N`` a failed job is relaunched with ``train.resume=auto`` (``supervise.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from .cli import OneLineParser, prog_name
 from .configtools import ConfigError
+from .supervise import check_restartable, start
 
 TRAIN_MODULE = "disttrain_ds.cli.train"
 """What every rank runs (``python -m``) when no training script is given."""
@@ -322,6 +325,8 @@ def _parser() -> OneLineParser:
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds per host probe (default 5)")
     p.add_argument("--skip-reachability", action="store_true", help="do not probe remote hosts")
     p.add_argument("--dry-run", action="store_true", help="run the checks, print the command, do not launch")
+    p.add_argument("--max-restarts", type=int, default=0, help="relaunch a failed job up to N times (train.resume=auto)")
+    p.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before each restart (default 0)")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. layout=disaggregated")
     return p
 
@@ -339,6 +344,7 @@ def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe is the first thing reported
     ranks, breakdown = required_ranks(recipe)
     memory = check_memory(recipe)
+    restarts = check_restartable(recipe, args.max_restarts, args.restart_delay)
     src = args.hostfile
     hosts = parse_hostfile(src)
     active = select_slots(
@@ -362,7 +368,7 @@ def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str
         f"hostfile {src}: {_n(len(used), 'host')}, {_n(ranks, 'slot')} used ({_summary(active)})",
         f"recipe {args.recipe}: layout {recipe.layout} needs {_n(ranks, 'rank')} ({breakdown}): matches",
         memory,
-    ]
+    ] + [restarts] * bool(restarts)
     if not remote:
         report.append("reachability: every host is this machine, nothing to probe")
     elif args.skip_reachability:
@@ -377,8 +383,8 @@ def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str
 
 
 def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> int:
-    """Check, then replace this process with the launcher (or just print the command on --dry-run);
-    ``train_script``: what each rank runs (default: the ``TRAIN_MODULE`` module)."""
+    """Check, then replace this process with the launcher (supervise it with ``--max-restarts``; only
+    print the command on --dry-run); ``train_script``: what each rank runs (default: ``TRAIN_MODULE``)."""
     args = _parser().parse_intermixed_args(argv)
     try:
         report, cmd = prepare(args, train_script)
@@ -390,10 +396,4 @@ def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> 
     if args.dry_run:
         print("dry run: not launching")
         return 0
-    sys.stderr.flush()
-    try:
-        os.execv(cmd[0], cmd)
-    except OSError as exc:
-        print(f"error: cannot start {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    return 0  # not reached: execv does not return
+    return start(cmd, args.max_restarts, args.restart_delay)

@@ -113,10 +113,12 @@ KILL_ENV = "DISTTRAIN_KILL_AT"
 
 
 def injected_kill(rank: int, step: int) -> None:
-    """``os._exit(9)`` if ``DISTTRAIN_KILL_AT`` names this rank and step and this is not a restart."""
+    """``os._exit(9)`` if ``DISTTRAIN_KILL_AT`` names this rank and step and this is not a restart
+    (neither torchrun's nor ``disttrain-launch --max-restarts``'s)."""
     import os
 
     spec = os.environ.get(KILL_ENV, "")
-    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and spec == f"{rank}:{step}":
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" == os.environ.get("DISTTRAIN_LAUNCH_ATTEMPT", "0")
+    if spec and first and spec == f"{rank}:{step}":
         print(f"rank {rank}: {KILL_ENV}={spec}: exiting abruptly", file=sys.stderr, flush=True)
         os._exit(9)

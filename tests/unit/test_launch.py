@@ -265,6 +265,42 @@ def test_dry_run_with_reachable_remote_host_probes_it_and_keeps_ssh(tmp_path, ru
     assert cmd[cmd.index("--ssh_port") + 1] == str(listener)
 
 
+# --- restarts (disttrain_ds/supervise.py; the loop itself: tests/unit/test_supervise.py) ----------
+
+
+def test_max_restarts_without_checkpoints_is_one_line_naming_the_field(tmp_path, run):
+    path = hostfile(tmp_path, "localhost slots=4\n")
+    code, out, err = run("--hostfile", path, "--max-restarts", "2", "--dry-run", "--recipe", TINY,
+                         "layout=disaggregated")
+    err = one_line_error(code, err)
+    assert out == "" and "--max-restarts 2: checkpoint.every is 0 (checkpoints off)" in err
+
+
+@pytest.mark.parametrize("flag, phrase", [("--max-restarts", "--max-restarts must be >= 0, got -1"),
+                                          ("--restart-delay", "--restart-delay must be >= 0, got -1")])
+def test_negative_restart_options_are_one_line(tmp_path, run, flag, phrase):
+    path = hostfile(tmp_path, "localhost slots=4\n")
+    code, _, err = run("--hostfile", path, flag, "-1", "--dry-run", "--recipe", TINY, "layout=disaggregated",
+                       "checkpoint.every=2")
+    assert phrase in one_line_error(code, err)
+
+
+def test_max_restarts_is_reported_and_supervises_the_unchanged_first_command(tmp_path, run, monkeypatch):
+    path = hostfile(tmp_path, "localhost slots=4\n")
+    argv = ["--hostfile", path, "--max-restarts", "2", "--restart-delay", "10", "--recipe", TINY,
+            "layout=disaggregated", "train.steps=6", "checkpoint.every=2"]
+    code, out, err = run(*argv, "--dry-run")
+    assert code == 0, err
+    assert "restarts: up to 2 after a failure, 10 s apart (not after exit 2 or 143)" in out
+    assert command_of(out)[-3:] == ["layout=disaggregated", "train.steps=6", "checkpoint.every=2"]
+    started = []
+    monkeypatch.setattr(launch, "start", lambda cmd, n, delay: started.append((cmd, n, delay)) or 0)
+    code, out, _ = run(*argv)
+    assert code == 0 and started == [(command_of(out), 2, 10.0)]
+    code, out, _ = run("--hostfile", path, "--recipe", TINY, "layout=disaggregated")  # no restarts: exec as before
+    assert code == 0 and started[-1] == (command_of(out), 0, 0.0) and "restarts:" not in out
+
+
 # --- the script itself ---------------------------------------------------------------------------
 
 
