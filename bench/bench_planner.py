@@ -17,7 +17,10 @@ shipped with the package; ``--paper PATH`` reads another copy):
 
 Run: ``python bench/bench_planner.py [--paper PATH] [--repeats 7]``;
 ``--write-example OUT.json --gpus N --batch B`` writes one profile instead (how the shipped
-examples under ``disttrain_ds/planner/examples`` were made).
+examples under ``disttrain_ds/planner/examples`` were made). ``--encoders E --generators G``
+times a module graph of E parallel encoders and G parallel generators instead (copies of ViT-Huge
+and SD 2.1, the i-th copy's costs x (1 + 0.25 i) so they differ; Megatron-LM's single chain
+is n/a when E or G > 1).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from disttrain_ds.paper import load_paper_figures  # noqa: E402
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
 from disttrain_ds.planner.profile import (Profile, profile_from_dict,  # noqa: E402
-                                          save_profile)
+                                          profile_to_dict, save_profile)
 
 TP_EFFICIENCY = 0.9
 VOCAB = 128256  # Llama 3 tokenizer
@@ -89,10 +92,25 @@ def paper_profile(paper: dict, gpus: int, batch: int, model: str = "llama3-70b",
         }})
 
 
+def with_graph(profile: Profile, encoders: int, generators: int) -> Profile:
+    """``profile`` with its encoder and generator copied into ``encoders`` parallel encoders
+    (``encoder0``, ...) and ``generators`` parallel generators; 1 and 1 leaves it as it is."""
+    if (encoders, generators) == (1, 1):
+        return profile
+    data = profile_to_dict(profile)
+    mods = data["modules"]
+    out = {}
+    for role, count in (("encoder", encoders), ("llm", 1), ("generator", generators)):
+        for i in range(count):
+            spec = {**mods[role], "role": role}
+            spec["cost_ms"] = {t: c * (1 + 0.25 * i) for t, c in spec["cost_ms"].items()}
+            out[role if role == "llm" else f"{role}{i}"] = spec
+    return profile_from_dict({**data, "modules": out})
+
+
 def _layout(p: Plan) -> str:
-    return "  ".join(f"{n[:3]} {m.dp}x{m.tp}x{m.pp}"
-                     for n, m in (("encoder", p.encoder), ("llm", p.llm),
-                                  ("generator", p.generator)))
+    short = p.graph.names == ("encoder", "llm", "generator")
+    return "  ".join(f"{n[:3] if short else n} {m.dp}x{m.tp}x{m.pp}" for n, m in p.modules.items())
 
 
 def _time_ms(profile: Profile, repeats: int) -> tuple[float, float]:
@@ -116,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-example", type=Path, help="write one profile to this path and exit")
     ap.add_argument("--gpus", type=int, default=1296)
     ap.add_argument("--batch", type=int, default=1920)
+    ap.add_argument("--encoders", type=int, default=1, help="parallel encoders (module graph)")
+    ap.add_argument("--generators", type=int, default=1, help="parallel generators (module graph)")
     args = ap.parse_args(argv)
+    if args.encoders < 0 or args.generators < 0 or args.encoders + args.generators == 0:
+        ap.error("--encoders and --generators must be >= 0 and not both 0")
     try:
         paper = load_paper_figures(args.paper)
     except ConfigError as exc:
@@ -135,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{'plan (dp x tp x pp)':<42} {'GPUs':>5} {'T_iter s':>8} {'MFU':>5}  "
           f"{'ratio-based':>11} {'Megatron':>9}")
     for row in paper["solver_time_ms_table2"]:
-        prof = paper_profile(paper, row["gpus"], row["global_batch"], args.model, args.config)
+        prof = with_graph(paper_profile(paper, row["gpus"], row["global_batch"], args.model,
+                                        args.config), args.encoders, args.generators)
         ours, cpu = _time_ms(prof, args.repeats)
         best = plan(prof)
         others = []
         for make in (lambda: ratio_plan(prof), lambda: megatron_plan(prof, tp=tp, pp=pp)):
             try:
                 others.append(f"{make().t_iter_ms / best.t_iter_ms:.2f}x")
-            except PlanError:
-                others.append("infeasible")
+            except PlanError as exc:
+                others.append("n/a" if "one pipeline chain" in str(exc) else "infeasible")
         mfu = f"{best.mfu * 100:.1f}" if best.mfu is not None else "n/a"
         print(f"{row['gpus']:>5} {row['global_batch']:>5} {ours:>8.1f} {cpu:>7.1f} {row['ms']:>9} "
               f"{row['ms'] / ours:>7.0f}x  {_layout(best):<42} {best.gpus:>5} "

@@ -210,8 +210,9 @@ def disagreements(paper: dict, big: dict[str, Setting], small: dict[str, Setting
     for n, st in big.items():
         r = st.results["megatron"]
         p = r.plan
-        mega.append(f"{n}: stages {p.encoder.stage_ms:.0f} / {p.llm.stage_ms:.0f} / "
-                    f"{p.generator.stage_ms:.0f} ms; MFU planned {p.mfu * 100:.1f}, lock-step "
+        mega.append(f"{n}: stages {p.module('encoder').stage_ms:.0f} / {p.llm.stage_ms:.0f} / "
+                    f"{p.module('generator').stage_ms:.0f} ms; MFU planned {p.mfu * 100:.1f}, "
+                    "lock-step "
                     f"{r.mfu['none'] * 100:.1f}, independent replicas "
                     f"{st.independent * 100:.1f}, paper {overall[n]['megatron']['mfu']:.1f}")
     out.append("* **Megatron-LM.** Its encoder and generator stages run the whole module at "

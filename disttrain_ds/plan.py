@@ -23,8 +23,9 @@ import yaml
 from disttrain_ds.cli import OneLineParser, prog_name
 from disttrain_ds.config import find_recipe
 from disttrain_ds.configtools import ConfigError, load_yaml
+from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
-from disttrain_ds.planner.profile import MODULES, Profile, load_profile
+from disttrain_ds.planner.profile import Profile, load_profile
 
 PROG = prog_name("disttrain-plan", "python -m disttrain_ds.plan")
 
@@ -45,17 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
 def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
     """Human-readable table of ``result``."""
     head = f"profile {source}: " if source else ""
+    width = max(10, *(len(n) for n in result.modules))  # 10: the classic three names' column
     lines = [f"{head}{profile.gpus} GPUs, global batch {profile.global_batch}, microbatch "
              f"{profile.microbatch} -> {result.microbatches} pipeline steps per iteration", "",
-             f"{'module':<10} {'GPUs':>6} {'DP':>5} {'TP':>3} {'PP':>3} {'samples/mb':>10} "
+             f"{'module':<{width}} {'GPUs':>6} {'DP':>5} {'TP':>3} {'PP':>3} {'samples/mb':>10} "
              f"{'stage ms':>10} {'mem GiB':>8}"]
-    for n in MODULES:
-        m = result.module(n)
+    for n, m in result.modules.items():
         mem = f"{m.memory_gib:.1f}" if m.memory_gib is not None else "-"
-        lines.append(f"{n:<10} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} "
+        lines.append(f"{n:<{width}} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} "
                      f"{m.samples_per_microbatch:>10} {m.stage_ms:>10.1f} {mem:>8}")
-    lines.append(f"{'total':<10} {result.gpus:>6}   ({profile.gpus - result.gpus} of "
+    lines.append(f"{'total':<{width}} {result.gpus:>6}   ({profile.gpus - result.gpus} of "
                  f"{profile.gpus} left idle)")
+    if result.graph != ModuleGraph.default():
+        lines.append("module graph: " + ", ".join(f"{u} -> {v}" for u, v in result.graph.edges))
     mfu = f"{result.mfu * 100:.1f} %" if result.mfu is not None else \
         "n/a (needs flops_per_sample and peak_tflops)"
     lines += ["", f"T_warmup  {result.t_warmup_ms:12.1f} ms",
@@ -66,19 +69,29 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
 
 def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") -> dict[str, Any]:
     """A copy of ``base`` with ``layout: disaggregated`` and ``parallel.<module>.{dp,tp,pp}``
-    set from ``result``; every other key is left as it was."""
+    set from ``result``; every other key is left as it was. Only for the three-module graph."""
+    check_recipe_graph(result.graph, src)
     out = json.loads(json.dumps(base))  # deep copy of plain YAML data
     out["layout"] = "disaggregated"
     parallel = out.setdefault("parallel", {})
     if not isinstance(parallel, dict):
         raise ConfigError(f"{src}: 'parallel' must be a mapping")
-    for n in MODULES:
+    for n in result.modules:
         section = parallel.setdefault(n, {})
         if not isinstance(section, dict):
             raise ConfigError(f"{src}: 'parallel.{n}' must be a mapping")
         m = result.module(n)
         section.update(dp=m.dp, tp=m.tp, pp=m.pp)
     return out
+
+
+def check_recipe_graph(graph: ModuleGraph, src: str) -> None:
+    """One-line ConfigError unless ``graph`` is the encoder -> llm -> generator graph that a
+    recipe without a graph section describes."""
+    if graph != ModuleGraph.default():
+        raise ConfigError(f"{src}: cannot write a recipe for the module graph "
+                          f"{', '.join(graph.names)}: recipes with a module graph are written once "
+                          "the recipe format has a graph section")
 
 
 def batch_mismatches(recipe: dict[str, Any], profile: Profile) -> list[str]:
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--write-recipe and --recipe go together")
     try:
         profile = load_profile(args.profile)
+        if args.write_recipe is not None:
+            check_recipe_graph(profile.graph, f"{args.profile}: 'modules'")
         result = plan(profile)
         if args.write_recipe is not None:
             if args.write_recipe.exists() and not args.force:

@@ -8,6 +8,11 @@ A profile is a JSON object (see ``docs/planner.md`` for the schema with examples
                  "llm":       {"layers": 80, "cost_ms": {...}, "params": 7.0e10, ...},
                  "generator": {"layers": 12, "cost_ms": {...}}}}
 
+``modules`` describes a module graph (:mod:`disttrain_ds.graph`): any number of encoders feed
+the one LLM, which feeds any number of generators. Each module may say its ``role``
+(encoder | llm | generator); a module named ``encoder``, ``llm`` or ``generator`` without one
+takes its name as its role, so three-module profiles need no roles at all.
+
 Loading validates everything up front and raises ``ProfileError`` whose message is one line naming
 the field and the file, so a typo never turns into a silently wrong plan.
 """
@@ -21,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from disttrain_ds.configtools import ConfigError, load_json
+from disttrain_ds.graph import DEFAULT_ROLES, ROLES, ModuleGraph
 
 MODULES: tuple[str, ...] = ("encoder", "llm", "generator")
-"""Module names in pipeline order: modality encoder -> LLM backbone -> modality generator."""
+"""Module names of the classic three-module graph, in pipeline order: modality encoder -> LLM
+backbone -> modality generator (a profile's own names are ``Profile.graph.names``)."""
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 """Tensor-parallel degrees the planner considers (TP stays inside one node)."""
@@ -84,7 +91,7 @@ class Profile:
     global_batch: int
     """Samples (packed sequences) per training iteration."""
     modules: dict[str, ModuleProfile]
-    """Exactly the keys ``encoder``, ``llm`` and ``generator``."""
+    """Module name -> its profile, in the graph's data-flow order (reordered on construction)."""
     microbatch: int = 1
     """Samples per LLM microbatch (M); DP_llm * M must divide ``global_batch``."""
     gpus_per_node: int = 8
@@ -95,9 +102,23 @@ class Profile:
     """Peak dense throughput per GPU in TFLOPS (312 for A800 bf16); enables predicted MFU."""
     description: str = ""
     """Free text shown nowhere by the optimizer; say where the numbers come from."""
+    graph: ModuleGraph | None = None
+    """Who feeds whom; None takes each module's name as its role (only ``encoder``, ``llm`` and
+    ``generator`` can). Always a ModuleGraph once constructed."""
+
+    def __post_init__(self) -> None:
+        graph = self.graph
+        if graph is None:
+            graph = _graph({n: _default_role(n, "<profile>") for n in self.modules}, "<profile>")
+        if set(graph.names) != set(self.modules):
+            raise ProfileError(f"<profile>: 'modules' ({', '.join(self.modules)}) are not the "
+                               f"graph's modules ({', '.join(graph.names)})")
+        # Frozen dataclass: set the derived fields once, here.
+        object.__setattr__(self, "graph", graph)
+        object.__setattr__(self, "modules", {n: self.modules[n] for n in graph.names})
 
     def module(self, name: str) -> ModuleProfile:
-        """The profile of module ``name`` (one of ``MODULES``)."""
+        """The profile of module ``name`` (one of ``graph.names``)."""
         return self.modules[name]
 
     @property
@@ -111,6 +132,22 @@ _TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node",
 _MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
                   "grad_bytes_per_param", "optimizer_bytes_per_param",
                   "activation_bytes_per_sample", "flops_per_sample")
+_NUMBER_FIELDS = _MODULE_FIELDS[2:]  # written only when they differ from the default
+
+
+def _default_role(name: str, src: str) -> str:
+    if name in DEFAULT_ROLES:
+        return DEFAULT_ROLES[name]
+    raise ProfileError(f"{src}: 'modules.{name}' needs a role: missing required field "
+                       f"'modules.{name}.role' ({' | '.join(ROLES)}; only a module named "
+                       "encoder, llm or generator may leave it out)")
+
+
+def _graph(roles: dict[str, str], src: str) -> ModuleGraph:
+    try:
+        return ModuleGraph.from_roles(roles, src, key="modules")
+    except ConfigError as exc:  # the graph's own one-line message, as a profile error
+        raise ProfileError(str(exc)) from None
 
 
 def _fail(src: str, key: str, what: str) -> ProfileError:
@@ -150,9 +187,21 @@ def _check_keys(data: Any, known: tuple[str, ...], prefix: str, src: str) -> Non
                            f"(known here: {', '.join(known)})")
 
 
+def _role(data: Any, name: str, src: str) -> str:
+    if not isinstance(data, dict):
+        raise _fail(src, f"modules.{name}", "must be a JSON object")
+    if "role" not in data:
+        return _default_role(name, src)
+    role = data["role"]
+    if role not in ROLES:
+        raise _fail(src, f"modules.{name}.role",
+                    f"must be one of {' | '.join(ROLES)}, got {role!r}")
+    return role
+
+
 def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
     pre = f"modules.{name}."
-    _check_keys(data, _MODULE_FIELDS, pre, src)
+    _check_keys(data, ("role",) + _MODULE_FIELDS, pre, src)
     if "cost_ms" not in data:
         raise ProfileError(f"{src}: missing required field '{pre}cost_ms'")
     raw = data["cost_ms"]
@@ -194,22 +243,22 @@ def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
     if "modules" not in data:
         raise ProfileError(f"{src}: missing required field 'modules'")
     mods = data["modules"]
-    _check_keys(mods, MODULES, "modules.", src)
-    for name in MODULES:
-        if name not in mods:
-            raise ProfileError(f"{src}: missing required field 'modules.{name}'")
+    if not isinstance(mods, dict):
+        raise _fail(src, "modules", "must be a JSON object")
+    graph = _graph({name: _role(spec, name, src) for name, spec in mods.items()}, src)
     description = data.get("description", "")
     if not isinstance(description, str):
         raise _fail(src, "description", f"must be a string, got {description!r}")
     return Profile(
         gpus=_int(data, "gpus", "gpus", src),
         global_batch=_int(data, "global_batch", "global_batch", src),
-        modules={name: _module_from_dict(mods[name], name, src) for name in MODULES},
+        modules={name: _module_from_dict(mods[name], name, src) for name in graph.names},
         microbatch=_int(data, "microbatch", "microbatch", src, 1),
         gpus_per_node=_int(data, "gpus_per_node", "gpus_per_node", src, 8),
         gpu_memory_gb=_num(data, "gpu_memory_gb", "gpu_memory_gb", src, None, positive=True),
         peak_tflops=_num(data, "peak_tflops", "peak_tflops", src, None, positive=True),
         description=description,
+        graph=graph,
     )
 
 
@@ -229,11 +278,11 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     if profile.description:
         out["description"] = profile.description
     out["modules"] = {}
-    for name in MODULES:
-        spec = profile.modules[name]
-        mod: dict[str, Any] = {"layers": spec.layers,
-                               "cost_ms": {str(t): c for t, c in spec.cost_ms.items()}}
-        for f in _MODULE_FIELDS[2:]:
+    for name in profile.graph.names:
+        spec, role = profile.modules[name], profile.graph.role(name)
+        mod: dict[str, Any] = {} if role == DEFAULT_ROLES.get(name) else {"role": role}
+        mod.update(layers=spec.layers, cost_ms={str(t): c for t, c in spec.cost_ms.items()})
+        for f in _NUMBER_FIELDS:
             value = getattr(spec, f)
             if value != getattr(ModuleProfile(1, {}), f):  # write only what differs from default
                 mod[f] = value

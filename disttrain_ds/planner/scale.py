@@ -26,6 +26,11 @@ Pipeline of this module (every step a small pure function):
    ``intra_microbatch_reorder``; inter reorders the steps with ``inter_microbatch_reorder``.
 6. **Scores**: MFU = cost-model training FLOPs of the iteration / (GPUs x peak x time);
    throughput = sequences x sequence length / time.
+
+The paper's models are the three-module graph; steps 4-6 take any plan's module graph: per-sample
+time arrays have one column per module in the plan's data-flow order, and a graph with parallel
+encoders or generators is simulated as a stage DAG (``simulate.makespan_dag``): encoders side by
+side before the LLM, generators side by side after it.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ from disttrain_ds.data.reorder import inter_microbatch_reorder, intra_microbatch
 from disttrain_ds.data.types import SampleStats
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 from disttrain_ds.planner.optimize import Plan, plan
-from disttrain_ds.planner.profile import MODULES, Profile, profile_from_dict
-from disttrain_ds.planner.simulate import makespan_1f1b
+# MODULES: the paper models' modules, the columns of SampleCosts.flops.
+from disttrain_ds.planner.profile import MODULES, Profile, profile_from_dict  # noqa: F401
+from disttrain_ds.planner.simulate import (graph_stages, is_chain, longest_path_view,
+                                           makespan_1f1b, makespan_dag, makespan_graph)
 
 TP_EFFICIENCY = 0.9
 """Assumed speed-up efficiency per doubling of TP (the paper publishes one TP degree only)."""
@@ -216,13 +223,14 @@ def build_profile(paper: Mapping, spec: ModelSpec, costs: SampleCosts, *, gpus: 
 def flop_split(profile: Profile) -> dict[str, int]:
     """GPUs per module in proportion to training FLOPs per sample (``flops_per_sample``),
     rounded as ``baselines.ratio_split`` does (floors, leftovers to the largest remainders)."""
-    w = {n: profile.modules[n].flops_per_sample or 0.0 for n in MODULES}
-    exact = {n: profile.gpus * w[n] / sum(w.values()) for n in MODULES}
-    share = {n: math.floor(exact[n]) for n in MODULES}
+    names = profile.graph.names
+    w = {n: profile.modules[n].flops_per_sample or 0.0 for n in names}
+    exact = {n: profile.gpus * w[n] / sum(w.values()) for n in names}
+    share = {n: math.floor(exact[n]) for n in names}
     left = profile.gpus - sum(share.values())
-    for n in sorted(MODULES, key=lambda n: share[n] - exact[n])[:left]:
+    for n in sorted(names, key=lambda n: share[n] - exact[n])[:left]:
         share[n] += 1
-    return {n: max(1, share[n]) for n in MODULES}
+    return {n: max(1, share[n]) for n in names}
 
 
 def paper_plans(profile: Profile, spec: ModelSpec) -> dict[str, Plan]:
@@ -236,12 +244,12 @@ def paper_plans(profile: Profile, spec: ModelSpec) -> dict[str, Plan]:
 
 
 def sample_times(flops: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[n, 3]`` per-sample fwd+bwd ms of each module under ``plan_``: the FLOPs rescaled so
-    each column's mean is the plan's per-sample cost (warm-up term / samples per replica),
-    i.e. time proportional to FLOPs within a module, at the profile's efficiency."""
+    """``[n, modules]`` per-sample fwd+bwd ms of each module under ``plan_`` (columns in the
+    plan's module order, as ``flops``'): the FLOPs rescaled so each column's mean is the plan's
+    per-sample cost (warm-up term / samples per replica), i.e. time proportional to FLOPs within
+    a module, at the profile's efficiency."""
     f = np.asarray(flops, dtype=np.float64)
-    per = np.array([plan_.module(n).warmup_ms / plan_.module(n).samples_per_microbatch
-                    for n in MODULES])
+    per = np.array([m.warmup_ms / m.samples_per_microbatch for m in plan_.modules.values()])
     mean = f.mean(axis=0)
     return np.where(mean > 0, f / np.where(mean > 0, mean, 1.0), 1.0) * per
 
@@ -251,28 +259,33 @@ def _step_size(plan_: Plan) -> int:
 
 
 def replica_max(steps: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[K, 3]`` slowest replica's load per module for ``steps`` = ``[K, D, 3]`` ms, where
-    replica r of a module with DP = dp takes slots ``r*D/dp .. (r+1)*D/dp - 1`` of the step."""
+    """``[K, modules]`` slowest replica's load per module for ``steps`` = ``[K, D, modules]`` ms,
+    where replica r of a module with DP = dp takes slots ``r*D/dp .. (r+1)*D/dp - 1``."""
     k, d, _ = steps.shape
-    return np.stack([steps[:, :, j].reshape(k, plan_.module(n).dp, -1).sum(axis=2).max(axis=1)
-                     for j, n in enumerate(MODULES)], axis=1)
+    return np.stack([steps[:, :, j].reshape(k, m.dp, -1).sum(axis=2).max(axis=1)
+                     for j, m in enumerate(plan_.modules.values())], axis=1)
 
 
 def _stages(loads: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[K, 3]`` module loads per step -> ``[K, P]`` stage times (load / PP on each stage)."""
-    return np.concatenate([np.repeat(loads[:, [j]] / plan_.module(n).pp, plan_.module(n).pp,
-                                     axis=1) for j, n in enumerate(MODULES)], axis=1)
+    """``[K, modules]`` loads per step -> ``[K, P]`` stage times (load / PP on each stage), in
+    ``simulate.graph_stages`` numbering."""
+    return np.concatenate([np.repeat(loads[:, [j]] / m.pp, m.pp, axis=1)
+                           for j, m in enumerate(plan_.modules.values())], axis=1)
+
+
+def _pp(plan_: Plan) -> dict[str, int]:
+    return {n: m.pp for n, m in plan_.modules.items()}
 
 
 def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
-    """``[K, P]`` fwd+bwd time per step and pipeline stage (encoder stages, LLM stages,
-    generator stages): a module's slowest replica load split evenly over its PP stages."""
-    return _stages(replica_max(times[arrangement].reshape(-1, _step_size(plan_), 3), plan_),
-                   plan_)
+    """``[K, P]`` fwd+bwd time per step and pipeline stage (each module's stages in the plan's
+    data-flow order): a module's slowest replica load split evenly over its PP stages."""
+    steps = times[arrangement].reshape(-1, _step_size(plan_), len(plan_.modules))
+    return _stages(replica_max(steps, plan_), plan_)
 
 
 def balance_step(step: np.ndarray, plan_: Plan) -> np.ndarray:
-    """Slot order of one step's ``[D, 3]`` sample times that balances module replicas.
+    """Slot order of one step's ``[D, modules]`` sample times that balances module replicas.
 
     Modules are taken by replica size D/DP, smallest first (size 1 needs nothing): the current
     units (single samples, then the previous level's replicas) are grouped into this level's
@@ -282,10 +295,10 @@ def balance_step(step: np.ndarray, plan_: Plan) -> np.ndarray:
     contiguous chunks of the finer level's order."""
     d = len(step)
     sizes: dict[int, np.ndarray] = {}
-    for j, n in enumerate(MODULES):
-        m = d // plan_.module(n).dp
+    for j, mod in enumerate(plan_.modules.values()):
+        m = d // mod.dp
         if m > 1:
-            sizes[m] = sizes.get(m, 0.0) + step[:, j] / plan_.module(n).pp
+            sizes[m] = sizes.get(m, 0.0) + step[:, j] / mod.pp
     units, prev = [[i] for i in range(d)], 1
     for m in sorted(sizes):
         if m % prev:
@@ -319,20 +332,33 @@ def split_fwd_bwd(stage_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
                        inter: bool = False, budget_s: float = 0.5, seed: int = 0) -> IterationSim:
-    """Simulate one iteration of ``plan_`` on ``times`` (``[global_batch, 3]`` ms from
+    """Simulate one iteration of ``plan_`` on ``times`` (``[global_batch, modules]`` ms from
     :func:`sample_times`, in loader order), optionally with intra- and inter-microbatch
-    reordering (the latter searches up to ``budget_s`` seconds)."""
+    reordering (the latter searches up to ``budget_s`` seconds). With parallel encoders or
+    generators the order search runs on ``simulate.longest_path_view`` and its order is kept
+    only when the stage DAG's makespan does not grow."""
     times = np.asarray(times, dtype=np.float64)
-    if times.shape != (plan_.microbatches * _step_size(plan_), 3):
-        raise ValueError(f"times must be [{plan_.microbatches * _step_size(plan_)}, 3], "
-                         f"got {list(times.shape)}")
+    shape = (plan_.microbatches * _step_size(plan_), len(plan_.modules))
+    if times.shape != shape:
+        raise ValueError(f"times must be {list(shape)}, got {list(times.shape)}")
     arrangement = balance_steps(times, plan_) if intra else np.arange(len(times))
     stages = stage_times(times, plan_, arrangement)
     fwd, bwd = split_fwd_bwd(stages)
     order = list(range(len(stages)))
-    if inter:
-        order = inter_microbatch_reorder(fwd, bwd, time_budget_s=budget_s, seed=seed)
-    span = makespan_1f1b(fwd[order], bwd[order])
+    _, preds = graph_stages(plan_.graph, _pp(plan_))
+    if is_chain(preds):
+        if inter:
+            order = inter_microbatch_reorder(fwd, bwd, time_budget_s=budget_s, seed=seed)
+        span = makespan_1f1b(fwd[order], bwd[order])
+    else:
+        span = makespan_dag(fwd, bwd, preds)
+        if inter:
+            view = longest_path_view(stages, plan_.graph, _pp(plan_))
+            found = inter_microbatch_reorder(*split_fwd_bwd(view), time_budget_s=budget_s,
+                                             seed=seed)
+            reordered = makespan_dag(fwd[found], bwd[found], preds)
+            if reordered < span:
+                order, span = found, reordered
     return IterationSim(float(span), stages[order], arrangement, tuple(order))
 
 
@@ -342,19 +368,21 @@ def independent_replicas_ms(times: np.ndarray, plan_: Plan) -> float:
     samples in loader order. Defined only when every module has the LLM's DP (Megatron-LM's
     layout), so that replica r of every module handles the same samples."""
     dp = plan_.llm.dp
-    if any(plan_.module(n).dp != dp for n in MODULES):
+    if any(m.dp != dp for m in plan_.modules.values()):
         raise ValueError("independent replicas need the same DP in every module")
     d = _step_size(plan_)
-    per = np.asarray(times, dtype=np.float64).reshape(-1, dp, d // dp, 3).sum(axis=2)
-    return max(makespan_1f1b(*split_fwd_bwd(_stages(per[:, r], plan_))) for r in range(dp))
+    per = np.asarray(times, dtype=np.float64).reshape(-1, dp, d // dp, len(plan_.modules))
+    per = per.sum(axis=2)
+    return max(makespan_graph(*split_fwd_bwd(_stages(per[:, r], plan_)), plan_.graph, _pp(plan_))
+               for r in range(dp))
 
 
 def straggler_factors(times: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[3]`` mean over the steps of (slowest replica's load / mean replica load) per module,
-    samples in loader order: how much data heterogeneity stretches each module's stage."""
+    """``[modules]`` mean over the steps of (slowest replica's load / mean replica load) per
+    module, samples in loader order: how much data heterogeneity stretches each module's stage."""
     d = _step_size(plan_)
-    steps = np.asarray(times, dtype=np.float64).reshape(-1, d, 3)
-    dp = np.array([plan_.module(n).dp for n in MODULES])
+    steps = np.asarray(times, dtype=np.float64).reshape(-1, d, len(plan_.modules))
+    dp = np.array([m.dp for m in plan_.modules.values()])
     return (replica_max(steps, plan_) / (steps.sum(axis=1) / dp)).mean(axis=0)
 
 

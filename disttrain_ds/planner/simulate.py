@@ -14,22 +14,35 @@ run. An op starts once its stage is free and its dependency has arrived:
 Costs are given per execution slot: ``fwd[i][s]`` is the forward time of the ``i``-th
 microbatch to run on stage ``s``. Data-parallel fan-in/out or repeated stages are expressed by
 the caller through these arrays. Time units are whatever the caller uses (ms, s, FLOPs).
+
+A module graph (:class:`~disttrain_ds.graph.ModuleGraph`) with parallel encoders or generators
+is not a chain: :func:`graph_stages` numbers the stages of all modules (data-flow order, each
+module's stages consecutive) and lists each stage's upstream stages, and :func:`simulate_dag` /
+:func:`makespan_dag` run 1F1B over that DAG. A forward waits for the same microbatch's forward
+on *every* upstream stage (the LLM's first stage for every encoder), a backward for its backward
+on every downstream stage, and a stage runs ``min(d, m)`` warm-up forwards where ``d`` is the
+longest run of stages after it (``p - s - 1`` on a chain, so a chain gives the chain's result).
+Encoders thus run concurrently before the LLM and generators concurrently after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
+from disttrain_ds.graph import ModuleGraph
+
 FWD, BWD = 0, 1
 Costs2D = Sequence[Sequence[float]] | np.ndarray
 """``[microbatches][stages]`` times."""
 Comm = float | Sequence[float] | Sequence[Sequence[float]] | np.ndarray | None
 """Communication time: None, a scalar, ``[stages - 1]`` or ``[microbatches][stages - 1]``."""
+Preds = tuple[tuple[int, ...], ...]
+"""Upstream stages of every stage; stages are numbered so that each comes after its upstreams."""
 _KIND_NAMES = ("fwd", "bwd")
 
 
@@ -82,7 +95,11 @@ def stage_order(num_microbatches: int, num_stages: int, stage: int) -> list[tupl
     m, p = num_microbatches, num_stages
     if not 0 <= stage < p:
         raise ValueError(f"stage must be in [0, {p}), got {stage}")
-    warmup = min(p - stage - 1, m)
+    return _ops(m, min(p - stage - 1, m))
+
+
+def _ops(m: int, warmup: int) -> list[tuple[int, int]]:
+    """``warmup`` forwards, then (forward, backward) pairs, then the remaining backwards."""
     ops = [(FWD, i) for i in range(warmup)]
     for k in range(m - warmup):
         ops.append((FWD, warmup + k))
@@ -244,3 +261,136 @@ def makespan_batch(fwd: Costs2D, bwd: Costs2D, orders: np.ndarray, comm: Comm = 
     for ops in plan.levels:  # ops within a level are independent of each other
         end[ops] = np.maximum(end[plan.prev[ops]], end[plan.dep[ops]] + comm_t[ops]) + cost[ops]
     return end.max(axis=0)
+
+
+# --------------------------------------------------------------------------- module graphs
+
+
+def chain_preds(num_stages: int) -> Preds:
+    """The upstream stages of a plain pipeline of ``num_stages`` stages."""
+    return tuple(() if s == 0 else (s - 1,) for s in range(num_stages))
+
+
+def graph_stages(graph: ModuleGraph, pp: Mapping[str, int]) -> tuple[dict[str, range], Preds]:
+    """Stage numbers of every module (modules in data-flow order, each one's ``pp[name]`` stages
+    consecutive) and every stage's upstream stages: a module's stages form a chain, every
+    encoder's last stage feeds the LLM's first, the LLM's last feeds every generator's first.
+    The three-module graph gives the plain chain encoder -> LLM -> generator."""
+    ranges, start = {}, 0
+    for n in graph.names:
+        ranges[n] = range(start, start + pp[n])
+        start += pp[n]
+    preds: list[tuple[int, ...]] = [()] * start
+    for n in graph.names:
+        r = ranges[n]
+        preds[r.start] = tuple(ranges[u][-1] for u in graph.upstream(n))
+        for s in r[1:]:
+            preds[s] = (s - 1,)
+    return ranges, tuple(preds)
+
+
+def is_chain(preds: Preds) -> bool:
+    """Whether ``preds`` is a plain pipeline (each stage fed by the one before)."""
+    return preds == chain_preds(len(preds))
+
+
+def makespan_graph(fwd: Costs2D, bwd: Costs2D, graph: ModuleGraph, pp: Mapping[str, int]) -> float:
+    """1F1B makespan over a module graph's stages (:func:`graph_stages` columns): the chain
+    simulator when the graph's stages form a chain, the DAG's otherwise."""
+    _, preds = graph_stages(graph, pp)
+    return makespan_1f1b(fwd, bwd) if is_chain(preds) else makespan_dag(fwd, bwd, preds)
+
+
+def longest_path_view(stages: np.ndarray, graph: ModuleGraph, pp: Mapping[str, int]) -> np.ndarray:
+    """``[K, P]`` times in :func:`graph_stages` columns -> the chain of the graph's longest path
+    (``ModuleGraph.stage_offsets``), each position the slowest of the parallel stages there:
+    what a chain-only search (inter-microbatch reordering) can see of a stage DAG."""
+    offsets, length = graph.stage_offsets(pp)
+    cols = np.concatenate([offsets[n] + np.arange(pp[n]) for n in graph.names])
+    out = np.zeros((len(stages), length))
+    np.maximum.at(out.T, cols, np.asarray(stages, dtype=np.float64).T)
+    return out
+
+
+def dag_edges(preds: Preds) -> tuple[tuple[int, int], ...]:
+    """(upstream, stage) boundaries in stage order: the index a per-boundary comm time uses."""
+    return tuple((u, s) for s, ps in enumerate(preds) for u in ps)
+
+
+@lru_cache(maxsize=64)
+def _dag_rows(m: int, preds: Preds) -> tuple[tuple, ...]:
+    """(stage, kind, microbatch, same-stage predecessor, ((dependency, boundary), ...)) per op,
+    in a topological order; -1 (the sentinel) when there is no predecessor."""
+    p = len(preds)
+    for s, ps in enumerate(preds):
+        if len(set(ps)) != len(ps) or any(not 0 <= u < s for u in ps):
+            raise ValueError(f"preds[{s}] must list distinct earlier stages, got {ps}")
+    succ: list[list[int]] = [[] for _ in range(p)]
+    for s, ps in enumerate(preds):
+        for u in ps:
+            succ[u].append(s)
+    depth = [0] * p  # stages on the longest path after s: its 1F1B warm-up count
+    for s in reversed(range(p)):
+        depth[s] = max((1 + depth[d] for d in succ[s]), default=0)
+    edge = {e: k for k, e in enumerate(dag_edges(preds))}
+    orders = [_ops(m, min(depth[s], m)) for s in range(p)]
+    done, index, rows = [0] * p, {}, []
+    while len(rows) < 2 * m * p:
+        progressed = False
+        for s in range(p):
+            while done[s] < len(orders[s]):
+                kind, i = orders[s][done[s]]
+                deps = [((u, FWD, i), edge[(u, s)]) for u in preds[s]] if kind == FWD else \
+                    [((d, BWD, i), edge[(s, d)]) for d in succ[s]]
+                if any(key not in index for key, _ in deps):
+                    break
+                prev = index[(s,) + orders[s][done[s] - 1]] if done[s] else -1
+                index[(s, kind, i)] = len(rows)
+                rows.append((s, kind, i, prev, tuple((index[key], e) for key, e in deps)))
+                done[s] += 1
+                progressed = True
+        if not progressed:  # cannot happen for these orders; guards against edits
+            raise RuntimeError("1F1B dependency cycle")
+    return tuple(rows)
+
+
+def _dag_run(fwd: Costs2D, bwd: Costs2D, preds: Preds, comm: float | Sequence[float] | None,
+             keep_events: bool) -> SimResult:
+    f, b = check_costs(fwd, bwd)
+    m, p = f.shape
+    preds = tuple(tuple(int(u) for u in ps) for ps in preds)
+    if len(preds) != p:
+        raise ValueError(f"preds must list {p} stages (fwd's columns), got {len(preds)}")
+    n_edges = len(dag_edges(preds))
+    c = np.zeros(n_edges) if comm is None else np.broadcast_to(np.asarray(comm, dtype=np.float64),
+                                                                (n_edges,))
+    if (c < 0).any() or not np.isfinite(c).all():
+        raise ValueError(f"comm must be None, a scalar or [{n_edges}] finite times >= 0")
+    cost, comm_t = (f.tolist(), b.tolist()), c.tolist()
+    rows = _dag_rows(m, preds)
+    end = [0.0] * (len(rows) + 1)  # last slot: the sentinel "no predecessor" at t = 0
+    events = []
+    for o, (s, kind, i, prev, deps) in enumerate(rows):
+        start = end[prev]
+        for dep, e in deps:
+            t = end[dep] + comm_t[e]
+            if t > start:
+                start = t
+        end[o] = start + cost[kind][i][s]
+        if keep_events:
+            events.append(Event(s, i, _KIND_NAMES[kind], start, end[o]))
+    return SimResult(max(end), tuple(events))
+
+
+def simulate_dag(fwd: Costs2D, bwd: Costs2D, preds: Preds,
+                 comm: float | Sequence[float] | None = None) -> SimResult:
+    """Simulate one 1F1B iteration over the stage DAG ``preds`` (see the module docstring);
+    ``comm``: None, a scalar or one time per boundary of :func:`dag_edges`. On a chain the
+    events and makespan equal :func:`simulate_1f1b`'s."""
+    return _dag_run(fwd, bwd, preds, comm, keep_events=True)
+
+
+def makespan_dag(fwd: Costs2D, bwd: Costs2D, preds: Preds,
+                 comm: float | Sequence[float] | None = None) -> float:
+    """Makespan only (no timeline), same semantics as :func:`simulate_dag`."""
+    return _dag_run(fwd, bwd, preds, comm, keep_events=False).makespan

@@ -4,7 +4,8 @@ Input events are the simulator's :class:`~disttrain_ds.planner.simulate.Event` t
 dicts of the same shape recorded on real ranks: ``name`` (e.g. "fwd", "bwd", "allreduce"),
 ``stage``, optional ``microbatch`` and ``rank``, ``start`` and ``end`` (seconds or ms; say
 which with ``unit``). Each stage becomes one track (a Chrome-trace process, named
-"stage N"); real events that carry a ``rank`` get one thread per rank inside it.
+"stage N", or by :func:`module_stage_names` after the module it belongs to); real events that
+carry a ``rank`` get one thread per rank inside it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.simulate import graph_stages
 
 _UNIT_TO_US = {"s": 1e6, "ms": 1e3, "us": 1.0}
 _COLOURS = {"fwd": "#4C72B0", "bwd": "#DD8452"}
@@ -38,6 +42,15 @@ def normalize_events(events: Iterable[Any]) -> list[dict]:
                     "rank": None if d.get("rank") is None else int(d["rank"]),
                     "start": start, "end": end})
     return out
+
+
+def module_stage_names(graph: ModuleGraph, pp: Mapping[str, int]) -> dict[int, str]:
+    """Track names ``"<module> stage <j>"`` for the stage numbers of
+    :func:`~disttrain_ds.planner.simulate.graph_stages` (modules in data-flow order), to pass as
+    ``stage_names``; a module with one stage is just its name."""
+    ranges, _ = graph_stages(graph, pp)
+    return {s: name if len(r) == 1 else f"{name} stage {j}"
+            for name, r in ranges.items() for j, s in enumerate(r)}
 
 
 def _label(e: dict) -> str:

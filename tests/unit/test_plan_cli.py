@@ -149,3 +149,42 @@ def test_write_recipe_warns_when_recipe_batch_differs_from_profile(run, tmp_path
     assert code == 0
     assert "warning" in err and "train.global_batch is 3" in err and "micro_batch" not in err
     assert yaml.safe_load((tmp_path / "out.yaml").read_text())["train"]["global_batch"] == 3
+
+
+def graph_profile_file(tmp_path: Path) -> Path:
+    """tiny_cpu.json with a second, slower encoder (``audio``) beside the first."""
+    data = json.loads(TINY.read_text())
+    data["gpus"] = 12
+    enc = data["modules"]["encoder"]
+    data["modules"]["audio_encoder"] = {**enc, "role": "encoder",
+                                        "cost_ms": {t: 2 * c for t, c in enc["cost_ms"].items()}}
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_graph_profile_plans_every_module_by_name(run, tmp_path):
+    path = graph_profile_file(tmp_path)
+    code, out, _ = run("--profile", str(path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert list(data)[:4] == ["encoder", "audio_encoder", "llm", "generator"]
+    assert data == optimize.plan(load_profile(path)).to_json()
+    code, out, _ = run("--profile", str(path))
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    for name in ("encoder", "audio_encoder", "llm", "generator"):
+        assert rows[name][1:5] == [str(data[name][k]) for k in ("gpus", "dp", "tp", "pp")]
+    assert "module graph: encoder -> llm, audio_encoder -> llm, llm -> generator" in out
+
+
+def test_write_recipe_for_a_module_graph_is_a_one_line_error(run, tmp_path):
+    path = graph_profile_file(tmp_path)
+    (tmp_path / "base.yaml").write_text("train: {steps: 3}\n")
+    err = assert_one_line_error(*run("--profile", str(path), "--recipe",
+                                     str(tmp_path / "base.yaml"), "--write-recipe",
+                                     str(tmp_path / "out.yaml")))
+    assert str(path) in err and "'modules'" in err and "graph section" in err
+    assert not (tmp_path / "out.yaml").exists()
+    with pytest.raises(cli.ConfigError, match="graph section"):
+        cli.recipe_with_plan({}, optimize.plan(load_profile(path)))

@@ -148,7 +148,7 @@ def test_formula_is_an_upper_bound_that_is_tight_only_at_the_last_stage_or_one_s
 
 def test_megatron_72b_is_generator_bound_so_simulation_equals_its_formula(cases):
     p = cases["MLLM-72B"][3]["megatron"]
-    assert p.generator.stage_ms > max(p.encoder.stage_ms, p.llm.stage_ms)
+    assert p.module("generator").stage_ms > max(p.module("encoder").stage_ms, p.llm.stage_ms)
     sim = scale.simulate_iteration(uniform_times(p), p).makespan_ms
     assert sim == pytest.approx(p.t_iter_ms, rel=1e-9)
 
@@ -257,3 +257,57 @@ def test_mfu_and_throughput_on_a_hand_made_iteration():
     assert r.t_ms["none"] == pytest.approx(270.0)
     assert r.mfu["none"] == pytest.approx(2 * 3 * 7e12 / (3 * 312e12 * 0.270))
     assert r.tokens_per_s["none"] == pytest.approx(2 * 8192 / 0.270)
+
+
+# ----------------------------------------------------------------------- module graphs
+
+STAR = {"a": "encoder", "b": "encoder", "llm": "llm", "x": "generator", "y": "generator"}
+
+
+def star_profile(costs: dict[str, float], *, gpus: int = 64, batch: int = 8,
+                 layers: int = 4) -> Profile:
+    """Two encoders, the LLM and two generators, TP=1 costs only."""
+    mods = {n: {"role": STAR[n], "layers": layers, "cost_ms": {"1": c}} for n, c in costs.items()}
+    return profile_from_dict({"gpus": gpus, "global_batch": batch, "peak_tflops": 312,
+                              "modules": mods})
+
+
+def test_uniform_costs_on_a_star_reproduce_t_iter_when_a_generator_is_slowest():
+    prof = star_profile({"a": 7.0, "b": 11.0, "llm": 20.0, "x": 9.0, "y": 45.0})
+    layout = {"a": Degrees(1, 1, 1), "b": Degrees(2, 1, 2), "llm": Degrees(4, 1, 2),
+              "x": Degrees(4, 1, 2), "y": Degrees(2, 1, 1)}
+    p = build_plan(prof, layout)
+    assert max(m.stage_ms for m in p.modules.values()) == p.module("y").stage_ms
+    times = scale.sample_times(np.ones((p.microbatches * p.llm.dp, 5)), p)
+    assert times.shape == (8, 5)
+    sim = scale.simulate_iteration(times, p)
+    assert sim.stage_ms.shape == (p.microbatches, 8)
+    assert sim.makespan_ms == pytest.approx(t_iter(prof, layout).total_ms, rel=1e-12)
+
+
+def test_reordering_never_slows_random_star_plans():
+    rng = np.random.default_rng(4)
+    checked = 0
+    for seed in range(8):
+        r = random.Random(seed)
+        bs = r.choice([8, 12, 16])
+        prof = star_profile({n: r.uniform(5, 80) for n in STAR}, gpus=r.randint(10, 40), batch=bs,
+                            layers=r.choice([1, 2, 4]))
+        try:
+            p = plan(prof)
+        except PlanError:
+            continue
+        times = scale.sample_times(rng.lognormal(0.0, r.uniform(0.2, 1.2), size=(bs, 5)), p)
+        t = {v: scale.simulate_iteration(times, p, intra=a, inter=b, budget_s=0.02).makespan_ms
+             for v, (a, b) in scale.VARIANTS.items()}
+        assert t["intra"] <= t["none"] and t["inter"] <= t["none"] and t["both"] <= t["intra"]
+        assert scale.straggler_factors(times, p).shape == (5,)
+        checked += 1
+    assert checked >= 5
+
+
+def test_independent_replicas_on_a_star_are_never_slower_than_lock_step():
+    prof = star_profile({"a": 30.0, "b": 20.0, "llm": 60.0, "x": 90.0, "y": 10.0}, batch=4)
+    p = build_plan(prof, {n: Degrees(2, 1, 1) for n in STAR})
+    times = scale.sample_times(np.arange(1.0, 21.0).reshape(4, 5), p)
+    assert scale.independent_replicas_ms(times, p) <= scale.simulate_iteration(times, p).makespan_ms

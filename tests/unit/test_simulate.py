@@ -8,8 +8,10 @@ import time
 import numpy as np
 import pytest
 
+from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.simulate import (
-    makespan_1f1b, makespan_batch, simulate_1f1b, stage_order)
+    chain_preds, dag_edges, graph_stages, is_chain, makespan_1f1b, makespan_batch, makespan_dag,
+    simulate_1f1b, simulate_dag, stage_order)
 
 # Heterogeneous example: 4 stages, 6 microbatches, each microbatch as slow on every stage.
 PAPER_FWD = 1000 * np.array([1, 0.5, 2, 0.7, 1.5, 0.6])
@@ -115,3 +117,88 @@ def test_240_microbatches_10_stages_is_fast():
     for _ in range(5):
         makespan_1f1b(fwd, 2 * fwd)
     assert (time.perf_counter() - t) / 5 < 0.05  # ~3 ms typical; generous for loaded CI
+
+
+# --------------------------------------------------------------------------- module graphs
+
+STAR = ModuleGraph.from_roles({"a": "encoder", "b": "encoder", "llm": "llm", "x": "generator",
+                               "y": "generator"})
+
+
+def test_graph_stages_number_modules_in_data_flow_order_and_link_the_star():
+    ranges, preds = graph_stages(STAR, {"a": 1, "b": 2, "llm": 2, "x": 2, "y": 1})
+    assert {n: list(r) for n, r in ranges.items()} == {"a": [0], "b": [1, 2], "llm": [3, 4],
+                                                        "x": [5, 6], "y": [7]}
+    assert preds == ((), (), (1,), (0, 2), (3,), (4,), (5,), (4,))
+    assert dag_edges(preds) == ((1, 2), (0, 3), (2, 3), (3, 4), (4, 5), (5, 6), (4, 7))
+    _, classic = graph_stages(ModuleGraph.default(), {"encoder": 2, "llm": 3, "generator": 1})
+    assert classic == chain_preds(6) and is_chain(classic) and not is_chain(preds)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dag_simulation_of_a_chain_is_the_chain_simulation(seed):
+    rng = np.random.default_rng(seed)
+    m, p = int(rng.integers(1, 9)), int(rng.integers(1, 6))
+    fwd = rng.uniform(0.1, 3, (m, p))
+    bwd = rng.uniform(0.1, 3, (m, p))
+    comm = rng.uniform(0, 0.5, p - 1)
+    chain = simulate_1f1b(fwd, bwd, comm)
+    dag = simulate_dag(fwd, bwd, chain_preds(p), comm)
+    assert dag.events == chain.events and dag.makespan == chain.makespan
+    assert makespan_dag(fwd, bwd, chain_preds(p), comm) == makespan_1f1b(fwd, bwd, comm)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dag_events_respect_every_edge_and_stage_exclusivity(seed):
+    rng = np.random.default_rng(seed)
+    pp = {n: int(rng.integers(1, 4)) for n in STAR.names}
+    _, preds = graph_stages(STAR, pp)
+    p, m = len(preds), int(rng.integers(1, 8))
+    fwd = rng.uniform(0.2, 2, (m, p))
+    comm = rng.uniform(0, 0.3, len(dag_edges(preds)))
+    res = simulate_dag(fwd, 2 * fwd, preds, comm)
+    ev = {(e.stage, e.kind, e.microbatch): e for e in res.events}
+    assert len(ev) == 2 * m * p
+    for k, (u, s) in enumerate(dag_edges(preds)):
+        for i in range(m):
+            assert ev[(s, "fwd", i)].start >= ev[(u, "fwd", i)].end + comm[k] - 1e-9
+            assert ev[(u, "bwd", i)].start >= ev[(s, "bwd", i)].end + comm[k] - 1e-9
+    for s in range(p):
+        ops = sorted((e for e in res.events if e.stage == s), key=lambda e: e.start)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(ops, ops[1:]))
+        assert sorted(e.microbatch for e in ops if e.kind == "fwd") == list(range(m))
+
+
+def test_parallel_encoders_run_concurrently_before_the_llm():
+    # Stages: a | b | llm | x; a and b both feed the LLM.
+    _, preds = graph_stages(ModuleGraph.from_roles({"a": "encoder", "b": "encoder",
+                                                    "llm": "llm", "x": "generator"}),
+                            {"a": 1, "b": 1, "llm": 1, "x": 1})
+    fwd = np.array([[1.0, 1.0, 2.0, 3.0]] * 5)
+    parallel = makespan_dag(fwd, 2 * fwd, preds)
+    one = makespan_1f1b(fwd[:, 1:], 2 * fwd[:, 1:])  # the same pipeline with one encoder
+    assert parallel == one
+    fwd[:, 0] = 1.5  # a slower twin sets the pace of its branch, nothing more
+    assert one < makespan_dag(fwd, 2 * fwd, preds) < makespan_1f1b(fwd, 2 * fwd)
+    assert makespan_dag(fwd, 2 * fwd, preds) == pytest.approx(
+        makespan_1f1b(fwd[:, [0, 2, 3]], 2 * fwd[:, [0, 2, 3]]))
+
+
+def test_uniform_dag_with_the_slowest_stage_last_takes_critical_path_plus_steady_state():
+    pp = {"a": 2, "b": 1, "llm": 2, "x": 1, "y": 1}
+    w = {"a": 4.0, "b": 3.0, "llm": 8.0, "x": 2.0, "y": 12.0}
+    _, preds = graph_stages(STAR, pp)
+    stages = np.concatenate([np.full(pp[n], w[n] / pp[n]) for n in STAR.names])
+    k = 7
+    fwd = np.tile(stages / 3, (k, 1))
+    span = makespan_dag(fwd, 2 * fwd, preds)
+    assert span == pytest.approx(STAR.critical_path(w) + stages.max() * (k - 1))
+
+
+def test_dag_rejects_preds_that_are_not_topological_or_mis_sized():
+    with pytest.raises(ValueError, match="preds"):
+        simulate_dag(np.ones((2, 2)), np.ones((2, 2)), ((1,), ()))
+    with pytest.raises(ValueError, match="preds"):
+        makespan_dag(np.ones((2, 3)), np.ones((2, 3)), chain_preds(2))
+    with pytest.raises(ValueError, match="comm"):
+        makespan_dag(np.ones((2, 2)), np.ones((2, 2)), chain_preds(2), comm=-1.0)

@@ -58,3 +58,22 @@ def test_gantt_png_is_written(tmp_path, sim_events):
     path = write_gantt_png(sim_events, tmp_path / "sub" / "gantt.png", title="1F1B")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_module_stage_names_label_the_tracks_of_a_module_graph():
+    from disttrain_ds.graph import ModuleGraph
+    from disttrain_ds.planner.simulate import graph_stages, simulate_dag
+    from disttrain_ds.planner.timeline import module_stage_names
+
+    graph = ModuleGraph.from_roles({"vit": "encoder", "audio": "encoder", "llm": "llm",
+                                    "sd": "generator"})
+    pp = {"vit": 1, "audio": 2, "llm": 2, "sd": 1}
+    names = module_stage_names(graph, pp)
+    assert names == {0: "vit", 1: "audio stage 0", 2: "audio stage 1", 3: "llm stage 0",
+                     4: "llm stage 1", 5: "sd"}
+    _, preds = graph_stages(graph, pp)
+    events = simulate_dag(np.ones((3, 6)), 2 * np.ones((3, 6)), preds).events
+    trace = to_chrome_trace(events, stage_names=names)
+    tracks = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+              if e["name"] == "process_name"}
+    assert tracks == names

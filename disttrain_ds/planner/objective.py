@@ -1,0 +1,136 @@
+"""The planner's cost model: one iteration's time and memory of a layout over a module graph.
+
+With D = DP_llm * M samples per pipeline step and K = BS / D steps per iteration, module i running
+(dp, tp, pp) handles m_i = D / dp samples per step (m = M for the LLM), so its warm-up term is
+w_i = m_i * C_i(tp) and its stage time s_i = w_i / pp. Encoders run side by side before the LLM
+and generators side by side after it (:class:`~disttrain_ds.graph.ModuleGraph`), so one iteration
+takes the warm-up along the graph's critical path plus the slowest stage of any module per step:
+
+    T_iter = (w_llm + (max_enc w_e + max_gen w_g)) + max_i s_i * (K - 1)
+
+(an empty role contributes 0). For the three-module graph this is exactly
+``(w_llm + (w_enc + w_gen)) + max(s_llm, s_enc, s_gen) * (K - 1)``, float for float.
+
+C(tp) already includes the TP effect, so nothing is divided by TP again. ``combine`` forms the
+sum for numbers and ``combine_arrays`` for numpy columns with the same float operations in the
+same order (max is exact, so only the additions' order matters), which is what lets the search
+and ``exhaustive_plan`` agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.profile import ModuleProfile, Profile
+
+
+class Degrees(NamedTuple):
+    """Parallel degrees of one module; it occupies dp * tp * pp GPUs."""
+
+    dp: int
+    tp: int
+    pp: int
+
+
+class IterTime(NamedTuple):
+    """Predicted time of one training iteration, in milliseconds."""
+
+    warmup_ms: float
+    steady_ms: float
+    total_ms: float
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def combine(graph: ModuleGraph, warm: Mapping[str, float], stage: Mapping[str, float],
+            microbatches: int) -> IterTime:
+    """T_iter from every module's warm-up term and stage time (the canonical float order)."""
+    w = graph.critical_path(warm)
+    steady = max(stage[n] for n in graph.names) * (microbatches - 1)
+    return IterTime(w, steady, w + steady)
+
+
+class Roles(NamedTuple):
+    """A graph's modules by role, looked up once: the search forms T_iter thousands of times."""
+
+    llm: str
+    encoders: tuple[str, ...]
+    generators: tuple[str, ...]
+    names: tuple[str, ...]
+
+    @staticmethod
+    def of(graph: ModuleGraph) -> "Roles":
+        return Roles(graph.llm, graph.encoders, graph.generators, graph.names)
+
+
+def _fold_max(values: Sequence[Any], default: Any) -> Any:
+    return reduce(np.maximum, values) if values else default
+
+
+def combine_arrays(graph: ModuleGraph | Roles, warm: Mapping[str, Any],
+                   stage: Mapping[str, Any], microbatches: int) -> Any:
+    """``combine(...).total_ms`` for numpy columns (broadcast against each other), elementwise
+    with the same float operations; a module may also be a plain number."""
+    enc = _fold_max([warm[n] for n in graph.encoders], 0.0)
+    gen = _fold_max([warm[n] for n in graph.generators], 0.0)
+    steady = _fold_max([stage[n] for n in graph.names], 0.0) * (microbatches - 1)
+    return (warm[graph.llm] + (enc + gen)) + steady
+
+
+def samples_per_step(profile: Profile, name: str, d: int, dp: int) -> int:
+    """Samples one replica of module ``name`` takes per pipeline step: M for the LLM, D / dp for
+    every other module."""
+    return profile.microbatch if name == profile.graph.llm else d // dp
+
+
+def t_iter(profile: Profile, layout: Mapping[str, Degrees]) -> IterTime:
+    """Predicted iteration time of ``layout`` (module name -> Degrees); pure, no feasibility
+    checks beyond the divisibility the formula needs."""
+    graph = profile.graph
+    d = layout[graph.llm].dp * profile.microbatch
+    if profile.global_batch % d or any(d % layout[n].dp for n in graph.names):
+        raise ValueError(f"layout {dict(layout)} does not divide global batch {profile.global_batch}")
+    w, s = {}, {}
+    for n in graph.names:
+        deg = layout[n]
+        w[n] = samples_per_step(profile, n, d, deg.dp) * profile.modules[n].cost_ms[deg.tp]
+        s[n] = w[n] / deg.pp
+    return combine(graph, w, s, profile.global_batch // d)
+
+
+def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, in_flight: Any) -> Any:
+    """``memory_per_gpu`` written once for Python ints and numpy arrays alike, so both give
+    identical floats."""
+    shard = tp * pp
+    if spec.frozen:
+        per_param = spec.weight_bytes_per_param
+    else:  # ZeRO-1: only optimizer states are sharded over the DP group
+        per_param = spec.weight_bytes_per_param + spec.grad_bytes_per_param \
+            + spec.optimizer_bytes_per_param / dp
+    return spec.params / shard * per_param \
+        + in_flight * m * spec.activation_bytes_per_sample / shard
+
+
+def memory_per_gpu(spec: ModuleProfile, degrees: Degrees, *, samples_per_microbatch: int,
+                   in_flight: int) -> float:
+    """Bytes on a GPU of the first pipeline stage: weights and gradients of 1/(tp*pp) of the
+    module, optimizer states further sharded over dp, and activations of ``in_flight``
+    microbatches of ``samples_per_microbatch`` samples (1F1B: stage s of p holds min(p - s, K))."""
+    return float(memory_bytes(spec, degrees.dp, degrees.tp, degrees.pp, samples_per_microbatch,
+                              in_flight))
+
+
+def layout_key(total_ms: float, layout: Mapping[str, Degrees], names: Sequence[str]) -> tuple:
+    """Ordering of plans: faster, then fewer GPUs, then smaller (tp, pp, dp) of each module in
+    ``names`` order (the graph's data-flow order)."""
+    gpus = sum(d.dp * d.tp * d.pp for d in layout.values())
+    return (total_ms, gpus) + tuple(x for n in names for x in (layout[n].tp, layout[n].pp,
+                                                               layout[n].dp))

@@ -1,0 +1,309 @@
+"""Exact search for the minimum-T_iter layout of a module graph (``optimize.plan`` calls it).
+
+Per D = DP_llm * M (a divisor of the global batch), every module's layouts are listed as numpy
+columns and the objective of :mod:`disttrain_ds.planner.objective` is minimised exactly:
+
+1. D values are visited in increasing order of a lower bound (every module at its own smallest
+   warm-up term and stage time); the search stops once a bound exceeds the best T_iter found.
+2. Each module keeps the layouts that fit beside the other modules' smallest ones and whose
+   optimistic T_iter (the others at their best) does not exceed the incumbent, and of those the
+   non-dominated ones (``_pareto``).
+3. The modules of one role (parallel encoders, parallel generators) are folded into one *unit*:
+   the objective sees a role only through W = max warm-up, S = max stage time and G = summed
+   GPUs, so the unit lists member combinations with those three values. A combination survives
+   only if each member is the cheapest layout of its module (fewest GPUs, then tie-break rank)
+   inside the combination's (W, S) box; any other is beaten by swapping that member in.
+4. Every (LLM layout, encoder unit, generator unit) triple is evaluated as one numpy array.
+
+Ties go to fewer GPUs, then the smaller (tp, pp, dp) of each module in the graph's data-flow
+order (``objective.layout_key``); units rank their combinations in that lexicographic order, so
+the tie-break survives folding and the result equals ``optimize.exhaustive_plan`` bit for bit.
+
+Complexity per visited D, with n_i layouts surviving step 2 for module i: O(n_i^2) for the
+dominance test (chunked; skipped above ``PARETO_MAX`` layouts, where it only saves time); one
+fold of units of sizes a and b costs O(a * b + (a + b)^2); step 4 costs O(n_llm * |E| * |G|) for
+the encoder and generator units. A graph with at most one encoder and one generator folds
+nothing, which is the three-module search as it always was; each extra parallel module
+multiplies the unit size by at most its own n_i before pruning (in practice far less).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+import numpy as np
+
+from disttrain_ds.planner.objective import (Degrees, Roles, combine_arrays, divisors,
+                                            layout_key, memory_bytes)
+from disttrain_ds.planner.profile import Profile
+
+PARETO_MAX = 20_000
+"""Largest option list the O(n^2) dominance test runs on."""
+_CHUNK = 4_000_000  # boolean cells per dominance block
+
+
+@dataclass(frozen=True)
+class Opts:
+    """Candidate layouts of one module for one D, as parallel columns."""
+
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    gpus: np.ndarray
+    warm: np.ndarray
+    stage: np.ndarray
+    mem: np.ndarray
+    rank: np.ndarray
+    """Lexicographic rank of (tp, pp, dp), for tie-breaking."""
+
+    def take(self, sel: np.ndarray) -> "Opts":
+        return Opts(*(getattr(self, f)[sel] for f in _OPTS_FIELDS))
+
+    def __len__(self) -> int:
+        return len(self.dp)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The modules of one role as one option list (a single module's layouts, or combinations)."""
+
+    names: tuple[str, ...]
+    """Member modules in data-flow order (empty for a role without modules)."""
+    gpus: np.ndarray
+    """Summed GPUs of the members."""
+    warm: np.ndarray
+    """Largest warm-up term of the members (they run side by side)."""
+    stage: np.ndarray
+    """Largest stage time of the members."""
+    rank: np.ndarray
+    """Lexicographic rank of the members' (tp, pp, dp) tuples in member order."""
+    pick: np.ndarray
+    """``[n, len(names)]``: each member's index into its module's Opts."""
+
+    def take(self, sel: np.ndarray) -> "Unit":
+        return Unit(self.names, *(getattr(self, f)[sel] for f in _UNIT_COLUMNS))
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+
+_OPTS_FIELDS = tuple(f.name for f in fields(Opts))
+_UNIT_COLUMNS = tuple(f.name for f in fields(Unit))[1:]
+
+
+def module_grid(profile: Profile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tp, pp, C(tp)) of every measured TP degree and pipeline degree of module ``name``."""
+    spec = profile.modules[name]
+    tps = spec.tp_degrees(profile.gpus_per_node)
+    pps = divisors(spec.layers)
+    tp = np.repeat(np.array(tps, dtype=np.int64), len(pps))
+    cost = np.repeat(np.array([spec.cost_ms[t] for t in tps], dtype=np.float64), len(pps))
+    return tp, np.tile(np.array(pps, dtype=np.int64), len(tps)), cost
+
+
+def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
+            grid: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+            llm: str | None = None) -> Opts:
+    """Every (dp, tp, pp) of module ``name`` at D = d within ``cap`` GPUs and the memory limit;
+    ``grid`` and ``llm`` (the LLM's name) only save looking them up again."""
+    spec = profile.modules[name]
+    is_llm = name == (profile.graph.llm if llm is None else llm)
+    tp0, pp0, cost0 = grid if grid is not None else module_grid(profile, name)
+    dps = np.array([d // profile.microbatch] if is_llm else divisors(d), dtype=np.int64)
+    dp = dps[:, None]  # rows: dp; columns: (tp, pp) combinations
+    tp, pp, cost = tp0[None, :], pp0[None, :], cost0[None, :]
+    m = np.full_like(dp, profile.microbatch) if is_llm else d // dp
+    warm = m * cost
+    in_flight = np.minimum(pp, profile.global_batch // d)
+    gpus = dp * tp * pp
+    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, in_flight), gpus.shape)
+    ok = gpus <= cap
+    if limit is not None:
+        ok &= mem <= limit
+    rank = (tp * (spec.layers + 1) + pp) * (d + 1) + dp
+    cols = (dp, tp, pp, gpus, warm, warm / pp, mem, rank)
+    return Opts(*(np.broadcast_to(c, gpus.shape)[ok] for c in cols))
+
+
+def batch_splits(profile: Profile) -> list[int]:
+    """Every D = DP_llm * M that divides the global batch."""
+    m = profile.microbatch
+    return [d for d in divisors(profile.global_batch) if d % m == 0]
+
+
+def _pareto(o):
+    """Drop layouts some other layout beats: no more GPUs, warm-up or stage time, and fewer GPUs
+    or an earlier tie-break rank. Swapping it in never worsens T_iter (float sums are monotone),
+    the GPU count or the tie-break, so the exact optimum survives. Works on Opts and Unit."""
+    n = len(o)
+    if n <= 1 or n > PARETO_MAX:
+        return o
+    g, w, s, r = o.gpus, o.warm, o.stage, o.rank
+    dominated = np.zeros(n, dtype=bool)
+    step = max(1, _CHUNK // n)
+    for lo in range(0, n, step):  # rows: candidate dominators
+        a = slice(lo, lo + step)
+        dom = (g[a, None] <= g) & (w[a, None] <= w) & (s[a, None] <= s) \
+            & ((g[a, None] < g) | (r[a, None] < r))
+        dominated |= dom.any(axis=0)
+    return o.take(~dominated)
+
+
+def _unit(name: str, o: Opts) -> Unit:
+    return Unit((name,), o.gpus, o.warm, o.stage, o.rank, np.arange(len(o))[:, None])
+
+
+def _empty_unit() -> Unit:
+    """A role without modules: nothing to add to the critical path, no GPUs."""
+    z = np.zeros(1)
+    return Unit((), np.zeros(1, dtype=np.int64), z, z, np.zeros(1, dtype=np.int64),
+                np.zeros((1, 0), dtype=np.int64))
+
+
+def _dense(x: np.ndarray) -> np.ndarray:
+    """0-based dense rank of distinct integers."""
+    return np.unique(x, return_inverse=True)[1].reshape(-1)
+
+
+def _box_min(wi: np.ndarray, si: np.ndarray, key: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """table[i, j] = smallest ``key`` of the options with warm index <= i and stage index <= j."""
+    table = np.full(shape, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(table, (wi, si), key)
+    return np.minimum.accumulate(np.minimum.accumulate(table, axis=0), axis=1)
+
+
+def _fold(a: Unit, b: Unit, gpu_room: int, within_bound) -> Unit:
+    """Combinations of ``a`` and ``b`` (members side by side) that can still be optimal."""
+    wv = np.unique(np.concatenate([a.warm, b.warm]))
+    sv = np.unique(np.concatenate([a.stage, b.stage]))
+    aw, as_ = np.searchsorted(wv, a.warm), np.searchsorted(sv, a.stage)
+    bw, bs = np.searchsorted(wv, b.warm), np.searchsorted(sv, b.stage)
+    ka = a.gpus * len(a) + _dense(a.rank)  # orders like (gpus, rank), unique
+    kb = b.gpus * len(b) + _dense(b.rank)
+    ta = _box_min(aw, as_, ka, (len(wv), len(sv)))
+    tb = _box_min(bw, bs, kb, (len(wv), len(sv)))
+    ia = np.repeat(np.arange(len(a)), len(b))
+    ib = np.tile(np.arange(len(b)), len(a))
+    iw, is_ = np.maximum(aw[ia], bw[ib]), np.maximum(as_[ia], bs[ib])
+    keep = (ta[iw, is_] == ka[ia]) & (tb[iw, is_] == kb[ib])
+    ia, ib = ia[keep], ib[keep]
+    gpus = a.gpus[ia] + b.gpus[ib]
+    warm, stage = np.maximum(a.warm[ia], b.warm[ib]), np.maximum(a.stage[ia], b.stage[ib])
+    rank = np.empty(len(ia), dtype=np.int64)
+    rank[np.lexsort((b.rank[ib], a.rank[ia]))] = np.arange(len(ia))  # (a, b) lexicographic
+    u = Unit(a.names + b.names, gpus, warm, stage, rank,
+             np.concatenate([a.pick[ia], b.pick[ib]], axis=1))
+    return _pareto(u.take((gpus <= gpu_room) & within_bound(u.names, warm, stage)))
+
+
+def _role_unit(graph: Roles, names: tuple[str, ...], opts: Mapping[str, Opts], k: int,
+               n_gpus: int, bound: float | None) -> Unit | None:
+    """The unit of modules ``names`` (one role), folding them one by one in data-flow order."""
+    if not names:
+        return _empty_unit()
+    if len(names) == 1:
+        return _unit(names[0], opts[names[0]])
+    wmin = {n: float(o.warm.min()) for n, o in opts.items()}
+    smin = {n: float(o.stage.min()) for n, o in opts.items()}
+    gmin = {n: int(o.gpus.min()) for n, o in opts.items()}
+
+    def within_bound(members, warm, stage):
+        if bound is None:
+            return np.ones(len(warm), dtype=bool)
+        # Members all get the unit's max: max(W, W) = W, so the critical path sees W.
+        w = {**wmin, **{m: warm for m in members}}
+        s = {**smin, **{m: stage for m in members}}
+        return combine_arrays(graph, w, s, k) <= bound
+
+    unit = _unit(names[0], opts[names[0]])
+    for n in names[1:]:
+        folded = unit.names + (n,)
+        room = n_gpus - sum(g for m, g in gmin.items() if m not in folded)
+        unit = _fold(unit, _unit(n, opts[n]), room, within_bound)
+        if len(unit) == 0:
+            return None
+    return unit
+
+
+def _prune(graph: Roles, opts: Mapping[str, Opts], k: int, n_gpus: int,
+           bound: float | None) -> dict[str, Opts] | None:
+    """Remove layouts that cannot be part of a plan within ``n_gpus`` and ``bound``, then keep
+    each module's non-dominated layouts."""
+    wmin = {n: float(o.warm.min()) for n, o in opts.items()}
+    smin = {n: float(o.stage.min()) for n, o in opts.items()}
+    gmin = {n: int(o.gpus.min()) for n, o in opts.items()}
+    out = {}
+    for n in (graph.llm,) + graph.encoders + graph.generators:  # the LLM empties first, if any
+        o = opts[n]
+        keep = o.gpus <= n_gpus - (sum(gmin.values()) - gmin[n])
+        if bound is not None:  # optimistic T_iter with the other modules at their best
+            keep &= combine_arrays(graph, {**wmin, n: o.warm}, {**smin, n: o.stage}, k) <= bound
+        o = _pareto(o.take(keep))
+        if len(o) == 0:
+            return None
+        out[n] = o
+    return out
+
+
+def _best_in_group(graph: Roles, opts: Mapping[str, Opts], units: tuple[Unit, Unit],
+                   k: int, n_gpus: int) -> tuple | None:
+    """Exact best (key, layout) for one D by evaluating every (llm, encoders, generators)."""
+    lm, (en, ge) = opts[graph.llm], units
+    wp = (en.warm[:, None] + ge.warm[None, :]).ravel()
+    sp = np.maximum(en.stage[:, None], ge.stage[None, :]).ravel()
+    gp = (en.gpus[:, None] + ge.gpus[None, :]).ravel()
+    warm = lm.warm[:, None] + wp[None, :]
+    total = warm + np.maximum(lm.stage[:, None], sp[None, :]) * (k - 1)
+    total[gp[None, :] > (n_gpus - lm.gpus)[:, None]] = np.inf
+    tmin = float(total.min())
+    if tmin == np.inf:
+        return None
+    best = None
+    for li, pi in zip(*np.nonzero(total == tmin)):
+        ei, gi = divmod(int(pi), len(ge))
+        layout = {graph.llm: _degrees(lm, int(li))}
+        for unit, row in ((en, ei), (ge, gi)):
+            layout.update({n: _degrees(opts[n], int(j))
+                           for n, j in zip(unit.names, unit.pick[row])})
+        key = layout_key(tmin, layout, graph.names)
+        if best is None or key < best[0]:
+            best = (key, layout)
+    return best
+
+
+def _degrees(o: Opts, j: int) -> Degrees:
+    return Degrees(int(o.dp[j]), int(o.tp[j]), int(o.pp[j]))
+
+
+def search(profile: Profile, caps: Mapping[str, int]) -> dict[str, Degrees] | None:
+    """The exact minimum-T_iter layout with module i on at most ``caps[i]`` GPUs, or None."""
+    graph, n_gpus, limit = Roles.of(profile.graph), profile.gpus, profile.memory_limit_bytes
+    grids = {n: module_grid(profile, n) for n in graph.names}
+    groups = []
+    for d in batch_splits(profile):
+        k = profile.global_batch // d
+        opts = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm)
+                for n in graph.names}
+        if min(len(o) for o in opts.values()) == 0 \
+                or sum(int(o.gpus.min()) for o in opts.values()) > n_gpus:
+            continue
+        lb = float(combine_arrays(graph, {n: float(o.warm.min()) for n, o in opts.items()},
+                                  {n: float(o.stage.min()) for n, o in opts.items()}, k))
+        groups.append((lb, d, k, opts))
+    best: tuple | None = None
+    for lb, d, k, opts in sorted(groups, key=lambda g: (g[0], g[1])):
+        if best is not None and lb > best[0][0]:
+            break  # groups are sorted by a valid lower bound: none of the rest can win
+        bound = None if best is None else best[0][0]
+        opts = _prune(graph, opts, k, n_gpus, bound)
+        if opts is None:
+            continue
+        units = tuple(_role_unit(graph, names, opts, k, n_gpus, bound)
+                      for names in (graph.encoders, graph.generators))
+        if units[0] is None or units[1] is None:
+            continue
+        found = _best_in_group(graph, opts, units, k, n_gpus)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return None if best is None else best[1]
