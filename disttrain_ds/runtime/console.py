@@ -5,7 +5,9 @@ Libraries print a lot at start-up, on every rank: DeepSpeed's accelerator note, 
 banners, Python warnings. ``Console.start`` sends this process's standard output (file
 descriptor 1, so child processes and C++ code too) and Python warnings to a log file and keeps
 the terminal for ``say``: the rank map, ``data: ...``, ``recipe ...``, step lines. Standard error
-stays on the terminal, so every failure line (``runtime/health.py``) is still seen.
+stays on the terminal for failure lines (``runtime/health.py``); once the log is in the run
+directory, a rank whose failure line would repeat another rank's cause writes it to its log
+(``log``) instead (``runtime/verdict.py``).
 
 The log starts in the temp directory (``disttrain-rank<N>-*.log``) and moves to
 ``<run dir>/logs/rank<N>.log`` once the run directory exists; a failure before that names the
@@ -67,6 +69,13 @@ class Console:
         if self.log_path is not None:
             print(line, flush=True)
 
+    def log(self, line: str) -> None:
+        """One line into this rank's log only, never the terminal (nothing without a log)."""
+        if self.log_path is None:
+            return
+        sys.stdout.flush()
+        print(line, flush=True)  # fd 1 is the log: in order with what libraries wrote there
+
     def move_to(self, run_dir: str | Path) -> None:
         """Continue the log as ``<run_dir>/logs/rank<N>.log`` (``rank<N>-2.log``, ... when a resumed
         run's directory already has one), keeping what it holds so far."""
@@ -125,16 +134,18 @@ def prefer_cpu_accelerator() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def tell_launcher(line: str) -> None:
+def tell_launcher(line: str, later: bool = False) -> None:
     """Leave ``line`` where torchrun's failure summary reads it: the ``traceback :`` field of its
-    ``Root Cause`` block then shows this one line instead of a pointer to its docs."""
+    ``Root Cause`` block then shows this one line instead of a pointer to its docs. ``later``: the
+    line of a rank that only stops because another failed; dated a second on, so the summary, which
+    takes the earliest as its root cause, keeps the failed rank's line there."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
     try:
         with open(path, "w") as f:
             # torchrun's own format (errors/error_handler.py); it prints "py_callstack".
-            info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+            info = {"py_callstack": line, "timestamp": str(int(time.time()) + int(later))}
             json.dump({"message": {"message": line, "extraInfo": info}}, f)
     except OSError:
         pass

@@ -4,8 +4,9 @@ Without this, a killed rank leaves its neighbours blocked in collectives until t
 timeout, and ranks of other nodes may wait forever. Each rank runs a watchdog thread that bumps a
 heartbeat counter in the job's rendezvous store every ``interval`` seconds and reads everyone
 else's. A counter that stops changing for ``timeout`` seconds (a killed, stopped or wedged process)
-or a failure note left by a rank makes every rank print one line naming the rank and its module
-and exit. Counters, not timestamps, so clocks of different nodes need not agree.
+or a failure note left by a rank makes every rank stop with one line naming the rank and its module
+and exit. Counters, not timestamps, so clocks of different nodes need not agree. Once the run
+directory exists, only one rank prints that line on the terminal (``runtime/verdict.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from __future__ import annotations
 import errno
 import os
 import re
+import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
+
+from .console import Console, tell_launcher
+from .verdict import Verdict, pointer_line, terminal_line
 
 EXIT_PEER_FAILED = 3
 """Exit code of a rank that stops because another rank failed."""
@@ -61,8 +67,14 @@ class Watchdog:
         interval_s: float = 1.0,
         emit: Callable[[str], None] | None = None,
         exit_fn: Callable[[int], None] = os._exit,
+        console: Console | None = None,
+        host: str | None = None,
     ):
         self.store, self.rank, self.names = store, rank, names
+        self.console = console
+        """This rank's library log: once it is in the run directory, lines not shown go there."""
+        self.hosts = {rank: host or socket.gethostname()}
+        """Host of each rank (filled from the store): who shares a terminal with whom."""
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.emit = emit or (lambda line: print(line, file=sys.stderr, flush=True))
         self.exit_fn = exit_fn
@@ -77,7 +89,9 @@ class Watchdog:
         # Without torchrun's agent, rank 0 hosts the store: it lingers before exiting so the
         # others can still read why the job stops.
         self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        self.verdict: str | None = None
+        self.verdict: Verdict | None = None
+        self._ending = threading.Lock()  # one failure line per rank, from whichever thread gets there first
+        self._ended = threading.Event()
         self.step = 0
         """The optimizer step being run (for messages); 0 before training starts."""
         self.failure_dir: str | None = None
@@ -86,10 +100,32 @@ class Watchdog:
     def who(self, rank: int) -> str:
         return f"rank {rank} ({self.names.get(rank, '?')})"
 
+    @property
+    def host(self) -> str:
+        return self.hosts[self.rank]
+
     def start(self) -> "Watchdog":
+        self._op("set", f"host/{self.rank}", self.host)  # before the first beat: whoever reads one finds both
         self._beat()
+        self._learn_hosts(self.store_op_s)
         self._thread.start()
         return self
+
+    def _learn_hosts(self, wait_s: float) -> None:
+        """Read every rank's host now, not at the first check: a store that dies early could no
+        longer tell who prints. Best effort: ranks start their watchdogs together, right after the
+        process group forms; what is missing after ``wait_s`` comes with the heartbeats."""
+        keys = [f"host/{r}" for r in self.names if r not in self.hosts]
+        deadline = time.monotonic() + wait_s
+        try:
+            while keys and not self._op("check", keys):  # polled: a blocked read would spoil the client
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
+            for k, h in zip(keys, self._op("multi_get", keys) if keys else []):
+                self.hosts[int(k.split("/")[1])] = h.decode()
+        except Exception:  # noqa: BLE001 - the heartbeats will tell what the store does
+            pass
 
     def _op(self, name: str, *args):
         """``store.<name>(*args)``, given up after ``store_op_s`` (a stopped store host never answers:
@@ -118,26 +154,38 @@ class Watchdog:
         self._beats += 1
         self._op("set", f"hb/{self.rank}", str(self._beats))
 
-    def check(self, now: float | None = None) -> str | None:
+    def check(self, now: float | None = None) -> Verdict | None:
         """One look at the others: the reason to stop, or None."""
         now = time.monotonic() if now is None else now
         if self._op("check", ["fault"]):
-            return self._op("get", "fault").decode()
+            return Verdict.decode(self._op("get", "fault"))
         others = [r for r in self.names if r != self.rank]
-        values = self._op("multi_get", [f"hb/{r}" for r in others]) if others else []
+        unknown = [r for r in others if r not in self.hosts]
+        # Hosts start() missed ride along with the heartbeats (each is set before its rank's first beat).
+        values = self._op("multi_get", [f"hb/{r}" for r in others] + [f"host/{r}" for r in unknown]) if others else []
+        for r, h in zip(unknown, values[len(others):]):
+            if h:
+                self.hosts[r] = h.decode()
         for r, v in zip(others, values):
             last = self._seen.get(r)
             if last is None or last[0] != v:
                 self._seen[r] = (v, now)
             elif v != b"done" and now - last[1] > self.timeout_s:
-                return f"{self.who(r)} stopped responding (no heartbeat for {now - last[1]:.0f} s: killed, stopped or hung)"
+                why = f"no heartbeat for {now - last[1]:.0f} s: killed, stopped or hung"
+                return Verdict(f"{self.who(r)} stopped responding ({why})", failed=r)
         return None
 
-    def store_lost(self, exc: BaseException) -> str:
+    def store_lost(self, exc: BaseException) -> Verdict:
         """The verdict after a store operation failed or timed out: the store host is gone."""
         if self._store_lost is None:
             self._store_lost = f"{self.store_host} stopped responding ({one_line(exc)})"
-        return self._store_lost
+        return self._lost()
+
+    def _lost(self) -> Verdict:
+        # Nobody can publish it: each host's lowest rank prints it (verdict.role), rank 0 excepted
+        # when it hosts the store, as its silence is the failure.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        return Verdict(self._store_lost or "", failed=None if agent else 0)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -147,13 +195,11 @@ class Watchdog:
             except Exception as exc:  # noqa: BLE001 - the store itself is gone
                 reason = self.store_lost(exc)
             if reason and not self._stop.is_set():
-                self.verdict = reason
-                self._publish(reason)  # everyone stops for the same, first-found reason
-                self.emit(f"{self.who(self.rank)}: stopping{self._at()} because {reason}")
-                self._exit(EXIT_PEER_FAILED)
+                self.verdict = v = self._publish(reason)  # everyone stops for the same, first-found reason
+                self._end(v, f"{self.who(self.rank)}: stopping{self._at()} because {v.cause}", EXIT_PEER_FAILED)
                 return
 
-    def blame(self, wait_s: float) -> str | None:
+    def blame(self, wait_s: float) -> Verdict | None:
         """After an error on this rank: wait up to ``wait_s`` for a peer to be found dead or failed
         (a neighbour's death usually shows here first as a broken connection)."""
         deadline = time.monotonic() + wait_s
@@ -161,7 +207,7 @@ class Watchdog:
             if self.verdict:
                 return self.verdict
             if self._store_lost:
-                return self._store_lost
+                return self._lost()
             try:
                 reason = self.check()
             except Exception as exc:  # noqa: BLE001 - the store host is gone: that is the culprit
@@ -171,19 +217,50 @@ class Watchdog:
             time.sleep(self.interval_s)
         return None
 
-    def fail(self, line: str) -> None:
-        """Publish this rank's failure so every other rank stops naming it."""
+    def fail(self, line: str) -> Verdict:
+        """Publish this rank's failure so every other rank stops naming it; returns the verdict that
+        stands (another rank's, when it published first)."""
         self._stop.set()
-        self._publish(f"{self.who(self.rank)} failed: {line}")
+        return self._publish(Verdict(f"{self.who(self.rank)} failed: {line}", failed=self.rank))
 
-    def _publish(self, note: str) -> None:
-        if self._store_lost:
-            return  # nobody can read it, and each try would block for the store timeout
-        try:
-            if not self._op("check", ["fault"]):
-                self._op("set", "fault", note)
+    def _publish(self, v: Verdict) -> Verdict:
+        """Store ``v`` as the job's verdict unless one is there; returns the one that stands."""
+        if self._store_lost or v.by is not None:
+            return v  # nobody can read it (each try would block for the store timeout), or already there
+        mine = replace(v, by=self.rank, host=self.host, log=self._log_file())
+        try:  # atomic: of ranks publishing at once, exactly one wins and prints the cause
+            return Verdict.decode(self._op("compare_set", "fault", "", mine.encode()))
         except Exception:  # noqa: BLE001 - peers will see the heartbeat stop instead
-            pass
+            return v
+
+    def _log_file(self) -> str | None:
+        """This rank's log, once in the run directory; None before (every rank then prints, as before)."""
+        c = self.console
+        return str(c.log_path) if c is not None and c.in_run_dir and c.log_path is not None else None
+
+    def _end(self, v: Verdict, line: str, code: int) -> None:
+        """Say ``line`` (the terminal or the log, see ``_say``) and exit with ``code``, once per rank:
+        the watchdog thread and the failing main thread may both get here."""
+        if not self._ending.acquire(blocking=False):
+            self._ended.wait(30)  # the other thread is ending the process
+            return
+        self._say(v, line)
+        self._exit(code)
+        self._ended.set()  # only reached with a test's exit_fn
+
+    def _say(self, v: Verdict, line: str) -> None:
+        log = self._log_file()
+        if log is None:  # run directory not known yet (failure before set-up): every rank prints its line
+            self.emit(line)
+            return
+        self.console.log(line)  # the full line, cause included, is kept whatever the terminal shows
+        failed = self.who(v.failed) if v.failed is not None else ""
+        pointer = pointer_line(v, self.who(self.rank), self._at(), failed, self.hosts, log)
+        shown = terminal_line(v, self.rank, self.hosts, line, pointer)
+        if shown is None:
+            tell_launcher(pointer, later=True)  # torchrun's summary: a line without the cause, not its root
+        else:
+            self.emit(shown)
 
     def finished(self) -> None:
         """This rank is done: its silence from now on is not a failure."""
@@ -226,12 +303,12 @@ class Watchdog:
         if waits_for_peer(exc) and not isinstance(exc, CommTimeoutError):
             culprit = self.blame(blame_wait_s)
             if culprit:
-                self.emit(f"{here}: stopping{self._at()} because {culprit} (seen here as: {line})")
-                return self._exit(EXIT_PEER_FAILED)
-        self.fail(line)
+                v = self._publish(culprit)
+                return self._end(v, f"{here}: stopping{self._at()} because {v.cause} (seen here as: {line})",
+                                 EXIT_PEER_FAILED)
+        v = self.fail(line)
         path = self._write_traceback(exc)
-        self.emit(f"{here} failed{self._at()}: {line} (traceback: {path})")
-        self._exit(EXIT_FAILED)
+        self._end(v, f"{here} failed{self._at()}: {line} (traceback: {path})", EXIT_FAILED)
 
     def _at(self) -> str:
         return f" at step {self.step}" if self.step else ""

@@ -1,20 +1,31 @@
-"""The watchdog's verdicts on a fake store and a fake clock (no processes)."""
+"""The watchdog's verdicts on a fake store and a fake clock (no processes), and which rank shows
+a verdict's cause on the terminal."""
 
 from __future__ import annotations
 
 import errno
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as tdist
 
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.runtime.health import EXIT_FAILED, EXIT_PEER_FAILED, Watchdog, one_line, waits_for_peer
+from disttrain_ds.runtime.verdict import Verdict, pointer_line, role, terminal_line
 
 
 class FakeStore:
     def __init__(self):
         self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def compare_set(self, k, expected, desired):  # TCPStore's: set when absent and expected is ""
+        with self.lock:
+            if (k not in self.data and expected == "") or self.data.get(k) == expected.encode():
+                self.data[k] = desired.encode()
+            return self.data.get(k, expected.encode())
 
     def set(self, k, v):
         self.data[k] = v.encode() if isinstance(v, str) else v
@@ -46,7 +57,7 @@ def test_a_silent_peer_is_named_only_after_the_timeout():
     assert w.check(now=9.0) is None
     store.set("hb/1", "3")
     verdict = w.check(now=10.5)
-    assert verdict and "rank 2 (generator stage 0 dp 0) stopped responding" in verdict
+    assert verdict and "rank 2 (generator stage 0 dp 0) stopped responding" in verdict.cause and verdict.failed == 2
 
 
 def test_a_finished_peer_is_not_a_failure():
@@ -61,13 +72,15 @@ def test_a_published_failure_stops_everyone_with_its_note():
     store = FakeStore()
     failing, other = dog(store, rank=1), dog(store, rank=2)
     failing.fail("ValueError: bad batch")
-    assert other.check(now=0.0) == "rank 1 (llm stage 0 dp 0) failed: ValueError: bad batch"
+    verdict = other.check(now=0.0)
+    assert verdict.cause == "rank 1 (llm stage 0 dp 0) failed: ValueError: bad batch"
+    assert (verdict.failed, verdict.by) == (1, 1)
 
 
 def test_handle_blames_a_dead_neighbour_for_a_broken_connection():
     store, lines, codes = FakeStore(), [], []
     w = dog(store, emit=lines.append, exit_fn=codes.append, interval_s=0.01)
-    store.set("fault", "rank 2 (generator stage 0 dp 0) stopped responding")
+    store.set("fault", Verdict("rank 2 (generator stage 0 dp 0) stopped responding", 2, by=1).encode())
     w.handle(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer. This is typically x"), 1.0)
     assert codes == [EXIT_PEER_FAILED]
     assert "because rank 2 (generator stage 0 dp 0) stopped responding" in lines[0]
@@ -81,7 +94,7 @@ def test_handle_reports_a_local_bug_as_this_ranks_failure(tmp_path):
     w.handle(KeyError("mb"), 0.0)
     assert codes == [EXIT_FAILED]
     assert lines[0].startswith("rank 1 (llm stage 0 dp 0) failed at step 7: KeyError: 'mb' (traceback: ")
-    assert store.get("fault").decode().startswith("rank 1 (llm stage 0 dp 0) failed: KeyError")
+    assert Verdict.decode(store.get("fault")).cause.startswith("rank 1 (llm stage 0 dp 0) failed: KeyError")
     assert list((tmp_path / "failures").glob("rank00001-*.log"))
 
 
@@ -179,3 +192,148 @@ def test_a_local_os_error_ends_the_rank_at_once(tmp_path):
     assert time.monotonic() - t0 < 5.0
     assert codes == [EXIT_FAILED]
     assert "rank 1 (llm stage 0 dp 0) failed: OSError: No space left on device" in lines[0]
+
+
+# Who prints what: the cause once per job on one host, a pointer on each other host.
+
+TWO_HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
+
+
+def _roles(v: Verdict, hosts: dict[int, str]) -> dict[int, str]:
+    return {r: role(v, r, hosts) for r in hosts if r != v.failed or v.by == r}
+
+
+def test_the_publisher_prints_the_cause_and_the_ranks_of_its_host_only_log_it():
+    v = Verdict("rank 1 (x) failed: KeyError", failed=1, by=1, host="a")
+    assert _roles(v, dict.fromkeys(range(8), "a")) == {1: "cause", **{r: "log" for r in (0, 2, 3, 4, 5, 6, 7)}}
+
+
+def test_the_lowest_rank_of_each_other_host_prints_a_pointer_instead_of_the_cause():
+    v = Verdict("rank 1 (x) failed: KeyError", failed=1, by=1, host="a")
+    assert _roles(v, TWO_HOSTS) == {0: "log", 1: "cause", 2: "pointer", 3: "log"}
+
+
+def test_a_killed_lowest_rank_leaves_the_pointer_to_the_next_rank_of_its_host():
+    v = Verdict("rank 2 (x) stopped responding", failed=2, by=0, host="a")  # found by rank 0
+    assert _roles(v, TWO_HOSTS) == {0: "cause", 1: "log", 3: "pointer"}
+
+
+def test_an_unpublished_verdict_is_printed_by_the_lowest_surviving_rank_of_each_host():
+    v = Verdict("the store host (rank 0, host a) stopped responding", failed=0)  # the store is gone
+    assert _roles(v, TWO_HOSTS) == {1: "cause", 2: "cause", 3: "log"}
+    assert _roles(v, {0: "a", 1: "a", 2: "a", 3: "a"}) == {1: "cause", 2: "log", 3: "log"}
+
+
+def test_a_rank_whose_neighbours_hosts_are_unknown_prints_rather_than_stays_silent():
+    v = Verdict("rank 0 (x) failed: E", failed=0, by=0, host="a")
+    assert role(v, 3, {0: "a", 3: "b"}) == "pointer"  # rank 2 on "b" not heard of: one line too many, not none
+
+
+def test_the_pointer_names_rank_host_and_log_but_not_the_cause():
+    v = Verdict("rank 1 (llm stage 0 dp 0) failed: KeyError: 'mb'", failed=1, by=1, host="a", log="/r/logs/rank1.log")
+    line = pointer_line(v, "rank 2 (y)", " at step 7", "rank 1 (llm stage 0 dp 0)", TWO_HOSTS, "/r/logs/rank2.log")
+    assert line == ("rank 2 (y): stopping at step 7: rank 1 (llm stage 0 dp 0) on host a failed; its cause is in its "
+                    "output and in /r/logs/rank1.log")
+    assert "KeyError" not in line
+    found = Verdict("rank 1 (x) stopped responding", failed=1, by=0, host="a", log="/r/logs/rank0.log")
+    assert "in the output of rank 0 on host a and in /r/logs/rank0.log" in pointer_line(
+        found, "rank 2 (y)", "", "rank 1 (x)", TWO_HOSTS, None)
+    assert terminal_line(v, 3, TWO_HOSTS, "full", "pointer") is None
+    assert terminal_line(v, 2, TWO_HOSTS, "full", "pointer") == "pointer"
+
+
+class FakeConsole:
+    """A rank's log, already in the run directory."""
+
+    def __init__(self, rank: int):
+        self.log_path, self.in_run_dir, self.lines = Path(f"/run/logs/rank{rank}.log"), True, []
+
+    def log(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def _job(hosts: dict[int, str], console: bool = True):
+    """Watchdogs of one job on one fake store, started; (watchdogs, terminal lines, exit codes) per rank."""
+    store = FakeStore()
+    names = {r: f"m{r}" for r in hosts}
+    lines, codes = {r: [] for r in hosts}, {r: [] for r in hosts}
+    dogs = {r: Watchdog(store, r, names, timeout_s=10, interval_s=0.02, emit=lines[r].append, exit_fn=codes[r].append,
+                        console=FakeConsole(r) if console else None, host=h) for r, h in hosts.items()}
+    for r, h in hosts.items():
+        store.set(f"host/{r}", h)  # as if every rank had started: start() reads them all
+    for w in dogs.values():
+        w.step = 5
+        w.start()
+    assert all(w.hosts == hosts for w in dogs.values())
+    return dogs, lines, codes
+
+
+def _wait_for_exits(codes: dict[int, list], ranks) -> None:
+    deadline = time.monotonic() + 5
+    while not all(codes[r] for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_failed_ranks_cause_reaches_the_terminal_once_and_every_other_ranks_log(tmp_path):
+    dogs, lines, codes = _job(dict.fromkeys(range(4), "h"))
+    dogs[2].failure_dir = str(tmp_path)
+    dogs[2].handle(KeyError("mb"), 0.0)
+    _wait_for_exits(codes, (0, 1, 3))
+    assert codes == {0: [EXIT_PEER_FAILED], 1: [EXIT_PEER_FAILED], 2: [EXIT_FAILED], 3: [EXIT_PEER_FAILED]}
+    shown = [ln for r in lines for ln in lines[r]]
+    assert len(shown) == 1 and shown[0].startswith("rank 2 (m2) failed at step 5: KeyError: 'mb'")  # not 4 times
+    for r in (0, 1, 3):
+        line = f"rank {r} (m{r}): stopping at step 5 because rank 2 (m2) failed: KeyError: 'mb'"
+        assert dogs[r].console.lines == [line]
+    assert dogs[2].console.lines == shown
+
+
+def test_on_another_host_only_its_lowest_rank_prints_and_without_the_cause(tmp_path):
+    dogs, lines, codes = _job({0: "a", 1: "a", 2: "b", 3: "b"})
+    dogs[1].failure_dir = str(tmp_path)
+    dogs[1].handle(KeyError("mb"), 0.0)
+    _wait_for_exits(codes, (0, 2, 3))
+    assert lines[0] == lines[3] == [] and len(lines[1]) == 1 and "KeyError" in lines[1][0]
+    assert lines[2] == ["rank 2 (m2): stopping at step 5: rank 1 (m1) on host a failed; its cause is in its output "
+                        "and in /run/logs/rank1.log"]
+    assert "KeyError" in dogs[2].console.lines[0] and "KeyError" in dogs[3].console.lines[0]
+
+
+def test_ranks_failing_at_once_show_one_cause_the_first_published(tmp_path):
+    dogs, lines, codes = _job(dict.fromkeys(range(3), "h"))
+    for r in (1, 2):
+        dogs[r].failure_dir = str(tmp_path)
+        dogs[r].handle(ValueError(f"bad record on rank {r}"), 0.0)
+    _wait_for_exits(codes, (0,))
+    assert [len(lines[r]) for r in range(3)] == [0, 1, 0] and "rank 1" in lines[1][0]
+    assert dogs[2].console.lines[0].startswith("rank 2 (m2) failed at step 5: ValueError: bad record on rank 2")
+    assert codes[2] == [EXIT_FAILED]  # exit codes as before: its own failure
+
+
+def test_before_the_run_directory_every_rank_prints_its_line_as_before(tmp_path):
+    dogs, lines, codes = _job(dict.fromkeys(range(3), "h"), console=False)
+    dogs[1].failure_dir = str(tmp_path)
+    dogs[1].handle(KeyError("mb"), 0.0)
+    _wait_for_exits(codes, (0, 2))
+    assert all(len(lines[r]) == 1 and "KeyError: 'mb'" in lines[r][0] for r in range(3)), lines
+
+
+def test_a_store_host_stopping_right_after_start_is_reported_by_one_rank(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # rank 0 hosts the store
+    dogs, lines, codes = _job(dict.fromkeys(range(4), "h"))  # start() knows every host before any check
+    for w in dogs.values():
+        w.store_op_s = 0.2
+        w.store = HungStore()
+    _wait_for_exits(codes, range(4))
+    assert [len(lines[r]) for r in range(4)] == [0, 1, 0, 0], lines  # nobody could publish: rank 1 says it
+    assert "because the store host (rank 0, host " in lines[1][0]
+    assert all("stopped responding" in dogs[r].console.lines[0] for r in (0, 2, 3))
+
+
+def test_a_rank_that_started_late_is_placed_on_its_host_by_the_heartbeats():
+    store = FakeStore()
+    w = dog(store)
+    store.set("host/1", "b")
+    store.set("hb/1", "1")
+    w.check(now=0.0)
+    assert w.hosts == {0: w.host, 1: "b"}
