@@ -11,12 +11,22 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .configtools import ConfigError, apply_overrides, from_dict, load_yaml
 from .data.config import DataConfig
 from .families import DEFAULT_FAMILY, get_family
 from .models.configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
+from .recipe_graph import (
+    expand_graph_sections,
+    graph_of,
+    link_sections,
+    module_config,
+    module_family,
+    module_key,
+    module_parallel,
+    parallel_key,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 """The package, with its shipped ``recipes/*.yaml`` and ``ds_configs/*.json``."""
@@ -26,14 +36,20 @@ RECIPES_DIR = PACKAGE_DIR / "recipes"
 
 @dataclass
 class ModelConfig:
-    """The three modules and how their losses combine."""
+    """The modules and how their losses combine: the three-module form (``encoder``, ``llm``,
+    ``generator``) or a module graph (``modules``); see ``recipe_graph.py``."""
 
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    """Modality encoder (ViT + input projector)."""
-    llm: LLMConfig = field(default_factory=LLMConfig)
-    """LLM backbone (Llama)."""
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    """Modality generator (output projector + diffusion U-Net)."""
+    encoder: EncoderConfig | None = field(default_factory=EncoderConfig)
+    """Three-module form: the image encoder (ViT + input projector). With ``modules``: the only
+    encoder, if there is exactly one (else None)."""
+    llm: LLMConfig | None = field(default_factory=LLMConfig)
+    """Three-module form: the LLM backbone. With ``modules``: the LLM."""
+    generator: GeneratorConfig | None = field(default_factory=GeneratorConfig)
+    """Three-module form: the image generator (output projector + diffusion U-Net). With
+    ``modules``: the only generator, if there is exactly one (else None)."""
+    modules: dict[str, Any] = field(default_factory=dict)
+    """The module graph: module name -> its section (``family`` picks the network and its role:
+    one LLM, any number of encoders and generators). Filled from the three-module form when absent."""
     gen_loss_weight: float = 1.0
     """Weight of the diffusion loss added to the LM loss."""
 
@@ -58,12 +74,15 @@ class ModuleParallel:
 class ParallelConfig:
     """Per-module degrees. The monolithic layout takes the LLM's DP/TP for all modules."""
 
-    encoder: ModuleParallel = field(default_factory=ModuleParallel)
+    encoder: ModuleParallel | None = field(default_factory=ModuleParallel)
     """Encoder degrees."""
-    llm: ModuleParallel = field(default_factory=lambda: ModuleParallel(pp=2))
+    llm: ModuleParallel | None = field(default_factory=lambda: ModuleParallel(pp=2))
     """LLM backbone degrees."""
-    generator: ModuleParallel = field(default_factory=ModuleParallel)
+    generator: ModuleParallel | None = field(default_factory=ModuleParallel)
     """Generator degrees."""
+    modules: dict[str, ModuleParallel] = field(default_factory=dict)
+    """With ``model.modules``: degrees per module name (a module not listed gets the defaults).
+    Filled from the three-module form when absent."""
     comm_timeout_s: float = 300.0
     """Seconds a rank waits on the inter-engine communicator before failing with a clear error."""
     heartbeat_timeout_s: float = 20.0
@@ -219,7 +238,11 @@ def _apply_presets(data: dict, src: str) -> dict:
             continue
         if not isinstance(section, dict):
             raise ConfigError(f"{src}: 'model.{module}' must be a mapping")
-        presets = get_family(section.get("family", default), module, src, f"model.{module}.family").presets
+        fam = get_family(section.get("family", default), module, src, f"model.{module}.family")
+        if fam.config_type is not get_family(default, module).config_type:
+            raise ConfigError(f"{src}: 'model.{module}.family' {fam.name} has its own settings: write the model "
+                              f"as model.modules (e.g. model.modules.{module}: {{family: {fam.name}}})")
+        presets = fam.presets
         name = section.get("preset", "tiny")
         if not isinstance(name, str) or name not in presets:
             raise ConfigError(f"{src}: 'model.{module}.preset' must be one of {' | '.join(presets)}, got {name!r}")
@@ -250,9 +273,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = find_recipe(path)
     src = str(path)
     data = apply_overrides(load_yaml(path), overrides or [])
-    data = _apply_presets(data, src)
+    data = _apply_presets(expand_graph_sections(data, src), src)
     recipe = from_dict(Recipe, data, src=src)
     recipe.source_file = src
+    link_sections(recipe)
     _anchor_paths(recipe)
     validate(recipe)
     return recipe
@@ -260,7 +284,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 def _input_paths(r: Recipe) -> list[tuple[object, str]]:
     """(section, attribute) of each file a recipe reads through ``resolve_path``."""
-    modules = (r.parallel.encoder, r.parallel.llm, r.parallel.generator)
+    modules = r.parallel.modules.values()
     return [(r, "deepspeed_config"), *((m, "ds_config") for m in modules), (r.emulate, "profile")]
 
 
@@ -289,25 +313,20 @@ def layer_counts(recipe: Recipe) -> dict[str, int]:
     """Pipeline layers per module (what PP may split): the family's, plus the projector of an
     encoder or generator."""
     out = {}
-    for name in DEFAULT_FAMILY:
+    for name in graph_of(recipe).names:
         fam = module_family(recipe, name)
-        out[name] = fam.layer_count(getattr(recipe.model, name)) + (fam.role != "llm")
+        out[name] = fam.layer_count(module_config(recipe, name)) + (fam.role != "llm")
     return out
-
-
-def module_family(recipe, module: str):
-    """The ``Family`` of ``model.<module>``."""
-    cfg = getattr(recipe.model, module)
-    return get_family(cfg.family, module, recipe.source_file or "<recipe>", f"model.{module}.family")
 
 
 def tp_shape_problem(recipe, module: str, tp: int) -> tuple[str, str] | None:
     """(recipe key, why) of the first size that ``tp`` does not divide in ``module``, or None."""
-    m, fam = recipe.model, module_family(recipe, module)
-    cfg, prefix = getattr(m, module), f"model.{module}"
-    checks = fam.tp_sizes(cfg, prefix, m.llm.hidden_size)
+    fam, cfg, prefix = module_family(recipe, module), module_config(recipe, module), module_key(recipe, module)
+    llm = graph_of(recipe).llm
+    llm_hidden = module_config(recipe, llm).hidden_size
+    checks = fam.tp_sizes(cfg, prefix, llm_hidden)
     if fam.role == "encoder":  # the input projector's hidden width is the LLM's
-        checks.append(("model.llm.hidden_size", m.llm.hidden_size))
+        checks.append((f"{module_key(recipe, llm)}.hidden_size", llm_hidden))
     elif fam.role == "generator":  # the output projector's hidden width is the conditioning width
         checks.insert(0, (f"{prefix}.{fam.width_key}", fam.width(cfg)))
     for key, value in checks:
@@ -319,76 +338,56 @@ def tp_shape_problem(recipe, module: str, tp: int) -> tuple[str, str] | None:
 def validate(r: Recipe) -> None:
     """Cross-field checks that need no processes."""
     src = r.source_file or "<recipe>"
-    for name in DEFAULT_FAMILY:
-        module_family(r, name)  # a family override that skipped the preset expansion
+    graph = graph_of(r)
+    for name in graph.names:
+        fam = module_family(r, name)  # also catches a family override that skipped the preset expansion
+        _check(not fam.not_trainable, src, f"{module_key(r, name)}.family",
+               f"{fam.name} cannot be trained yet: {fam.not_trainable}")
     t, p = r.train, r.parallel
     _check(RUN_NAME.fullmatch(r.name) is not None, src, "name", f"must be a plain name (letters, digits, '._-', "
            f"not starting with '.', 1 to 100 characters): it names the run directory, got {r.name!r}")
     _check(0 <= r.seed < 2**63, src, "seed", f"must be in [0, 2**63), got {r.seed}")
     # Model sizes first: the layer counts and patch size below depend on them.
     m = r.model
-    for name in ("encoder", "llm", "generator"):
-        for f, v in vars(getattr(m, name)).items():
+    for name in graph.names:
+        cfg, key = module_config(r, name), module_key(r, name)
+        for f, v in vars(cfg).items():
             if isinstance(v, int) and not isinstance(v, bool) and f != "vocab_size":
-                _check(v >= 1, src, f"model.{name}.{f}", f"must be >= 1, got {v}")
-    enc, llm, g = m.encoder, m.llm, m.generator
-    _check(enc.hidden_size % enc.heads == 0, src, "model.encoder.heads",
-           f"{enc.heads} must divide hidden_size {enc.hidden_size}")
-    _check(llm.hidden_size % llm.heads == 0, src, "model.llm.heads",
-           f"{llm.heads} must divide hidden_size {llm.hidden_size}")
-    _check(llm.heads % llm.kv_heads == 0, src, "model.llm.kv_heads", f"{llm.kv_heads} must divide heads {llm.heads}")
-    _check(llm.vocab_size >= 0, src, "model.llm.vocab_size", f"must be >= 0 (0: the tokenizer's size), got {llm.vocab_size}")
-    _check(llm.rope_theta > 0, src, "model.llm.rope_theta", f"must be > 0, got {llm.rope_theta}")
-    levels = len(g.block_out_channels)
-    _check(levels >= 1 and min(g.block_out_channels) >= 1, src, "model.generator.block_out_channels",
-           f"must be one or more positive channel counts, got {g.block_out_channels}")
-    for f in ("down_block_types", "up_block_types", "attention_head_dim"):
-        _check(len(getattr(g, f)) == levels, src, f"model.generator.{f}",
-               f"needs one entry per block_out_channels level ({levels}), got {len(getattr(g, f))}")
-    _check(min(g.attention_head_dim) >= 1, src, "model.generator.attention_head_dim", "entries must be >= 1")
-    _check(all(c % g.norm_num_groups == 0 for c in g.block_out_channels), src, "model.generator.norm_num_groups",
-           f"{g.norm_num_groups} must divide every block_out_channels entry {g.block_out_channels}")
-    _check(g.resolution % 2 ** (levels - 1) == 0, src, "model.generator.resolution",
-           f"{g.resolution} must be divisible by {2 ** (levels - 1)} (halved once per level after the first)")
+                _check(v >= 1, src, f"{key}.{f}", f"must be >= 1, got {v}")
+        for bad_key, msg in module_family(r, name).problems(cfg, key):
+            raise ConfigError(f"{src}: '{bad_key}' {msg}")
+    llm_parallel = module_parallel(r, graph.llm)
     _check(m.gen_loss_weight >= 0, src, "model.gen_loss_weight", f"must be >= 0, got {m.gen_loss_weight}")
     _check(t.steps >= 1, src, "train.steps", f"must be >= 1, got {t.steps}")
     _check(t.global_batch >= 1, src, "train.global_batch", f"must be >= 1, got {t.global_batch}")
     _check(t.micro_batch >= 1, src, "train.micro_batch", f"must be >= 1, got {t.micro_batch}")
     _check(t.peak_tflops >= 0, src, "train.peak_tflops", f"must be >= 0 (0: look the device up), got {t.peak_tflops}")
     _check(t.device_memory_gib >= 0, src, "train.device_memory_gib", f"must be >= 0 (0: this machine's), got {t.device_memory_gib}")
-    _check(p.llm.dp >= 1, src, "parallel.llm.dp", f"must be >= 1, got {p.llm.dp}")
-    slot = p.llm.dp * t.micro_batch
+    llm_dp_key = f"{parallel_key(r, graph.llm)}.dp"
+    _check(llm_parallel.dp >= 1, src, llm_dp_key, f"must be >= 1, got {llm_parallel.dp}")
+    slot = llm_parallel.dp * t.micro_batch
     _check(
         t.global_batch % slot == 0,
         src,
         "train.global_batch",
-        f"{t.global_batch} must be divisible by parallel.llm.dp * train.micro_batch = {slot}",
+        f"{t.global_batch} must be divisible by {llm_dp_key} * train.micro_batch = {slot}",
     )
     counts = layer_counts(r)
-    for name in ("encoder", "llm", "generator"):
-        m: ModuleParallel = getattr(p, name)
+    for name in graph.names:
+        mp: ModuleParallel = module_parallel(r, name)
+        pkey = parallel_key(r, name)
         for axis in ("dp", "tp", "pp"):
-            v = getattr(m, axis)
-            _check(v >= 1, src, f"parallel.{name}.{axis}", f"must be >= 1, got {v}")
-        _check(m.tp in (1, 2, 4, 8), src, f"parallel.{name}.tp", f"must be 1, 2, 4 or 8, got {m.tp}")
-        _check(
-            m.pp <= counts[name],
-            src,
-            f"parallel.{name}.pp",
-            f"{m.pp} exceeds the module's {counts[name]} pipeline layers",
-        )
-        _check(m.partition in ("uniform", "parameters"), src, f"parallel.{name}.partition", "must be uniform | parameters")
-        if name != "llm" and r.layout == "disaggregated":
-            _check(
-                slot % m.dp == 0,
-                src,
-                f"parallel.{name}.dp",
-                f"{m.dp} must divide parallel.llm.dp * train.micro_batch = {slot}",
-            )
+            v = getattr(mp, axis)
+            _check(v >= 1, src, f"{pkey}.{axis}", f"must be >= 1, got {v}")
+        _check(mp.tp in (1, 2, 4, 8), src, f"{pkey}.tp", f"must be 1, 2, 4 or 8, got {mp.tp}")
+        _check(mp.pp <= counts[name], src, f"{pkey}.pp", f"{mp.pp} exceeds the module's {counts[name]} pipeline layers")
+        _check(mp.partition in ("uniform", "parameters"), src, f"{pkey}.partition", "must be uniform | parameters")
+        if name != graph.llm and r.layout == "disaggregated":
+            _check(slot % mp.dp == 0, src, f"{pkey}.dp", f"{mp.dp} must divide {llm_dp_key} * train.micro_batch = {slot}")
     if r.layout != "reference":
         # Monolithic: encoder and generator stages share the LLM's TP degree.
-        for name in ("encoder", "llm", "generator"):
-            tp = p.llm.tp if r.layout == "monolithic" else getattr(p, name).tp
+        for name in graph.names:
+            tp = llm_parallel.tp if r.layout == "monolithic" else module_parallel(r, name).tp
             bad = tp_shape_problem(r, name, tp) if tp > 1 else None
             if bad:
                 raise ConfigError(f"{src}: '{bad[0]}' {bad[1]}")
@@ -422,36 +421,52 @@ def validate(r: Recipe) -> None:
         _check(Path(t.resume).is_dir(), src, "train.resume", f"{t.resume} is not a directory (expected auto, none or a checkpoint step directory)")
     d = r.data
     _check(d.seq_len >= 16, src, "data.seq_len", f"must be >= 16, got {d.seq_len}")
-    patch = r.model.encoder.patch_size
-    for s in d.image_sizes:
-        _check(s > 0 and s % patch == 0, src, "data.image_sizes", f"{s} is not a positive multiple of the patch size {patch}")
+    images = [n for n in graph.encoders if module_family(r, n).name == "vit"]
+    for name in images:
+        patch = module_config(r, name).patch_size
+        for s in d.image_sizes:
+            _check(s > 0 and s % patch == 0, src, "data.image_sizes",
+                   f"{s} is not a positive multiple of the patch size {patch} ({module_key(r, name)}.patch_size)")
+    _check(bool(images) or d.max_images == 0, src, "data.max_images",
+           f"must be 0: the model has no image encoder, got {d.max_images}")
+    _check(not images or d.max_images >= 1 or d.source != "synthetic", src, "data.max_images",
+           "must be >= 1: the synthetic source draws 1..max_images images for the image encoder")
+    _check(len(graph.encoders) <= 1 and len(graph.generators) <= 1, src, "model.modules",
+           "the runtime trains at most one encoder and one generator so far; "
+           f"got encoders {list(graph.encoders)} and generators {list(graph.generators)}")
+    gen = module_config(r, graph.generators[0]) if graph.generators else None
+    _check(gen is not None or d.gen_prob == 0, src, "data.gen_prob",
+           f"must be 0: the model has no generator, got {d.gen_prob}")
     from .data.config import data_problem
 
-    bad = data_problem(d, g.query_tokens)
+    bad = data_problem(d, gen.query_tokens if gen is not None else 1)
     if bad:
         raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]}")
-    # Real images give RGB generation targets; a latent-space U-Net (e.g. the sd21 preset's 4
+    # Real images give RGB generation targets; a latent-space generator (e.g. the sd21 preset's 4
     # channels) would need a VAE in the data pipeline, which there is not.
-    _check(d.source not in ("mmc4", "laion", "local") or g.in_channels == 3, src, "model.generator.in_channels",
-           f"data.source {d.source} produces RGB generation targets (3 channels), got {g.in_channels}; "
-           "use data.source=paper_stats or synthetic for a latent-space generator")
-    for name in ("encoder", "llm", "generator"):
-        ckpt = getattr(r.model, name).checkpoint
-        _check(not ckpt or Path(ckpt).exists(), src, f"model.{name}.checkpoint", f"{ckpt} does not exist")
-    if not any(trains(getattr(r.model, n)) for n in DEFAULT_FAMILY):
+    if gen is not None:
+        _check(d.source not in ("mmc4", "laion", "local") or gen.in_channels == 3, src,
+               f"{module_key(r, graph.generators[0])}.in_channels",
+               f"data.source {d.source} produces RGB generation targets (3 channels), got {gen.in_channels}; "
+               "use data.source=paper_stats or synthetic for a latent-space generator")
+    for name in graph.names:
+        ckpt = module_config(r, name).checkpoint
+        _check(not ckpt or Path(ckpt).exists(), src, f"{module_key(r, name)}.checkpoint", f"{ckpt} does not exist")
+    if not any(trains(module_config(r, n)) for n in graph.names):
         raise ConfigError(f"{src}: 'model': every module is frozen; nothing would train")
-    for name in ("encoder", "generator"):
-        cfg = getattr(r.model, name)
+    for name in (*graph.encoders, *graph.generators):
+        cfg, pp = module_config(r, name), module_parallel(r, name).pp
         # Stages without trainable weights skip DeepSpeed's optimizer collectives (gradient norm,
         # overflow checks) that the projector's stage would wait for.
-        _check(not (cfg.frozen and trains(cfg)) or r.layout != "disaggregated" or getattr(p, name).pp == 1, src,
-               f"parallel.{name}.pp", f"must be 1 when model.{name}.frozen is set and its projector trains "
-               f"(got {getattr(p, name).pp})")
+        _check(not (cfg.frozen and trains(cfg)) or r.layout != "disaggregated" or pp == 1, src,
+               f"{parallel_key(r, name)}.pp",
+               f"must be 1 when {module_key(r, name)}.frozen is set and its projector trains (got {pp})")
     from .dsconfig import load_ds_config  # local import: keeps config parsing free of DeepSpeed
 
-    for name in ("encoder", "llm", "generator"):
-        path = getattr(p, name).ds_config or r.deepspeed_config
-        key = f"parallel.{name}.ds_config" if getattr(p, name).ds_config else "deepspeed_config"
+    for name in graph.names:
+        mp = module_parallel(r, name)
+        path = mp.ds_config or r.deepspeed_config
+        key = f"{parallel_key(r, name)}.ds_config" if mp.ds_config else "deepspeed_config"
         load_ds_config(require_file(path, key, src, r.source_file), key=key, recipe_src=src)
 
 

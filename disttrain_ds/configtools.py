@@ -45,6 +45,9 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        classes = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and len(classes) == 1:  # an optional section: keep its own key errors
+            return _coerce(value, classes[0], key, src)
         errors = []
         for arg in args:
             if arg is type(None):

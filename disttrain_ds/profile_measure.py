@@ -200,6 +200,9 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
 
     Modules in ``whole`` run with whole layers and no ``opts.sync`` (they only feed the next module).
     """
+    if tuple(recipe.model.modules) != MODULES:
+        raise ConfigError(f"{recipe.source_file}: 'model.modules' the profiler measures the three-module form "
+                          f"(encoder, llm, generator) so far; this recipe's modules are {', '.join(recipe.model.modules)}")
     # Model code pulls in transformers and diffusers (seconds): imported only once the recipe and
     # arguments are known to be good, so errors come back at once.
     from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, lm_loss_sum

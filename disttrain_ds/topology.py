@@ -1,7 +1,7 @@
 """Rank map of a job: which global ranks each module owns, and its DP x PP x TP grid there.
 
-Pure data, no process groups. Modules take disjoint, contiguous rank ranges in the order
-encoder -> LLM -> generator. Inside a module, ranks are laid out like DeepSpeed's
+Pure data, no process groups. Modules take disjoint, contiguous rank ranges in the module
+graph's data-flow order (encoders -> LLM -> generators). Inside a module, ranks are laid out like DeepSpeed's
 ``PipeModelDataParallelTopology`` (axes pipe, data, model), offset by the module's first rank.
 """
 
@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .configtools import ConfigError
+from .recipe_graph import graph_of
 
 MODULES = ("encoder", "llm", "generator")
+"""The three-module graph's module names."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class ModuleGrid:
     """One module's ranks and degrees."""
 
     name: str
-    """encoder | llm | generator."""
+    """The module's name in the graph."""
     first_rank: int
     """Global rank of the module's (pipe 0, data 0, model 0) coordinate."""
     dp: int
@@ -64,7 +66,7 @@ class Topology:
     """All modules of a job, in data-flow order."""
 
     modules: tuple[ModuleGrid, ...]
-    """encoder, llm, generator grids."""
+    """Module grids in data-flow order."""
     layout: str
     """monolithic | disaggregated (the reference layout has no topology)."""
 
@@ -110,16 +112,17 @@ class Topology:
         p = recipe.parallel
         if recipe.layout == "reference":
             raise ConfigError(f"{recipe.source_file}: 'layout' reference runs in one process and has no rank map")
+        graph = graph_of(recipe)
         degrees = {}
-        for name in MODULES:
-            m = getattr(p, name)
+        for name in graph.names:
+            m = p.modules[name]
             degrees[name] = (m.dp, m.pp, m.tp)
         if recipe.layout == "monolithic":
-            dp, _, tp = degrees["llm"]
-            degrees["encoder"] = (dp, 1, tp)
-            degrees["generator"] = (dp, 1, tp)
+            dp, _, tp = degrees[graph.llm]
+            for name in (*graph.encoders, *graph.generators):
+                degrees[name] = (dp, 1, tp)
         grids, first = [], 0
-        for name in MODULES:
+        for name in graph.names:
             dp, pp, tp = degrees[name]
             g = ModuleGrid(name, first, dp, pp, tp)
             grids.append(g)

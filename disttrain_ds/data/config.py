@@ -104,9 +104,8 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
     if cfg.source == "synthetic" and cfg.gen_images[1] * (query_tokens + 2) > cfg.seq_len:
         return "gen_images", (f"{cfg.gen_images[1]} generated images take {cfg.gen_images[1] * (query_tokens + 2)} "
                               f"tokens, more than seq_len {cfg.seq_len}")
-    least = 1 if cfg.source == "synthetic" else 0  # synthetic sequences draw 1..max_images images
-    if cfg.max_images < least:
-        return "max_images", f"must be >= {least}, got {cfg.max_images}"
+    if cfg.max_images < 0:  # synthetic sequences draw 1..max_images images (none when 0)
+        return "max_images", f"must be >= 0, got {cfg.max_images}"
     if not 0.0 <= cfg.gen_prob <= 1.0:
         return "gen_prob", f"must be in [0, 1], got {cfg.gen_prob}"
     if cfg.max_image_pixels < 1:

@@ -123,7 +123,7 @@ class SyntheticSource(SampleSource):
         budget = cfg.seq_len - n_gen * (sh.query_tokens + 2)
         ids: list[int] = []
         images: list[torch.Tensor] = []
-        for _ in range(int(rng.integers(1, cfg.max_images + 1))):
+        for _ in range(int(rng.integers(1, cfg.max_images + 1)) if cfg.max_images else 0):
             side_h, side_w = (int(rng.choice(cfg.image_sizes)) for _ in range(2))
             patches = (side_h // sh.patch_size) * (side_w // sh.patch_size)
             if len(ids) + patches + 2 + cfg.text_tokens[0] > budget:
@@ -132,6 +132,9 @@ class SyntheticSource(SampleSource):
             images.append(smooth_image(rng, 3, side_h, side_w))
             n_text = int(rng.integers(cfg.text_tokens[0], cfg.text_tokens[1] + 1))
             ids += self._text(rng, min(n_text, budget - len(ids)))
+        if cfg.max_images == 0:  # a model without an image encoder: text (and generation) only
+            n_text = int(rng.integers(cfg.text_tokens[0], cfg.text_tokens[1] + 1))
+            ids += self._text(rng, min(n_text, budget))
         for _ in range(n_gen):
             ids += [sp.boi] + [sp.gen] * sh.query_tokens + [sp.eoi]
         doc_len = len(ids)

@@ -9,14 +9,16 @@ from __future__ import annotations
 import sys
 
 from ..configtools import ConfigError
-from . import llama, qwen2, unet, vit
+from . import dit, llama, qwen2, unet, vit, whisper
 from .base import BuildContext, Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     vit.FAMILY,
+    whisper.FAMILY,
     llama.FAMILY,
     qwen2.FAMILY,
     unet.FAMILY,
+    dit.FAMILY,
 )}
 
 DEFAULT_FAMILY = {"encoder": "vit", "llm": "llama", "generator": "unet"}

@@ -60,10 +60,16 @@ class Family:
     tp_sizes: Callable[[Any, str, int], list[tuple[str, int]]]
     """(cfg, key prefix ``model.<module>``, LLM hidden width) -> (recipe key, size) pairs a
     tensor-parallel degree must divide in the family's own layers (projectors are checked apart)."""
+    problems: Callable[[Any, str], list[tuple[str, str]]] = lambda cfg, prefix: []
+    """(cfg, key prefix) -> (recipe key, message) for each size rule the config breaks (beyond
+    "every integer is >= 1", which recipe validation checks for all families)."""
     hf_rules: Sequence[tuple[str, str]] = ()
     """(regex on a Hugging Face / diffusers checkpoint key, replacement giving ``layer/param``)."""
     hf_formats: str = ""
     """The checkpoint layouts ``hf_rules`` read, for messages."""
+    not_trainable: str = ""
+    """Why recipes cannot train this family yet (empty when they can): its layers are built and
+    tested, but some part of the pipeline around them is missing."""
 
     def layers(self, cfg: Any, ctx: BuildContext) -> list[LayerDef]:
         """Ordered pipeline layers of a module of this family."""

@@ -16,11 +16,13 @@ from ..comm.routes import blocks
 COLUMNS = {"encoder": 0, "generator": 2}
 
 
-def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int]) -> dict[str, float]:
-    """``balance/{encoder,generator}_load_{max,min,mean}`` for per-sample costs ``[n, 3]``."""
+def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int],
+               columns: dict[str, int] | None = None) -> dict[str, float]:
+    """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, 3]``; ``columns``:
+    module name -> its cost column (default: the three-module graph's encoder and generator)."""
     out: dict[str, float] = {}
     n = costs.shape[0]
-    for module, col in COLUMNS.items():
+    for module, col in (COLUMNS if columns is None else columns).items():
         highs, lows, means = [], [], []
         for start in range(0, n, slot):
             loads = np.array([costs[start + b.start : start + b.stop, col].sum() for b in blocks(slot, dp[module])])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..configtools import to_dict
+from ..recipe_graph import as_written
 from ..runtime.rundir import MetricsWriter
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -116,7 +116,7 @@ class RunLogger:
         """Logger for a :class:`~disttrain_ds.config.Recipe`: project, run name, wandb mode and
         step count from the recipe; wandb config is the recipe plus ``resolved`` (world size,
         topology), the same content as ``recipe.yaml``."""
-        config = to_dict(recipe)
+        config = as_written(recipe)
         if resolved:
             config["resolved"] = dict(resolved)
         options = LoggerOptions(project=recipe.logging.project, name=recipe.name,

@@ -9,19 +9,23 @@ upstream needs gradients through them.
 from __future__ import annotations
 
 from ..data.types import PackedSample
-from ..models.mllm import MODULES, MLLMSpec
+from ..models.mllm import MLLMSpec
 from ..families.unet.model import unet_kwargs
 from .flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
 from .mfu import StepFlops
 
 
 def flops_modes(spec: MLLMSpec) -> dict[str, str]:
-    """train | frozen_passthrough | frozen for each module's own layers (key: module name) and
-    for each projector (key: ``<module>/projector``), in data-flow order: encoder, its
-    projector, LLM, the generator's projector, generator."""
-    parts = [("encoder", spec.encoder.frozen), ("encoder/projector", spec.encoder.projector.frozen),
-             ("llm", spec.llm.frozen),
-             ("generator/projector", spec.generator.projector.frozen), ("generator", spec.generator.frozen)]
+    """train | frozen_passthrough | frozen for each role's own layers (key: role) and for each
+    projector (key: ``<role>/projector``), in data-flow order: encoder, its projector, LLM, the
+    generator's projector, generator. Roles the graph lacks are absent."""
+    e, g = spec.encoder, spec.generator
+    parts = []
+    if e is not None:
+        parts += [("encoder", e.frozen), ("encoder/projector", e.projector.frozen)]
+    parts.append(("llm", spec.llm.frozen))
+    if g is not None:
+        parts += [("generator/projector", g.projector.frozen), ("generator", g.frozen)]
     modes, trainable_upstream = {}, False
     for name, frozen in parts:
         modes[name] = "train" if not frozen else "frozen_passthrough" if trainable_upstream else "frozen"
@@ -37,7 +41,7 @@ class StepFlopsCounter:
         self.modes = flops_modes(spec)
         g = spec.generator
         # The U-Net has no trusted closed form: measure one image once (cached) and scale.
-        self._unet_per_image = unet_flops(
+        self._unet_per_image = 0.0 if g is None else unet_flops(
             unet_kwargs(g),
             batch=1,
             resolution=g.resolution,
@@ -47,10 +51,10 @@ class StepFlopsCounter:
 
     def __call__(self, samples: list[PackedSample]) -> StepFlops:
         e, l, g, sp = self.spec.encoder, self.spec.llm, self.spec.generator, self.spec
-        p = e.patch_size
+        p = e.patch_size if e is not None else 1
         patches = [(im.shape[1] // p) * (im.shape[2] // p) for s in samples for im in s.images]
         enc = 0.0
-        if patches:
+        if patches and e is not None:
             enc = vit_flops(
                 layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, patches_per_image=patches,
                 patch_size=p, mode=self.modes["encoder"],
@@ -65,8 +69,8 @@ class StepFlopsCounter:
                 layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads,
                 kv_heads=l.kv_heads, vocab=l.vocab_size, doc_lens=docs, mode=self.modes["llm"],
             )
-        n_gen = sum(int(s.gen_targets.shape[0]) for s in samples)
-        gen = n_gen * (
+        n_gen = sum(int(s.gen_targets.shape[0]) for s in samples) if g is not None else 0
+        gen = 0.0 if g is None else n_gen * (
             self._unet_per_image
             + g.query_tokens
             * projector_flops_per_token(
@@ -88,12 +92,17 @@ class MfuMeter:
         self.peak, self.peak_source = resolve_peak(peak_override or None, device_name)
 
     def __call__(self, samples: list[PackedSample], step_seconds: float) -> dict[str, float]:
-        flops = self.count(samples)
-        return flops.metrics(
-            encoder_gpus=self.gpus["encoder"],
-            llm_gpus=self.gpus["llm"],
-            generator_gpus=self.gpus["generator"],
+        flops, spec = self.count(samples), self.count.spec
+        names = {role: spec.name_of(role) for role in ("encoder", "llm", "generator")}
+        out = flops.metrics(
+            **{f"{role}_gpus": self.gpus[n] if n else 0 for role, n in names.items()},
             peak_tflops=self.peak,
             step_seconds=step_seconds,
             world=self.world,
         )
+        # Keys per module name (the three-module graph's names are its roles).
+        renamed = {}
+        for key, value in out.items():
+            head, _, role = key.rpartition("/")
+            renamed[f"{head}/{names.get(role) or role}"] = value
+        return renamed

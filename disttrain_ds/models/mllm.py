@@ -8,7 +8,7 @@ every layout (reference, monolithic, disaggregated) computes the same number.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -23,33 +23,48 @@ from .pixels import pack_images
 from .projectors import ConditionProjector, InputProjector
 
 MODULES = ("encoder", "llm", "generator")
+"""The three-module graph's module names (each named after its role)."""
 
 
 @dataclass
 class MLLMSpec:
     """Everything needed to build the model's layers, identically on every rank."""
 
-    encoder: EncoderConfig
-    """Encoder sizes."""
+    encoder: EncoderConfig | None
+    """The encoder's section, or None in a graph without one."""
     llm: LLMConfig
     """Backbone sizes (vocab_size resolved)."""
-    generator: GeneratorConfig
-    """Generator sizes."""
+    generator: GeneratorConfig | None
+    """The generator's section, or None in a graph without one."""
     special: SpecialTokens
     """Token ids of image placeholders and generation queries."""
     seed: int
     """Initialisation seed shared by all layouts."""
     gen_loss_weight: float = 1.0
     """Weight of the diffusion loss relative to the LM loss."""
+    roles: dict[str, str] = field(default_factory=lambda: dict(zip(MODULES, MODULES)))
+    """Module name -> role, in data-flow order (one module per role present)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Module names in data-flow order."""
+        return tuple(self.roles)
+
+    def name_of(self, role: str) -> str | None:
+        """The module that has ``role``, or None."""
+        return next((n for n, r in self.roles.items() if r == role), None)
+
+    def config(self, module: str):
+        if module not in self.roles:
+            raise ValueError(f"unknown module {module!r}")
+        return getattr(self, self.roles[module])
 
     def family(self, module: str) -> Family:
-        if module not in MODULES:
-            raise ValueError(f"unknown module {module!r}")
-        return get_family(getattr(self, module).family, module)
+        return get_family(self.config(module).family, self.roles[module])
 
     def layers(self, module: str) -> list[LayerDef]:
         """The module's pipeline layers: its family's, with the projector on the LLM side."""
-        fam, cfg = self.family(module), getattr(self, module)
+        fam, cfg = self.family(module), self.config(module)
         ctx = BuildContext(module=module, seed=self.seed, llm_hidden=self.llm.hidden_size, image_token=self.special.image)
         body = [replace(d, frozen=cfg.frozen) for d in with_checkpoint(module, fam.layers(cfg, ctx), cfg.checkpoint, fam.hf_rules)]
         if fam.role == "llm":
@@ -63,7 +78,7 @@ class MLLMSpec:
 
     def frozen(self, module: str) -> bool:
         """Nothing in the module trains (neither its own layers nor its projector)."""
-        return not trains(getattr(self, module))
+        return not trains(self.config(module))
 
 
 @dataclass(frozen=True)
@@ -122,24 +137,27 @@ def collate(
     """Stack samples into module inputs; ``gen_dp_scale`` is DP_generator / DP_llm.
 
     Model inputs (pixels, noisy samples, target noise) take the compute ``dtype``; loss scales
-    and weights stay float32."""
+    and weights stay float32. Without a generator the generation fields are empty."""
     images = [im for s in samples for im in s.images]
     pixels, hw = pack_images(images)
-    noisy, ts, noise = [], [], []
-    for s in samples:
-        for j, target in enumerate(s.gen_targets):
-            n, t, e = noise_sample(target, s.sample_id, j, spec.seed, spec.generator.train_timesteps)
-            noisy.append(n)
-            ts.append(t)
-            noise.append(e)
-    c, r = spec.generator.in_channels, spec.generator.resolution
-    w = spec.gen_loss_weight * gen_dp_scale * norms.chunks / norms.gen_images
-    weights = [w] * len(noisy)
-    if not noisy:
-        # Nothing to generate in these samples: the generator still runs (its pipeline stages
-        # and DP all-reduce must), on one all-zero stand-in whose loss weight is 0.
-        noisy, ts, noise, weights = [torch.zeros(c, r, r)], [torch.tensor(0)], [torch.zeros(c, r, r)], [0.0]
-    p = spec.encoder.patch_size
+    noisy, ts, noise, weights = [], [], [], []
+    g = spec.generator
+    if g is not None:
+        for s in samples:
+            for j, target in enumerate(s.gen_targets):
+                n, t, e = noise_sample(target, s.sample_id, j, spec.seed, g.train_timesteps)
+                noisy.append(n)
+                ts.append(t)
+                noise.append(e)
+        w = spec.gen_loss_weight * gen_dp_scale * norms.chunks / norms.gen_images
+        weights = [w] * len(noisy)
+        if not noisy:
+            # Nothing to generate in these samples: the generator still runs (its pipeline stages
+            # and DP all-reduce must), on one all-zero stand-in whose loss weight is 0.
+            c, r = g.in_channels, g.resolution
+            noisy, ts, noise, weights = [torch.zeros(c, r, r)], [torch.tensor(0)], [torch.zeros(c, r, r)], [0.0]
+    p = spec.encoder.patch_size if spec.encoder is not None else 1
+    empty = torch.zeros(0)
     return MicroBatch(
         pixels=pixels.to(dtype),
         image_hw=hw,
@@ -147,9 +165,9 @@ def collate(
         labels=torch.stack([s.labels for s in samples]),
         gen_mask=torch.stack([s.input_ids == spec.special.gen for s in samples]),
         lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
-        noisy=torch.stack(noisy).to(dtype),
-        timesteps=torch.stack(ts),
-        noise=torch.stack(noise).to(dtype),
+        noisy=torch.stack(noisy).to(dtype) if noisy else empty,
+        timesteps=torch.stack(ts) if ts else empty.long(),
+        noise=torch.stack(noise).to(dtype) if noise else empty,
         gen_weights=torch.tensor(weights, dtype=torch.float32),
         sample_rows={
             "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],
@@ -180,16 +198,28 @@ class ReferenceMLLM(nn.Module):
     def __init__(self, spec: MLLMSpec):
         super().__init__()
         self.spec = spec
-        for name in MODULES:
+        for name in spec.names:
+            if hasattr(self, name):
+                raise ValueError(f"module name {name!r} clashes with an attribute of the model")
             setattr(self, name, Sequential([build_layer(d) for d in spec.layers(name)]))
 
+    def part(self, role: str) -> nn.Module | None:
+        name = self.spec.name_of(role)
+        return None if name is None else getattr(self, name)
+
     def forward(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        image_embeds = self.encoder((mb.pixels, mb.image_hw))
-        logits, hidden = self.llm((mb.input_ids, image_embeds))
+        encoder, llm, generator = self.part("encoder"), self.part("llm"), self.part("generator")
+        if encoder is not None:
+            image_embeds = encoder((mb.pixels, mb.image_hw))
+        else:
+            image_embeds = torch.zeros(0, self.spec.llm.hidden_size, dtype=next(llm.parameters()).dtype)
+        logits, hidden = llm((mb.input_ids, image_embeds))
         lm = lm_loss_sum(logits, mb.labels, mb.lm_scale)
-        states = generator_states(gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens), mb)
-        pred = self.generator((states, mb.noisy, mb.timesteps))
-        gen = diffusion_loss(pred, mb.noise, mb.gen_weights)
+        gen = lm.new_zeros(())
+        if generator is not None:
+            states = generator_states(gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens), mb)
+            pred = generator((states, mb.noisy, mb.timesteps))
+            gen = diffusion_loss(pred, mb.noise, mb.gen_weights)
         return {"loss": lm + gen, "lm": lm, "gen": gen}
 
 

@@ -52,6 +52,8 @@ class LLMRole(Role):
     rows_key = "gen_states"
 
     def first_inputs(self, mb, received):
+        if received is None:  # no encoder: no image placeholders to fill
+            received = torch.zeros(0, self.spec.llm.hidden_size, dtype=mb.pixels.dtype)
         return (mb.input_ids, received)
 
     def own_loss(self, outputs, mb):
@@ -59,6 +61,8 @@ class LLMRole(Role):
         return lm_loss_sum(logits, mb.labels, mb.lm_scale)
 
     def boundary_output(self, outputs, mb):
+        if self.spec.generator is None:  # understanding only: nothing goes downstream
+            return None
         _, hidden = outputs
         return gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens)
 

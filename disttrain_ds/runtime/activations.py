@@ -35,10 +35,10 @@ class SampleShape:
 def sample_shape(recipe) -> SampleShape:
     """The worst-case sample of ``recipe``'s ``data`` section."""
     d, enc, gen = recipe.data, recipe.model.encoder, recipe.model.generator
-    per_image = (max(d.image_sizes) // enc.patch_size) ** 2 if d.image_sizes else 0
+    per_image = (max(d.image_sizes) // enc.patch_size) ** 2 if d.image_sizes and enc is not None else 0
     patches = min(d.seq_len, d.max_images * per_image)
     images = min(d.max_images, -(-patches // per_image)) if per_image else 0
-    gens = max(1, min(d.gen_images[1], d.seq_len // gen.query_tokens))
+    gens = max(1, min(d.gen_images[1], d.seq_len // gen.query_tokens)) if gen is not None else 0
     return SampleShape(d.seq_len, images, patches, gens)
 
 
@@ -144,10 +144,13 @@ def generator_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerB
 
 def module_layers(recipe, module: str, vocab_size: int) -> LayerBytes:
     """Per-sample bytes of each pipeline layer of ``module`` (``vocab_size``: the LLM's, resolved)."""
+    from ..recipe_graph import graph_of, module_family
+
     m, shape = recipe.model, sample_shape(recipe)
     b = 2 if recipe.train.dtype == "bf16" else 4
-    if module == "encoder":
-        return encoder_layers(m.encoder, m.llm.hidden_size, shape, b)
-    if module == "llm":
-        return llm_layers(replace(m.llm, vocab_size=vocab_size), shape, b)
-    return generator_layers(m.generator, m.llm.hidden_size, shape, b)
+    cfg, family, llm = m.modules[module], module_family(recipe, module).name, m.modules[graph_of(recipe).llm]
+    if family == "vit":
+        return encoder_layers(cfg, llm.hidden_size, shape, b)
+    if family in ("llama", "qwen2"):  # same layer shapes (Qwen2's q/k/v biases are parameters only)
+        return llm_layers(replace(cfg, vocab_size=vocab_size), shape, b)
+    return generator_layers(cfg, llm.hidden_size, shape, b)

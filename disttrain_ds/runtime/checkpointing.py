@@ -33,7 +33,7 @@ import torch.distributed as tdist
 
 from ..config import Recipe
 from ..configtools import ConfigError
-from ..topology import MODULES, Topology
+from ..topology import Topology
 from .ckpt_files import (
     CHECKSUM,
     DATA_STATE,
@@ -178,7 +178,7 @@ class Checkpointer:
 
     def seal(self, partial: Path, final: Path, step: int, run_dir: str, reported: dict[str, dict]) -> None:
         """Rank 0, once every rank has written: check the parts, write the manifest, rename."""
-        missing = [m for m in MODULES if not (partial / m).is_dir()]
+        missing = [m for m in self.recipe.model.modules if not (partial / m).is_dir()]
         rngs = len(list((partial / RNG_DIR).glob("rank*.pt")))
         if missing or rngs != self.world:
             raise OSError(f"incomplete: modules missing {missing}, {rngs}/{self.world} rank files")
@@ -254,7 +254,7 @@ class Checkpointer:
         mine = share(files, ours, len(ranks), ranks.index(self.rank))
         mine += [n for n in (rng_file(self.rank), DATA_STATE) if n in files]
         if self.rank == 0:
-            mine += [n for n in files if n.split("/")[0] not in (*MODULES, RNG_DIR) and n != DATA_STATE]
+            mine += [n for n in files if n.split("/")[0] not in (*self.recipe.model.modules, RNG_DIR) and n != DATA_STATE]
         return mine
 
     def _verify(self, path: Path, manifest: dict) -> str | None:

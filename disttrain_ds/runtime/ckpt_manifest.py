@@ -14,6 +14,7 @@ from typing import Callable
 
 from ..config import Recipe
 from ..configtools import ConfigError, to_dict
+from ..recipe_graph import as_written
 from .ckpt_files import CHECKSUM, first_problem, valid_entry
 
 MANIFEST = "manifest.json"
@@ -77,14 +78,14 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 def fingerprint(recipe: Recipe, world: int) -> dict:
     """What a checkpoint must agree with to be resumed: model, data, batch and rank layout."""
-    r = to_dict(recipe)
+    r = as_written(recipe)
     return {
         "world_size": world,
         "layout": recipe.layout,
         "seed": recipe.seed,
         "model": r["model"],
         "data": r["data"],
-        "parallel": {m: r["parallel"][m] for m in ("encoder", "llm", "generator")},
+        "parallel": {m: to_dict(p) for m, p in recipe.parallel.modules.items()},
         "train.global_batch": recipe.train.global_batch,
         "train.micro_batch": recipe.train.micro_batch,
         "train.dtype": recipe.train.dtype,

@@ -40,7 +40,7 @@ from .console import Console, tell_launcher
 from .guards import check_finite_loss, fresh_path
 from .health import Watchdog, connect_store
 from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
-from ..metrics.balance import dp_balance
+from ..metrics.balance import COLUMNS, dp_balance
 from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda
 from .emulate import Emulator
 from .preempt import EXIT_PREEMPTED, Preemption, injected_kill
@@ -85,7 +85,7 @@ def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
     out, any_trainable = {}, False
     for m in topo.modules:
-        any_trainable = any_trainable or trains(getattr(recipe.model, m.name))
+        any_trainable = any_trainable or trains(recipe.model.modules[m.name])
         out[m.name] = any_trainable
     return out
 
@@ -107,7 +107,7 @@ def tp_context(grid, stage: int, dp: int, tp_index: int) -> TPContext:
 
 def boundary_tensor(spec, module: str, recipe: Recipe) -> tuple[str, tuple[int, ...], torch.dtype]:
     """What ``module`` sends downstream: its rows key, the trailing dims of a row, and dtype."""
-    role = ROLES[module](spec)
+    role = ROLES[spec.roles[module]](spec)
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     return role.rows_key, role.boundary_features(), dtype
 
@@ -157,7 +157,8 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
         print(line + console.note(), file=sys.stderr, flush=True)
         tell_launcher(line)
 
-    watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s, emit=emit).start()
+    watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s, emit=emit,
+                        console=console).start()  # console: lines not shown go to its run-dir log
     try:
         rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir,
                     console, preempt)
@@ -199,7 +200,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     if down_grid and stage == grid.pp - 1:
         downstream = BoundaryComm(p2p, grid, down_grid, slot, *boundary_tensor(spec, grid.name, recipe), tp)
     p2p.connect(boundary_links(topo.modules, slot, backward))
-    mp = getattr(recipe.parallel, grid.name)
+    mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp)
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
@@ -226,7 +227,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         frozen=frozen,
     )
     engine = make_engine(pm, optimizer, scheduler, cfg)
-    engine.setup_disaggregated(ROLES[grid.name](spec), place, upstream, downstream, frozen)
+    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec), place, upstream, downstream, frozen)
     if recipe.emulate.enabled:
         engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
 
@@ -239,7 +240,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
 
     my_block = blocks(slot, grid.dp)[dp_index]
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
-    gen_dp_scale = topo.module("generator").dp / topo.module("llm").dp
+    gen = spec.name_of("generator")
+    gen_dp_scale = topo.module(gen).dp / topo.module(spec.name_of("llm")).dp if gen else 1.0
     chunks = gas * recipe.parallel.llm.dp
     writer = run_dir = None
     if is_logger:
@@ -256,7 +258,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         gpus = {m.name: m.size for m in topo.modules}
         mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
         log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
-        costs, patch = cost_model(recipe), recipe.model.encoder.patch_size
+        costs, patch = cost_model(recipe), spec.encoder.patch_size if spec.encoder is not None else 1
         dps = {m.name: m.dp for m in topo.modules}
         log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
         log(f"data: {source.describe()}")
@@ -283,7 +285,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
             stats["data_wait_s"] = data_wait
             elapsed = time.perf_counter() - t0
             rec = gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, meta_group,
-                                     preempt.requested)
+                                     preempt.requested, spec.roles)
             stop = rec.pop("preempt") and step + 1 < recipe.train.steps  # any rank got SIGTERM
             if is_logger:
                 rec = {
@@ -296,7 +298,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
                     "data/batch_mib": batch_bytes(samples) / 2**20,
                     **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
                     **mfu(samples, rec["step_seconds"]),
-                    **dp_balance(costs.costs([s.stats(patch, spec.special) for s in samples]), slot, dps),
+                    **dp_balance(costs.costs([s.stats(patch, spec.special) for s in samples]), slot, dps,
+                                 {n: COLUMNS[r] for n, r in spec.roles.items() if r in COLUMNS}),
                 }
                 writer.log(rec)
                 if (step + 1) % recipe.logging.every == 0:
@@ -353,12 +356,15 @@ def _stop_preempted(step: int, path, source, writer, log, group) -> int:
 
 
 def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, group,
-                       preempt: bool = False) -> dict:
+                       preempt: bool = False, roles: dict[str, str] | None = None) -> dict:
     """All ranks contribute their figures; every rank gets the step record (rank 0 writes it).
-    ``preempt``: this rank got SIGTERM; the record's ``preempt`` is whether any rank did."""
+    ``preempt``: this rank got SIGTERM; the record's ``preempt`` is whether any rank did.
+    ``roles``: module name -> role in data-flow order (default: the three-module graph)."""
+    roles = roles or dict(zip(MODULES, MODULES))
+    names = list(roles)
     mine = torch.tensor(
         [
-            MODULES.index(grid.name),
+            names.index(grid.name),
             1.0 if place.last_of_engine and tp_index == 0 else 0.0,  # TP ranks hold the same loss
             stats["own_loss"],
             elapsed,
@@ -373,8 +379,12 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
     rows = [torch.zeros_like(mine) for _ in range(topo.world_size)]
     tdist.all_gather(rows, mine, group=group)
     table = torch.stack(rows)
-    lm = float(table[(table[:, 0] == 1) & (table[:, 1] == 1), 2].sum()) / chunks
-    gen = float(table[(table[:, 0] == 2) & (table[:, 1] == 1), 2].sum()) / chunks / gen_dp_scale
+    def loss_of(role: str) -> float:
+        picked = [names.index(n) for n, r in roles.items() if r == role]
+        return sum(float(table[(table[:, 0] == i) & (table[:, 1] == 1), 2].sum()) for i in picked)
+
+    lm = loss_of("llm") / chunks
+    gen = loss_of("generator") / chunks / gen_dp_scale
     step = float(table[:, 3].max())
     # Idle time per rank that is neither its compute nor a boundary/data wait: pipeline bubbles
     # (including waits on DeepSpeed's intra-engine P2P) and bookkeeping.
@@ -390,7 +400,7 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
         "time/bubble": float(idle.clamp(min=0).mean()),
         "preempt": bool(table[:, 8].max() > 0),
     }
-    for i, name in enumerate(MODULES):
+    for i, name in enumerate(names):
         sel = table[table[:, 0] == i]
         rec[f"time/{name}_compute"] = float(sel[:, 4].max())
         rec[f"time/{name}_comm_wait"] = float(sel[:, 5].max())

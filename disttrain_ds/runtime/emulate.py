@@ -60,6 +60,9 @@ def check_emulate(recipe, src: str) -> None:
     if recipe.layout == "reference":
         raise ConfigError(f"{src}: 'emulate.enabled' needs layout monolithic or disaggregated "
                           "(the reference layout computes for real)")
+    if tuple(recipe.model.modules) != MODULES:
+        raise ConfigError(f"{src}: 'emulate.enabled' models the three-module form (encoder, llm, generator) "
+                          f"so far; this recipe's modules are {', '.join(recipe.model.modules)}")
     if not e.profile:
         if not e.tflops > 0:
             raise ConfigError(f"{src}: 'emulate.tflops' must be > 0 when 'emulate.profile' is empty, "

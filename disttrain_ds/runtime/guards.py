@@ -63,7 +63,7 @@ def checkpoint_bytes(recipe, rows) -> float:
 
     total = 0.0
     for row in rows:
-        tp = 1 if recipe.layout == "reference" else getattr(recipe.parallel, row.module).tp
+        tp = 1 if recipe.layout == "reference" else recipe.parallel.modules[row.module].tp
         if recipe.layout == "monolithic":
             tp = recipe.parallel.llm.tp
         tp = max(1, min(tp, len(row.ranks)))

@@ -14,12 +14,12 @@ import os
 from dataclasses import dataclass, replace
 
 from ..models.configs import trains
+from ..recipe_graph import graph_of
 from ..configtools import ConfigError
 from .activations import LayerBytes, module_layers
 from .console import prefer_cpu_accelerator
 
 GIB = 2**30
-MODULES = ("encoder", "llm", "generator")
 CPU_PROCESS_GIB = 0.5
 """Resident memory of one CPU rank before any model is built (Python, torch, DeepSpeed,
 transformers, diffusers); measured about 0.45 GiB. Taken off each rank's share of host RAM."""
@@ -69,14 +69,14 @@ def zero_stage(recipe, module: str) -> int:
     from ..config import resolve_path
     from ..dsconfig import load_ds_config
 
-    path = getattr(recipe.parallel, module).ds_config or recipe.deepspeed_config
+    path = recipe.parallel.modules[module].ds_config or recipe.deepspeed_config
     return int(load_ds_config(resolve_path(path, recipe.source_file)).get("zero_optimization", {}).get("stage", 0))
 
 
 def state_bytes(recipe, module: str) -> tuple[float, float, float, bool]:
     """(weight, gradient, optimizer) bytes per parameter, and whether optimizer bytes shard over DP."""
     w = 2 if recipe.train.dtype == "bf16" else 4
-    if not trains(getattr(recipe.model, module)):  # a trained projector counts as the module training
+    if not trains(recipe.model.modules[module]):  # a trained projector counts as the module training
         return w, 0, 0, False
     moments = 2 if recipe.optim.name == "adamw" else 0  # torch SGD without momentum keeps none
     if recipe.layout == "reference":  # torch optimizer on the parameters themselves
@@ -110,10 +110,12 @@ def layer_params(recipe, module: str, vocab: int) -> list[int]:
     from ..families import clear_build_caches
     from ..models.mllm import MLLMSpec
 
-    m = recipe.model
-    cfgs = {n: replace(getattr(m, n), checkpoint="") for n in MODULES}  # nothing is read
+    graph = graph_of(recipe)
+    roles = {n: graph.role(n) for n in graph.names}
+    cfgs = {r: replace(recipe.model.modules[n], checkpoint="") for n, r in roles.items()}  # nothing is read
     cfgs["llm"] = replace(cfgs["llm"], vocab_size=vocab)
-    spec = MLLMSpec(cfgs["encoder"], cfgs["llm"], cfgs["generator"], SpecialTokens.after(0), recipe.seed)
+    spec = MLLMSpec(cfgs.get("encoder"), cfgs["llm"], cfgs.get("generator"), SpecialTokens.after(0), recipe.seed,
+                    roles=roles)
     try:
         with torch.device("meta"):
             return [sum(p.numel() for p in d.build().parameters()) for d in spec.layers(module)]
@@ -164,8 +166,8 @@ def _stage_activations(lb: LayerBytes, lo: int, hi: int) -> tuple[float, float]:
 def backward_modules(recipe) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
     out, upstream = {}, False
-    for name in MODULES:
-        upstream = upstream or trains(getattr(recipe.model, name))
+    for name in graph_of(recipe).names:
+        upstream = upstream or trains(recipe.model.modules[name])
         out[name] = upstream
     return out
 
@@ -179,7 +181,7 @@ def estimate(recipe) -> list[StageMemory]:
     gas = recipe.train.global_batch // (recipe.parallel.llm.dp * micro)  # microbatches per step
     rows = []
     if recipe.layout == "reference":
-        for name in MODULES:
+        for name in graph_of(recipe).names:
             params, lb = layer_params(recipe, name, vocab), module_layers(recipe, name, vocab)
             act, work = _stage_activations(lb, 0, len(lb.saved)) if backward[name] else (0.0, 0.0)
             parts = _per_gpu(sum(params), act, state_bytes(recipe, name), 1, 1, micro, 1, work)
@@ -191,7 +193,7 @@ def estimate(recipe) -> list[StageMemory]:
     slot = recipe.parallel.llm.dp * micro
     for grid in topo.modules:
         params, lb = layer_params(recipe, grid.name, vocab), module_layers(recipe, grid.name, vocab)
-        bounds = stage_bounds(params, grid.pp, getattr(recipe.parallel, grid.name).partition)
+        bounds = stage_bounds(params, grid.pp, recipe.parallel.modules[grid.name].partition)
         samples = slot // grid.dp
         for s in range(grid.pp):
             lo, hi = bounds[s], bounds[s + 1]

@@ -13,7 +13,7 @@ import torch
 
 from ..config import Recipe
 from ..data.types import batch_bytes
-from ..models.mllm import MODULES, BatchNorms, ReferenceMLLM, collate
+from ..models.mllm import BatchNorms, ReferenceMLLM, collate
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
 from .guards import check_finite_loss
@@ -37,13 +37,13 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     model.to(dtype)
     optimizers = {
         name: build_optimizer(recipe, getattr(model, name).parameters())
-        for name in MODULES
+        for name in spec.names
         if not spec.frozen(name)
     }
     schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(recipe)) for n, o in optimizers.items()}
     writer = RunLogger.from_recipe(run_dir, recipe) if run_dir else None
-    # One process holds all three modules: each module's MFU is over the one device.
-    mfu = MfuMeter(spec, {m: 1 for m in MODULES}, 1, recipe.train.peak_tflops, device_name=None) if run_dir else None
+    # One process holds every module: each module's MFU is over the one device.
+    mfu = MfuMeter(spec, {m: 1 for m in spec.names}, 1, recipe.train.peak_tflops, device_name=None) if run_dir else None
     if mfu and log:
         log(f"MFU peak: {mfu.peak:.3g} TFLOP/s ({mfu.peak_source})")
     records: list[dict] = []
@@ -106,7 +106,7 @@ def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype
 def reference_layer_state(model: ReferenceMLLM) -> dict[str, torch.Tensor]:
     """Parameters keyed ``module/layer/param``, comparable with the distributed export."""
     out = {}
-    for module in MODULES:
+    for module in model.spec.names:
         defs = model.spec.layers(module)
         for d, layer in zip(defs, getattr(model, module).layers):
             for k, v in layer.state_dict().items():

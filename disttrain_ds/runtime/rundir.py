@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from ..configtools import to_dict
+from ..recipe_graph import as_written
 
 
 def make_run_dir(requested: str, name: str) -> Path:
@@ -51,7 +51,7 @@ def reopen_run_dir(path: Path, step: int) -> tuple[Path, int]:
 
 
 def write_resolved_recipe(run_dir: Path, recipe, extra: dict | None = None, name: str = "recipe.yaml") -> None:
-    data = to_dict(recipe)
+    data = as_written(recipe)
     if extra:
         data["resolved"] = extra
     (run_dir / name).write_text(yaml.safe_dump(data, sort_keys=False))

@@ -10,12 +10,17 @@ import torch
 from ..config import Recipe
 from ..costmodel import CostModel, TransformerDims, UNetDims
 from ..data.source import SampleSource, ShapeSpec, build_source
+from ..models.configs import EncoderConfig, GeneratorConfig
 from ..models.mllm import MLLMSpec
+from ..recipe_graph import graph_of
 
 
 def cost_model(recipe: Recipe) -> CostModel:
     """Per-sample cost model of the recipe's modules (forward FLOPs), for reordering and balance."""
-    e, l, g = recipe.model.encoder, recipe.model.llm, recipe.model.generator
+    # A graph without an encoder (generator) has no images (generation targets), so the stand-in
+    # default sizes below cost nothing for any of its samples.
+    e = recipe.model.encoder or EncoderConfig()
+    l, g = recipe.model.llm, recipe.model.generator or GeneratorConfig()
     return CostModel.from_dims(
         TransformerDims(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, heads=e.heads),
         TransformerDims(
@@ -36,23 +41,24 @@ def cost_model(recipe: Recipe) -> CostModel:
 
 def reorder_groups(recipe: Recipe) -> int:
     """Groups per microbatch slot that balancing works on: every module's DP block is a union of them."""
-    p = recipe.parallel
-    slot = p.llm.dp * recipe.train.micro_batch
+    llm_dp = recipe.parallel.llm.dp
+    slot = llm_dp * recipe.train.micro_batch
     if recipe.layout == "monolithic":  # every module shares the LLM's DP there
-        return p.llm.dp
-    groups = math.lcm(p.encoder.dp, p.llm.dp, p.generator.dp)
-    return groups if slot % groups == 0 else p.llm.dp
+        return llm_dp
+    groups = math.lcm(*(mp.dp for mp in recipe.parallel.modules.values()))
+    return groups if slot % groups == 0 else llm_dp
 
 
 def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
     """The sample source and the model spec (LLM vocabulary sized from the tokenizer)."""
     m = recipe.model
     groups = reorder_groups(recipe)
+    e, g = m.encoder or EncoderConfig(), m.generator or GeneratorConfig()  # stand-ins: no images / targets
     shape = ShapeSpec(
-        patch_size=m.encoder.patch_size,
-        gen_resolution=m.generator.resolution,
-        gen_channels=m.generator.in_channels,
-        query_tokens=m.generator.query_tokens,
+        patch_size=e.patch_size,
+        gen_resolution=g.resolution,
+        gen_channels=g.in_channels,
+        query_tokens=g.query_tokens,
         dp_size=groups,
         micro_batch=recipe.parallel.llm.dp * recipe.train.micro_batch // groups,
         cost_model=cost_model(recipe),
@@ -64,7 +70,9 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
         llm = dataclasses.replace(llm, vocab_size=need)
     elif llm.vocab_size < need:
         raise ValueError(f"model.llm.vocab_size {llm.vocab_size} is smaller than the tokenizer's {need} ids")
-    spec = MLLMSpec(m.encoder, llm, m.generator, source.special, recipe.seed, m.gen_loss_weight)
+    graph = graph_of(recipe)
+    spec = MLLMSpec(m.encoder, llm, m.generator, source.special, recipe.seed, m.gen_loss_weight,
+                    roles={n: graph.role(n) for n in graph.names})
     return source, spec
 
 

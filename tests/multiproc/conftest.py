@@ -21,14 +21,15 @@ NCCL_RULES = {"DISTTRAIN_NCCL_EMULATION": "1"}
 
 
 def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None, timeout: int = 600,
-           env_extra: dict | None = None, check: bool = True):
+           env_extra: dict | None = None, check: bool = True, recipe: str = "tiny_cpu"):
     """Run tests/multiproc/run_layout.py under torchrun; returns (losses per step, params, shapes),
-    or with ``check=False`` the finished process, whatever its exit code."""
+    or with ``check=False`` the finished process, whatever its exit code. ``recipe``: a shipped
+    recipe's name or a YAML path."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RUNNER), str(out)]
     if fault:
         cmd += ["--fault", fault]
-    cmd += ["parallel.comm_timeout_s=120", *overrides]
+    cmd += ["--recipe", str(recipe), "parallel.comm_timeout_s=120", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **NCCL_RULES,
            **(env_extra or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
@@ -52,10 +53,10 @@ def reference_run():
 
     cache: dict[tuple, tuple] = {}
 
-    def get(overrides: list[str]):
-        key = tuple(overrides)
+    def get(overrides: list[str], recipe_name: str = "tiny_cpu"):
+        key = (recipe_name, *overrides)
         if key not in cache:
-            recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["layout=reference", *overrides])
+            recipe = load_recipe(recipe_name, ["layout=reference", *overrides])
             records, model = train_reference(recipe, None, log=None)
             cache[key] = ([r["loss"] for r in records], reference_layer_state(model))
         return cache[key]

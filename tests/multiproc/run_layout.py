@@ -1,7 +1,8 @@
 """Launched by torchrun from the multi-process tests: train the tiny recipe in a pipeline layout,
 export every rank's final parameters and what crossed the communicator.
 
-    torchrun --standalone --nproc_per_node=N tests/multiproc/run_layout.py OUT_DIR [--fault NAME] [key=value ...]
+    torchrun --standalone --nproc_per_node=N tests/multiproc/run_layout.py OUT_DIR [--fault NAME] [--recipe R]
+        [key=value ...]
 
 ``--fault drop_encoder_grad`` zeroes the gradient the LLM returns to the encoder: the negative
 control that the fidelity check must catch. ``--fault one_channel`` sends activations and gradients
@@ -34,7 +35,10 @@ def main() -> int:
     fault = None
     if args and args[0] == "--fault":
         fault, args = args[1], args[2:]
-    recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", [f"logging.dir={out / 'run'}", *args])
+    name = "tiny_cpu"
+    if args and args[0] == "--recipe":
+        name, args = args[1], args[2:]
+    recipe = load_recipe(name, [f"logging.dir={out / 'run'}", *args])
     if fault == "drop_encoder_grad":
         original = BoundaryComm.send_grad
 

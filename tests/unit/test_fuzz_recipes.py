@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +23,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from disttrain_ds.recipe_graph import expand_graph_sections, link_sections
 from disttrain_ds.config import Recipe, _apply_presets, load_recipe, validate
 from disttrain_ds.configtools import ConfigError, from_dict
 from disttrain_ds.topology import Topology
 
 REPO = Path(__file__).resolve().parents[2]
-BASES = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "recipes").glob("*.yaml"))}
+SHIPPED = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "recipes").glob("*.yaml"))}
+BASES = {name: data for name, data in SHIPPED.items() if "modules" not in data["model"]}
+"""Recipes in the three-module form: the schema-driven cases write its keys (model.encoder ...)."""
 TMP = "@TMP@"
 """Placeholder for the case's temporary folder in recipe values, overrides and file names."""
 CLI = "command line"
@@ -60,6 +64,9 @@ def schema(cls=Recipe, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp, key = hints[f.name], prefix + f.name
+        optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(optional) == 1:
+            tp = optional[0]  # an optional section (None only after loading, in the graph form)
         if dataclasses.is_dataclass(tp):
             yield key, tp, True
             yield from schema(tp, key + ".")
@@ -100,6 +107,8 @@ def wrong_values(tp) -> list:
         return ["fast", [0.5], {"a": 1.0}, True, None, "1e-3", float("nan")]
     if tp is str:
         return [5, 1.5, ["a"], {"a": "b"}, True, None]
+    if origin is dict:
+        return ["not-a-mapping", 5, [1], True]
     raise AssertionError(f"no wrong values for {tp}")
 
 
@@ -128,7 +137,8 @@ def typo(rng: random.Random, key: str, known: set[str]) -> str:
 
 def in_memory(recipe: dict) -> Recipe:
     """``recipe`` parsed and validated without a file (for the generator's own starting points)."""
-    r = from_dict(Recipe, _apply_presets(copy.deepcopy(recipe), "<mem>"), src="<mem>")
+    r = from_dict(Recipe, _apply_presets(expand_graph_sections(copy.deepcopy(recipe), "<mem>"), "<mem>"), src="<mem>")
+    link_sections(r)
     validate(r)
     return r
 

@@ -18,6 +18,19 @@ DECODER_HF_RULES = (
 )
 """Hugging Face causal-LM keys (``model.layers.N...``, ``lm_head``) onto embed / blockN / head."""
 
+def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
+    """Size rules of a Llama-shaped decoder."""
+    out = []
+    if cfg.hidden_size % cfg.heads:
+        out.append((f"{prefix}.heads", f"{cfg.heads} must divide hidden_size {cfg.hidden_size}"))
+    if cfg.heads % cfg.kv_heads:
+        out.append((f"{prefix}.kv_heads", f"{cfg.kv_heads} must divide heads {cfg.heads}"))
+    if cfg.vocab_size < 0:
+        out.append((f"{prefix}.vocab_size", f"must be >= 0 (0: the tokenizer's size), got {cfg.vocab_size}"))
+    if cfg.rope_theta <= 0:
+        out.append((f"{prefix}.rope_theta", f"must be > 0, got {cfg.rope_theta}"))
+    return out
+
 FAMILY = Family(
     name="llama",
     role="llm",
@@ -28,6 +41,7 @@ FAMILY = Family(
     width_key="hidden_size",
     layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head
     tp_sizes=decoder_tp_sizes,
+    problems=decoder_problems,
     hf_rules=DECODER_HF_RULES,
     hf_formats="transformers LlamaForCausalLM or LlamaModel",
 )

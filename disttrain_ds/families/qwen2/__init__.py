@@ -5,7 +5,7 @@ Everything but the transformers classes and the presets is the Llama family's co
 
 from ...models.configs import LLMConfig
 from ..base import Family
-from ..llama import DECODER_HF_RULES, decoder_tp_sizes
+from ..llama import DECODER_HF_RULES, decoder_problems, decoder_tp_sizes
 
 PRESETS: dict[str, dict] = {
     "tiny": {},
@@ -24,6 +24,7 @@ FAMILY = Family(
     width_key="hidden_size",
     layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head
     tp_sizes=decoder_tp_sizes,
+    problems=decoder_problems,
     hf_rules=DECODER_HF_RULES,
     hf_formats="transformers Qwen2ForCausalLM or Qwen2Model",
 )

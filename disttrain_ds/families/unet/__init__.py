@@ -9,6 +9,25 @@ def _tp_sizes(cfg: GeneratorConfig, prefix: str, llm_hidden: int) -> list[tuple[
     return [(f"{prefix}.attention_head_dim[{i}]", h) for i, h in enumerate(cfg.attention_head_dim)]
 
 
+def _problems(g: GeneratorConfig, prefix: str) -> list[tuple[str, str]]:
+    levels, out = len(g.block_out_channels), []
+    if levels < 1 or min(g.block_out_channels) < 1:
+        return [(f"{prefix}.block_out_channels", f"must be one or more positive channel counts, got {g.block_out_channels}")]
+    for f in ("down_block_types", "up_block_types", "attention_head_dim"):
+        if len(getattr(g, f)) != levels:
+            out.append((f"{prefix}.{f}", f"needs one entry per block_out_channels level ({levels}), got {len(getattr(g, f))}"))
+    if out:
+        return out
+    if min(g.attention_head_dim) < 1:
+        out.append((f"{prefix}.attention_head_dim", "entries must be >= 1"))
+    if any(c % g.norm_num_groups for c in g.block_out_channels):
+        out.append((f"{prefix}.norm_num_groups",
+                    f"{g.norm_num_groups} must divide every block_out_channels entry {g.block_out_channels}"))
+    if g.resolution % 2 ** (levels - 1):
+        out.append((f"{prefix}.resolution",
+                    f"{g.resolution} must be divisible by {2 ** (levels - 1)} (halved once per level after the first)"))
+    return out
+
 FAMILY = Family(
     name="unet",
     role="generator",
@@ -20,6 +39,7 @@ FAMILY = Family(
     width_key="cross_attention_dim",
     layer_count=lambda cfg: 1 + len(cfg.down_block_types) + 1 + len(cfg.up_block_types) + 1,
     tp_sizes=_tp_sizes,
+    problems=_problems,
     hf_rules=(
         (r"^(conv_in|time_embedding)\.(.*)$", r"unet_in/\1.\2"),
         (r"^down_blocks\.(\d+)\.(.*)$", r"down\1/block.\2"),

@@ -5,6 +5,12 @@ from ..base import Family
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
 
+def _problems(cfg: EncoderConfig, prefix: str) -> list[tuple[str, str]]:
+    out = []
+    if cfg.hidden_size % cfg.heads:
+        out.append((f"{prefix}.heads", f"{cfg.heads} must divide hidden_size {cfg.hidden_size}"))
+    return out
+
 FAMILY = Family(
     name="vit",
     role="encoder",
@@ -17,6 +23,7 @@ FAMILY = Family(
     tp_sizes=lambda cfg, prefix, llm_hidden: [
         (f"{prefix}.heads", cfg.heads), (f"{prefix}.ffn_hidden", cfg.ffn_hidden),
     ],
+    problems=_problems,
     hf_rules=(
         # Hub / save_pretrained layout (encoder.layer.N.attention.attention.query ...).
         (_HF + r"attention\.attention\.query\.(.*)$", r"block\1/layer.attention.q_proj.\2"),

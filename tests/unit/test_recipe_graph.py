@@ -1,0 +1,72 @@
+"""Recipes as module graphs: parsing, the three-module form mapped onto the graph, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from disttrain_ds.config import load_recipe
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.families.whisper import AudioEncoderConfig
+from disttrain_ds.recipe_graph import graph_of, module_config, module_parallel
+from disttrain_ds.topology import Topology
+
+
+def test_three_module_recipes_become_a_graph_of_their_roles():
+    r = load_recipe("tiny_cpu", ["layout=disaggregated"])
+    assert graph_of(r).names == ("encoder", "llm", "generator")
+    assert module_config(r, "encoder") is r.model.encoder and module_parallel(r, "llm") is r.parallel.llm
+    assert [g.name for g in Topology.from_recipe(r).modules] == ["encoder", "llm", "generator"]
+
+
+def test_graph_recipe_names_its_modules_and_maps_single_roles_back():
+    r = load_recipe("tiny_vlm", ["layout=disaggregated", "parallel.modules.vision.dp=2", "train.micro_batch=2"])
+    g = graph_of(r)
+    assert g.names == ("vision", "llm") and g.generators == ()
+    assert r.model.encoder is module_config(r, "vision") and r.model.generator is None
+    assert module_parallel(r, "vision").dp == 2 and r.parallel.generator is None
+    assert Topology.from_recipe(r).world_size == 2 + 2
+
+
+def _write(tmp_path, data: dict) -> str:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _graph(**modules) -> dict:
+    return {"name": "g", "model": {"modules": modules},
+            "data": {"max_images": 0, "image_sizes": [16]}, "deepspeed_config": "ds_configs/cpu_fp32.json"}
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d["model"].update(encoder={"preset": "tiny"}), "'model.encoder' cannot be used with 'model.modules'"),
+    (lambda d: d.update(parallel={"modules": {"vison": {"dp": 1}}}), "'parallel.modules.vison' names no module"),
+    (lambda d: d["model"]["modules"]["llm"].pop("family"), "'model.modules.llm.family' must be one of"),
+    (lambda d: d["model"]["modules"]["llm"].update(heads=3), "'model.modules.llm.heads' 3 must divide hidden_size"),
+    (lambda d: d["model"]["modules"].update(ear={"family": "whisper"}),
+     "'model.modules.ear.family' whisper cannot be trained yet: no data source produces audio clips"),
+    (lambda d: d["model"]["modules"].update(art={"family": "dit"}), "'model.modules.art.family' dit cannot be trained yet"),
+    (lambda d: (d["model"]["modules"].pop("painter"), d["model"]["modules"].update(eye={"family": "vit"}),
+                d["data"].update(max_images=1)), "'data.gen_prob' must be 0: the model has no generator"),
+    (lambda d: d["model"]["modules"].update(other={"family": "unet"}), "at most one encoder and one generator so far"),
+    (lambda d: d["data"].update(max_images=2), "'data.max_images' must be 0: the model has no image encoder"),
+])
+def test_bad_graph_recipes_are_one_line_errors(tmp_path, change, needle):
+    data = _graph(llm={"family": "llama"}, painter={"family": "unet"})
+    change(data)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(_write(tmp_path, data))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_family_with_its_own_settings_parses_them(tmp_path):
+    from disttrain_ds.recipe_graph import expand_graph_sections
+
+    data = expand_graph_sections({"model": {"modules": {"llm": {"family": "llama"}, "ear": {
+        "family": "whisper", "preset": "whisper-small", "layers": 3}}}}, "r.yaml")
+    ear = data["model"]["modules"]["ear"]
+    assert isinstance(ear, AudioEncoderConfig) and (ear.n_mels, ear.hidden_size, ear.layers) == (80, 768, 3)
+    with pytest.raises(ConfigError, match="unknown key 'model.modules.ear.patch_size'"):
+        expand_graph_sections({"model": {"modules": {"llm": {"family": "llama"}, "ear": {
+            "family": "whisper", "patch_size": 8}}}}, "r.yaml")
