@@ -120,12 +120,15 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer and learning-rate schedule (the same for every module)."""
+    """Optimizer and learning-rate schedule (one schedule; peak rates per module if given)."""
 
     name: Literal["adamw", "sgd"] = "adamw"
     """torch.optim.AdamW or torch.optim.SGD."""
     lr: float = 1e-3
     """Peak learning rate."""
+    module_lr: dict[str, float] = field(default_factory=dict)
+    """Peak learning rate per module name (e.g. ``{encoder: 1e-4}``) or per projector
+    (``<module>/projector``; default: its module's rate); modules not listed use ``lr``."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) or L2 (SGD)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -392,6 +395,12 @@ def validate(r: Recipe) -> None:
             if bad:
                 raise ConfigError(f"{src}: '{bad[0]}' {bad[1]}")
     _check(r.optim.lr > 0, src, "optim.lr", f"must be > 0, got {r.optim.lr}")
+    for key, lr in r.optim.module_lr.items():
+        module, _, part = key.partition("/")
+        known = module in graph.names and part in ("", "projector") and not (part and module == graph.llm)
+        _check(known, src, f"optim.module_lr.{key}", f"names no module or projector (modules: {', '.join(graph.names)}; "
+               "projectors: <encoder or generator>/projector)")
+        _check(lr > 0, src, f"optim.module_lr.{key}", f"must be > 0, got {lr}")
     o = r.optim
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), src, "optim.betas",
            f"must be two numbers in [0, 1), got {o.betas}")

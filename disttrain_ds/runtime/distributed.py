@@ -41,7 +41,7 @@ from .guards import check_finite_loss, fresh_path
 from .health import Watchdog, connect_store
 from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
 from ..metrics.balance import COLUMNS, dp_balance
-from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda
+from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
 from .emulate import Emulator
 from .preempt import EXIT_PREEMPTED, Preemption, injected_kill
 
@@ -218,7 +218,9 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
 
     optimizer = scheduler = None
     if not frozen:
-        optimizer = build_optimizer(recipe, pm.parameters())
+        defs = spec.layers(grid.name)
+        local = [(defs[i].name, getattr(pm, str(i))) for i in range(pm._local_start, pm._local_stop)]
+        optimizer = build_optimizer(recipe, param_groups(recipe, grid.name, local))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     base = load_ds_config(resolve_path(mp.ds_config or recipe.deepspeed_config))
     micro = slot // grid.dp

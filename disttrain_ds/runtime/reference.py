@@ -18,7 +18,7 @@ from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
 from .guards import check_finite_loss
 from .rundir import progress_line
-from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda
+from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda, param_groups
 
 
 def step_tokens(samples, pad_id: int) -> int:
@@ -36,7 +36,8 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     model.to(dtype)
     optimizers = {
-        name: build_optimizer(recipe, getattr(model, name).parameters())
+        name: build_optimizer(recipe, param_groups(
+            recipe, name, [(d.name, layer) for d, layer in zip(spec.layers(name), getattr(model, name).layers)]))
         for name in spec.names
         if not spec.frozen(name)
     }

@@ -95,10 +95,28 @@ def lr_lambda(recipe: Recipe):
     return f
 
 
-def build_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
-    """A torch optimizer (DeepSpeed accepts it as is; no fused-op compilation)."""
+def module_lr(recipe: Recipe, module: str, layer: str = "") -> float:
+    """Peak learning rate of ``module``'s layer ``layer`` (``optim.module_lr``, else ``optim.lr``)."""
+    rates = recipe.optim.module_lr
+    own = rates.get(module, recipe.optim.lr)
+    return rates.get(f"{module}/projector", own) if layer == "projector" else own
+
+
+def param_groups(recipe: Recipe, module: str, layers) -> list[dict]:
+    """Optimizer parameter groups of ``(layer name, nn.Module)`` pairs of one module: one group
+    per distinct peak rate (the projector may have its own)."""
+    groups: dict[float, list] = {}
+    for name, layer in layers:
+        groups.setdefault(module_lr(recipe, module, name), []).extend(layer.parameters())
+    return [{"params": ps, "lr": lr} for lr, ps in groups.items()]
+
+
+def build_optimizer(recipe: Recipe, groups: list[dict]) -> torch.optim.Optimizer:
+    """A torch optimizer (DeepSpeed accepts it as is; no fused-op compilation) over parameter
+    groups (``param_groups``); frozen parameters are left out."""
     o = recipe.optim
-    params = [p for p in params if p.requires_grad]
+    params = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
+    params = [g for g in params if g["params"]]
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)

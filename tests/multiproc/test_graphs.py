@@ -40,8 +40,11 @@ def _check(tmp_path, reference_run, recipe: str, nproc: int, overrides: list[str
 
 
 def test_understanding_only_graph_with_encoder_fan_in_matches_reference(tmp_path, reference_run):
-    # vision DP=2 fans in to a PP=2 LLM; no generator anywhere.
-    last = _check(tmp_path, reference_run, "tiny_vlm", 4, ["parallel.modules.vision.dp=2", "train.micro_batch=2"])
+    # vision DP=2 fans in to a PP=2 LLM; no generator anywhere; the vision tower and its
+    # projector train at their own learning rates.
+    last = _check(tmp_path, reference_run, "tiny_vlm", 4, ["parallel.modules.vision.dp=2", "train.micro_batch=2",
+                                                           "optim.module_lr.vision=0.003",
+                                                           "optim.module_lr.vision/projector=0.02"])
     assert last["loss/gen"] == 0.0 and "perf/mfu/vision" in last and "time/vision_compute" in last
 
 

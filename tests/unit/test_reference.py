@@ -118,3 +118,44 @@ def test_global_batch_loss_does_not_depend_on_microbatch_grouping(tiny_source_an
                 vals.append(float(model(collate(part, BatchNorms.of(part, 1), spec))["lm"]))
         per_mb.append(sum(vals) / 2)
     assert abs(per_mb[0] - per_mb[1]) > 1e-6 * abs(per_mb[0])
+
+
+def test_module_learning_rates_scale_each_modules_first_sgd_step():
+    from disttrain_ds.models.mllm import ReferenceMLLM
+    from disttrain_ds.runtime.reference import reference_layer_state
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    base = ["train.steps=1", "optim.name=sgd", "optim.lr=0.01"]
+    recipe = load_recipe(TINY, base)
+    initial = reference_layer_state(ReferenceMLLM(build_data_and_spec(recipe)[1]))
+
+    def delta(overrides):
+        _, model = train_reference(load_recipe(TINY, [*base, *overrides]), None, log=None)
+        after = reference_layer_state(model)
+        return {k: after[k] - initial[k] for k in initial}
+
+    plain = delta([])
+    scaled = delta(["optim.module_lr.encoder=0.02", "optim.module_lr.encoder/projector=0.03"])
+    for k, d in plain.items():
+        factor = 3.0 if k.startswith("encoder/projector/") else 2.0 if k.startswith("encoder/") else 1.0
+        assert torch_close(scaled[k], d * factor), k
+        if d.norm() > 1e-4:  # well above float32 rounding of the weights themselves
+            assert abs(float(scaled[k].norm() / d.norm()) - factor) < 1e-2 * factor, k
+    assert any(d.abs().max() > 0 for k, d in plain.items() if k.startswith("encoder/projector/"))
+
+
+def torch_close(a, b) -> bool:
+    import torch
+
+    return torch.allclose(a, b, rtol=1e-3, atol=5e-7)  # the weights' float32 rounding
+
+
+def test_module_learning_rate_must_name_a_module_or_projector():
+    import pytest
+
+    from disttrain_ds.configtools import ConfigError
+
+    with pytest.raises(ConfigError, match="'optim.module_lr.llm/projector' names no module or projector"):
+        load_recipe(TINY, ["optim.module_lr.llm/projector=0.1"])
+    with pytest.raises(ConfigError, match="'optim.module_lr.vision' names no module"):
+        load_recipe(TINY, ["optim.module_lr.vision=0.1"])
