@@ -67,18 +67,17 @@ def family_named(name: object, src: str, key: str) -> Family:
     return FAMILIES[name]
 
 
-def link_sections(recipe) -> None:
-    """Make ``model.modules`` / ``parallel.modules`` hold every module in both recipe forms."""
+def link_sections(recipe, default_parallel: type) -> None:
+    """Make ``model.modules`` / ``parallel.modules`` hold every module in both recipe forms
+    (``default_parallel()``: the degrees of a module ``parallel.modules`` does not list)."""
     m, p = recipe.model, recipe.parallel
     m._graph_form = bool(m.modules)  # not a field: says how messages name the sections
     if not m.modules:  # three-module form: the role sections are the graph
         m.modules = {k: getattr(m, k) for k in ROLE_KEYS}
         p.modules = {k: getattr(p, k) for k in ROLE_KEYS}
         return
-    from .config import ModuleParallel  # the dataclass lives with the recipe's other sections
-
     graph = graph_of(recipe)
-    p.modules = {n: p.modules.get(n) or ModuleParallel() for n in graph.names}
+    p.modules = {n: p.modules.get(n) or default_parallel() for n in graph.names}
     for role in ROLE_KEYS:
         names = graph.of_role(role)
         setattr(m, role, m.modules[names[0]] if len(names) == 1 else None)

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from disttrain_ds.recipe_graph import expand_graph_sections, link_sections
-from disttrain_ds.config import Recipe, _apply_presets, load_recipe, validate
+from disttrain_ds.config import ModuleParallel, Recipe, _apply_presets, load_recipe, validate
 from disttrain_ds.configtools import ConfigError, from_dict
 from disttrain_ds.topology import Topology
 
@@ -138,7 +138,7 @@ def typo(rng: random.Random, key: str, known: set[str]) -> str:
 def in_memory(recipe: dict) -> Recipe:
     """``recipe`` parsed and validated without a file (for the generator's own starting points)."""
     r = from_dict(Recipe, _apply_presets(expand_graph_sections(copy.deepcopy(recipe), "<mem>"), "<mem>"), src="<mem>")
-    link_sections(r)
+    link_sections(r, ModuleParallel)
     validate(r)
     return r
 
