@@ -4,7 +4,9 @@
     disttrain-plan --profile P.json --write-recipe out.yaml --recipe base.yaml [--force]
 
 (``python -m disttrain_ds.plan`` is the same command.) ``--recipe`` takes a YAML path or the name of
-a shipped recipe (``mllm_9b``).
+a shipped recipe (``mllm_9b``). For a module graph (profile modules other than encoder/llm/generator)
+the base recipe is a graph-form one (``model.modules``) with the profile's modules, and the plan
+goes into ``parallel.modules.<name>``; such a recipe is written only if it loads.
 
 Errors (bad profile, no feasible layout, missing files, refusing to overwrite) are one line on
 stderr and exit status 2.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,11 +24,12 @@ from typing import Any
 import yaml
 
 from disttrain_ds.cli import OneLineParser, prog_name
-from disttrain_ds.config import find_recipe
+from disttrain_ds.config import find_recipe, load_recipe
 from disttrain_ds.configtools import ConfigError, load_yaml
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
 from disttrain_ds.planner.profile import Profile, load_profile
+from disttrain_ds.recipe_graph import family_named
 
 PROG = prog_name("disttrain-plan", "python -m disttrain_ds.plan")
 
@@ -68,30 +72,105 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
 
 
 def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") -> dict[str, Any]:
-    """A copy of ``base`` with ``layout: disaggregated`` and ``parallel.<module>.{dp,tp,pp}``
-    set from ``result``; every other key is left as it was. Only for the three-module graph."""
-    check_recipe_graph(result.graph, src)
+    """A copy of ``base`` with ``layout: disaggregated`` and each module's parallel degrees
+    (``dp``, ``tp``, ``pp``) set from ``result``; every other key is left as it was.
+
+    A three-module recipe (``model.encoder`` ...) gets ``parallel.<encoder|llm|generator>``; a
+    graph-form recipe (``model.modules``) gets ``parallel.modules.<name>``, and its modules must
+    be the plan's: the same names with the same roles (one-line ConfigError naming both lists)."""
+    check_runtime_graph(result.graph, src)
     out = json.loads(json.dumps(base))  # deep copy of plain YAML data
+    recipe_graph = base_recipe_graph(out, src)
+    if recipe_graph is None:  # three-module form
+        if result.graph != ModuleGraph.default():
+            raise ConfigError(f"{src}: a three-module recipe has encoder (encoder), llm (llm), generator "
+                              f"(generator) but the profile's modules are {_describe(result.graph)}: give "
+                              "--recipe a recipe whose model.modules has the profile's module names")
+    elif recipe_graph != result.graph:
+        raise ConfigError(f"{src}: 'model.modules' has {_describe(recipe_graph)} but the profile's "
+                          f"modules are {_describe(result.graph)}: the base recipe needs the profile's "
+                          "module names with the same roles")
     out["layout"] = "disaggregated"
     parallel = out.setdefault("parallel", {})
     if not isinstance(parallel, dict):
         raise ConfigError(f"{src}: 'parallel' must be a mapping")
+    prefix = "parallel"
+    if recipe_graph is not None:
+        parallel = _mapping(parallel, "modules", src, "parallel.modules")
+        prefix = "parallel.modules"
     for n in result.modules:
-        section = parallel.setdefault(n, {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"{src}: 'parallel.{n}' must be a mapping")
+        section = _mapping(parallel, n, src, f"{prefix}.{n}")
         m = result.module(n)
         section.update(dp=m.dp, tp=m.tp, pp=m.pp)
     return out
 
 
-def check_recipe_graph(graph: ModuleGraph, src: str) -> None:
-    """One-line ConfigError unless ``graph`` is the encoder -> llm -> generator graph that a
-    recipe without a graph section describes."""
-    if graph != ModuleGraph.default():
-        raise ConfigError(f"{src}: cannot write a recipe for the module graph "
-                          f"{', '.join(graph.names)}: recipes with a module graph are written once "
-                          "the recipe format has a graph section")
+def _mapping(parent: dict[str, Any], key: str, src: str, where: str) -> dict[str, Any]:
+    """``parent[key]``, created empty when absent or null; one-line error unless a mapping."""
+    if parent.get(key) is None:
+        parent[key] = {}
+    if not isinstance(parent[key], dict):
+        raise ConfigError(f"{src}: '{where}' must be a mapping")
+    return parent[key]
+
+
+def _describe(graph: ModuleGraph) -> str:
+    return ", ".join(f"{n} ({graph.role(n)})" for n in graph.names)
+
+
+def base_recipe_graph(base: dict[str, Any], src: str) -> ModuleGraph | None:
+    """The module graph of a graph-form recipe's raw data (``model.modules``; each module's role
+    is its family's), or None for a three-module recipe."""
+    model = base.get("model")
+    if not isinstance(model, dict) or "modules" not in model:
+        return None
+    sections = model["modules"]
+    if not isinstance(sections, dict) or not sections:
+        raise ConfigError(f"{src}: 'model.modules' must be a mapping of module names to sections")
+    roles = {}
+    for name, section in sections.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{src}: 'model.modules.{name}' must be a mapping")
+        roles[name] = family_named(section.get("family"), src, f"model.modules.{name}.family").role
+    return ModuleGraph.from_roles(roles, src)
+
+
+def check_runtime_graph(graph: ModuleGraph, src: str) -> None:
+    """One-line ConfigError when the runtime cannot train ``graph``: it trains at most one
+    encoder and one generator so far (the same rule as ``config.validate``), so a recipe for
+    more would not load."""
+    if len(graph.encoders) > 1 or len(graph.generators) > 1:
+        raise ConfigError(f"{src}: cannot write a recipe for the module graph {', '.join(graph.names)}: "
+                          "the runtime trains at most one encoder and one generator so far (encoders: "
+                          f"{', '.join(graph.encoders) or 'none'}; generators: "
+                          f"{', '.join(graph.generators) or 'none'}), so the recipe would not load; "
+                          "plan without --write-recipe")
+
+
+def write_checked(recipe: dict[str, Any], out: Path) -> None:
+    """Write ``recipe`` to ``out`` only if it loads there with ``load_recipe`` (relative paths
+    resolve beside ``out``, as they will for its user); one-line ConfigError otherwise, with
+    ``out`` left as it was."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.yaml")
+    try:
+        tmp.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        try:
+            load_recipe(tmp)
+        except ConfigError as exc:
+            raise ConfigError(f"{out}: not written, the recipe would not load: "
+                              + str(exc).replace(str(tmp), str(out))) from None
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_problem(path: Path) -> str:
+    """Why ``load_recipe`` refuses ``path`` (one line), or "" when it loads."""
+    try:
+        load_recipe(path)
+    except ConfigError as exc:
+        return str(exc).removeprefix(f"{path}: ")
+    return ""
 
 
 def batch_mismatches(recipe: dict[str, Any], profile: Profile) -> list[str]:
@@ -118,21 +197,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         profile = load_profile(args.profile)
         if args.write_recipe is not None:
-            check_recipe_graph(profile.graph, f"{args.profile}: 'modules'")
+            check_runtime_graph(profile.graph, f"{args.profile}: 'modules'")
         result = plan(profile)
         if args.write_recipe is not None:
             if args.write_recipe.exists() and not args.force:
                 return _fail(f"{args.write_recipe}: already exists (use --force to overwrite)")
             base = load_yaml(find_recipe(args.recipe))
             recipe = recipe_with_plan(base, result, str(args.recipe))
+            graph_form = base_recipe_graph(base, str(args.recipe)) is not None
     except (ConfigError, PlanError) as exc:
         return _fail(str(exc))
     if args.write_recipe is not None:
         try:
-            args.write_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
+            if graph_form:  # never write a graph recipe that does not load
+                write_checked(recipe, args.write_recipe)
+            else:  # three-module form: written as always (base recipes may be partial templates)
+                args.write_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
+                problem = load_problem(args.write_recipe)
+        except ConfigError as exc:
+            return _fail(str(exc))
         except OSError as exc:
             return _fail(f"{args.write_recipe}: cannot write ({exc.strerror})")
         print(f"wrote {args.write_recipe}", file=sys.stderr)
+        if not graph_form and problem:
+            print(f"{PROG}: warning: {args.write_recipe}: does not load yet: {problem}", file=sys.stderr)
         for line in batch_mismatches(base, profile):
             print(f"{PROG}: warning: {args.recipe}: {line}", file=sys.stderr)
     if args.json:

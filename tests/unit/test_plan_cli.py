@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from disttrain_ds import plan as cli
+from disttrain_ds.config import find_recipe, load_recipe
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.profile import load_profile
 
@@ -178,13 +179,119 @@ def test_graph_profile_plans_every_module_by_name(run, tmp_path):
     assert "module graph: encoder -> llm, audio_encoder -> llm, llm -> generator" in out
 
 
-def test_write_recipe_for_a_module_graph_is_a_one_line_error(run, tmp_path):
+def vlm_profile_file(tmp_path: Path, encoder: str = "vision") -> Path:
+    """Understanding-only profile: ``encoder`` (role encoder) -> ``llm``, no generator, sized for
+    tiny_vlm (its batch, its tiny modules' layers)."""
+    data = {"gpus": 3, "global_batch": 4, "microbatch": 1, "gpus_per_node": 8,
+            "modules": {encoder: {"role": "encoder", "layers": 2, "cost_ms": {"1": 12.0, "2": 7.0}},
+                        "llm": {"layers": 4, "cost_ms": {"1": 40.0, "2": 22.0}}}}
+    path = tmp_path / f"{encoder}_llm.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_write_recipe_for_a_module_graph_sets_parallel_modules_and_loads(run, tmp_path):
+    path, out_path = vlm_profile_file(tmp_path), tmp_path / "vlm.yaml"
+    code, out, err = run("--profile", str(path), "--json", "--recipe", "tiny_vlm",
+                         "--write-recipe", str(out_path))
+    assert code == 0 and "warning" not in err
+    plan = json.loads(out)
+    assert list(plan)[:2] == ["vision", "llm"]
+    written = yaml.safe_load(out_path.read_text())
+    base = yaml.safe_load(find_recipe("tiny_vlm").read_text())
+    assert written["layout"] == "disaggregated"
+    assert set(written["parallel"]) == {"modules"}
+    assert list(written["parallel"]["modules"]) == ["vision", "llm"]
+    assert written["model"] == base["model"] and written["train"] == base["train"]
+    recipe = load_recipe(out_path)
+    assert list(recipe.parallel.modules) == ["vision", "llm"]
+    for name in ("vision", "llm"):
+        mp = recipe.parallel.modules[name]
+        assert (mp.dp, mp.tp, mp.pp) == tuple(plan[name][k] for k in ("dp", "tp", "pp"))
+    assert recipe.layout == "disaggregated"
+
+
+def test_three_module_profile_with_graph_form_base_writes_parallel_modules(run, tmp_path):
+    base = yaml.safe_load(find_recipe("tiny_cpu").read_text())
+    base["model"] = {"modules": {"encoder": {"family": "vit"}, "llm": {"family": "llama"},
+                                 "generator": {"family": "unet"}}, "gen_loss_weight": 1.0}
+    base["parallel"] = {"modules": {"llm": {"dp": 1, "pp": 2, "partition": "parameters"}}}
+    base["train"]["global_batch"] = 8
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
+    out_path = tmp_path / "out.yaml"
+    code, out, _ = run("--profile", str(TINY), "--json", "--recipe", str(tmp_path / "base.yaml"),
+                       "--write-recipe", str(out_path))
+    assert code == 0
+    plan = json.loads(out)
+    written = yaml.safe_load(out_path.read_text())
+    assert set(written["parallel"]) == {"modules"}
+    assert written["parallel"]["modules"]["llm"]["partition"] == "parameters"
+    recipe = load_recipe(out_path)
+    for name in ("encoder", "llm", "generator"):
+        mp = recipe.parallel.modules[name]
+        assert (mp.dp, mp.tp, mp.pp) == tuple(plan[name][k] for k in ("dp", "tp", "pp"))
+
+
+def test_three_module_output_is_the_base_with_layout_and_degrees(run, tmp_path):
+    out_path = tmp_path / "out.yaml"
+    code, out, _ = run("--profile", str(TINY), "--json", "--recipe", "tiny_cpu",
+                       "--write-recipe", str(out_path))
+    assert code == 0
+    plan = json.loads(out)
+    want = yaml.safe_load(find_recipe("tiny_cpu").read_text())
+    want["layout"] = "disaggregated"
+    for name in ("encoder", "llm", "generator"):
+        want["parallel"][name].update({k: plan[name][k] for k in ("dp", "tp", "pp")})
+    assert out_path.read_text() == yaml.safe_dump(want, sort_keys=False)
+
+
+@pytest.mark.parametrize("profile,recipe,recipe_list,profile_list", [
+    ("vit", "tiny_vlm", "vision (encoder), llm (llm)", "vit (encoder), llm (llm)"),
+    ("three", "tiny_vlm", "vision (encoder), llm (llm)",
+     "encoder (encoder), llm (llm), generator (generator)"),
+    ("vision", "tiny_cpu", "encoder (encoder), llm (llm), generator (generator)",
+     "vision (encoder), llm (llm)"),
+])
+def test_write_recipe_with_mismatched_modules_names_both_lists(run, tmp_path, profile, recipe,
+                                                               recipe_list, profile_list):
+    path = TINY if profile == "three" else vlm_profile_file(tmp_path, profile)
+    out_path = tmp_path / "out.yaml"
+    err = assert_one_line_error(*run("--profile", str(path), "--recipe", recipe,
+                                     "--write-recipe", str(out_path)))
+    assert f"has {recipe_list} but the profile's modules are {profile_list}" in err
+    assert recipe in err and not out_path.exists()
+
+
+def test_write_recipe_for_two_encoders_is_refused_in_one_line(run, tmp_path):
     path = graph_profile_file(tmp_path)
-    (tmp_path / "base.yaml").write_text("train: {steps: 3}\n")
-    err = assert_one_line_error(*run("--profile", str(path), "--recipe",
-                                     str(tmp_path / "base.yaml"), "--write-recipe",
-                                     str(tmp_path / "out.yaml")))
-    assert str(path) in err and "'modules'" in err and "graph section" in err
-    assert not (tmp_path / "out.yaml").exists()
-    with pytest.raises(cli.ConfigError, match="graph section"):
+    out_path = tmp_path / "out.yaml"
+    err = assert_one_line_error(*run("--profile", str(path), "--recipe", "tiny_vlm",
+                                     "--write-recipe", str(out_path)))
+    assert str(path) in err and "'modules'" in err
+    assert "at most one encoder and one generator" in err and "encoder, audio_encoder" in err
+    assert "plan without --write-recipe" in err
+    assert not out_path.exists() and list(tmp_path.iterdir()) == [path]
+    with pytest.raises(cli.ConfigError, match="at most one encoder"):
         cli.recipe_with_plan({}, optimize.plan(load_profile(path)))
+
+
+def test_graph_recipe_that_would_not_load_is_not_written(run, tmp_path):
+    base = yaml.safe_load(find_recipe("tiny_vlm").read_text())
+    base["deepspeed_config"] = "no_such_ds.json"
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    out_path = tmp_path / "out.yaml"
+    out_path.write_text("keep: me\n")
+    err = assert_one_line_error(*run("--profile", str(vlm_profile_file(tmp_path)), "--recipe",
+                                     str(tmp_path / "base.yaml"), "--write-recipe", str(out_path),
+                                     "--force"))
+    assert f"{out_path}: not written" in err and "no_such_ds.json" in err and ".tmp" not in err
+    assert out_path.read_text() == "keep: me\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.yaml", "out.yaml", "vision_llm.json"]
+
+
+def test_three_module_recipe_that_does_not_load_is_written_with_a_warning(run, tmp_path):
+    (tmp_path / "base.yaml").write_text("model: {llm: llama3-7b}\n")
+    code, _, err = run("--profile", str(TINY), "--recipe", str(tmp_path / "base.yaml"),
+                       "--write-recipe", str(tmp_path / "out.yaml"))
+    assert code == 0 and (tmp_path / "out.yaml").exists()
+    assert "warning" in err and "does not load yet" in err and "'model.llm'" in err
