@@ -28,6 +28,19 @@ from ..metrics.logger import merge_chrome_traces
 from ..runtime.rundir import make_run_dir
 
 MODULES = ("encoder", "llm", "generator")
+"""The three-module model's module names; other graphs' names are read from the metrics."""
+
+
+def module_names(runs: list["Run"], prefix: str = "time/", suffix: str = "_compute") -> list[str]:
+    """Module names the runs log ``<prefix><name><suffix>`` for, in first-seen order (the three
+    module names first, in their order, when present)."""
+    seen: dict[str, None] = {}
+    for run in runs:
+        for record in run.records:
+            for key in record:
+                if key.startswith(prefix) and key.endswith(suffix) and len(key) > len(prefix) + len(suffix):
+                    seen.setdefault(key[len(prefix):-len(suffix)])
+    return [m for m in MODULES if m in seen] + [m for m in seen if m not in MODULES]
 MAX_GANTT_EVENTS = 4000  # beyond this a Gantt is unreadable and slow to draw
 # Per-rank trace names -> the names the Gantt helper colours.
 _GANTT_NAMES = {"forward": "fwd", "backward": "bwd"}
@@ -168,7 +181,9 @@ def plot_loss(runs: list[Run], out: Path) -> Path:
 
 
 def plot_mfu(runs: list[Run], out: Path) -> Path | None:
-    keys = [f"perf/mfu/{m}" for m in (*MODULES, "overall") if any(r.has(f"perf/mfu/{m}") for r in runs)]
+    names = module_names(runs, "perf/mfu/", "")
+    keys = [f"perf/mfu/{m}" for m in (*[n for n in names if n != "overall"], "overall")
+            if any(r.has(f"perf/mfu/{m}") for r in runs)]
     if not keys:
         return None
     plt = _pyplot()
@@ -187,7 +202,8 @@ def plot_mfu(runs: list[Run], out: Path) -> Path | None:
 
 def plot_step_time(runs: list[Run], out: Path) -> Path:
     """Step seconds over steps; median compute vs comm wait per module; median step split."""
-    per_module = any(r.has(f"time/{m}_compute") for r in runs for m in MODULES)
+    modules = module_names(runs)
+    per_module = bool(modules)
     split_keys = ["time/data_wait", "time/comm_wait", "time/bubble"]
     split = any(r.has("time/step") for r in runs)
     plt = _pyplot()
@@ -204,15 +220,15 @@ def plot_step_time(runs: list[Run], out: Path) -> Path:
         ax = axes.pop(0)
         width = 0.8 / len(runs)
         for k, run in enumerate(runs):
-            if not any(run.has(f"time/{m}_compute") for m in MODULES):
+            if not any(run.has(f"time/{m}_compute") for m in modules):
                 continue
-            xs = [m + (k - (len(runs) - 1) / 2) * width for m in range(len(MODULES))]
-            comp = [run.median(f"time/{m}_compute") or 0.0 for m in MODULES]
-            wait = [run.median(f"time/{m}_comm_wait") or 0.0 for m in MODULES]
+            xs = [m + (k - (len(runs) - 1) / 2) * width for m in range(len(modules))]
+            comp = [run.median(f"time/{m}_compute") or 0.0 for m in modules]
+            wait = [run.median(f"time/{m}_comm_wait") or 0.0 for m in modules]
             ax.bar(xs, comp, width, color=f"C{k}", label=f"{run.label} compute")
             ax.bar(xs, wait, width, bottom=comp, color=f"C{k}", alpha=0.35, hatch="//",
                    label=f"{run.label} comm wait")
-        ax.set_xticks(range(len(MODULES)), MODULES)
+        ax.set_xticks(range(len(modules)), modules)
         ax.set(title="median time per module (compute + comm wait)", ylabel="seconds")
         ax.legend(fontsize=7)
     if split:  # one stacked bar per run: waits, bubble, and the rest of the step
@@ -232,7 +248,7 @@ def plot_step_time(runs: list[Run], out: Path) -> Path:
 
 
 def plot_balance(runs: list[Run], out: Path) -> Path | None:
-    mods = [m for m in ("encoder", "generator") if any(r.has(f"balance/{m}_load_mean") for r in runs)]
+    mods = [m for m in module_names(runs, "balance/", "_load_mean") if any(r.has(f"balance/{m}_load_mean") for r in runs)]
     if not mods:
         return None
     plt = _pyplot()

@@ -34,27 +34,35 @@ class Section:
     """Panels in display order."""
 
 
-DASHBOARD: tuple[Section, ...] = (
-    Section("Loss", (
-        Panel("total loss", ("loss/total",)),
-        Panel("LM loss", ("loss/lm",)),
-        Panel("generation loss", ("loss/gen",)),
-    )),
-    Section("MFU", (
-        Panel("MFU per module", tuple(f"perf/mfu/{m}" for m in (*MODULES, "overall"))),
-        Panel("TFLOP/s per GPU", tuple(f"perf/tflops_per_gpu/{m}" for m in (*MODULES, "overall"))),
-        Panel("throughput (samples/s)", ("samples_per_s",)),
-    )),
-    Section("Step time", (
-        Panel("step breakdown (s)", ("time/step", "time/data_wait", "time/comm_wait", "time/bubble")),
-        Panel("compute per module (s)", tuple(f"time/{m}_compute" for m in MODULES)),
-        Panel("comm wait per module (s)", tuple(f"time/{m}_comm_wait" for m in MODULES)),
-    )),
-    Section("DP balance", tuple(
-        Panel(f"{m} load per DP rank", tuple(f"balance/{m}_load_{s}" for s in ("max", "min", "mean")))
-        for m in ("encoder", "generator")
-    )),
-)
+def dashboard(modules: tuple[str, ...] = MODULES, balanced: tuple[str, ...] = ("encoder", "generator")
+              ) -> tuple[Section, ...]:
+    """The dashboard of a model whose modules are ``modules`` (metric keys are per module name);
+    ``balanced``: the modules whose data-parallel load balance is logged (encoders, generators)."""
+    return (
+        Section("Loss", (
+            Panel("total loss", ("loss/total",)),
+            Panel("LM loss", ("loss/lm",)),
+            Panel("generation loss", ("loss/gen",)),
+        )),
+        Section("MFU", (
+            Panel("MFU per module", tuple(f"perf/mfu/{m}" for m in (*modules, "overall"))),
+            Panel("TFLOP/s per GPU", tuple(f"perf/tflops_per_gpu/{m}" for m in (*modules, "overall"))),
+            Panel("throughput (samples/s)", ("samples_per_s",)),
+        )),
+        Section("Step time", (
+            Panel("step breakdown (s)", ("time/step", "time/data_wait", "time/comm_wait", "time/bubble")),
+            Panel("compute per module (s)", tuple(f"time/{m}_compute" for m in modules)),
+            Panel("comm wait per module (s)", tuple(f"time/{m}_comm_wait" for m in modules)),
+        )),
+        Section("DP balance", tuple(
+            Panel(f"{m} load per DP rank", tuple(f"balance/{m}_load_{s}" for s in ("max", "min", "mean")))
+            for m in balanced
+        )),
+    )
+
+
+DASHBOARD: tuple[Section, ...] = dashboard()
+"""The three-module model's dashboard."""
 
 
 def dashboard_keys(sections: tuple[Section, ...] = DASHBOARD) -> list[str]:

@@ -248,3 +248,11 @@ def test_workspace_is_not_saved_while_wandb_is_offline(monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert apply_workspace("disttrain-ds") is None
     assert "not saved" in capsys.readouterr().err
+
+
+def test_dashboard_of_a_module_graph_plots_its_module_names():
+    from disttrain_ds.metrics.wandb_workspace import dashboard
+
+    keys = dashboard_keys(dashboard(("vision", "llm"), ("vision",)))
+    assert "perf/mfu/vision" in keys and "time/vision_compute" in keys and "balance/vision_load_max" in keys
+    assert not any("encoder" in k or "generator" in k for k in keys)

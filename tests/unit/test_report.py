@@ -183,3 +183,15 @@ def test_bad_input_is_one_error_line_with_exit_code_2(tmp_path, kind):
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_module_names_come_from_the_logged_keys_of_any_graph():
+    from pathlib import Path
+
+    from disttrain_ds.cli.report import Run, module_names
+
+    runs = [Run(Path("a"), "disaggregated", [{"step": 1, "time/vision_compute": 0.1, "time/llm_compute": 0.2,
+                                               "balance/vision_load_mean": 1.0, "perf/mfu/vision": 0.1}]),
+            Run(Path("b"), "disaggregated", [{"step": 1, "time/encoder_compute": 0.1, "time/llm_compute": 0.2}])]
+    assert module_names(runs) == ["encoder", "llm", "vision"]
+    assert module_names(runs, "balance/", "_load_mean") == ["vision"]
