@@ -45,6 +45,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
             )
         rows = check_memory(recipe, ranks_per_host=1)
         check_output_dirs(recipe, rows)
+        check_imports(recipe)
         from .runtime.reference import train_reference
         from .runtime.rundir import make_run_dir, write_resolved_recipe
 
@@ -58,6 +59,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
     Topology.from_recipe(recipe).check_world(world, recipe.source_file)
     rows = check_memory(recipe, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     check_output_dirs(recipe, rows)  # writable run and checkpoint directories, room for a checkpoint
+    check_imports(recipe)  # the weights it starts from cover every module they are given for
     from .runtime.console import Console
 
     console = Console.start(int(os.environ.get("RANK", "0")))  # library output to a log from here on
@@ -79,6 +81,14 @@ def check_memory(recipe, ranks_per_host: int) -> list:
     rows = estimate(recipe)
     check_fits(recipe, rows, limit, source)
     return rows
+
+
+def check_imports(recipe) -> None:
+    """Stop with one line naming ``model.<module>.checkpoint`` when it would leave weights at random
+    init or does not fit the module's shapes."""
+    from .runtime.imports import check_imports as check
+
+    check(recipe)
 
 
 def check_output_dirs(recipe, rows: list) -> None:

@@ -74,7 +74,11 @@ def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str
             raise ValueError(
                 f"{path}: {module} {layer_name}.{k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}"
             )
-    layer.load_state_dict(found, strict=False)
+    missing = [k for k in wanted.values() if k not in found]
+    if missing:  # never a silent partial load: a weight left at random init is a wrong model
+        raise ValueError(f"{path}: no tensor for {module} {layer_name}.{missing[0]} "
+                         f"({len(missing)} of the layer's {len(wanted)} missing)")
+    layer.load_state_dict(found)
     return len(found)
 
 
@@ -101,3 +105,40 @@ def save_layer_state(state: dict[str, torch.Tensor], path: str) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, path)
+
+
+def check_checkpoint(module: str, layers: list[tuple[str, nn.Module]], path: str, rules: Rules, key: str,
+                     formats: str = "") -> int:
+    """Refuse, in one line naming ``key``, a checkpoint that would leave any weight of ``module``
+    at its random init or does not fit its shapes; returns the number of tensors it provides.
+
+    ``layers``: (layer name, layer) pairs, built on the meta device (only names and shapes are
+    read). Projectors have no pretrained counterpart and are not expected."""
+    from ..configtools import ConfigError
+
+    expected = {f"{name}/{k}": tuple(v.shape) for name, layer in layers if name != "projector"
+                for k, v in layer.state_dict().items()}
+    try:
+        index = _index(path)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"'{key}' {exc}") from None
+    found: dict[str, tuple[str, str]] = {}
+    for ckpt_key, f in index.items():
+        mapped = map_key(module, ckpt_key, rules)
+        if mapped in expected:
+            found[mapped] = (f, ckpt_key)
+    if not found:
+        what = f" (it reads {formats} layouts)" if formats else ""
+        raise ConfigError(f"'{key}' {path} holds none of the {module}'s {len(expected)} weights{what}; "
+                          "is it another model's checkpoint?")
+    missing = [k for k in expected if k not in found]
+    if missing:
+        raise ConfigError(f"'{key}' {path} lacks {len(missing)} of the {module}'s {len(expected)} weights, "
+                          f"e.g. {missing[0]} (a smaller model, or another family?)")
+    for local, (f, ckpt_key) in found.items():
+        with safe_open(f, framework="pt") as sf:
+            shape = tuple(sf.get_slice(ckpt_key).get_shape())
+        if shape != expected[local]:
+            raise ConfigError(f"'{key}' {path}: {ckpt_key} has shape {shape}, the {module}'s {local} has "
+                              f"{expected[local]}")
+    return len(found)

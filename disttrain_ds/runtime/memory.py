@@ -102,25 +102,35 @@ def vocab_size(recipe) -> int:
     return SpecialTokens.after(base).vocab_size
 
 
-def layer_params(recipe, module: str, vocab: int) -> list[int]:
-    """Parameters of each pipeline layer of ``module``, counted on the meta device."""
-    import torch
-
+def meta_spec(recipe, vocab: int):
+    """The recipe's model spec with nothing to read (no checkpoints), for builds on the meta device."""
     from ..data.types import SpecialTokens
-    from ..families import clear_build_caches
     from ..models.mllm import MLLMSpec
 
     graph = graph_of(recipe)
     roles = {n: graph.role(n) for n in graph.names}
-    cfgs = {r: replace(recipe.model.modules[n], checkpoint="") for n, r in roles.items()}  # nothing is read
+    cfgs = {r: replace(recipe.model.modules[n], checkpoint="") for n, r in roles.items()}
     cfgs["llm"] = replace(cfgs["llm"], vocab_size=vocab)
-    spec = MLLMSpec(cfgs.get("encoder"), cfgs["llm"], cfgs.get("generator"), SpecialTokens.after(0), recipe.seed,
+    return MLLMSpec(cfgs.get("encoder"), cfgs["llm"], cfgs.get("generator"), SpecialTokens.after(0), recipe.seed,
                     roles=roles)
+
+
+def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> list:
+    """``count(layer)`` of each pipeline layer of ``module`` built on the meta device (no memory)."""
+    import torch
+
+    from ..families import clear_build_caches
+
     try:
         with torch.device("meta"):
-            return [sum(p.numel() for p in d.build().parameters()) for d in spec.layers(module)]
+            return [count(d.build()) for d in meta_spec(recipe, vocab).layers(module)]
     finally:  # the builders cache one whole model; never leave a meta one behind
         clear_build_caches()
+
+
+def layer_params(recipe, module: str, vocab: int) -> list[int]:
+    """Parameters of each pipeline layer of ``module``, counted on the meta device."""
+    return meta_layers(recipe, module, vocab, lambda layer: sum(p.numel() for p in layer.parameters()))
 
 
 def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:

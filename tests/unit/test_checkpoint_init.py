@@ -73,3 +73,53 @@ def test_missing_checkpoint_is_a_recipe_error():
     tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
     with pytest.raises(ConfigError, match="'model.llm.checkpoint'"):
         load_recipe(tiny, ["model.llm.checkpoint=/nonexistent/llama"])
+
+
+def _saved_llama(tmp_path, name: str, **changes) -> str:
+    from transformers import LlamaForCausalLM
+
+    from disttrain_ds.families.llama.model import hf_config
+    from disttrain_ds.runtime.memory import vocab_size
+
+    recipe = load_recipe_tiny([])
+    cfg = dataclasses.replace(recipe.model.llm, vocab_size=vocab_size(recipe), **changes)
+    LlamaForCausalLM(hf_config(cfg)).save_pretrained(tmp_path / name)
+    return str(tmp_path / name)
+
+
+def load_recipe_tiny(overrides):
+    from pathlib import Path
+
+    from disttrain_ds.config import load_recipe
+
+    return load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml", overrides)
+
+
+def test_a_checkpoint_covering_the_module_passes_the_import_check(tmp_path):
+    from disttrain_ds.runtime.imports import check_imports
+
+    check_imports(load_recipe_tiny([f"model.llm.checkpoint={_saved_llama(tmp_path, 'llama')}"]))
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("vit", "holds none of the llm's"),
+    ("fewer_layers", "lacks 18 of the llm's"),
+    ("wider", "has shape"),
+])
+def test_a_checkpoint_that_would_leave_weights_random_is_refused_in_one_line(tmp_path, case, needle):
+    from transformers import ViTModel
+
+    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.families.vit.model import hf_config
+    from disttrain_ds.runtime.imports import check_imports
+
+    if case == "vit":
+        recipe = load_recipe_tiny([])
+        ViTModel(hf_config(recipe.model.encoder), add_pooling_layer=False).save_pretrained(tmp_path / "vit")
+        path = str(tmp_path / "vit")
+    else:
+        path = _saved_llama(tmp_path, case, **({"layers": 2} if case == "fewer_layers" else {"ffn_hidden": 256}))
+    with pytest.raises(ConfigError) as e:
+        check_imports(load_recipe_tiny([f"model.llm.checkpoint={path}"]))
+    msg = str(e.value)
+    assert "'model.llm.checkpoint'" in msg and needle in msg and "\n" not in msg

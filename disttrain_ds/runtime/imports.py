@@ -1,0 +1,22 @@
+"""Checks of the weights a recipe starts from (``model.<module>.checkpoint``), before any process starts."""
+
+from __future__ import annotations
+
+from ..models.checkpoint import check_checkpoint
+from ..recipe_graph import graph_of, module_family, module_key
+from .memory import meta_layers, meta_spec, vocab_size
+
+
+def check_imports(recipe) -> None:
+    """Every module that starts from a checkpoint finds each of its weights there, in its shape
+    (projectors aside); else one ``ConfigError`` line naming the module's ``checkpoint`` key."""
+    vocab = None
+    for name in graph_of(recipe).names:
+        cfg = recipe.model.modules[name]
+        if not cfg.checkpoint:
+            continue
+        vocab = vocab if vocab is not None else vocab_size(recipe)
+        names = [d.name for d in meta_spec(recipe, vocab).layers(name)]  # defs only: nothing is built here
+        fam = module_family(recipe, name)
+        check_checkpoint(name, list(zip(names, meta_layers(recipe, name, vocab))), cfg.checkpoint, fam.hf_rules,
+                         f"{module_key(recipe, name)}.checkpoint", fam.hf_formats)
