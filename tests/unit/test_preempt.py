@@ -65,7 +65,7 @@ def test_grace_must_not_be_negative():
 
 
 def test_step_record_says_whether_any_rank_was_signalled(monkeypatch):
-    from disttrain_ds.runtime import distributed as d
+    from disttrain_ds.runtime import step_record as d
 
     flags = [0.0, 1.0, 0.0]
 
