@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from ..models.layers import LayerDef
+    from ..runtime.activations import LayerBytes, SampleShape
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,17 @@ class Family:
     """(regex on a Hugging Face / diffusers checkpoint key, replacement giving ``layer/param``)."""
     hf_formats: str = ""
     """The checkpoint layouts ``hf_rules`` read, for messages."""
+    image_flops: Callable[[Any, str], float] | None = None
+    """Generators: (cfg, mode train | frozen | frozen_passthrough) -> training FLOPs of one generated
+    image in the family's own layers (the output projector is counted apart); what MFU reads."""
+    activation_layers: Callable[[Any, int, SampleShape, int], LayerBytes] | None = None
+    """(cfg, LLM hidden width, worst-case sample, bytes per element) -> per-sample activation bytes
+    of every pipeline layer of the module, its projector included (an LLM's cfg comes with its
+    vocabulary resolved); what the memory estimate reads. None: no formula yet."""
+    cost_terms: Callable[[Any], dict[str, float]] | None = None
+    """Generators: cfg -> the ``CostModel`` generator fields (``gen_per_image``, ``gen_per_latent``,
+    ``gen_per_latent_sq`` in forward FLOPs, ``gen_downsample``) of one generated image; what data
+    reordering and balance read."""
     not_trainable: str = ""
     """Why recipes cannot train this family yet (empty when they can): its layers are built and
     tested, but some part of the pipeline around them is missing."""

@@ -1,7 +1,8 @@
 """FLOPs of one optimizer step of the MLLM, from the global batch's actual samples.
 
 The encoder's cost follows each image's patch count, the LLM's each packed sequence's document
-lengths, the generator's the number of images it generates, so MFU reflects the data the step saw.
+lengths, the generator's the number of images it generates (times its family's ``image_flops``),
+so MFU reflects the data the step saw.
 Frozen modules count forward only, or forward plus input gradient when a trainable module
 upstream needs gradients through them.
 """
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 from ..data.types import PackedSample
 from ..models.mllm import MLLMSpec
-from ..families.unet.model import unet_kwargs
-from .flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
+from ..families import get_family
+from .flops import llm_flops_packed, projector_flops_per_token, vit_flops
 from .mfu import StepFlops
 
 
@@ -40,14 +41,10 @@ class StepFlopsCounter:
         self.spec = spec
         self.modes = flops_modes(spec)
         g = spec.generator
-        # The U-Net has no trusted closed form: measure one image once (cached) and scale.
-        self._unet_per_image = 0.0 if g is None else unet_flops(
-            unet_kwargs(g),
-            batch=1,
-            resolution=g.resolution,
-            cond_tokens=g.query_tokens,
-            mode=self.modes["generator"],
-        )
+        # Every generated image costs the same in the generator's own layers: its family says how
+        # much (a closed form, or one image counted once and cached).
+        self._gen_family = None if g is None else get_family(g.family, "generator")
+        self._gen_per_image = 0.0 if g is None else self._gen_family.image_flops(g, self.modes["generator"])
 
     def __call__(self, samples: list[PackedSample]) -> StepFlops:
         e, l, g, sp = self.spec.encoder, self.spec.llm, self.spec.generator, self.spec
@@ -71,10 +68,10 @@ class StepFlopsCounter:
             )
         n_gen = sum(int(s.gen_targets.shape[0]) for s in samples) if g is not None else 0
         gen = 0.0 if g is None else n_gen * (
-            self._unet_per_image
+            self._gen_per_image
             + g.query_tokens
             * projector_flops_per_token(
-                in_dim=l.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim,
+                in_dim=l.hidden_size, hidden_dim=self._gen_family.width(g), out_dim=self._gen_family.width(g),
                 mode=self.modes["generator/projector"],
             )
         )

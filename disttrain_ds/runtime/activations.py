@@ -1,7 +1,9 @@
 """Bytes autograd keeps for backward, per pipeline layer and per sample, from the model config.
 
-One list per module, aligned with its pipeline layer list (``models/mllm.py``: encoder = embed,
-blocks, head; LLM = embed, blocks, head; generator = projector, U-Net in, downs, mid, ups, out).
+One list per module, aligned with its pipeline layer list (``models/mllm.py``: encoder = its
+layers, then the projector; LLM = embed, blocks, head; generator = the projector, then its
+layers). Each family's record points at its formula (``Family.activation_layers``); the ViT and
+Llama ones live here, the generators' with their families.
 The counts follow what the layers save (checked against saved-tensor hooks on real layers in
 ``tests/unit/test_memory.py``): scaled-dot-product attention keeps q, k, v, its output and the
 log-sum-exp (no score matrix), norms keep their input and statistics, MLPs their inputs and the
@@ -83,74 +85,24 @@ def encoder_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerByt
     return LayerBytes(saved, outputs, pixels)
 
 
-def _resnet(cin: int, cout: int, pixels: int, b: int) -> float:
-    """A diffusers ResnetBlock2D: GroupNorm, SiLU and conv inputs on both halves."""
-    return (3 * cin + 3 * cout) * pixels * b
-
-
-def _transformer(c: int, pixels: int, cond: int, cross: int, b: int) -> float:
-    """A diffusers Transformer2DModel with one BasicTransformerBlock (self-, cross-attention, GEGLU)."""
-    per_pixel = 2 + 6 + 4 + 18 + 1  # norm+proj_in, self-attention, cross-attention, GEGLU FF, proj_out
-    return per_pixel * c * pixels * b + 3 * cross * cond * b
-
-
 def generator_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
-    """Generator: output projector, then the U-Net: in, down blocks, mid, up blocks, out; per sample."""
-    n, lpb, ch = len(cfg.block_out_channels), cfg.layers_per_block, cfg.block_out_channels
-    k, cross, r, c_in = cfg.query_tokens, cfg.cross_attention_dim, cfg.resolution, cfg.in_channels
+    """U-Net generator: output projector, in, down blocks, mid, up blocks, out; per sample
+    (the unet family's ``activation_layers``)."""
+    from ..families.unet.estimates import activation_layers
 
-    def px(level: int) -> int:
-        return (r // 2**level) ** 2
-
-    def attn(c: int, level: int, kind: str) -> float:
-        return _transformer(c, px(level), k, cross, b) if "CrossAttn" in kind else 0.0
-
-    cond = k * cross + 4 * ch[0]  # conditioning and time embedding travel with every U-Net layer
-    skips = [ch[0] * px(0)]
-    saved = [k * (llm_hidden + 2 * cross) * b, c_in * px(0) * b]
-    outputs = [(k * cross + c_in * px(0)) * b, (cond + 2 * ch[0] * px(0)) * b]
-    for i, kind in enumerate(cfg.down_block_types):
-        cin, cout, total = ch[max(i - 1, 0)], ch[i], 0.0
-        for j in range(lpb):
-            total += _resnet(cin if j == 0 else cout, cout, px(i), b) + attn(cout, i, kind)
-            skips.append(cout * px(i))
-        if i < n - 1:  # downsampling conv
-            total += cout * px(i) * b
-            skips.append(cout * px(i + 1))
-        saved.append(total)
-        outputs.append((cond + skips[-1] + sum(skips)) * b)
-    c = ch[-1]
-    saved.append(2 * _resnet(c, c, px(n - 1), b) + attn(c, n - 1, "CrossAttn"))
-    outputs.append(outputs[-1])
-    rev, prev = list(reversed(ch)), ch[-1]
-    for i, kind in enumerate(cfg.up_block_types):
-        level, cout, cin = n - 1 - i, rev[i], rev[min(i + 1, n - 1)]
-        total = 0.0
-        for j in range(lpb + 1):
-            skip = cin if j == lpb else cout
-            total += _resnet((prev if j == 0 else cout) + skip, cout, px(level), b) + attn(cout, level, kind)
-            skips.pop()
-        last = i == n - 1
-        total += 0.0 if last else cout * px(level - 1) * b  # upsampling conv input
-        saved.append(total)
-        sample = cout * px(level if last else level - 1)
-        outputs.append((sample + (0 if last else cond + sum(skips))) * b)
-        prev = cout
-    saved.append(3 * ch[0] * px(0) * b)  # GroupNorm, SiLU and conv_out inputs
-    outputs.append(c_in * px(0) * b)
-    g = shape.gen_images
-    return LayerBytes([x * g for x in saved], [x * g for x in outputs], (k * llm_hidden + c_in * px(0)) * b * g)
+    return activation_layers(cfg, llm_hidden, shape, b)
 
 
 def module_layers(recipe, module: str, vocab_size: int) -> LayerBytes:
-    """Per-sample bytes of each pipeline layer of ``module`` (``vocab_size``: the LLM's, resolved)."""
+    """Per-sample bytes of each pipeline layer of ``module`` (``vocab_size``: the LLM's, resolved),
+    from its family's ``activation_layers``."""
     from ..recipe_graph import graph_of, module_family
 
     m, shape = recipe.model, sample_shape(recipe)
     b = 2 if recipe.train.dtype == "bf16" else 4
-    cfg, family, llm = m.modules[module], module_family(recipe, module).name, m.modules[graph_of(recipe).llm]
-    if family == "vit":
-        return encoder_layers(cfg, llm.hidden_size, shape, b)
-    if family in ("llama", "qwen2"):  # same layer shapes (Qwen2's q/k/v biases are parameters only)
-        return llm_layers(replace(cfg, vocab_size=vocab_size), shape, b)
-    return generator_layers(cfg, llm.hidden_size, shape, b)
+    cfg, fam, llm = m.modules[module], module_family(recipe, module), m.modules[graph_of(recipe).llm]
+    if fam.activation_layers is None:
+        raise ValueError(f"family {fam.name} has no activation-memory formula (module {module})")
+    if fam.role == "llm":
+        cfg = replace(cfg, vocab_size=vocab_size)
+    return fam.activation_layers(cfg, llm.hidden_size, shape, b)

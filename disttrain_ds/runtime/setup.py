@@ -17,26 +17,24 @@ from ..recipe_graph import graph_of
 
 def cost_model(recipe: Recipe) -> CostModel:
     """Per-sample cost model of the recipe's modules (forward FLOPs), for reordering and balance."""
+    from ..families import get_family
+
     # A graph without an encoder (generator) has no images (generation targets), so the stand-in
     # default sizes below cost nothing for any of its samples.
     e = recipe.model.encoder or EncoderConfig()
     l, g = recipe.model.llm, recipe.model.generator or GeneratorConfig()
-    return CostModel.from_dims(
+    model = CostModel.from_dims(
         TransformerDims(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, heads=e.heads),
         TransformerDims(
             layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads, kv_heads=l.kv_heads,
             gated_mlp=True,
         ),
-        UNetDims(
-            channels=tuple(g.block_out_channels),
-            attention=tuple("CrossAttn" in t for t in g.down_block_types),
-            blocks_down=g.layers_per_block,
-            blocks_up=g.layers_per_block + 1,
-        ),
+        UNetDims(channels=(1,), attention=(False,)),  # replaced by the generator family's terms below
         enc_patch_size=e.patch_size,
         vocab_size=l.vocab_size or 32000,  # the LM head is the same per token for every sample
-        gen_downsample=1,  # generated samples already have the U-Net's input size
     )
+    # The generator's family knows its per-image / per-latent / per-latent^2 forward FLOPs.
+    return dataclasses.replace(model, **get_family(g.family, "generator").cost_terms(g))
 
 
 def reorder_groups(recipe: Recipe) -> int:

@@ -2,8 +2,9 @@
 
 ``tiny_vlm`` (image encoder -> LLM, no generator) and a generation-only graph (LLM -> generator,
 no encoder, written here as a recipe file) run disaggregated and match their single-process
-reference in per-step losses and final parameters (fp32, SGD). The negative control for these
-comparisons is the dropped-gradient run in test_fidelity.py.
+reference in per-step losses and final parameters (fp32, SGD); the generation-only graph also with a
+DiT generator split over two or three pipeline stages. The negative control for these comparisons is
+the dropped-gradient run in test_fidelity.py.
 """
 
 from __future__ import annotations
@@ -53,3 +54,15 @@ def test_generation_only_graph_matches_reference(tmp_path, reference_run):
     recipe.write_text(T2I.replace("ds_configs/cpu_fp32.json", str(REPO / "ds_configs" / "cpu_fp32.json")))
     last = _check(tmp_path / "run", reference_run, str(recipe), 3, [])
     assert last["loss/gen"] > 0 and "time/painter_compute" in last
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_generation_only_graph_with_a_split_dit_matches_reference(tmp_path, reference_run, pp):
+    # Projector, dit_in, block0, block1, dit_out split in two stages send (hidden, t_mod, t_emb,
+    # cond) from block0 to block1; in three, that tuple from dit_in and (hidden, t_emb) from the last block.
+    recipe = tmp_path / "tiny_t2i_dit.yaml"
+    recipe.write_text(T2I.replace("family: unet", "family: dit").replace(
+        "ds_configs/cpu_fp32.json", str(REPO / "ds_configs" / "cpu_fp32.json")))
+    last = _check(tmp_path / "run", reference_run, str(recipe), 1 + pp,
+                  ["parallel.modules.llm.pp=1", f"parallel.modules.painter.pp={pp}"])
+    assert last["loss/gen"] > 0 and last["perf/mfu/painter"] > 0 and last["perf/mfu/llm"] > 0

@@ -90,6 +90,47 @@ def test_activation_formulas_match_saved_tensors_of_real_layers(overrides):
         assert sum(est[module]) == pytest.approx(sum(got[module]), rel=0.06), module
 
 
+T2I_DIT = """\
+name: t2i_dit
+model:
+  modules:
+    llm: {family: llama, preset: tiny}
+    painter: {family: dit, preset: tiny}
+data: {seq_len: 128, max_images: 0, image_sizes: [16]}
+deepspeed_config: ds_configs/cpu_fp32.json
+"""
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    [f"model.modules.painter.{k}" for k in ("heads=4", "head_dim=16", "layers=3", "resolution=32", "patch_size=4",
+                                            "query_tokens=7", "cross_attention_dim=48", "learn_sigma=true")],
+])
+def test_dit_activation_formula_matches_saved_tensors_of_real_layers(tmp_path, overrides):
+    from disttrain_ds.recipe_graph import module_family
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    path = tmp_path / "t2i_dit.yaml"
+    path.write_text(T2I_DIT.replace("ds_configs/", f"{REPO}/ds_configs/"))
+    recipe = load_recipe(str(path), ["train.global_batch=1", *overrides])
+    source, spec = build_data_and_spec(recipe)
+    sample = source.global_batch(0)[0]
+    source.close()
+    mb = collate([sample], BatchNorms.of([sample], 1), spec)
+    shape = activations.SampleShape(tokens=recipe.data.seq_len, images=0, patches=0,
+                                     gen_images=max(1, sample.gen_targets.shape[0]))
+    g = recipe.model.generator
+    est = module_family(recipe, "painter").activation_layers(g, recipe.model.llm.hidden_size, shape, 4)
+    _, out = _measure(spec, "llm", (mb.input_ids, torch.zeros(0, spec.llm.hidden_size)))
+    states = generator_states(gen_condition(out[1], mb.gen_mask, g.query_tokens), mb)
+    got, pred = _measure(spec, "painter", (states, mb.noisy, mb.timesteps))
+    assert len(est.saved) == len(got) == len(est.outputs) == len(spec.layers("painter"))
+    assert sum(est.saved) == pytest.approx(sum(got), rel=0.06)
+    assert est.outputs[-1] == pred.numel() * 4 * shape.gen_images / pred.shape[0]
+    # The estimate the memory check reads is this formula's.
+    assert activations.module_layers(recipe, "painter", spec.llm.vocab_size) == est
+
+
 @pytest.mark.parametrize("dtype, ds, optim, frozen, expected", [
     ("fp32", "ds_configs/cpu_fp32.json", "adamw", False, (4, 4, 8, False)),
     ("fp32", "ds_configs/zero1.json", "adamw", False, (4, 4, 16, True)),

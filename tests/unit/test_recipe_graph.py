@@ -46,7 +46,6 @@ def _graph(**modules) -> dict:
     (lambda d: d["model"]["modules"]["llm"].update(heads=3), "'model.modules.llm.heads' 3 must divide hidden_size"),
     (lambda d: d["model"]["modules"].update(ear={"family": "whisper"}),
      "'model.modules.ear.family' whisper cannot be trained yet: no data source produces audio clips"),
-    (lambda d: d["model"]["modules"].update(art={"family": "dit"}), "'model.modules.art.family' dit cannot be trained yet"),
     (lambda d: (d["model"]["modules"].pop("painter"), d["model"]["modules"].update(eye={"family": "vit"}),
                 d["data"].update(max_images=1)), "'data.gen_prob' must be 0: the model has no generator"),
     (lambda d: d["model"]["modules"].update(other={"family": "unet"}), "at most one encoder and one generator so far"),
@@ -70,3 +69,35 @@ def test_family_with_its_own_settings_parses_them(tmp_path):
     with pytest.raises(ConfigError, match="unknown key 'model.modules.ear.patch_size'"):
         expand_graph_sections({"model": {"modules": {"llm": {"family": "llama"}, "ear": {
             "family": "whisper", "patch_size": 8}}}}, "r.yaml")
+
+
+def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
+    from disttrain_ds.data.types import SampleStats
+    from disttrain_ds.families.dit import DiTConfig, forward_flops
+    from disttrain_ds.runtime.setup import cost_model
+
+    data = _graph(llm={"family": "llama"}, art={"family": "dit", "layers": 3})
+    data["parallel"] = {"modules": {"art": {"pp": 2}}}
+    r = load_recipe(_write(tmp_path, data), ["layout=disaggregated"])
+    art = module_config(r, "art")
+    assert isinstance(art, DiTConfig) and r.model.generator is art and art.layers == 3
+    assert graph_of(r).generators == ("art",) and module_parallel(r, "art").pp == 2
+    assert [g.name for g in Topology.from_recipe(r).modules] == ["llm", "art"]
+    # Balancing costs one generated image at the DiT's forward FLOPs.
+    one = SampleStats(text_tokens=128, image_patches=(), gen_images=1, gen_resolution=art.resolution, seq_len=128)
+    assert cost_model(r).generator_cost(one) == pytest.approx(forward_flops(art))
+    # The MFU meter counts each generated image at 3 x forward (trained) plus the projector's share.
+    from disttrain_ds.metrics.flops import projector_flops_per_token
+    from disttrain_ds.metrics.step_flops import StepFlopsCounter
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    source, spec = build_data_and_spec(r)
+    samples = source.global_batch(0)
+    source.close()
+    images = sum(int(s.gen_targets.shape[0]) for s in samples)
+    proj = projector_flops_per_token(in_dim=r.model.llm.hidden_size, hidden_dim=32, out_dim=32)
+    assert images > 0 and StepFlopsCounter(spec)(samples).generator == pytest.approx(
+        images * (3 * forward_flops(art) + art.query_tokens * proj))
+    with pytest.raises(ConfigError, match="'model.modules.art.heads' must be >= 1"):
+        load_recipe(_write(tmp_path, {**data, "model": {"modules": {"llm": {"family": "llama"},
+                                                                    "art": {"family": "dit", "heads": 0}}}}))

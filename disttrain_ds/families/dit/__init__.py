@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..base import Family
 from .config import DIT_PRESETS, DiTConfig
+from .estimates import activation_layers, cost_terms, forward_flops, image_flops
 
 
 def width(cfg: DiTConfig) -> int:
@@ -31,19 +32,6 @@ def shape_problems(cfg: DiTConfig, prefix: str) -> list[tuple[str, str]]:
     return problems
 
 
-def forward_flops(cfg: DiTConfig) -> float:
-    """Forward FLOPs of one image (matmuls, attention and the patch convolution; 2 per multiply-add),
-    from the shapes alone: what a cost model or MFU meter needs without building the model."""
-    d, p, c = cfg.heads * cfg.head_dim, cfg.patch_size, cfg.in_channels
-    n, k, x = (cfg.resolution // p) ** 2, cfg.query_tokens, cfg.cross_attention_dim
-    embed = 2 * n * d * c * p * p + 2 * (256 * d + d * d + 6 * d * d)  # patches; timestep MLP + adaLN-single
-    self_attn = 2 * 4 * n * d * d + 2 * 2 * n * n * d  # q, k, v, out; scores and weighted sum
-    cross_attn = 2 * 2 * n * d * d + 2 * 2 * k * x * d + 2 * 2 * n * k * d  # q, out; k, v of cond; attention
-    mlp = 2 * 2 * n * d * 4 * d
-    head = 2 * n * d * p * p * c * (2 if cfg.learn_sigma else 1)
-    return float(embed + cfg.layers * (self_attn + cross_attn + mlp) + head)
-
-
 HF_RULES: tuple[tuple[str, str], ...] = (
     (r"^(pos_embed|adaln_single)\.(.*)$", r"dit_in/\1.\2"),
     (r"^transformer_blocks\.(\d+)\.(.*)$", r"block\1/block.\2"),
@@ -66,7 +54,10 @@ FAMILY = Family(
     problems=shape_problems,
     hf_rules=HF_RULES,
     hf_formats="diffusers PixArtTransformer2DModel",
-    not_trainable="its FLOPs, cost and activation-memory formulas are not used by the meters and estimates yet",
+    image_flops=image_flops,
+    activation_layers=activation_layers,
+    cost_terms=cost_terms,
 )
 
-__all__ = ["DIT_PRESETS", "DiTConfig", "FAMILY", "HF_RULES", "forward_flops", "layer_count", "shape_problems", "width"]
+__all__ = ["DIT_PRESETS", "DiTConfig", "FAMILY", "HF_RULES", "activation_layers", "cost_terms", "forward_flops", "image_flops",
+           "layer_count", "shape_problems", "width"]

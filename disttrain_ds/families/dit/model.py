@@ -93,7 +93,8 @@ class DiTIn(nn.Module):
 
     def forward(self, inputs):
         cond, noisy, timesteps = inputs
-        hidden = self.pos_embed(noisy)
+        # The patch embedding's output is a transposed view; a pipeline stage can only send contiguous tensors.
+        hidden = self.pos_embed(noisy).contiguous()
         t_mod, t_emb = self.adaln_single(timesteps, None, batch_size=noisy.shape[0], hidden_dtype=hidden.dtype)
         return hidden, t_mod, t_emb, cond
 

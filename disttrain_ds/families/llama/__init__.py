@@ -1,6 +1,7 @@
 """Llama decoder LLM (transformers ``LlamaDecoderLayer``) with embedding, image scatter and LM head."""
 
 from ...models.configs import LLM_PRESETS, LLMConfig
+from ...runtime.activations import LayerBytes, SampleShape, llm_layers
 from ..base import Family
 
 
@@ -8,6 +9,11 @@ def decoder_tp_sizes(cfg: LLMConfig, prefix: str, llm_hidden: int) -> list[tuple
     """Sizes a TP degree must divide in a Llama-shaped decoder."""
     return [(f"{prefix}.heads", cfg.heads), (f"{prefix}.kv_heads", cfg.kv_heads),
             (f"{prefix}.ffn_hidden", cfg.ffn_hidden)]
+
+
+def decoder_activation_layers(cfg: LLMConfig, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
+    """Activation bytes of a Llama-shaped decoder (``runtime/activations.py::llm_layers``)."""
+    return llm_layers(cfg, shape, b)
 
 
 DECODER_HF_RULES = (
@@ -43,5 +49,6 @@ FAMILY = Family(
     tp_sizes=decoder_tp_sizes,
     problems=decoder_problems,
     hf_rules=DECODER_HF_RULES,
+    activation_layers=decoder_activation_layers,
     hf_formats="transformers LlamaForCausalLM or LlamaModel",
 )

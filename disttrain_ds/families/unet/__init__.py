@@ -2,6 +2,7 @@
 
 from ...models.configs import GENERATOR_PRESETS, GeneratorConfig
 from ..base import Family
+from .estimates import activation_layers, cost_terms, image_flops
 
 
 def _tp_sizes(cfg: GeneratorConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:
@@ -48,4 +49,7 @@ FAMILY = Family(
         (r"^(conv_norm_out|conv_out)\.(.*)$", r"unet_out/\1.\2"),
     ),
     hf_formats="diffusers UNet2DConditionModel",
+    image_flops=image_flops,
+    activation_layers=activation_layers,
+    cost_terms=cost_terms,
 )

@@ -1,6 +1,7 @@
 """ViT image encoder (transformers ``ViTModel`` layers) with its MLP input projector."""
 
 from ...models.configs import ENCODER_PRESETS, EncoderConfig
+from ...runtime.activations import encoder_layers
 from ..base import Family
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
@@ -39,4 +40,5 @@ FAMILY = Family(
         (r"^(?:vit\.)?layernorm\.(.*)$", r"head/layernorm.\1"),
     ),
     hf_formats="transformers ViTModel",
+    activation_layers=encoder_layers,
 )
