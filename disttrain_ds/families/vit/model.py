@@ -18,8 +18,9 @@ from transformers import ViTConfig, ViTModel
 from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 
 from ...models.configs import EncoderConfig
-from ...models.pixels import unpack_images
 from ...models.layers import LayerDef, layer_seed, seeded
+from ...models.packed import per_item
+from ...models.pixels import unpack_images
 from ..base import BuildContext
 
 
@@ -57,12 +58,6 @@ def _vit_part(cfg: EncoderConfig, seed: int, pick):
 
 
 
-def _by_length(counts: list[int]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(counts):
-        groups.setdefault(n, []).append(i)
-    return groups
-
 
 class VitEmbed(nn.Module):
     """(pixels, hw) -> (hidden, counts): patch + position embeddings and the CLS token per image."""
@@ -94,16 +89,7 @@ class VitBlock(nn.Module):
 
     def forward(self, inputs):
         hidden, counts = inputs
-        sizes = counts.tolist()
-        pieces = list(torch.split(hidden, sizes))
-        out: list[torch.Tensor | None] = [None] * len(pieces)
-        for _, idx in _by_length(sizes).items():
-            batch = torch.stack([pieces[i] for i in idx])
-            res = self.layer(batch)
-            for j, i in enumerate(idx):
-                out[i] = res[j]
-        hidden = torch.cat(out) if out else hidden
-        return hidden, counts
+        return per_item(self.layer, hidden, counts), counts
 
 
 class VitHead(nn.Module):

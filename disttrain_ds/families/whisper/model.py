@@ -25,6 +25,7 @@ from torch import nn
 from transformers import WhisperConfig
 from transformers.models.whisper.modeling_whisper import WhisperAttention, WhisperEncoder, WhisperEncoderLayer
 
+from ...models.packed import by_length, per_item
 from ...models.layers import LayerDef, layer_seed, seeded
 from ..base import BuildContext
 from .config import AudioEncoderConfig
@@ -114,12 +115,6 @@ def unpack_clips(flat: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]
     return out
 
 
-def _by_length(sizes: list[int]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(sizes):
-        groups.setdefault(n, []).append(i)
-    return groups
-
 
 class WhisperEmbed(nn.Module):
     """(flat, shapes) -> (hidden, counts): conv1, GELU, stride-2 conv2, GELU, + positions, per clip."""
@@ -143,7 +138,7 @@ class WhisperEmbed(nn.Module):
         self._check(clips)
         dtype = self.conv1.weight.dtype
         out: list[torch.Tensor | None] = [None] * len(clips)
-        for _, idx in _by_length([c.shape[1] for c in clips]).items():
+        for _, idx in by_length([c.shape[1] for c in clips]).items():
             x = torch.stack([clips[i] for i in idx]).to(dtype)
             x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).permute(0, 2, 1)
             x = x + self.embed_positions.weight[: x.shape[1]]
@@ -163,15 +158,7 @@ class WhisperBlock(nn.Module):
 
     def forward(self, inputs):
         hidden, counts = inputs
-        sizes = counts.tolist()
-        pieces = list(torch.split(hidden, sizes))
-        out: list[torch.Tensor | None] = [None] * len(pieces)
-        for _, idx in _by_length(sizes).items():
-            res = self.layer(torch.stack([pieces[i] for i in idx]), None)
-            for j, i in enumerate(idx):
-                out[i] = res[j]
-        hidden = torch.cat(out) if out else hidden
-        return hidden, counts
+        return per_item(lambda batch: self.layer(batch, None), hidden, counts), counts
 
 
 class WhisperHead(nn.Module):
