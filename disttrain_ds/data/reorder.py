@@ -55,18 +55,38 @@ def _check_dp(n: int, dp_size: int) -> None:
 # --------------------------------------------------------------------------- intra-microbatch
 
 
+def lpt_rows(costs: np.ndarray, room: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Equal-count LPT on many independent rows at once (the one implementation of it).
+
+    ``costs[b]`` (``[B, n]``) are row b's samples and ``room[b, r]`` (``[B, k]``) how many
+    samples rank r of row b takes (0 pads a row with fewer ranks). Samples go heaviest first
+    (stable) to the least-loaded rank that has room, ties to the lowest rank. Returns
+    ``(rank[B, n], loads[B, k])``: each sample's rank and each rank's summed cost."""
+    c = np.asarray(costs, dtype=np.float64)
+    left = np.array(room, dtype=np.int64)
+    rows = np.arange(c.shape[0])
+    loads = np.zeros(left.shape)
+    avail = np.where(left > 0, 0.0, np.inf)  # loads of ranks with room; full ranks at inf
+    rank = np.empty(c.shape, dtype=np.int64)
+    for i in np.argsort(-c, axis=1, kind="stable").T:  # i: this position's sample in every row
+        r = np.argmin(avail, axis=1)  # first minimum: ties go to the lowest rank
+        rank[rows, i] = r
+        loads[rows, r] += c[rows, i]
+        left[rows, r] -= 1
+        avail[rows, r] = np.where(left[rows, r] > 0, loads[rows, r], np.inf)
+    return rank, loads
+
+
 def lpt_equal_count(costs: Sequence[float], dp_size: int) -> list[list[int]]:
     """Longest-processing-time-first restricted to ranks with room (equal sample counts)."""
     c = _costs_1d(costs)
     _check_dp(len(c), dp_size)
-    cap = len(c) // dp_size
     groups: list[list[int]] = [[] for _ in range(dp_size)]
-    heap = [(0.0, r) for r in range(dp_size)]  # (load, rank): ties go to the lowest rank
-    for i in np.argsort(-c, kind="stable"):
-        load, r = heapq.heappop(heap)
-        groups[r].append(int(i))
-        if len(groups[r]) < cap:  # a full rank leaves the heap for good
-            heapq.heappush(heap, (load + float(c[i]), r))
+    if len(c) == 0:
+        return groups
+    rank, _ = lpt_rows(c[None, :], np.full((1, dp_size), len(c) // dp_size))
+    for i in np.argsort(-c, kind="stable"):  # members in the order they were placed
+        groups[int(rank[0, i])].append(int(i))
     return groups
 
 

@@ -11,7 +11,9 @@ takes the warm-up along the graph's critical path plus the slowest stage of any 
 (an empty role contributes 0). For the three-module graph this is exactly
 ``(w_llm + (w_enc + w_gen)) + max(s_llm, s_enc, s_gen) * (K - 1)``, float for float.
 
-C(tp) already includes the TP effect, so nothing is divided by TP again. ``combine`` forms the
+C(tp) already includes the TP effect, so nothing is divided by TP again. When the profile carries
+per-sample draws, w_i = (m_i * C_i(tp)) * h_i(dp, m_i), the expected slowest replica's load
+over the mean (:mod:`disttrain_ds.planner.hetero`); without draws h is not applied at all. ``combine`` forms the
 sum for numbers and ``combine_arrays`` for numpy columns with the same float operations in the
 same order (max is exact, so only the additions' order matters), which is what lets the search
 and ``exhaustive_plan`` agree bit for bit.
@@ -25,6 +27,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.profile import ModuleProfile, Profile
 
 
@@ -91,9 +94,23 @@ def samples_per_step(profile: Profile, name: str, d: int, dp: int) -> int:
     return profile.microbatch if name == profile.graph.llm else d // dp
 
 
-def t_iter(profile: Profile, layout: Mapping[str, Degrees]) -> IterTime:
+def straggler_table(profile: Profile) -> StragglerTable | None:
+    """The profile's straggler factors, or None when it has no per-sample draws."""
+    return StragglerTable(profile) if profile.has_draw else None
+
+
+def warmup_ms(profile: Profile, name: str, deg: Degrees, m: int,
+              table: StragglerTable | None) -> float:
+    """Warm-up term of module ``name`` at ``deg`` taking ``m`` samples per replica per step."""
+    w = m * profile.modules[name].cost_ms[deg.tp]
+    return w if table is None else w * table.factor(name, deg.dp, m)
+
+
+def t_iter(profile: Profile, layout: Mapping[str, Degrees],
+           table: StragglerTable | None = None) -> IterTime:
     """Predicted iteration time of ``layout`` (module name -> Degrees); pure, no feasibility
-    checks beyond the divisibility the formula needs."""
+    checks beyond the divisibility the formula needs. ``table``: the profile's straggler factors
+    (``straggler_table``); None prices every sample at the mean cost."""
     graph = profile.graph
     d = layout[graph.llm].dp * profile.microbatch
     if profile.global_batch % d or any(d % layout[n].dp for n in graph.names):
@@ -101,7 +118,7 @@ def t_iter(profile: Profile, layout: Mapping[str, Degrees]) -> IterTime:
     w, s = {}, {}
     for n in graph.names:
         deg = layout[n]
-        w[n] = samples_per_step(profile, n, d, deg.dp) * profile.modules[n].cost_ms[deg.tp]
+        w[n] = warmup_ms(profile, n, deg, samples_per_step(profile, n, d, deg.dp), table)
         s[n] = w[n] / deg.pp
     return combine(graph, w, s, profile.global_batch // d)
 

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors,  # noqa: F401
-                                            layout_key, memory_per_gpu, samples_per_step, t_iter)
+                                            layout_key, memory_per_gpu, samples_per_step,
+                                            straggler_table, t_iter, warmup_ms)
 from disttrain_ds.planner.profile import GIB, Profile
 from disttrain_ds.planner.search import batch_splits, options, search
 
@@ -49,6 +51,9 @@ class ModulePlan:
     """Time of one pipeline stage per microbatch (its candidate for the steady-state max)."""
     memory_gib: float | None
     """Predicted peak memory per GPU (first stage); None when the profile has no memory figures."""
+    straggler: float = 1.0
+    """Expected slowest replica's load over the mean one, h(dp, m), already in ``warmup_ms``
+    (1.0 without per-sample draws)."""
 
 
 @dataclass(frozen=True)
@@ -109,20 +114,23 @@ def predicted_mfu(profile: Profile, t_iter_ms: float, gpus: int) -> float | None
 
 
 def build_plan(profile: Profile, layout: Mapping[str, Degrees],
-               layout_name: str = "disaggregated") -> Plan:
-    """Evaluate a disaggregated ``layout`` into a Plan (times, memory, MFU); no search."""
+               layout_name: str = "disaggregated", table: StragglerTable | None = None) -> Plan:
+    """Evaluate a disaggregated ``layout`` into a Plan (times, memory, MFU); no search.
+    ``table``: the profile's straggler factors, made here when None and the profile has draws."""
     graph = profile.graph
     d = layout[graph.llm].dp * profile.microbatch
     k = profile.global_batch // d
-    it = t_iter(profile, layout)
+    table = straggler_table(profile) if table is None else table
+    it = t_iter(profile, layout, table)
     mods = {}
     for n in graph.names:
         deg, spec = layout[n], profile.modules[n]
         m = samples_per_step(profile, n, d, deg.dp)
-        warm = m * spec.cost_ms[deg.tp]
+        warm = warmup_ms(profile, n, deg, m, table)
         mem = memory_per_gpu(spec, deg, samples_per_microbatch=m, in_flight=min(deg.pp, k))
+        h = 1.0 if table is None else table.factor(n, deg.dp, m)
         mods[n] = ModulePlan(deg.dp * deg.tp * deg.pp, deg.dp, deg.tp, deg.pp, m, warm,
-                             warm / deg.pp, mem / GIB if spec.has_memory_figures else None)
+                             warm / deg.pp, mem / GIB if spec.has_memory_figures else None, h)
     gpus = sum(p.gpus for p in mods.values())
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
                 t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, gpus),
@@ -134,16 +142,17 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None) -> Plan
     Raises PlanError with the binding constraint when nothing is feasible."""
     caps = {n: profile.gpus if gpu_caps is None else min(gpu_caps[n], profile.gpus)
             for n in profile.graph.names}
-    found = search(profile, caps)
+    table = straggler_table(profile)
+    found = search(profile, caps, table)
     if found is None:
         raise PlanError(_diagnose(profile, caps))
-    return build_plan(profile, found)
+    return build_plan(profile, found, table=table)
 
 
 def exhaustive_plan(profile: Profile) -> Plan:
     """Reference optimum by brute force over every layout (small instances only; for tests)."""
     n_gpus, bs, limit = profile.gpus, profile.global_batch, profile.memory_limit_bytes
-    names, best = profile.graph.names, None
+    names, best, table = profile.graph.names, None, straggler_table(profile)
     for dp_llm in range(1, bs + 1):
         d = dp_llm * profile.microbatch
         if bs % d:
@@ -163,12 +172,12 @@ def exhaustive_plan(profile: Profile) -> Plan:
             if sum(x.dp * x.tp * x.pp for x in combo) > n_gpus:
                 continue
             layout = dict(zip(names, combo))
-            key = layout_key(t_iter(profile, layout).total_ms, layout, names)
+            key = layout_key(t_iter(profile, layout, table).total_ms, layout, names)
             if best is None or key < best[0]:
                 best = (key, layout)
     if best is None:
         raise PlanError(_diagnose(profile, {n: n_gpus for n in names}))
-    return build_plan(profile, best[1])
+    return build_plan(profile, best[1], table=table)
 
 
 _COUNT = {2: "both", 3: "all three"}

@@ -71,6 +71,10 @@ class ModuleProfile:
     whose activations are never needed for backward."""
     flops_per_sample: float | None = None
     """Forward+backward FLOPs of the whole module for one sample; used only for predicted MFU."""
+    sample_cost_ms: tuple[float, ...] | None = None
+    """A representative draw of per-sample forward+backward times in ms at TP=1; entry i of every
+    module's draw belongs to the same sample. With it the planner prices each stage by its
+    expected slowest DP replica (:mod:`disttrain_ds.planner.hetero`) instead of the mean."""
 
     @property
     def has_memory_figures(self) -> bool:
@@ -116,6 +120,12 @@ class Profile:
         # Frozen dataclass: set the derived fields once, here.
         object.__setattr__(self, "graph", graph)
         object.__setattr__(self, "modules", {n: self.modules[n] for n in graph.names})
+        check_draws(self.modules, "<profile>")
+
+    @property
+    def has_draw(self) -> bool:
+        """Whether the modules carry per-sample cost draws (``sample_cost_ms``)."""
+        return any(m.sample_cost_ms is not None for m in self.modules.values())
 
     def module(self, name: str) -> ModuleProfile:
         """The profile of module ``name`` (one of ``graph.names``)."""
@@ -131,8 +141,8 @@ _TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node",
                "peak_tflops", "description")
 _MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
                   "grad_bytes_per_param", "optimizer_bytes_per_param",
-                  "activation_bytes_per_sample", "flops_per_sample")
-_NUMBER_FIELDS = _MODULE_FIELDS[2:]  # written only when they differ from the default
+                  "activation_bytes_per_sample", "flops_per_sample", "sample_cost_ms")
+_NUMBER_FIELDS = _MODULE_FIELDS[2:-1]  # written only when they differ from the default
 
 
 def _default_role(name: str, src: str) -> str:
@@ -234,7 +244,39 @@ def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
                                          pre + "activation_bytes_per_sample", src,
                                          d.activation_bytes_per_sample),
         flops_per_sample=_num(data, "flops_per_sample", pre + "flops_per_sample", src, None),
+        sample_cost_ms=_draw(data, pre + "sample_cost_ms", src),
     )
+
+
+def _draw(data: dict, key: str, src: str) -> tuple[float, ...] | None:
+    """``sample_cost_ms``: a non-empty list of positive finite numbers, or absent."""
+    if "sample_cost_ms" not in data:
+        return None
+    raw = data["sample_cost_ms"]
+    if not isinstance(raw, list) or not raw:
+        raise _fail(src, key, "must be a non-empty list of ms per sample")
+    for i, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise _fail(src, f"{key}[{i}]", f"must be a positive finite number, got {v!r}")
+    return tuple(float(v) for v in raw)
+
+
+def check_draws(modules: dict[str, ModuleProfile], src: str) -> None:
+    """Per-sample draws are all-or-nothing per sample: every module that has one has the same
+    length (entry i of each belongs to sample i)."""
+    lengths = {n: len(m.sample_cost_ms) for n, m in modules.items() if m.sample_cost_ms is not None}
+    if not lengths:
+        return
+    first = next(iter(lengths))
+    for n, k in lengths.items():
+        if k != lengths[first]:
+            raise _fail(src, f"modules.{n}.sample_cost_ms",
+                        f"has {k} entries but 'modules.{first}.sample_cost_ms' has "
+                        f"{lengths[first]} (entry i of every module is the same sample)")
+    missing = [n for n in modules if n not in lengths]
+    if missing:
+        raise ProfileError(f"{src}: missing field 'modules.{missing[0]}.sample_cost_ms' (every "
+                           f"module needs a draw when one has it, here '{first}')")
 
 
 def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
@@ -249,10 +291,12 @@ def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
     description = data.get("description", "")
     if not isinstance(description, str):
         raise _fail(src, "description", f"must be a string, got {description!r}")
+    modules = {name: _module_from_dict(mods[name], name, src) for name in graph.names}
+    check_draws(modules, src)
     return Profile(
         gpus=_int(data, "gpus", "gpus", src),
         global_batch=_int(data, "global_batch", "global_batch", src),
-        modules={name: _module_from_dict(mods[name], name, src) for name in graph.names},
+        modules=modules,
         microbatch=_int(data, "microbatch", "microbatch", src, 1),
         gpus_per_node=_int(data, "gpus_per_node", "gpus_per_node", src, 8),
         gpu_memory_gb=_num(data, "gpu_memory_gb", "gpu_memory_gb", src, None, positive=True),
@@ -286,6 +330,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             value = getattr(spec, f)
             if value != getattr(ModuleProfile(1, {}), f):  # write only what differs from default
                 mod[f] = value
+        if spec.sample_cost_ms is not None:
+            mod["sample_cost_ms"] = list(spec.sample_cost_ms)
         out["modules"][name] = mod
     return out
 

@@ -185,13 +185,21 @@ def _llm_params(arch: Mapping) -> float:
     return layers * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * VOCAB * h  # + embedding, LM head
 
 
+def sample_cost_draw(flops: np.ndarray, mean_ms: Sequence[float]) -> list[list[float]]:
+    """Per-module ``sample_cost_ms`` draws: each column of ``flops`` (``[n, modules]``) rescaled
+    so its mean is the module's mean cost ``mean_ms[j]`` (time proportional to FLOPs)."""
+    f = np.asarray(flops, dtype=np.float64)
+    return [(f[:, j] / f[:, j].mean() * c).tolist() for j, c in enumerate(mean_ms)]
+
+
 def build_profile(paper: Mapping, spec: ModelSpec, costs: SampleCosts, *, gpus: int,
-                  global_batch: int) -> Profile:
+                  global_batch: int, draw: SampleCosts | None = None) -> Profile:
     """The planner profile of ``spec`` (module doc, step 2). Memory as in
     ``bench/bench_planner.py``: LLM weights, gradients and Adam states, LLM activations of
     34 x seq x hidden bytes per layer per sequence, encoder and generator parameters only,
     the GPU memory named in ``hardware.gpu`` ("80GB"). ``flops_per_sample`` is the samples'
-    mean training FLOPs of each module."""
+    mean training FLOPs of each module. ``draw``: samples whose FLOPs, rescaled to each
+    module's C(1) (:func:`sample_cost_draw`), become the modules' ``sample_cost_ms``."""
     fwd = fig3_forward_ms(paper, spec.resolution, float(costs.images.mean()))
     ref = next(s for s in model_specs(paper).values() if s.backbone == REFERENCE_BACKBONE)
     ref_flops = CostModel.paper_mllm(REFERENCE_BACKBONE).costs(costs.stats)[:, 1].mean()
@@ -201,7 +209,7 @@ def build_profile(paper: Mapping, spec: ModelSpec, costs: SampleCosts, *, gpus: 
     mean_flops = train * costs.flops.mean(axis=0)
     memory = float(re.search(r"(\d+)\s*GB", paper["hardware"]["gpu"]).group(1))
     enc, gen = train * fwd["vit_huge"], train * fwd["sd21"]  # Fig. 3: whole module, one GPU
-    return profile_from_dict({
+    data = {
         "description": f"{spec.name} from the DistTrain paper's Fig. 3 by disttrain_ds.planner."
                        f"scale; TP efficiency {TP_EFFICIENCY} per doubling",
         "gpus": gpus, "global_batch": global_batch, "microbatch": 1,
@@ -217,7 +225,14 @@ def build_profile(paper: Mapping, spec: ModelSpec, costs: SampleCosts, *, gpus: 
             "generator": {"layers": GENERATOR_LAYERS, "cost_ms": tp_costs(gen, 1),
                           "params": paper["generator"]["params_b"] * 1e9,
                           "flops_per_sample": float(mean_flops[2])},
-        }})
+        }}
+    if draw is not None:
+        mods = data["modules"]
+        for name, ms in zip(MODULES, sample_cost_draw(draw.flops, [mods[n]["cost_ms"]["1"]
+                                                                   for n in MODULES])):
+            mods[name]["sample_cost_ms"] = ms
+        data["description"] += f"; sample_cost_ms: {len(draw.flops)} drawn samples' FLOPs"
+    return profile_from_dict(data)
 
 
 def flop_split(profile: Profile) -> dict[str, int]:
@@ -246,10 +261,12 @@ def paper_plans(profile: Profile, spec: ModelSpec) -> dict[str, Plan]:
 def sample_times(flops: np.ndarray, plan_: Plan) -> np.ndarray:
     """``[n, modules]`` per-sample fwd+bwd ms of each module under ``plan_`` (columns in the
     plan's module order, as ``flops``'): the FLOPs rescaled so each column's mean is the plan's
-    per-sample cost (warm-up term / samples per replica), i.e. time proportional to FLOPs within
+    per-sample mean cost (warm-up term / samples per replica / the straggler factor priced into
+    it), i.e. time proportional to FLOPs within
     a module, at the profile's efficiency."""
     f = np.asarray(flops, dtype=np.float64)
-    per = np.array([m.warmup_ms / m.samples_per_microbatch for m in plan_.modules.values()])
+    per = np.array([m.warmup_ms / m.samples_per_microbatch / m.straggler
+                    for m in plan_.modules.values()])
     mean = f.mean(axis=0)
     return np.where(mean > 0, f / np.where(mean > 0, mean, 1.0), 1.0) * per
 

@@ -29,13 +29,14 @@ multiplies the unit size by at most its own n_i before pruning (in practice far 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Mapping
 
 import numpy as np
 
 from disttrain_ds.planner.objective import (Degrees, Roles, combine_arrays, divisors,
                                             layout_key, memory_bytes)
+from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.profile import Profile
 
 PARETO_MAX = 20_000
@@ -124,6 +125,13 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     rank = (tp * (spec.layers + 1) + pp) * (d + 1) + dp
     cols = (dp, tp, pp, gpus, warm, warm / pp, mem, rank)
     return Opts(*(np.broadcast_to(c, gpus.shape)[ok] for c in cols))
+
+
+def priced(profile: Profile, name: str, o: Opts, d: int, table: StragglerTable) -> Opts:
+    """``o`` with warm-up terms times the straggler factor h(dp, m) (``objective.warmup_ms``)."""
+    m = np.full_like(o.dp, profile.microbatch) if name == profile.graph.llm else d // o.dp
+    warm = o.warm * table.factors(name, o.dp, m)
+    return replace(o, warm=warm, stage=warm / o.pp)
 
 
 def batch_splits(profile: Profile) -> list[int]:
@@ -276,8 +284,12 @@ def _degrees(o: Opts, j: int) -> Degrees:
     return Degrees(int(o.dp[j]), int(o.tp[j]), int(o.pp[j]))
 
 
-def search(profile: Profile, caps: Mapping[str, int]) -> dict[str, Degrees] | None:
-    """The exact minimum-T_iter layout with module i on at most ``caps[i]`` GPUs, or None."""
+def search(profile: Profile, caps: Mapping[str, int],
+           table: StragglerTable | None = None) -> dict[str, Degrees] | None:
+    """The exact minimum-T_iter layout with module i on at most ``caps[i]`` GPUs, or None.
+
+    With ``table`` (straggler factors h >= 1) a D's layouts are priced only when it is visited:
+    its bound from mean costs is still a lower bound, so the search stays exact."""
     graph, n_gpus, limit = Roles.of(profile.graph), profile.gpus, profile.memory_limit_bytes
     grids = {n: module_grid(profile, n) for n in graph.names}
     groups = []
@@ -296,6 +308,8 @@ def search(profile: Profile, caps: Mapping[str, int]) -> dict[str, Degrees] | No
         if best is not None and lb > best[0][0]:
             break  # groups are sorted by a valid lower bound: none of the rest can win
         bound = None if best is None else best[0][0]
+        if table is not None:
+            opts = {n: priced(profile, n, o, d, table) for n, o in opts.items()}
         opts = _prune(graph, opts, k, n_gpus, bound)
         if opts is None:
             continue
