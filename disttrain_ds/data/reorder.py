@@ -64,17 +64,24 @@ def lpt_rows(costs: np.ndarray, room: np.ndarray) -> tuple[np.ndarray, np.ndarra
     ``(rank[B, n], loads[B, k])``: each sample's rank and each rank's summed cost."""
     c = np.asarray(costs, dtype=np.float64)
     left = np.array(room, dtype=np.int64)
-    rows = np.arange(c.shape[0])
-    loads = np.zeros(left.shape)
-    avail = np.where(left > 0, 0.0, np.inf)  # loads of ranks with room; full ranks at inf
-    rank = np.empty(c.shape, dtype=np.int64)
-    for i in np.argsort(-c, axis=1, kind="stable").T:  # i: this position's sample in every row
-        r = np.argmin(avail, axis=1)  # first minimum: ties go to the lowest rank
-        rank[rows, i] = r
-        loads[rows, r] += c[rows, i]
-        left[rows, r] -= 1
-        avail[rows, r] = np.where(left[rows, r] > 0, loads[rows, r], np.inf)
-    return rank, loads
+    b, k = left.shape
+    order = np.argsort(-c, axis=1, kind="stable")
+    heavy_first = np.take_along_axis(c, order, axis=1)
+    loads = np.zeros(b * k)
+    avail = np.where(left > 0, 0.0, np.inf).reshape(-1)  # loads of ranks with room, else inf
+    left = left.reshape(-1)
+    base = np.arange(b) * k
+    placed = np.empty((b, c.shape[1]), dtype=np.int64)
+    for t in range(c.shape[1]):  # t-th heaviest sample of every row
+        r = np.argmin(avail.reshape(b, k), axis=1)  # first minimum: ties go to the lowest rank
+        placed[:, t] = r
+        f = base + r
+        loads[f] += heavy_first[:, t]
+        left[f] -= 1
+        avail[f] = np.where(left[f] > 0, loads[f], np.inf)
+    rank = np.empty_like(placed)
+    np.put_along_axis(rank, order, placed, axis=1)
+    return rank, loads.reshape(b, k)
 
 
 def lpt_equal_count(costs: Sequence[float], dp_size: int) -> list[list[int]]:

@@ -1,29 +1,33 @@
-"""Data heterogeneity in the objective: each stage priced by its expected slowest DP replica.
+"""Data heterogeneity in the objective: stages priced by their expected slowest replica.
 
 A module with DP = dp takes D = dp * m samples per pipeline step, m per replica, and every
 replica of a lock-step stage waits for the slowest. Given a profile's per-sample draws
-(``modules.<name>.sample_cost_ms``), the *straggler factor* of (dp, m) is
+(``modules.<name>.sample_cost_ms``), steps of D samples are drawn i.i.d. from the draw (with
+replacement; entry i of every module is the same sample) and split over the replicas by the
+intra-microbatch balancing of :mod:`disttrain_ds.data.reorder`. With Y a step's slowest replica
+load and L its mean replica load, two factors scale the mean-cost terms:
 
-    h(dp, m) = E[max_r load_r] / E[mean_r load_r]
+* warm-up, h(dp, m) = E[Y] / E[L]: one microbatch crossing the module meets one step's straggler;
+* stage time, g(dp, m, pp) = E[max of pp independent Y] / E[L]: in 1F1B's steady state the pp
+  stages of a module work on pp different microbatches at once and hand work along, so a slow
+  microbatch on any stage paces the others (simulated 1F1B of one module with i.i.d. step times
+  tracks this within a few per cent up to pp = 16, see ``docs/planner.md``). g(dp, m, 1) = h.
 
-over steps of D samples drawn i.i.d. from the draw (with replacement, the i-th entry of every
-module belonging to the same sample), where load_r is replica r's summed cost after the
-intra-microbatch balancing of :mod:`disttrain_ds.data.reorder`:
+Estimates, stated: for m = 1 no balancing is possible and both are exact for the draw's empirical
+distribution (Y is the max of dp draws, the max of pp such Y the max of dp * pp draws), from the
+sorted draw x_(1) <= ... <= x_(N): E[max of n] = sum_k x_(k) ((k/N)^n - ((k-1)/N)^n). For m >= 2
+they are Monte Carlo with a fixed seed per (dp, m): ``max(MIN_STEPS, ceil(SAMPLES / D))`` steps,
+each split by equal-count LPT (``reorder.lpt_rows``, the construction ``intra_microbatch_reorder``
+starts from; the runtime keeps the better of it and balanced differencing and improves it by
+swaps, so Y is over-estimated by at most LPT's gap: under 0.3 % of the mean load on
+``bench/bench_reorder.py``'s draws); E[max of pp Y] is taken over the steps' empirical Y. Max and
+mean are summed over the same steps, so 1 <= h <= g holds exactly.
 
-* m = 1: no balancing is possible and h is exact: E[max of dp draws] over the draw's mean, from
-  the sorted draw x_(1) <= ... <= x_(N): sum_k x_(k) ((k/N)^dp - ((k-1)/N)^dp).
-* m >= 2: Monte Carlo with a fixed seed per (dp, m): ceil(``SAMPLES`` / D) steps, each split by
-  equal-count LPT (``reorder.lpt_rows``, the first construction ``intra_microbatch_reorder``
-  starts from; the runtime keeps the better of it and balanced differencing and then improves by
-  swaps, so h over-estimates the runtime's straggler by at most LPT's gap: under 0.3 % of the mean
-  load in ``bench/bench_reorder.py``'s draws). Sums are over the same steps for max and mean, so
-  h >= 1 holds exactly.
-
-The objective's warm-up term becomes w = (m * C(tp)) * h(dp, m): C(tp) stays the profile's mean
-cost and h scales it (TP and PP are assumed to shrink every sample's time by the same factor).
+The objective's terms become w = (m * C(tp)) * h and s = ((m * C(tp)) * g) / pp: C(tp) stays the
+profile's mean cost and the factors scale it (TP and PP shrink every sample's time alike).
 Factors are computed on first use and kept, so a search pays only for the (dp, m) pairs it looks
 at; the pairs of one step size D are balanced in one batched LPT (a pair's value does not depend
-on which others are computed with it). Without draws every factor is exactly 1.0 and nothing changes.
+on which others are computed with it). Without draws no factor is applied and nothing changes.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from disttrain_ds.data.reorder import lpt_rows
 from disttrain_ds.planner.profile import Profile
 
 SAMPLES = 2048
-"""Samples balanced per (dp, m) for m >= 2 (at least one whole step, ``ceil(SAMPLES / D)`` steps)."""
+"""Samples balanced per (dp, m) with m >= 2 (``max(MIN_STEPS, ceil(SAMPLES / D))`` steps)."""
+MIN_STEPS = 8
+"""Fewest resampled steps per (dp, m) with m >= 2 (the spread of Y needs several)."""
 SEED = 0
 """Base seed of the resampled steps."""
 
@@ -48,7 +54,7 @@ def expected_max(sorted_draw: np.ndarray, n: int) -> float:
 
 
 class StragglerTable:
-    """h(dp, m) per module of one profile, computed on demand and memoised."""
+    """h(dp, m) and g(dp, m, pp) per module of one profile, computed on demand and memoised."""
 
     def __init__(self, profile: Profile, samples: int = SAMPLES, seed: int = SEED) -> None:
         names = [n for n, m in profile.modules.items() if m.sample_cost_ms is not None]
@@ -58,15 +64,19 @@ class StragglerTable:
         self._sorted = np.sort(self._draws, axis=1)
         self._mean = self._draws.mean(axis=1)
         self._samples, self._seed = samples, seed
-        self._memo: dict[tuple[int, int], np.ndarray] = {}  # (dp, m) -> h of every module
+        # (dp, m) -> per module: (sorted step maxima Y, mean L) for m >= 2; None for m = 1
+        self._steps: dict[tuple[int, int], list[tuple[np.ndarray, float]] | None] = {}
+        self._memo: dict[tuple[int, int, int], np.ndarray] = {}  # (dp, m, pp) -> g per module
+        self._exact: dict[int, np.ndarray] = {}  # n -> E[max of n draws] / mean per module
 
     def __bool__(self) -> bool:
         return bool(self.names)
 
-    def _balanced(self, d: int, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-        """h of every module for each (dp, m >= 2) in ``pairs``, all with dp * m = ``d``: one
-        batched LPT over every pair's steps (ranks past a pair's dp get no room)."""
-        steps, k, n = max(1, math.ceil(self._samples / d)), max(dp for dp, _ in pairs), len(self.names)
+    def _balanced(self, d: int, pairs: list[tuple[int, int]]) -> None:
+        """Step maxima of every module for each (dp, m >= 2) in ``pairs``, all with dp * m =
+        ``d``: one batched LPT over every pair's steps (ranks past a pair's dp get no room)."""
+        steps = max(MIN_STEPS, math.ceil(self._samples / d))
+        k, n = max(dp for dp, _ in pairs), len(self.names)
         costs, room = [], []
         for dp, m in pairs:
             idx = np.random.default_rng([self._seed, dp, m]).integers(0, self._draws.shape[1],
@@ -74,43 +84,57 @@ class StragglerTable:
             costs.append(self._draws[:, idx].reshape(-1, d))  # rows: module-major, then step
             room.append(np.broadcast_to(np.where(np.arange(k) < dp, m, 0), (n * steps, k)))
         _, loads = lpt_rows(np.concatenate(costs), np.concatenate(room))
-        out = []
-        for j, (dp, _) in enumerate(pairs):
+        for j, (dp, m) in enumerate(pairs):
             mine = loads[j * n * steps:(j + 1) * n * steps]
-            peak = mine.max(axis=1).reshape(n, steps).sum(axis=1)
-            mean = (mine.sum(axis=1) / dp).reshape(n, steps).sum(axis=1)
-            out.append(peak / mean)
-        return out
+            peak = mine.max(axis=1).reshape(n, steps)
+            mean = (mine.sum(axis=1) / dp).reshape(n, steps).sum(axis=1) / steps
+            self._steps[(dp, m)] = [(np.sort(y), float(mu)) for y, mu in zip(peak, mean)]
 
-    def _fill(self, pairs: set[tuple[int, int]]) -> None:
-        """Compute and memoise h for ``pairs`` (dp, m) not yet known."""
-        todo = sorted(p for p in pairs if p not in self._memo)
+    def _fill(self, keys: set[tuple[int, int, int]]) -> None:
+        """Compute and memoise g for ``keys`` (dp, m, pp) not yet known."""
+        todo = sorted(k for k in keys if k not in self._memo)
         by_step: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for dp, m in todo:  # batched by step size and by dp rounded up to a power of two
+        for dp, m, _ in todo:  # batched by step size and by dp rounded up to a power of two
             if m == 1:
-                h = np.array([expected_max(s, dp) / mu for s, mu in zip(self._sorted, self._mean)])
-                self._memo[(dp, m)] = np.maximum(h, 1.0)  # h >= 1 despite rounding
-            else:
-                by_step.setdefault((dp * m, 1 << (dp - 1).bit_length()), []).append((dp, m))
+                self._steps[(dp, m)] = None
+            elif (dp, m) not in self._steps:
+                group = by_step.setdefault((dp * m, 1 << (dp - 1).bit_length()), [])
+                if (dp, m) not in group:
+                    group.append((dp, m))
         for (d, _), group in by_step.items():
-            for pair, h in zip(group, self._balanced(d, group)):
-                self._memo[pair] = np.maximum(h, 1.0)
+            self._balanced(d, group)
+        for dp, m, pp in todo:
+            steps = self._steps[(dp, m)]
+            if steps is None:  # exact: the max of dp * pp draws
+                g = self._max_of(dp * pp)
+            else:
+                g = [expected_max(y, pp) / mu for y, mu in steps]
+            self._memo[(dp, m, pp)] = np.maximum(np.array(g), 1.0)  # >= 1 despite rounding
 
-    def factor(self, name: str, dp: int, m: int) -> float:
-        """h(dp, m) of module ``name``; 1.0 for a module without a draw."""
+    def _max_of(self, n: int) -> np.ndarray:
+        """E[max of n draws] / mean of every module (memoised: m = 1 depends on dp * pp only)."""
+        if n not in self._exact:
+            self._exact[n] = np.array([expected_max(x, n) / mu
+                                       for x, mu in zip(self._sorted, self._mean)])
+        return self._exact[n]
+
+    def factor(self, name: str, dp: int, m: int, pp: int = 1) -> float:
+        """g(dp, m, pp) of module ``name`` (h(dp, m) with pp = 1); 1.0 without a draw."""
         if name not in self.names:
             return 1.0
-        key = (int(dp), int(m))
+        key = (int(dp), int(m), int(pp))
         self._fill({key})
         return float(self._memo[key][self.names.index(name)])
 
-    def factors(self, name: str, dp: np.ndarray, m: np.ndarray) -> np.ndarray:
-        """``factor`` elementwise over broadcast integer arrays ``dp`` and ``m``."""
-        dp, m = np.broadcast_arrays(np.asarray(dp, dtype=np.int64), np.asarray(m, dtype=np.int64))
+    def factors(self, name: str, dp: np.ndarray, m: np.ndarray, pp: np.ndarray | int = 1
+                ) -> np.ndarray:
+        """``factor`` elementwise over broadcast integer arrays ``dp``, ``m`` and ``pp``."""
+        dp, m, pp = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (dp, m, pp)))
         if name not in self.names:
             return np.ones(dp.shape)
-        pairs, inverse = np.unique(np.stack([dp.ravel(), m.ravel()]), axis=1, return_inverse=True)
-        keys = [(int(a), int(b)) for a, b in pairs.T]
+        keys_arr, inverse = np.unique(np.stack([dp.ravel(), m.ravel(), pp.ravel()]), axis=1,
+                                      return_inverse=True)
+        keys = [(int(a), int(b), int(c)) for a, b, c in keys_arr.T]
         self._fill(set(keys))
         j = self.names.index(name)
         values = np.array([self._memo[k][j] for k in keys], dtype=np.float64)

@@ -12,8 +12,9 @@ takes the warm-up along the graph's critical path plus the slowest stage of any 
 ``(w_llm + (w_enc + w_gen)) + max(s_llm, s_enc, s_gen) * (K - 1)``, float for float.
 
 C(tp) already includes the TP effect, so nothing is divided by TP again. When the profile carries
-per-sample draws, w_i = (m_i * C_i(tp)) * h_i(dp, m_i), the expected slowest replica's load
-over the mean (:mod:`disttrain_ds.planner.hetero`); without draws h is not applied at all. ``combine`` forms the
+per-sample draws, w_i = (m_i * C_i(tp)) * h_i and s_i = ((m_i * C_i(tp)) * g_i) / pp, with the
+straggler factors h (expected slowest replica over the mean) and g (the same over pp steps in
+flight) of :mod:`disttrain_ds.planner.hetero`; without draws they are not applied at all. ``combine`` forms the
 sum for numbers and ``combine_arrays`` for numpy columns with the same float operations in the
 same order (max is exact, so only the additions' order matters), which is what lets the search
 and ``exhaustive_plan`` agree bit for bit.
@@ -99,11 +100,15 @@ def straggler_table(profile: Profile) -> StragglerTable | None:
     return StragglerTable(profile) if profile.has_draw else None
 
 
-def warmup_ms(profile: Profile, name: str, deg: Degrees, m: int,
-              table: StragglerTable | None) -> float:
-    """Warm-up term of module ``name`` at ``deg`` taking ``m`` samples per replica per step."""
+def module_terms(profile: Profile, name: str, deg: Degrees, m: int,
+                 table: StragglerTable | None) -> tuple[float, float]:
+    """(warm-up term, stage time) of module ``name`` at ``deg`` taking ``m`` samples per replica
+    per step: m * C(tp) and m * C(tp) / pp, scaled by the straggler factors h and g of
+    ``table`` (:mod:`disttrain_ds.planner.hetero`) when given."""
     w = m * profile.modules[name].cost_ms[deg.tp]
-    return w if table is None else w * table.factor(name, deg.dp, m)
+    if table is None:
+        return w, w / deg.pp
+    return w * table.factor(name, deg.dp, m), (w * table.factor(name, deg.dp, m, deg.pp)) / deg.pp
 
 
 def t_iter(profile: Profile, layout: Mapping[str, Degrees],
@@ -118,8 +123,7 @@ def t_iter(profile: Profile, layout: Mapping[str, Degrees],
     w, s = {}, {}
     for n in graph.names:
         deg = layout[n]
-        w[n] = warmup_ms(profile, n, deg, samples_per_step(profile, n, d, deg.dp), table)
-        s[n] = w[n] / deg.pp
+        w[n], s[n] = module_terms(profile, n, deg, samples_per_step(profile, n, d, deg.dp), table)
     return combine(graph, w, s, profile.global_batch // d)
 
 

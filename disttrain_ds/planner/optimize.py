@@ -22,7 +22,7 @@ from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors,  # noqa: F401
                                             layout_key, memory_per_gpu, samples_per_step,
-                                            straggler_table, t_iter, warmup_ms)
+                                            module_terms, straggler_table, t_iter)
 from disttrain_ds.planner.profile import GIB, Profile
 from disttrain_ds.planner.search import batch_splits, options, search
 
@@ -126,11 +126,11 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
     for n in graph.names:
         deg, spec = layout[n], profile.modules[n]
         m = samples_per_step(profile, n, d, deg.dp)
-        warm = warmup_ms(profile, n, deg, m, table)
+        warm, stage = module_terms(profile, n, deg, m, table)
         mem = memory_per_gpu(spec, deg, samples_per_microbatch=m, in_flight=min(deg.pp, k))
         h = 1.0 if table is None else table.factor(n, deg.dp, m)
         mods[n] = ModulePlan(deg.dp * deg.tp * deg.pp, deg.dp, deg.tp, deg.pp, m, warm,
-                             warm / deg.pp, mem / GIB if spec.has_memory_figures else None, h)
+                             stage, mem / GIB if spec.has_memory_figures else None, h)
     gpus = sum(p.gpus for p in mods.values())
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
                 t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, gpus),

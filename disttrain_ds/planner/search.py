@@ -128,10 +128,10 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
 
 
 def priced(profile: Profile, name: str, o: Opts, d: int, table: StragglerTable) -> Opts:
-    """``o`` with warm-up terms times the straggler factor h(dp, m) (``objective.warmup_ms``)."""
+    """``o`` priced with the straggler factors h and g (``objective.module_terms``)."""
     m = np.full_like(o.dp, profile.microbatch) if name == profile.graph.llm else d // o.dp
-    warm = o.warm * table.factors(name, o.dp, m)
-    return replace(o, warm=warm, stage=warm / o.pp)
+    return replace(o, warm=o.warm * table.factors(name, o.dp, m),
+                   stage=(o.warm * table.factors(name, o.dp, m, o.pp)) / o.pp)
 
 
 def batch_splits(profile: Profile) -> list[int]:

@@ -1,0 +1,251 @@
+"""Per-sample cost draws in the planner: validation, straggler factors, exact search, payoff."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from disttrain_ds.data.reorder import lpt_equal_count, lpt_rows
+from disttrain_ds.planner import hetero, scale
+from disttrain_ds.planner.hetero import StragglerTable, expected_max
+from disttrain_ds.planner.simulate import makespan_1f1b
+from disttrain_ds.planner.objective import combine, samples_per_step
+from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
+from disttrain_ds.planner.profile import (MODULES, Profile, ProfileError, load_profile,
+                                          profile_from_dict, profile_to_dict)
+
+GRAPHS = {
+    "chain": {"encoder": "encoder", "llm": "llm", "generator": "generator"},
+    "two_encoders": {"image": "encoder", "audio": "encoder", "llm": "llm",
+                     "generator": "generator"},
+    "two_generators": {"llm": "llm", "image_gen": "generator", "speech_gen": "generator"},
+}
+
+
+def random_data(roles: dict[str, str], seed: int, draw: int = 0) -> dict:
+    """A small random profile (N <= 32, BS <= 16, brute-forceable) as JSON data; ``draw`` > 0
+    adds that many per-sample costs per module, lognormal with a random spread."""
+    r = random.Random(seed)
+    rng = np.random.default_rng(seed)
+    bs = r.randint(1, 16)
+    mods = {}
+    for name, role in roles.items():
+        tps = sorted({1} | set(r.sample([2, 4], r.randint(0, 2))))
+        c1 = r.uniform(5, 200)
+        mods[name] = {"layers": r.choice([1, 2, 3, 4]),
+                      "cost_ms": {str(t): c1 / t ** r.uniform(0.5, 1.1) for t in tps}}
+        if name != role:
+            mods[name]["role"] = role
+        if draw:
+            mods[name]["sample_cost_ms"] = (c1 * rng.lognormal(0, r.uniform(0.1, 1.5), draw)).tolist()
+    data = {"gpus": r.randint(2, 32), "global_batch": bs, "gpus_per_node": 4,
+            "microbatch": r.choice([m for m in (1, 2, 4) if bs % m == 0] + [1, 1]),
+            "modules": mods}
+    if r.random() < 0.3:
+        for m in mods.values():
+            m.update(params=r.uniform(1e8, 4e9), activation_bytes_per_sample=r.uniform(1e8, 4e9))
+        data["gpu_memory_gb"] = r.uniform(8, 60)
+    return data
+
+
+def outcome(solver, profile: Profile):
+    try:
+        p = solver(profile)
+        return p.to_json(), [m.straggler for m in p.modules.values()]
+    except PlanError as exc:
+        return f"PlanError: {exc}"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda m: m["llm"].update(sample_cost_ms=5.0), "modules.llm.sample_cost_ms"),
+    (lambda m: m["llm"].update(sample_cost_ms=[]), "modules.llm.sample_cost_ms"),
+    (lambda m: m["llm"]["sample_cost_ms"].__setitem__(2, -1.0), "modules.llm.sample_cost_ms[2]"),
+    (lambda m: m["llm"]["sample_cost_ms"].__setitem__(0, 0), "modules.llm.sample_cost_ms[0]"),
+    (lambda m: m["encoder"]["sample_cost_ms"].__setitem__(1, float("inf")),
+     "modules.encoder.sample_cost_ms[1]"),
+    (lambda m: m["encoder"]["sample_cost_ms"].__setitem__(1, float("nan")),
+     "modules.encoder.sample_cost_ms[1]"),
+    (lambda m: m["generator"]["sample_cost_ms"].__setitem__(3, "7"),
+     "modules.generator.sample_cost_ms[3]"),
+    (lambda m: m["generator"]["sample_cost_ms"].__setitem__(3, True),
+     "modules.generator.sample_cost_ms[3]"),
+    (lambda m: m["generator"]["sample_cost_ms"].append(1.0), "modules.generator.sample_cost_ms"),
+    (lambda m: m["encoder"].pop("sample_cost_ms"), "modules.encoder.sample_cost_ms"),
+])
+def test_bad_draw_gives_one_line_naming_the_field_and_file(tmp_path, mutate, field):
+    data = random_data(GRAPHS["chain"], 0, draw=6)
+    mutate(data["modules"])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and f"'{field}'" in message
+
+
+def test_draw_round_trips_through_json():
+    profile = profile_from_dict(random_data(GRAPHS["two_encoders"], 3, draw=5))
+    back = profile_from_dict(json.loads(json.dumps(profile_to_dict(profile))))
+    assert back == profile and back.modules["audio"].sample_cost_ms is not None
+
+
+# --------------------------------------------------------------------------- straggler factors
+
+
+def test_expected_max_of_one_sample_per_replica_is_exact_by_enumeration():
+    draw = np.sort(np.array([1.0, 2.0, 7.0, 3.5]))
+    for n in (1, 2, 3):
+        brute = np.mean([max(c) for c in itertools.product(draw, repeat=n)])
+        assert expected_max(draw, n) == pytest.approx(brute, rel=1e-12)
+
+
+def test_factor_with_several_samples_is_the_lpt_balanced_max_over_the_mean():
+    data = random_data(GRAPHS["chain"], 1, draw=50)
+    profile = profile_from_dict(data)
+    table = StragglerTable(profile, samples=64, seed=7)
+    dp, m = 4, 3
+    draws = np.array([data["modules"][n]["sample_cost_ms"] for n in table.names])
+    steps = max(hetero.MIN_STEPS, math.ceil(64 / 12))
+    idx = np.random.default_rng([7, dp, m]).integers(0, 50, (steps, 12))
+    for j, name in enumerate(table.names):
+        peaks, mean = [], 0.0
+        for row in draws[j][idx]:  # one step at a time, through the list-of-groups LPT
+            loads = [row[g].sum() for g in lpt_equal_count(row, dp)]
+            peaks, mean = peaks + [max(loads)], mean + sum(loads) / dp
+        mean /= steps
+        assert table.factor(name, dp, m) == pytest.approx(np.mean(peaks) / mean, rel=1e-12)
+        pairs = [max(a, b) for a in peaks for b in peaks]  # two steps in flight
+        assert table.factor(name, dp, m, pp=2) == pytest.approx(np.mean(pairs) / mean, rel=1e-12)
+        assert 1.0 <= table.factor(name, dp, m) <= table.factor(name, dp, m, pp=2)
+
+
+def test_one_sample_per_replica_over_pp_steps_is_the_max_of_dp_times_pp_draws():
+    table = StragglerTable(profile_from_dict(random_data(GRAPHS["chain"], 5, draw=30)))
+    for name in table.names:
+        assert table.factor(name, 3, 1, pp=4) == table.factor(name, 12, 1)
+        assert table.factor(name, 3, 1, pp=4) > table.factor(name, 3, 1)
+
+
+def test_stage_factor_predicts_a_pipelines_pace_under_varying_step_times():
+    """One module, pp stages, 1F1B over K steps whose times are i.i.d. from a draw: the
+    simulated time over the mean-cost formula is g(1, 1, pp), not h = 1."""
+    rng = np.random.default_rng(3)
+    draw = rng.lognormal(0, 0.4, 2000)
+    data = random_data(GRAPHS["chain"], 0)
+    for m in data["modules"].values():
+        m["sample_cost_ms"] = draw.tolist()
+    table = StragglerTable(profile_from_dict(data))
+    k, pp = 240, 4
+    y = rng.choice(draw, k)
+    stages = np.repeat((y / pp)[:, None], pp, axis=1)
+    span = makespan_1f1b(stages / 3, stages * 2 / 3)
+    formula = draw.mean() / pp * (k - 1) + draw.mean()
+    assert span / formula == pytest.approx(table.factor("llm", 1, 1, pp), rel=0.1)
+    assert span / formula > 1.2 * table.factor("llm", 1, 1)  # h alone misses the pace
+
+
+def test_factors_do_not_depend_on_what_is_computed_alongside():
+    profile = profile_from_dict(random_data(GRAPHS["chain"], 2, draw=40))
+    alone = [StragglerTable(profile).factor("encoder", dp, 24 // dp, pp) for dp, pp in
+             ((2, 1), (3, 2), (4, 4), (12, 3))]
+    batch = StragglerTable(profile).factors("encoder", np.array([2, 3, 4, 12, 6, 8]),
+                                            np.array([12, 8, 6, 2, 4, 3]),
+                                            np.array([1, 2, 4, 3, 1, 2]))
+    assert alone == batch[:4].tolist()
+
+
+def test_constant_draw_has_no_stragglers_and_heavy_tail_has_many():
+    data = random_data(GRAPHS["chain"], 4)
+    for name, m in data["modules"].items():
+        m["sample_cost_ms"] = [3.0] * 20 if name != "generator" else [1.0] * 19 + [40.0]
+    table = StragglerTable(profile_from_dict(data))
+    assert table.factor("encoder", 8, 1) == pytest.approx(1.0, abs=1e-12)
+    assert table.factor("encoder", 4, 4) == pytest.approx(1.0, abs=1e-12)
+    assert table.factor("generator", 16, 1) > 3.0  # P(a 40 among 16) ~ 0.56
+    assert table.factor("generator", 16, 1) > table.factor("generator", 2, 8)
+
+
+def test_lpt_rows_with_padded_ranks_equal_the_unpadded_problem():
+    rng = np.random.default_rng(0)
+    costs = rng.lognormal(0, 1, (3, 12))
+    room = np.array([[3, 3, 3, 3, 0, 0], [2] * 6, [6, 6, 0, 0, 0, 0]])
+    _, loads = lpt_rows(costs, room)
+    for row, r, dp in zip(costs, loads, (4, 6, 2)):
+        want = sorted(row[g].sum() for g in lpt_equal_count(row, dp))
+        assert sorted(r[:dp]) == want and not r[dp:].any()
+
+
+# --------------------------------------------------------------------------- search
+
+
+def test_without_a_draw_the_objective_is_the_mean_cost_formula_float_for_float():
+    for seed in range(30):
+        profile = profile_from_dict(random_data(GRAPHS["chain"], seed))
+        try:
+            p = plan(profile)
+        except PlanError:
+            continue
+        d = p.llm.dp * profile.microbatch
+        w = {n: samples_per_step(profile, n, d, m.dp) * profile.modules[n].cost_ms[m.tp]
+             for n, m in p.modules.items()}
+        it = combine(profile.graph, w, {n: w[n] / p.modules[n].pp for n in w}, p.microbatches)
+        assert p.t_iter_ms == it.total_ms
+        assert all(m.straggler == 1.0 for m in p.modules.values())
+
+
+@pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in range(12)])
+def test_search_with_a_draw_equals_brute_force(graph, seed):
+    profile = profile_from_dict(random_data(GRAPHS[graph], seed, draw=24))
+    assert outcome(plan, profile) == outcome(exhaustive_plan, profile)
+
+
+def test_random_draw_instances_are_feasible_and_priced_so_the_comparison_means_something():
+    found = [outcome(plan, profile_from_dict(random_data(GRAPHS["chain"], s, draw=24)))
+             for s in range(12)]
+    feasible = [f for f in found if not isinstance(f, str)]
+    assert len(feasible) >= 8
+    assert sum(any(h > 1.0 for h in f[1]) for f in feasible) >= 4
+
+
+# --------------------------------------------------------------------------- payoff
+
+
+def skewed_profile(draw: bool) -> Profile:
+    """An encoder whose samples are mostly light with a heavy tail (1 in 10 costs 20x), an LLM
+    and a generator with uniform costs; 48 GPUs, global batch 64."""
+    rng = np.random.default_rng(0)
+    enc = np.where(rng.random(400) < 0.1, 20.0, 1.0)
+    enc_mean = 12.0 * enc / enc.mean()
+    mods = {"encoder": {"layers": 8, "cost_ms": {"1": 12.0, "2": 7.0, "4": 4.0}},
+            "llm": {"layers": 8, "cost_ms": {"1": 40.0, "2": 22.0, "4": 12.0}},
+            "generator": {"layers": 4, "cost_ms": {"1": 6.0, "2": 3.5}}}
+    if draw:
+        mods["encoder"]["sample_cost_ms"] = enc_mean.tolist()
+        mods["llm"]["sample_cost_ms"] = [40.0] * 400
+        mods["generator"]["sample_cost_ms"] = [6.0] * 400
+    return profile_from_dict({"gpus": 48, "global_batch": 64, "gpus_per_node": 4,
+                              "modules": mods})
+
+
+def test_skewed_draw_changes_the_plan_and_it_simulates_faster():
+    mean_plan, draw_plan = plan(skewed_profile(False)), plan(skewed_profile(True))
+    assert mean_plan.degrees() != draw_plan.degrees()
+    rng = np.random.default_rng(1)  # fresh samples, not the profile's draw
+    flops = np.column_stack([np.where(rng.random(64 * 4) < 0.1, 20.0, 1.0),
+                             np.ones(64 * 4), np.ones(64 * 4)])
+    sims = {}
+    for key, p in (("mean", mean_plan), ("draw", draw_plan)):
+        times = scale.sample_times(flops, p)
+        sims[key] = np.mean([scale.simulate_iteration(times[i * 64:(i + 1) * 64], p, intra=True)
+                             .makespan_ms for i in range(4)])
+    assert sims["draw"] < 0.95 * sims["mean"]
+    # The draw-priced plan predicts its own simulated time far better than the mean-cost one.
+    assert abs(sims["draw"] / draw_plan.t_iter_ms - 1) < abs(sims["mean"] / mean_plan.t_iter_ms - 1)
