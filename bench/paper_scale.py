@@ -3,9 +3,11 @@
     python bench/paper_scale.py [--quick] [--paper PATH] [--iterations N] [--budget S]
 
 For each model the profile is built from the paper's figures (``disttrain_ds.planner.scale``),
-planned three ways (ours, Megatron-LM's rigid layout, FLOP-proportional), and one training
-iteration of each plan is simulated on 8K packed sequences drawn from the paper's LAION-400M
-statistics, without and with data reordering. Tables are Markdown; every number is computed
+planned four ways (ours from mean costs, ours from a draw of per-sample costs, Megatron-LM's
+rigid layout, two proportional splits), and training iterations of each plan are simulated on 8K
+packed sequences drawn from the paper's LAION-400M statistics, without and with data
+reordering. The draw the planner sees (``sample_cost_ms``, ``DRAW`` sequences) is drawn with
+another seed than the simulated sequences. Tables are Markdown; every number is computed
 except the columns headed "paper", which are read from the paper's figures shipped in
 ``disttrain_ds/paper/disttrain_paper.json`` (``--paper PATH`` reads another copy).
 """
@@ -33,10 +35,12 @@ from disttrain_ds.planner import scale  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, plan  # noqa: E402
 from disttrain_ds.planner.profile import MODULES, Profile  # noqa: E402
 
-PLANS = {"ours": "ours", "megatron": "Megatron-LM", "ratio": "ratio (GPU-time)",
-         "flops": "ratio (FLOPs)"}
-PAPER_KEYS = {"ours": "disttrain", "megatron": "megatron", "ratio": "ratio_based",
-              "flops": "ratio_based"}
+PLANS = {"ours": "ours", "draw": "ours + draw", "megatron": "Megatron-LM",
+         "ratio": "ratio (GPU-time)", "flops": "ratio (FLOPs)"}
+PAPER_KEYS = {"ours": "disttrain", "draw": "disttrain", "megatron": "megatron",
+              "ratio": "ratio_based", "flops": "ratio_based"}
+DRAW = 2048
+"""Sequences in the per-sample cost draw of the ``draw`` plan's profile."""
 VARIANTS = ("none", "intra", "both")  # "both" = intra + inter: the paper's "reordered"
 
 
@@ -47,7 +51,9 @@ class Setting:
     spec: scale.ModelSpec
     """The model."""
     profile: Profile
-    """Its profile at this scale."""
+    """Its profile at this scale (mean costs only)."""
+    draw_profile: Profile
+    """The same with per-sample cost draws (``sample_cost_ms``)."""
     results: dict[str, scale.PlanResult]
     """Plan key (``PLANS``) -> simulated figures."""
     stragglers: dict[str, np.ndarray]
@@ -57,13 +63,17 @@ class Setting:
 
 
 def run_setting(paper: dict, spec: scale.ModelSpec, costs: scale.SampleCosts, gpus: int,
-                batch: int, iterations: int, budget: float) -> Setting:
-    """Profile, plan and simulate ``spec`` on ``gpus`` GPUs at global batch ``batch``."""
+                batch: int, iterations: int, budget: float, draw: scale.SampleCosts) -> Setting:
+    """Profile, plan and simulate ``spec`` on ``gpus`` GPUs at global batch ``batch``; ``draw``
+    feeds the ``draw`` plan's per-sample costs."""
     used = scale.SampleCosts(costs.stats[:batch * iterations], costs.flops[:batch * iterations],
                              costs.images[:batch * iterations])
     prof = scale.build_profile(paper, spec, used, gpus=gpus, global_batch=batch)
+    prof_draw = scale.build_profile(paper, spec, used, gpus=gpus, global_batch=batch, draw=draw)
+    plans = scale.paper_plans(prof, spec)
+    plans = {"ours": plans.pop("ours"), "draw": plan(prof_draw), **plans}
     results, strag = {}, {}
-    for key, p in scale.paper_plans(prof, spec).items():
+    for key, p in plans.items():
         results[key] = scale.evaluate_plan(p, prof, used, iterations=iterations,
                                            seq_len=paper["sequence_length"], variants=VARIANTS,
                                            budget_s=budget)
@@ -74,7 +84,7 @@ def run_setting(paper: dict, spec: scale.ModelSpec, costs: scale.SampleCosts, gp
                 for i in range(iterations))
     work = float(used.flops.sum()) * (1.0 + scale.BACKWARD_FACTOR)
     indep = scale.mfu(work, mega.gpus, total, prof.peak_tflops)
-    return Setting(spec, prof, results, strag, indep)
+    return Setting(spec, prof, prof_draw, results, strag, indep)
 
 
 def layout(p: Plan) -> str:
@@ -100,6 +110,22 @@ def scale_table(settings: dict[str, Setting], paper_rows: dict, unit: float, uni
                 f"| {p.mfu * 100:.1f} / {r.mfu['none'] * 100:.1f} / {r.mfu['both'] * 100:.1f} "
                 f"| {r.tokens_per_s['none'] / unit:.2f} / {r.tokens_per_s['both'] / unit:.2f} "
                 f"| {ref} |")
+    return out
+
+
+def hetero_table(groups: dict[str, dict[str, Setting]]) -> list[str]:
+    """Markdown rows: our plan from mean costs vs from the per-sample draw, planned against
+    simulated (intra + inter reordering)."""
+    out = ["| scale | model | costs | layout enc / llm / gen | T_plan s | T_sim s reord. "
+           "| T_sim / T_plan | MFU % reord. |", "|" + "---|" * 8]
+    for label, settings in groups.items():
+        for name, st in settings.items():
+            for key, what in (("ours", "mean"), ("draw", "draw")):
+                r = st.results[key]
+                out.append(f"| {label} | {name} | {what} | {layout(r.plan)} "
+                           f"| {r.plan.t_iter_ms / 1e3:.2f} | {r.t_ms['both'] / 1e3:.2f} "
+                           f"| {r.t_ms['both'] / r.plan.t_iter_ms:.3f} "
+                           f"| {r.mfu['both'] * 100:.1f} |")
     return out
 
 
@@ -129,28 +155,40 @@ def reorder_table(settings: dict[str, Setting], fig18: dict) -> list[str]:
     return out
 
 
-def solver_table(paper: dict, specs: dict, costs: dict,
+def solver_table(paper: dict, specs: dict, costs: dict, draws: dict,
                  repeats: int) -> tuple[list[str], list[tuple[dict, list[float]]]]:
-    """Median wall-clock ms of ``plan()`` per model at every Table 2 scale."""
+    """Median wall-clock ms of ``plan()`` per model at every Table 2 scale, from mean costs and
+    with ``draws`` (there also the median CPU time of this process, in parentheses)."""
     names = list(specs)
-    out = [f"| GPUs | global batch | paper ms | {' | '.join(f'ours ms {n}' for n in names)} |",
-           "|" + "---|" * (3 + len(names))]
+    out = [f"| GPUs | global batch | paper ms | {' | '.join(f'ours ms {n}' for n in names)} "
+           f"| {' | '.join(f'+ draw ms {n} (CPU)' for n in names)} |",
+           "|" + "---|" * (3 + 2 * len(names))]
     medians = []
     for row in paper["solver_time_ms_table2"]:
-        cells = []
+        cells, drawn = [], []
         for n in names:
             prof = scale.build_profile(paper, specs[n], costs[n], gpus=row["gpus"],
                                        global_batch=row["global_batch"])
-            runs = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                plan(prof)
-                runs.append((time.perf_counter() - t0) * 1e3)
-            cells.append(statistics.median(runs))
+            cells.append(_median_ms(prof, repeats, time.perf_counter))
+            prof = scale.build_profile(paper, specs[n], costs[n], gpus=row["gpus"],
+                                       global_batch=row["global_batch"], draw=draws[n])
+            drawn.append((_median_ms(prof, repeats, time.perf_counter),
+                          _median_ms(prof, repeats, time.process_time)))
         medians.append((row, cells))
         out.append(f"| {row['gpus']} | {row['global_batch']} | {row['ms']} | "
-                   + " | ".join(f"{c:.1f}" for c in cells) + " |")
+                   + " | ".join(f"{c:.1f}" for c in cells) + " | "
+                   + " | ".join(f"{w:.0f} ({c:.0f})" for w, c in drawn) + " |")
     return out, medians
+
+
+def _median_ms(prof: Profile, repeats: int, clock: Callable[[], float]) -> float:
+    """Median ms of ``plan(prof)`` by ``clock`` (a fresh straggler table every run)."""
+    runs = []
+    for _ in range(repeats):
+        t0 = clock()
+        plan(prof)
+        runs.append((clock() - t0) * 1e3)
+    return statistics.median(runs)
 
 
 def _pct(a: float, b: float) -> str:
@@ -201,9 +239,11 @@ def disagreements(paper: dict, big: dict[str, Setting], small: dict[str, Setting
                         f"({MODULES[j]} {f[j]:.2f})")
     out.append("* **Data heterogeneity.** Simulated / planned iteration time without "
                "reordering, with the worst module's slowest-replica / mean-replica load per "
-               f"step in parentheses: {'; '.join(slow)}. The planner sizes modules for mean "
-               "costs while a lock-step stage waits for its slowest replica, which hurts most "
-               "where a replica takes one sample per step. Where the slowest stage is not the "
+               f"step in parentheses: {'; '.join(slow)}. From mean costs the planner sizes "
+               "modules as if every replica were average while a lock-step stage waits for its "
+               "slowest replica, which hurts most where a replica takes one sample per step; "
+               "ours + draw prices that (and the pp microbatches in flight per module). "
+               "Where the slowest stage is not the "
                "last one the planner's formula is an upper bound on 1F1B, so a ratio below 1 "
                "can occur.")
     mega = []
@@ -294,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = draw_sequence_layouts(batch * args.iterations, seq,
                                     np.random.default_rng(args.seed))
     costs = {n: scale.sample_costs(layouts, s, seq) for n, s in specs.items()}
+    drawn = draw_sequence_layouts(DRAW, seq, np.random.default_rng(args.seed + 1))
+    draws = {n: scale.sample_costs(drawn, s, seq) for n, s in specs.items()}
     images = next(iter(costs.values())).images
     print(f"{len(layouts)} packed {seq}-token sequences (LAION-400M statistics, seed "
           f"{args.seed}; {images.mean():.2f} images per sequence on average), "
@@ -301,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
           f"search per iteration; Python {sys.version.split()[0]}, numpy {np.__version__}, "
           f"{os.cpu_count()} CPUs\n")
     big = {n: run_setting(paper, s, costs[n], s.scale_gpus, batch, args.iterations,
-                          args.budget) for n, s in specs.items()}
+                          args.budget, draws[n]) for n, s in specs.items()}
     small = {n: run_setting(paper, s, costs[n], s.ablation_gpus, s.ablation_batch,
-                            args.iterations, args.budget) for n, s in specs.items()}
+                            args.iterations, args.budget, draws[n]) for n, s in specs.items()}
     overall = {r["model"]: r for r in paper["overall_fig15_16"]}
     fig17 = {r["model"]: r for r in paper["orchestration_ablation_fig17"] if "model" in r}
     fig18 = {r["model"]: r for r in paper["reordering_ablation_fig18"] if "model" in r}
@@ -314,12 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     batches = ", ".join(f"{n} {s.ablation_batch}" for n, s in specs.items())
     print(f"\n### Fig. 17 scale: GPU budget {budgets}; global batch {batches}\n")
     print("\n".join(scale_table(small, fig17, 1e3, "Ktok/s", _fig17)))
-    print("\nT_plan: the planner's closed-form T_iter with mean costs; T_sim: simulated 1F1B "
+    print("\nT_plan: the planner's closed-form T_iter (ours + draw: priced with the per-sample "
+          "draw, the others with mean costs); T_sim: simulated 1F1B "
           "iteration on drawn samples, mean over iterations; reord.: intra- + inter-microbatch "
           "reordering; * = stage replicated over the TP group (runs at TP=1 speed).\n")
+    print(f"### Data heterogeneity in the objective: our plan from mean costs vs from a draw of "
+          f"{DRAW} sequences (seed {args.seed + 1})\n")
+    print("\n".join(hetero_table({"Fig. 15/16": big, "Fig. 17": small})))
+    print()
     print("### Fig. 18: data reordering, our plan at Fig. 17 scale\n")
     print("\n".join(reorder_table(small, fig18)))
-    rows, medians = solver_table(paper, specs, costs, args.repeats)
+    rows, medians = solver_table(paper, specs, costs, draws, args.repeats)
     print(f"\n### Table 2: solver time, median of {args.repeats} runs of plan()\n")
     print("\n".join(rows))
     print("\n### Where the model and the paper disagree\n")

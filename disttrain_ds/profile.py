@@ -44,18 +44,22 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
     # Adam's two fp32 moments (this SGD has no momentum), plus fp32 master weights under bf16.
     optim = (8.0 if recipe.optim.name == "adamw" else 0.0) + (4.0 if recipe.train.dtype == "bf16" else 0.0)
     costs, tp_text = tp_table
+    draws = sample_draws(results, costs)
     modules = {r.name: ModuleProfile(
         layers=r.layers, cost_ms=costs[r.name],
         params=float(r.params), frozen=r.mode != "train", weight_bytes_per_param=width,
         grad_bytes_per_param=width, optimizer_bytes_per_param=optim,
-        activation_bytes_per_sample=float(r.activation_bytes), flops_per_sample=statistics.median(r.flops))
+        activation_bytes_per_sample=float(r.activation_bytes), flops_per_sample=statistics.median(r.flops),
+        sample_cost_ms=None if draws is None else draws[r.name])
         for r in results}
     p90 = ", ".join(f"{r.name} {r.p90_ms:.4g}" for r in results)
     text = (f"Profiled by {PROG} from {recipe.source_file}{''.join(' ' + o for o in args.overrides)} on "
             f"{device_name}, {recipe.train.dtype}, {opts.samples} samples after {opts.warmup} warm-up passes. "
             f"cost_ms: TP=1 measured (median; p90 ms: {p90}){tp_text}")
     text += (". flops_per_sample: median; activation_bytes_per_sample: largest over the samples; "
-             f"peak_tflops: {peak[1]}.")
+             f"peak_tflops: {peak[1]}; sample_cost_ms: "
+             + (f"the {opts.samples} samples' FLOPs scaled to each module's TP=1 cost." if draws is not None
+                else "left out (a sample without FLOPs in some module)."))
     mem = args.gpu_memory_gb
     if mem is None and opts.device.type == "cuda":
         mem = torch.cuda.get_device_properties(opts.device).total_memory / GIB
@@ -64,6 +68,18 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
     return Profile(gpus=gpus, global_batch=args.global_batch or recipe.train.global_batch, modules=modules,
                    microbatch=recipe.train.micro_batch, gpus_per_node=args.gpus_per_node,
                    gpu_memory_gb=mem, peak_tflops=peak[0], description=text)
+
+
+def sample_draws(results: list[ModuleResult], costs: dict[str, dict[int, float]]
+                 ) -> dict[str, tuple[float, ...]] | None:
+    """Per-sample fwd+bwd ms at TP=1 of every module (``sample_cost_ms``): each timed sample's FLOPs
+    (the cost model of metrics/flops.py) scaled so the module's mean is its C(1), time proportional
+    to FLOPs, which keeps the measurement's noise out of the spread. None when some sample has no
+    FLOPs in some module (a draw must be positive)."""
+    if any(f <= 0 for r in results for f in r.flops):
+        return None
+    return {r.name: tuple(f / statistics.fmean(r.flops) * costs[r.name][1] for f in r.flops)
+            for r in results}
 
 
 def _si(x: float) -> str:

@@ -175,3 +175,21 @@ def test_cuda_path_times_with_events_and_reports_peak_memory():
     opts = cli.Options(samples=2, warmup=1, device=torch.device("cuda"))
     for r in cli.profile_recipe(load_recipe(TINY), opts):
         assert min(r.times_ms) > 0 and r.memory_bytes >= r.params * 4
+
+
+def test_profile_carries_a_draw_from_the_samples_flops_scaled_to_the_tp1_cost(tiny):
+    path, _ = tiny
+    data = json.loads(path.read_text())
+    draws = {n: m["sample_cost_ms"] for n, m in data["modules"].items()}
+    assert {len(d) for d in draws.values()} == {int(FAST[1])}  # one entry per timed sample
+    for name, draw in draws.items():
+        assert sum(draw) / len(draw) == pytest.approx(data["modules"][name]["cost_ms"]["1"], rel=1e-9)
+    assert "sample_cost_ms: the 2 samples' FLOPs" in data["description"]
+
+
+def test_a_sample_without_flops_leaves_the_draw_out():
+    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [2.0, 6.0], 0, 0.0)
+    empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [0.0, 3.0], 0, 0.0)
+    costs = {"llm": {1: 8.0}, "encoder": {1: 2.0}}
+    assert cli.sample_draws([ok], costs) == {"llm": (4.0, 12.0)}
+    assert cli.sample_draws([ok, empty], costs) is None

@@ -1,0 +1,155 @@
+"""Planning with a draw of per-sample costs vs from mean costs, on heterogeneous workloads.
+
+    python bench/bench_hetero_plan.py [--seeds 8] [--iterations 2] [--budget 0.05]
+
+For every cost distribution and seed a random three-module profile is made (GPUs, global batch,
+per-module mean costs and layer counts drawn from the seed; TP costs with 0.9 efficiency per
+doubling), then planned twice by ``optimize.plan``: from mean costs only, and with
+``sample_cost_ms``, a draw of 1,024 samples. Both plans are simulated
+(``scale.simulate_iteration``, 1F1B of ``planner/simulate.py``, intra- and inter-microbatch
+reordering) on ``--iterations`` global batches of fresh samples from the same distribution
+(another seed than the draw). Printed per distribution: the gain T_sim(mean plan) /
+T_sim(draw plan) (median, min, max, share of cases where the draw plan is slower) and how far
+each plan's simulated time is from its planned one. Costs of one sample in different modules are
+drawn independently, except in ``paper``, which prices LAION-400M-like packed sequences with the
+cost model (``planner/scale.py``, MLLM-9B's modules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
+from disttrain_ds.paper import load_paper_figures  # noqa: E402
+from disttrain_ds.planner import scale  # noqa: E402
+from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
+from disttrain_ds.planner.profile import MODULES, profile_from_dict  # noqa: E402
+
+DRAW = 1024
+"""Samples in the profile's draw."""
+Sampler = Callable[[np.random.Generator, int], np.ndarray]
+
+
+def _lognormal(sigma: tuple[float, float, float]) -> Sampler:
+    return lambda rng, n: np.column_stack([rng.lognormal(0, s, n) for s in sigma])
+
+
+def _heavy(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Encoder and generator: 1 sample in 10 costs 10x; LLM: packed, nearly uniform."""
+    tail = lambda: np.where(rng.random(n) < 0.1, 10.0, 1.0)  # noqa: E731
+    return np.column_stack([tail(), rng.lognormal(0, 0.02, n), tail()])
+
+
+def _bimodal(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Text-only or image-heavy samples: encoder and generator 0.2x or 2x, LLM uniform-ish."""
+    heavy = rng.random(n) < 0.4
+    side = np.where(heavy, 2.0, 0.2) * rng.lognormal(0, 0.1, n)
+    return np.column_stack([side, rng.lognormal(0, 0.05, n), side[::-1]])
+
+
+def _paper() -> Sampler:
+    paper = load_paper_figures()
+    spec, seq = scale.model_specs(paper)["MLLM-9B"], paper["sequence_length"]
+
+    def draw(rng: np.random.Generator, n: int) -> np.ndarray:
+        return scale.sample_costs(draw_sequence_layouts(n, seq, rng), spec, seq).flops
+    return draw
+
+
+def distributions() -> dict[str, Sampler]:
+    return {"lognormal 0.25": _lognormal((0.25, 0.03, 0.25)),
+            "lognormal 0.6": _lognormal((0.6, 0.05, 0.6)),
+            "lognormal 1.0": _lognormal((1.0, 0.05, 1.0)),
+            "heavy tail": _heavy, "bimodal": _bimodal, "paper": _paper()}
+
+
+def random_profile(rng: np.random.Generator, draw: np.ndarray | None) -> dict:
+    """A three-module profile: 64-256 GPUs, batch 128-512, encoder and generator costing
+    5-40 % of the LLM per sample at TP=1; ``draw`` (``[n, 3]``, any scale) becomes each
+    module's ``sample_cost_ms`` scaled to its mean cost."""
+    llm = float(rng.uniform(200, 800))
+    mean = {"encoder": llm * rng.uniform(0.05, 0.4), "llm": llm,
+            "generator": llm * rng.uniform(0.05, 0.4)}
+    layers = {"encoder": 32, "llm": int(rng.choice([24, 32, 40])), "generator": 12}
+    mods = {n: {"layers": layers[n], "cost_ms": scale.tp_costs(mean[n], 1)} for n in MODULES}
+    if draw is not None:
+        for n, ms in zip(MODULES, scale.sample_cost_draw(draw, [mean[n] for n in MODULES])):
+            mods[n]["sample_cost_ms"] = ms
+    return {"gpus": int(rng.choice([64, 128, 256])), "global_batch": int(rng.choice([128, 256, 512])),
+            "microbatch": 1, "gpus_per_node": 8, "modules": mods}
+
+
+def simulate(p: Plan, costs: np.ndarray, batch: int, iterations: int, budget: float) -> float:
+    """Mean simulated iteration time of ``p`` over ``iterations`` batches of ``costs``."""
+    times = scale.sample_times(costs, p)
+    return statistics.fmean(
+        scale.simulate_iteration(times[i * batch:(i + 1) * batch], p, intra=True, inter=True,
+                                 budget_s=budget, seed=i).makespan_ms for i in range(iterations))
+
+
+def run_case(sampler: Sampler, seed: int, iterations: int, budget: float) -> dict | None:
+    """Plan a seed's profile from mean costs and from a draw, simulate both on fresh samples."""
+    draw = sampler(np.random.default_rng([seed, 1]), DRAW)
+    data = random_profile(np.random.default_rng([seed, 0]), draw)
+    with_draw = profile_from_dict(data)
+    for m in data["modules"].values():
+        m.pop("sample_cost_ms")
+    mean_only = profile_from_dict(data)
+    try:
+        plans = {"mean": plan(mean_only), "draw": plan(with_draw)}
+    except PlanError:
+        return None
+    batch = mean_only.global_batch
+    fresh = sampler(np.random.default_rng([seed, 2]), batch * iterations)
+    sim = {k: simulate(p, fresh, batch, iterations, budget) for k, p in plans.items()}
+    return {"gain": sim["mean"] / sim["draw"], "same": plans["mean"].degrees() == plans["draw"].degrees(),
+            **{f"err_{k}": sim[k] / p.t_iter_ms - 1 for k, p in plans.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=8, help="profiles per distribution")
+    ap.add_argument("--iterations", type=int, default=2, help="global batches simulated per plan")
+    ap.add_argument("--budget", type=float, default=0.05,
+                    help="seconds of inter-microbatch search per iteration")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    print(f"{args.seeds} random profiles per distribution, draw of {DRAW} samples, "
+          f"{args.iterations} simulated iteration(s) per plan with intra + inter reordering; "
+          f"Python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} CPUs\n")
+    print("| distribution | cases | same plan | gain median | gain min / max | draw slower "
+          "| T_sim/T_plan - 1 mean plan: median / worst | draw plan: median / worst |")
+    print("|" + "---|" * 8)
+    for name, sampler in distributions().items():
+        rows = [r for s in range(args.seeds) if (r := run_case(sampler, s, args.iterations,
+                                                                args.budget)) is not None]
+        if not rows:
+            print(f"| {name} | 0 | - | - | - | - | - | - |")
+            continue
+        gain = [r["gain"] for r in rows]
+        worst = {k: max((r[f"err_{k}"] for r in rows), key=abs) for k in ("mean", "draw")}
+        med = {k: statistics.median(r[f"err_{k}"] for r in rows) for k in ("mean", "draw")}
+        print(f"| {name} | {len(rows)} | {sum(r['same'] for r in rows)} "
+              f"| {statistics.median(gain):.3f} | {min(gain):.3f} / {max(gain):.3f} "
+              f"| {sum(g < 1 for g in gain)} "
+              f"| {med['mean'] * 100:+.1f}% / {worst['mean'] * 100:+.1f}% "
+              f"| {med['draw'] * 100:+.1f}% / {worst['draw'] * 100:+.1f}% |")
+    print("\ngain: simulated time of the mean-cost plan over the draw plan's (> 1: the draw plan "
+          "is faster); same plan: cases where both chose the same layout.")
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
