@@ -20,7 +20,9 @@ Run: ``python bench/bench_planner.py [--paper PATH] [--repeats 7]``;
 examples under ``disttrain_ds/planner/examples`` were made). ``--encoders E --generators G``
 times a module graph of E parallel encoders and G parallel generators instead (copies of ViT-Huge
 and SD 2.1, the i-th copy's costs x (1 + 0.25 i) so they differ; Megatron-LM's single chain
-is n/a when E or G > 1).
+is n/a when E or G > 1). ``--draw N`` gives every module a draw of N per-sample costs
+(``sample_cost_ms``: LAION-400M-like packed sequences priced by the cost model, as
+``bench/paper_scale.py`` does), so the search prices stages by their expected slowest replica.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from disttrain_ds.configtools import ConfigError  # noqa: E402
+from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
+from disttrain_ds.planner import scale  # noqa: E402
 from disttrain_ds.paper import load_paper_figures  # noqa: E402
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
@@ -92,6 +96,23 @@ def paper_profile(paper: dict, gpus: int, batch: int, model: str = "llama3-70b",
         }})
 
 
+def with_draw(profile: Profile, paper: dict, model: str, n: int, seed: int = 0) -> Profile:
+    """``profile`` with ``n`` drawn packed sequences' per-sample costs in every module (FLOPs
+    of ``model``'s modules scaled to each module's C(1)); ``n`` = 0 leaves it as it is."""
+    if n == 0:
+        return profile
+    seq = paper["sequence_length"]
+    spec = scale.model_specs(paper)[MODELS[model]]
+    flops = scale.sample_costs(draw_sequence_layouts(n, seq, np.random.default_rng(seed)), spec,
+                               seq).flops
+    data = profile_to_dict(profile)
+    names = ("encoder", "llm", "generator")
+    for name, ms in zip(names, scale.sample_cost_draw(
+            flops, [data["modules"][m]["cost_ms"]["1"] for m in names])):
+        data["modules"][name]["sample_cost_ms"] = ms
+    return profile_from_dict(data)
+
+
 def with_graph(profile: Profile, encoders: int, generators: int) -> Profile:
     """``profile`` with its encoder and generator copied into ``encoders`` parallel encoders
     (``encoder0``, ...) and ``generators`` parallel generators; 1 and 1 leaves it as it is."""
@@ -104,6 +125,8 @@ def with_graph(profile: Profile, encoders: int, generators: int) -> Profile:
         for i in range(count):
             spec = {**mods[role], "role": role}
             spec["cost_ms"] = {t: c * (1 + 0.25 * i) for t, c in spec["cost_ms"].items()}
+            if "sample_cost_ms" in spec:
+                spec["sample_cost_ms"] = [c * (1 + 0.25 * i) for c in spec["sample_cost_ms"]]
             out[role if role == "llm" else f"{role}{i}"] = spec
     return profile_from_dict({**data, "modules": out})
 
@@ -136,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1920)
     ap.add_argument("--encoders", type=int, default=1, help="parallel encoders (module graph)")
     ap.add_argument("--generators", type=int, default=1, help="parallel generators (module graph)")
+    ap.add_argument("--draw", type=int, default=0,
+                    help="per-sample cost draw of this many sequences in every module (0: none)")
     args = ap.parse_args(argv)
+    if args.draw < 0:
+        ap.error("--draw must be >= 0")
     if args.encoders < 0 or args.generators < 0 or args.encoders + args.generators == 0:
         ap.error("--encoders and --generators must be >= 0 and not both 0")
     try:
@@ -150,15 +177,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tp, pp = (paper["megatron_baseline_layout"]["tp"],
               paper["megatron_baseline_layout"]["pp_llm"][MODELS[args.model]])
-    print(f"{MODELS[args.model]}, {args.config}; median of {args.repeats} runs; "
+    draw = f"; per-sample draw of {args.draw} sequences" if args.draw else ""
+    print(f"{MODELS[args.model]}, {args.config}{draw}; median of {args.repeats} runs; "
           f"Megatron-LM baseline at TP={tp}, PP={pp}; Python {sys.version.split()[0]}, "
           f"numpy {np.__version__}, {os.cpu_count()} CPUs")
     print(f"{'GPUs':>5} {'BS':>5} {'wall ms':>8} {'cpu ms':>7} {'paper ms':>9} {'speedup':>8}  "
           f"{'plan (dp x tp x pp)':<42} {'GPUs':>5} {'T_iter s':>8} {'MFU':>5}  "
           f"{'ratio-based':>11} {'Megatron':>9}")
     for row in paper["solver_time_ms_table2"]:
-        prof = with_graph(paper_profile(paper, row["gpus"], row["global_batch"], args.model,
-                                        args.config), args.encoders, args.generators)
+        prof = with_graph(with_draw(paper_profile(paper, row["gpus"], row["global_batch"],
+                                                  args.model, args.config),
+                                    paper, args.model, args.draw),
+                          args.encoders, args.generators)
         ours, cpu = _time_ms(prof, args.repeats)
         best = plan(prof)
         others = []
