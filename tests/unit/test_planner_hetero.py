@@ -249,3 +249,27 @@ def test_skewed_draw_changes_the_plan_and_it_simulates_faster():
     assert sims["draw"] < 0.95 * sims["mean"]
     # The draw-priced plan predicts its own simulated time far better than the mean-cost one.
     assert abs(sims["draw"] / draw_plan.t_iter_ms - 1) < abs(sims["mean"] / mean_plan.t_iter_ms - 1)
+
+
+# --------------------------------------------------------------------------- paper scale
+
+
+def test_paper_profile_draw_keeps_each_modules_mean_and_simulation_keeps_the_mean_cost():
+    from disttrain_ds.data.paper_stats import draw_sequence_layouts
+    from disttrain_ds.paper import load_paper_figures
+    paper = load_paper_figures()
+    spec, seq = scale.model_specs(paper)["MLLM-72B"], paper["sequence_length"]
+    costs = scale.sample_costs(draw_sequence_layouts(40, seq, np.random.default_rng(0)), spec, seq)
+    drawn = scale.sample_costs(draw_sequence_layouts(64, seq, np.random.default_rng(1)), spec, seq)
+    kw = dict(gpus=spec.ablation_gpus, global_batch=spec.ablation_batch)
+    mean_only = scale.build_profile(paper, spec, costs, **kw)
+    with_draw = scale.build_profile(paper, spec, costs, draw=drawn, **kw)
+    for name, m in with_draw.modules.items():
+        assert len(m.sample_cost_ms) == 64
+        assert np.mean(m.sample_cost_ms) == pytest.approx(m.cost_ms[1], rel=1e-12)
+        assert m.cost_ms == mean_only.modules[name].cost_ms
+    p = plan(with_draw)
+    assert any(m.straggler > 1.0 for m in p.modules.values())
+    times = scale.sample_times(costs.flops, p)  # the straggler factor is not a per-sample cost
+    for j, (name, m) in enumerate(p.modules.items()):
+        assert times[:, j].mean() == pytest.approx(with_draw.modules[name].cost_ms[m.tp], rel=1e-12)
