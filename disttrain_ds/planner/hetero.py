@@ -21,7 +21,8 @@ each split by equal-count LPT (``reorder.lpt_rows``, the construction ``intra_mi
 starts from; the runtime keeps the better of it and balanced differencing and improves it by
 swaps, so Y is over-estimated by at most LPT's gap: under 0.3 % of the mean load on
 ``bench/bench_reorder.py``'s draws); E[max of pp Y] is taken over the steps' empirical Y. Max and
-mean are summed over the same steps, so 1 <= h <= g holds exactly.
+mean are summed over the same steps, so h >= 1 (and g >= h up to rounding; both are clamped
+at 1).
 
 The objective's terms become w = (m * C(tp)) * h and s = ((m * C(tp)) * g) / pp: C(tp) stays the
 profile's mean cost and the factors scale it (TP and PP shrink every sample's time alike).
