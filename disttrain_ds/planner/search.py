@@ -25,6 +25,10 @@ fold of units of sizes a and b costs O(a * b + (a + b)^2); step 4 costs O(n_llm 
 the encoder and generator units. A graph with at most one encoder and one generator folds
 nothing, which is the three-module search as it always was; each extra parallel module
 multiplies the unit size by at most its own n_i before pruning (in practice far less).
+
+With per-sample cost draws (:mod:`disttrain_ds.planner.hetero`) a D's layouts are priced with
+the straggler factors only when the search visits it (step 2 onwards); step 1's bound from mean
+costs stays a lower bound because every factor is >= 1.
 """
 
 from __future__ import annotations

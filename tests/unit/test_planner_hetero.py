@@ -16,7 +16,7 @@ from disttrain_ds.planner.hetero import StragglerTable, expected_max
 from disttrain_ds.planner.simulate import makespan_1f1b
 from disttrain_ds.planner.objective import combine, samples_per_step
 from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
-from disttrain_ds.planner.profile import (MODULES, Profile, ProfileError, load_profile,
+from disttrain_ds.planner.profile import (Profile, ProfileError, load_profile,
                                           profile_from_dict, profile_to_dict)
 
 GRAPHS = {
