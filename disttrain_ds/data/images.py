@@ -32,7 +32,8 @@ class ImageRef:
     """Where an image's pixels come from."""
 
     kind: str
-    """photo (a URL mapped onto a shipped photograph) | file (a local image file)."""
+    """photo (a URL mapped onto a shipped photograph) | file (a local image file) | blob (bytes
+    inside a shard: a tar member, a parquet or ``datasets`` cell; ``key`` as in ``blobs.py``)."""
     key: str
     """The URL or the absolute file path."""
     max_pixels: int = 0
@@ -84,7 +85,7 @@ def _open(path: str | Path) -> Image.Image:
         return Image.open(path)
 
 
-def _file(path: str, max_pixels: int = 0) -> Image.Image:
+def _file(path: "str | io.BytesIO", max_pixels: int = 0) -> Image.Image:
     try:
         with _open(path) as img:
             if too_large(img.size, max_pixels):  # the header only: nothing decoded yet
@@ -112,7 +113,14 @@ def to_tensor(img: Image.Image) -> torch.Tensor:
 
 def load_image(ref: ImageRef, height: int, width: int, square_crop: bool = False) -> torch.Tensor:
     """Decode ``ref`` and resize it to ``height`` x ``width`` (centre-square crop first if asked)."""
-    img = _photo(ref.key) if ref.kind == "photo" else _file(ref.key, ref.max_pixels)
+    if ref.kind == "photo":
+        img = _photo(ref.key)
+    elif ref.kind == "blob":
+        from .blobs import read
+
+        img = _file(io.BytesIO(read(ref.key)), ref.max_pixels)
+    else:
+        img = _file(ref.key, ref.max_pixels)
     if square_crop:
         img = _center_square(img)
     return to_tensor(img.resize((width, height), Image.Resampling.BICUBIC))

@@ -19,6 +19,7 @@ import numpy as np
 
 from .config import DataConfig
 from .formats import Bad, Document, ParseContext, parse_record
+from .images import PHOTOS
 from .pack import Cursor, Packer, Piece, materialise
 from .reader import RecordTable, record_files
 from .source import SampleSource, ShapeSpec
@@ -54,11 +55,11 @@ class RecordSource(SampleSource):
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
         self.base_vocab = tokenizer.vocab_size
         self.special = SpecialTokens.after(self.base_vocab)
-        self.table = RecordTable(record_files(path, "data.path"), default_cache_dir(cfg.cache_dir))
+        self.table = self._open_table()
         if len(self.table) == 0:
             raise ValueError(f"data.path: no records in {path}")
         self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed)
-        self.packer = Packer(self.ctx, len(self.table), self._doc, self._order, f"data.path {path}")
+        self.packer = Packer(self.ctx, len(self.table), self._doc, self._order, self._where())
         self._cursors: dict[int, Cursor] = {0: Cursor()}
         self._plans: OrderedDict[int, list[list[Piece]]] = OrderedDict()
         self._docs: OrderedDict[tuple[int, int], Document | Bad] = OrderedDict()
@@ -68,15 +69,32 @@ class RecordSource(SampleSource):
         self.records_parsed = 0
 
     def describe(self) -> str:
-        return f"{self.fmt} ({self.path}, {len(self.table)} records, tokenizer {self.cfg.tokenizer}, seq_len {self.cfg.seq_len})"
+        line = f"{self.fmt} ({self.path}, {len(self.table)} records, tokenizer {self.cfg.tokenizer}, seq_len {self.cfg.seq_len})"
+        if self.fmt in ("mmc4", "laion"):
+            line += (f"; image URLs are not fetched: every image is a stand-in, one of {len(PHOTOS)} shipped "
+                     f"photographs picked and cropped by a hash of its URL")
+        return line
 
-    # ----------------------------------------------------------------- records
+    # ----------------------------------------------------------------- records (hooks for other table kinds)
+
+    def _open_table(self):
+        """The records to pack (``len`` and ``[i]``)."""
+        return RecordTable(record_files(self.path, "data.path"), default_cache_dir(self.cfg.cache_dir))
+
+    def _where(self) -> str:
+        """Names the data in errors (no usable records)."""
+        return f"data.path {self.path}"
+
+    def _parse(self, record: int, rng: np.random.Generator) -> Document | Bad:
+        return parse_record(self.fmt, self.table[record], self.ctx, rng)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self.table)
+        return np.random.default_rng([self.seed, epoch, 7]).permutation(n) if self.cfg.shuffle else np.arange(n)
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            n = len(self.table)
-            order = np.random.default_rng([self.seed, epoch, 7]).permutation(n) if self.cfg.shuffle else np.arange(n)
-            self._perm = (epoch, order)
+            self._perm = (epoch, self._permutation(epoch))
         return self._perm[1]
 
     def _doc(self, epoch: int, record: int) -> Document | Bad:
@@ -85,7 +103,7 @@ class RecordSource(SampleSource):
             self._docs.move_to_end(key)
             return self._docs[key]
         rng = np.random.default_rng([self.seed, epoch, record])  # sizes and choices per (epoch, record)
-        doc = parse_record(self.fmt, self.table[record], self.ctx, rng)
+        doc = self._parse(record, rng)
         self.records_parsed += 1
         self._docs[key] = doc
         if len(self._docs) > _DOC_CACHE:

@@ -9,7 +9,7 @@ from .source import SampleSource, ShapeSpec, SyntheticSource
 
 
 def resolve(cfg: DataConfig) -> DataConfig:
-    """``cfg`` checked for a known source and, for mmc4 / laion / local, a ``data.path``.
+    """``cfg`` checked for a known source and, for the sources that read files, a ``data.path``.
 
     Checked once in the trainer before producer processes start. Nothing falls back: a real-data
     source without a path is a one-line ``ValueError`` naming ``data.path``.
@@ -34,4 +34,8 @@ def open_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int)
         from .record_source import RecordSource
 
         return RecordSource(cfg, shape, global_batch, seed, cfg.source, Path(cfg.path).expanduser())
+    if cfg.source in ("webdataset", "parquet", "folder", "hf"):
+        from .shard_source import open_shard_source
+
+        return open_shard_source(cfg, shape, global_batch, seed)
     raise ValueError(f"data.source: must be one of {' | '.join(SOURCES)}, got {cfg.source!r}")

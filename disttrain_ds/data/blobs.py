@@ -1,0 +1,116 @@
+"""Image bytes stored inside shards: where they are (a JSON key) and reading them back.
+
+A document names an image held in a tar member, a parquet cell or a ``datasets`` row by a small
+key, never by the bytes themselves, so the document cache stays small and a producer process
+reads exactly the images of the steps it prepares. Keys (JSON lists):
+
+* ``["tar", path, offset, size]``: a tar member's data (read with ``os.pread``: no shared file
+  position, safe after ``fork``);
+* ``["pq", path, row_group, row, column, index]``: a parquet cell (``index`` into a list cell, or null);
+* ``["hf", path, cache_dir, row, column, index]``: a ``datasets`` row's cell (the dataset opened by ``hf.open``).
+
+A cell holds encoded image bytes, or a ``{"bytes": ...}`` struct (the Hugging Face ``Image`` layout).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import warnings
+from collections import OrderedDict
+
+from PIL import Image
+
+_TAIL = 16
+
+
+def key(*parts: object) -> str:
+    """The key of a blob location."""
+    return json.dumps(list(parts))
+
+
+def cell_bytes(value: object) -> bytes | None:
+    """Encoded image bytes of a cell value (bytes, or a struct with ``bytes``), or None."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _fd(path: str) -> int:
+    return os.open(path, os.O_RDONLY)
+
+
+def pread(path: str, offset: int, size: int) -> bytes:
+    """``size`` bytes of ``path`` at ``offset`` (descriptors cached per process)."""
+    return os.pread(_fd(path), size, offset)
+
+
+_GROUPS: OrderedDict[tuple[str, int], object] = OrderedDict()
+_GROUPS_KEPT = 4
+
+
+def row_group(path: str, group: int):
+    """A parquet row group as a pyarrow table (the last few kept: records are read group by group)."""
+    k = (path, group)
+    if k in _GROUPS:
+        _GROUPS.move_to_end(k)
+        return _GROUPS[k]
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(path).read_row_group(group)
+    _GROUPS[k] = table
+    if len(_GROUPS) > _GROUPS_KEPT:
+        _GROUPS.popitem(last=False)
+    return table
+
+
+def read(blob_key: str) -> bytes:
+    """The stored bytes of a blob; ``OSError`` / ``ValueError`` when they cannot be had."""
+    kind, path, *rest = json.loads(blob_key)
+    if kind == "tar":
+        offset, size = rest
+        data = pread(path, offset, size)
+        if len(data) != size:
+            raise OSError(f"{path}: member at {offset} truncated")
+        return data
+    if kind == "pq":
+        group, row, column, index = rest
+        value = row_group(path, group).column(column)[row].as_py()
+    elif kind == "hf":
+        from .hf_table import open_dataset
+
+        cache_dir, row, column, index = rest
+        value = open_dataset(path, cache_dir)[row][column]
+    else:
+        raise ValueError(f"unknown blob kind {kind!r}")
+    if index is not None:
+        value = value[index] if isinstance(value, list) and 0 <= index < len(value) else None
+    data = cell_bytes(value)
+    if data is None:
+        raise ValueError(f"{path}: no image bytes at {rest}")
+    return data
+
+
+def check(data: bytes, max_pixels: int) -> str | None:
+    """Why encoded image bytes are unusable (``corrupt_image`` | ``image_too_large``), or None.
+
+    Only the header is parsed: a decompression bomb is refused by its declared size, never decoded.
+    """
+    from .images import too_large
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                fmt, (w, h) = img.format, img.size
+    except Image.DecompressionBombError:
+        return "image_too_large"
+    except Exception:  # noqa: BLE001 - any header failure means the bytes are not an image
+        return "corrupt_image"
+    tail = data[-_TAIL:]
+    if w < 1 or h < 1 or (fmt == "JPEG" and b"\xff\xd9" not in tail) or (fmt == "PNG" and b"IEND" not in tail):
+        return "corrupt_image"
+    return "image_too_large" if too_large((w, h), max_pixels) else None

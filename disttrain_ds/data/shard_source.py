@@ -1,0 +1,157 @@
+"""Sources over sharded data sets: ``webdataset``, ``parquet``, ``folder``, ``hf``.
+
+They pack and resume exactly as the JSON-lines sources do (``record_source.py``: a batch is a
+pure function of seed and step; the data state in a checkpoint is the JSON cursor of the next
+step), over a table of records read in place from the shards (``tables.py``, ``hf_table.py``).
+Records are visited block by block (a shard or row group at a time, blocks in a seeded order,
+records shuffled inside a block), so reading stays local to a few files.
+
+With ``data.shard_parts: P`` the global batch of B sequences is packed in P parts of B / P
+sequences; part j packs only the shards ``assign_shards`` deals to it (its own table, order and
+cursor), so computing part j opens part j's shards alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..configtools import ConfigError
+from .config import DataConfig
+from .entry_parse import parse_entry
+from .fields import expected
+from .formats import Bad, Document
+from .record_source import RecordSource
+from .shards import assign_shards, block_order
+from .source import SampleSource, ShapeSpec
+from .types import PackedSample
+
+SHARD_SOURCES = ("webdataset", "parquet", "folder", "hf")
+"""Values of ``data.source`` read by this module."""
+
+
+def open_table(cfg: DataConfig, selected: list[int] | None = None):
+    """The ``cfg.source`` table over the ``selected`` shards (None: all)."""
+    if cfg.source == "webdataset":
+        from .tables import TarTable
+
+        return TarTable(cfg.path, selected)
+    if cfg.source == "parquet":
+        from .tables import ParquetTable
+
+        return ParquetTable(cfg.path, selected)
+    if cfg.source == "folder":
+        from .tables import FolderTable
+
+        return FolderTable(cfg.path, selected)
+    from .hf_table import HfTable
+    from .tokenizer import default_cache_dir
+
+    return HfTable(cfg.path, selected, str(default_cache_dir(cfg.cache_dir) / "datasets"))
+
+
+class ShardSource(RecordSource):
+    """Packed samples from one part (or all) of a sharded data set."""
+
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int,
+                 shards: list[int] | None = None, n_shards: int = 0, part: str = ""):
+        self._selected, self._n_shards, self._part = shards, n_shards, part
+        super().__init__(cfg, shape, global_batch, seed, cfg.source, Path(cfg.path).expanduser())
+
+    def _open_table(self):
+        return open_table(self.cfg, self._selected)
+
+    def _where(self) -> str:
+        return f"data.path {self.cfg.path}{self._part} ({expected(self.cfg.fields)})"
+
+    def _parse(self, record: int, rng: np.random.Generator) -> Document | Bad:
+        fields, _ = self.table.record(int(record))
+        return parse_entry(fields, self.cfg.fields, self.ctx, rng)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return block_order(self.table.blocks, self.seed, epoch, self.cfg.shuffle)
+
+    def describe(self) -> str:
+        n = self._n_shards or len(self.table.shards)
+        return (f"{self.fmt} ({self.cfg.path}, {n} shards, {len(self.table)} records{self._part}, "
+                f"tokenizer {self.cfg.tokenizer}, seq_len {self.cfg.seq_len})")
+
+    def _fingerprint(self) -> str:
+        return super()._fingerprint() + (f"/{self._selected}" if self._selected is not None else "")
+
+
+class PartedSource(SampleSource):
+    """``data.shard_parts`` parts side by side: part j fills global positions j*B/P .. (j+1)*B/P - 1."""
+
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int):
+        parts = cfg.shard_parts
+        if global_batch % parts:
+            raise ValueError(f"data.shard_parts: {parts} does not divide train.global_batch {global_batch}")
+        n_shards = len(open_table(replace(cfg), []).shards)  # names only: no shard is indexed
+        if n_shards < parts:
+            raise ValueError(f"data.shard_parts: {parts} parts but {cfg.path} has only {n_shards} shards")
+        self.batch, self.per_part, self.cfg = global_batch, global_batch // parts, cfg
+        self.parts: list[ShardSource | None] = [None] * parts
+        self._args = (cfg, shape, self.per_part, n_shards)
+        self.seed = seed
+        first = self.part(0)
+        self.special, self.base_vocab = first.special, first.base_vocab
+
+    def part(self, j: int) -> ShardSource:
+        """Part ``j``'s source (opened, and its shards indexed, on first use)."""
+        if self.parts[j] is None:
+            cfg, shape, per_part, n = self._args
+            shards = assign_shards(n, len(self.parts), j, self.seed)
+            # Each part draws its own order and sizes: seed it apart from the others.
+            self.parts[j] = ShardSource(cfg, shape, per_part, self.seed * 1000003 + j, shards, n,
+                                        f", part {j + 1}/{len(self.parts)}")
+        return self.parts[j]
+
+    def describe(self) -> str:
+        first = self.part(0).describe().replace(", part 1/", ", in parts of 1/")
+        return f"{first}; {len(self.parts)} parts, each packed from its own {self.part(0)._n_shards // len(self.parts)}+ shards"
+
+    def part_batch(self, step: int, j: int) -> list[PackedSample]:
+        """The sequences of part ``j`` of ``step`` (reads part ``j``'s shards only)."""
+        out = self.part(j).global_batch(step)
+        for i, s in enumerate(out):
+            s.sample_id = step * self.batch + j * self.per_part + i
+        return out
+
+    def global_batch(self, step: int) -> list[PackedSample]:
+        return [s for j in range(len(self.parts)) for s in self.part_batch(step, j)]
+
+    def step_skips(self, step: int) -> tuple[dict[str, int], dict[str, int]]:
+        plan, extra = Counter(), Counter()
+        for j in range(len(self.parts)):
+            p, e = self.part(j).step_skips(step)
+            plan.update(p)
+            extra.update(e)
+        return dict(plan), dict(extra)
+
+    def skip_counts(self) -> dict[str, int]:
+        total = Counter()
+        for j in range(len(self.parts)):
+            total.update(self.part(j).skip_counts())
+        return dict(sorted(total.items()))
+
+    def state_dict(self) -> dict:
+        return {"kind": "parts", "parts": [self.part(j).state_dict() for j in range(len(self.parts))]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "parts" or len(state.get("parts", [])) != len(self.parts):
+            raise ValueError("data: the checkpoint's data state was written for a different data setup (source, path, seed or packing)")
+        for j, sub in enumerate(state["parts"]):
+            self.part(j).load_state_dict(sub)
+
+
+def open_shard_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int) -> SampleSource:
+    """The source for a shard format: one table, or ``data.shard_parts`` parts."""
+    if cfg.shard_parts < 1:
+        raise ConfigError(f"data.shard_parts: must be >= 1, got {cfg.shard_parts}")
+    if cfg.shard_parts == 1:
+        return ShardSource(cfg, shape, global_batch, seed)
+    return PartedSource(cfg, shape, global_batch, seed)

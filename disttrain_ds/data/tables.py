@@ -1,0 +1,198 @@
+"""Record tables over shards: webdataset tars, image folders and parquet files.
+
+A table lists its format's shards (cheap: names only), then indexes only the shards it is given
+(``selected``), so a part of the data set never touches the other parts' files. A record is a
+mapping of field name -> value: text members as raw bytes, images as ``ImageAt`` (where the pixels
+are; nothing decoded), parquet columns as Python values. Records are numbered shard by shard in
+shard order; ``blocks`` gives the record count of each reading block (a shard, a row group).
+
+Keys and members (webdataset / img2dataset layout): ``dir/000123.jpg``, ``dir/000123.txt`` and
+``dir/000123.json`` are the members ``jpg``, ``txt``, ``json`` of key ``dir/000123`` (the key ends
+at the base name's first dot, so ``000123.0.jpg`` is member ``0.jpg``). Members of one key must be
+adjacent in a tar (as tar writers and img2dataset do); in a folder they sit side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import blobs
+from .shards import list_shards
+
+IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
+
+
+@dataclass(frozen=True)
+class ImageAt:
+    """Where a record's image is: a file (``kind`` file) or bytes inside a shard (``kind`` blob)."""
+
+    kind: str
+    """file | blob."""
+    key: str
+    """Absolute file path, or a ``blobs`` key."""
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``dir/000123.0.jpg`` -> (``dir/000123``, ``0.jpg``): key and member extension."""
+    head, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{head}/{stem}" if head else stem), ext.lower() if dot else ""
+
+
+def is_image(ext: str) -> bool:
+    return ext.rpartition(".")[2] in IMAGE_EXTS
+
+
+class ShardTable:
+    """Base: ``shards`` (all names), ``blocks`` (records per block), ``record(i)``."""
+
+    shards: list[str]
+    blocks: list[int]
+
+    def __len__(self) -> int:
+        return sum(self.blocks)
+
+    def record(self, index: int) -> tuple[dict, str]:
+        """(fields, where: shard and key for messages)."""
+        raise NotImplementedError
+
+
+class TarTable(ShardTable):
+    """Uncompressed tar shards (webdataset, img2dataset ``output_format=webdataset``)."""
+
+    SUFFIXES = (".tar",)
+
+    def __init__(self, pattern: str, selected: list[int] | None = None):
+        self.shards = [str(p.resolve()) for p in list_shards(pattern, self.SUFFIXES)]
+        chosen = range(len(self.shards)) if selected is None else selected
+        self._rows: list[tuple[str, str, dict[str, tuple[int, int]]]] = []
+        self.blocks = []
+        for s in chosen:
+            before = len(self._rows)
+            self._index(self.shards[s])
+            self.blocks.append(len(self._rows) - before)
+
+    def _index(self, path: str) -> None:
+        try:
+            tf = tarfile.open(path, "r:")  # uncompressed only: members are read in place by offset
+        except (tarfile.TarError, OSError) as exc:
+            raise ValueError(f"data.path: {path} is not an uncompressed tar ({exc})") from None
+        with tf:
+            current, members = None, {}
+            for m in tf:
+                if not m.isfile():
+                    continue
+                key, ext = split_name(m.name)
+                if key != current:
+                    if members:
+                        self._rows.append((path, current, members))
+                    current, members = key, {}
+                members[ext] = (m.offset_data, m.size)
+            if members:
+                self._rows.append((path, current, members))
+
+    def record(self, index: int) -> tuple[dict, str]:
+        path, key, members = self._rows[index]
+        out: dict = {}
+        for ext, (offset, size) in members.items():
+            if is_image(ext):
+                out[ext] = ImageAt("blob", blobs.key("tar", path, offset, size))
+            else:
+                out[ext] = blobs.pread(path, offset, size)
+        return out, f"{path}:{key}"
+
+
+class FolderTable(ShardTable):
+    """A folder of files grouped by key (``a.jpg`` + ``a.txt`` [+ ``a.json``]); each folder holding
+    files is one shard (img2dataset ``output_format=files`` writes ``00000/``, ``00001/`` ...)."""
+
+    def __init__(self, root: str, selected: list[int] | None = None):
+        base = Path(root).expanduser()
+        if not base.is_dir():
+            raise FileNotFoundError(f"data.path: {root} is not a folder")
+        dirs = []
+        for d, subdirs, files in os.walk(base):
+            subdirs.sort()
+            if any(not f.startswith(".") for f in files):
+                dirs.append(Path(d).resolve())
+        if not dirs:
+            raise FileNotFoundError(f"data.path: no files in {root}")
+        self.shards = [str(d) for d in sorted(dirs)]
+        chosen = range(len(self.shards)) if selected is None else selected
+        self._rows: list[tuple[str, str, dict[str, str]]] = []
+        self.blocks = []
+        for s in chosen:
+            groups: dict[str, dict[str, str]] = {}
+            for f in sorted(Path(self.shards[s]).iterdir()):
+                if f.is_file() and not f.name.startswith("."):
+                    key, ext = split_name(f.name)
+                    groups.setdefault(key, {})[ext] = str(f)
+            self._rows += [(self.shards[s], k, m) for k, m in groups.items()]
+            self.blocks.append(len(groups))
+
+    def record(self, index: int) -> tuple[dict, str]:
+        folder, key, members = self._rows[index]
+        out: dict = {}
+        for ext, path in members.items():
+            if is_image(ext):
+                out[ext] = ImageAt("file", path)
+            else:
+                with open(path, "rb") as f:
+                    out[ext] = f.read()
+        return out, f"{folder}/{key}"
+
+
+class ParquetTable(ShardTable):
+    """Parquet files, a row per record; image columns hold bytes or ``{"bytes": ...}`` structs
+    (img2dataset ``output_format=parquet``, Hugging Face image columns). A row group is a block."""
+
+    SUFFIXES = (".parquet",)
+
+    def __init__(self, pattern: str, selected: list[int] | None = None):
+        import pyarrow.parquet as pq
+
+        self.shards = [str(p.resolve()) for p in list_shards(pattern, self.SUFFIXES)]
+        chosen = range(len(self.shards)) if selected is None else selected
+        self._groups: list[tuple[str, int, int]] = []  # (path, row group, first record index)
+        self.blocks = []
+        for s in chosen:
+            try:
+                meta = pq.ParquetFile(self.shards[s]).metadata
+            except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for non-parquet files
+                raise ValueError(f"data.path: {self.shards[s]} is not a parquet file ({exc})".splitlines()[0]) from None
+            for g in range(meta.num_row_groups):
+                self._groups.append((self.shards[s], g, len(self)))
+                self.blocks.append(meta.row_group(g).num_rows)
+        self._starts = [g[2] for g in self._groups]
+
+    def record(self, index: int) -> tuple[dict, str]:
+        import bisect
+
+        g = bisect.bisect_right(self._starts, index) - 1
+        path, group, start = self._groups[g]
+        row = index - start
+        table = blobs.row_group(path, group)
+        out: dict = {}
+        for column in table.column_names:
+            value = table.column(column)[row].as_py()
+            out[column] = _cells(value, lambda i, c=column: blobs.key("pq", path, group, row, c, i))
+        return out, f"{path}:row {start - self._group_start(g) + row + 1}"
+
+    def _group_start(self, g: int) -> int:
+        """Record index of the first row of ``g``'s file."""
+        path = self._groups[g][0]
+        while g > 0 and self._groups[g - 1][0] == path:
+            g -= 1
+        return self._groups[g][2]
+
+
+def _cells(value: object, key_of) -> object:
+    """Image cells (bytes / bytes structs, alone or in a list) replaced by ``ImageAt`` blobs."""
+    if blobs.cell_bytes(value) is not None:
+        return ImageAt("blob", key_of(None))
+    if isinstance(value, list) and any(blobs.cell_bytes(v) is not None for v in value):
+        return [ImageAt("blob", key_of(i)) if blobs.cell_bytes(v) is not None else v for i, v in enumerate(value)]
+    return value
