@@ -75,8 +75,7 @@ class ShardSource(RecordSource):
         return block_order(self.table.blocks, self.seed, epoch, self.cfg.shuffle)
 
     def describe(self) -> str:
-        n = self._n_shards or len(self.table.shards)
-        return (f"{self.fmt} ({self.cfg.path}, {n} shards, {len(self.table)} records{self._part}, "
+        return (f"{self.fmt} ({self.cfg.path}, {len(self.table.shards)} shards, {len(self.table)} records, "
                 f"tokenizer {self.cfg.tokenizer}, seq_len {self.cfg.seq_len})")
 
     def _fingerprint(self) -> str:
@@ -111,8 +110,10 @@ class PartedSource(SampleSource):
         return self.parts[j]
 
     def describe(self) -> str:
-        first = self.part(0).describe().replace(", part 1/", ", in parts of 1/")
-        return f"{first}; {len(self.parts)} parts, each packed from its own {self.part(0)._n_shards // len(self.parts)}+ shards"
+        cfg, first = self.cfg, self.part(0)
+        return (f"{cfg.source} ({cfg.path}, {first._n_shards} shards in {len(self.parts)} parts, each packed from "
+                f"its own shards only; part 1: {len(first._selected)} shards, {len(first.table)} records; "
+                f"tokenizer {cfg.tokenizer}, seq_len {cfg.seq_len})")
 
     def part_batch(self, step: int, j: int) -> list[PackedSample]:
         """The sequences of part ``j`` of ``step`` (reads part ``j``'s shards only)."""
