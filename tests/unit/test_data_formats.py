@@ -282,3 +282,27 @@ def test_url_sources_say_their_images_are_stand_ins(tmp_path):
     (tmp_path / "l.jsonl").write_text(json.dumps({"caption": "a cat", "url": "http://x/cat.jpg"}) + "\n")
     line = source("laion", str(tmp_path / "l.jsonl"), batch=1, cache_dir=str(tmp_path / "c")).describe()
     assert "stand-in" in line and "not fetched" in line
+
+
+def test_a_compressed_tar_is_refused_in_one_line_naming_it(tmp_path):
+    import gzip
+
+    write_tar(tmp_path / "plain.tar", pair_members("a", "x", COLOURS[0]))
+    (tmp_path / "z.tar").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))
+    with pytest.raises(ValueError, match=r"^data.path: .*z.tar is not an uncompressed tar"):
+        source("webdataset", str(tmp_path / "z.tar"))
+
+
+def test_hf_source_reads_parquet_files_through_datasets(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = pa.table({"image": [{"bytes": jpeg(COLOURS[2]), "path": None}], "caption": ["green"]})
+    pq.write_table(rows, tmp_path / "train-00000.parquet")
+    src = source("hf", str(tmp_path / "*.parquet"), batch=1, gen_prob=0.0, cache_dir=str(tmp_path / "cache"))
+    assert np.allclose(colour(src.global_batch(0)[0].images[0]), [-1, 1, -1], atol=0.05)
+
+
+def test_empty_field_name_lists_are_refused_when_the_recipe_loads(tmp_path):
+    path = tar_shards(tmp_path, n_shards=1, per_shard=1)
+    cfg = DataConfig(source="webdataset", path=path, fields=FieldsConfig(caption=[]))
+    assert data_problem(cfg, 4) == ("fields.caption", "needs at least one non-empty field name")
+    assert data_problem(DataConfig(source="webdataset", path=path, shard_parts=0), 4)[0] == "shard_parts"
