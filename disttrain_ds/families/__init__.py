@@ -31,7 +31,7 @@ def family_names(role: str) -> list[str]:
 
 def get_family(name: str, role: str, src: str = "<recipe>", key: str = "model.family") -> Family:
     """The family ``name`` for a module of ``role``; a one-line ConfigError naming ``key`` otherwise."""
-    fam = FAMILIES.get(name)
+    fam = FAMILIES.get(name) if isinstance(name, str) else None  # a mapping or list is no name (unhashable)
     if fam is None or fam.role != role:
         raise ConfigError(f"{src}: '{key}' must be one of {' | '.join(family_names(role))} (the {role} families), "
                           f"got {name!r}")
