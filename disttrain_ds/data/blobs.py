@@ -24,6 +24,8 @@ from collections import OrderedDict
 from PIL import Image
 
 _TAIL = 16
+_HEAD = 1 << 16
+"""Bytes of a tar member read to check its header at planning (the whole member if that fails)."""
 
 
 def key(*parts: object) -> str:
@@ -94,10 +96,28 @@ def read(blob_key: str) -> bytes:
     return data
 
 
-def check(data: bytes, max_pixels: int) -> str | None:
+def check_key(blob_key: str, max_pixels: int) -> str | None:
+    """``check`` for the blob at ``blob_key``; a tar member is checked from its first 64 KiB and
+    last bytes (planning reads every record's header, so it must not read every image whole)."""
+    try:
+        kind, path, *rest = json.loads(blob_key)
+        if kind == "tar" and rest[1] > _HEAD + _TAIL:
+            offset, size = rest
+            head, tail = pread(path, offset, _HEAD), pread(path, offset + size - _TAIL, _TAIL)
+            if len(head) == _HEAD and len(tail) == _TAIL:
+                reason = check(head, max_pixels, tail)
+                if reason != "corrupt_image":  # a header past the first 64 KiB: look at the whole member
+                    return reason
+        return check(read(blob_key), max_pixels)
+    except (OSError, ValueError):
+        return "corrupt_image"
+
+
+def check(data: bytes, max_pixels: int, tail: bytes | None = None) -> str | None:
     """Why encoded image bytes are unusable (``corrupt_image`` | ``image_too_large``), or None.
 
     Only the header is parsed: a decompression bomb is refused by its declared size, never decoded.
+    ``tail``: the last bytes when ``data`` is only the start of the image.
     """
     from .images import too_large
 
@@ -110,7 +130,7 @@ def check(data: bytes, max_pixels: int) -> str | None:
         return "image_too_large"
     except Exception:  # noqa: BLE001 - any header failure means the bytes are not an image
         return "corrupt_image"
-    tail = data[-_TAIL:]
+    tail = data[-_TAIL:] if tail is None else tail
     if w < 1 or h < 1 or (fmt == "JPEG" and b"\xff\xd9" not in tail) or (fmt == "PNG" and b"IEND" not in tail):
         return "corrupt_image"
     return "image_too_large" if too_large((w, h), max_pixels) else None

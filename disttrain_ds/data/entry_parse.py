@@ -45,10 +45,7 @@ def _ref(value: object, record: dict, ctx: ParseContext) -> ImageRef:
     if value.kind == "file":
         reason = check_file(value.key, limit)
     else:
-        try:
-            reason = blobs.check(blobs.read(value.key), limit)
-        except (OSError, ValueError):
-            reason = "corrupt_image"
+        reason = blobs.check_key(value.key, limit)
     if reason:
         raise _BadRecord(reason)
     return ImageRef(value.kind, value.key, limit)

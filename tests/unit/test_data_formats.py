@@ -306,3 +306,27 @@ def test_empty_field_name_lists_are_refused_when_the_recipe_loads(tmp_path):
     cfg = DataConfig(source="webdataset", path=path, fields=FieldsConfig(caption=[]))
     assert data_problem(cfg, 4) == ("fields.caption", "needs at least one non-empty field name")
     assert data_problem(DataConfig(source="webdataset", path=path, shard_parts=0), 4)[0] == "shard_parts"
+
+
+def test_planning_reads_only_the_start_and_end_of_a_large_tar_member(tmp_path, monkeypatch):
+    from disttrain_ds.data import blobs
+
+    big = io.BytesIO()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (600, 600, 3), dtype=np.uint8)).save(big, "JPEG", quality=95)
+    assert len(big.getvalue()) > 4 * blobs._HEAD
+    write_tar(tmp_path / "big.tar", [("a.jpg", big.getvalue()), ("a.txt", b"noise")])
+    reads: list[int] = []
+    real = blobs.pread
+    monkeypatch.setattr(blobs, "pread", lambda p, o, n: (reads.append(n), real(p, o, n))[1])
+    src = source("webdataset", str(tmp_path / "big.tar"), batch=1, gen_prob=0.0)
+    src.plan(0)
+    assert max(reads) == blobs._HEAD  # the caption, the image's first 64 KiB and last bytes, per record parsed
+    s = src.global_batch(0)[0]  # decoding reads it whole
+    assert max(reads) == len(big.getvalue()) and len(s.images) >= 1 and src.skip_counts() == {}
+    # A truncated large member is still caught from its tail.
+    write_tar(tmp_path / "cut.tar", pair_members("b", "a caption long enough to fill most of a sequence", COLOURS[0])
+              + [("c.jpg", big.getvalue()[:-100]), ("c.txt", b"noise")])
+    cut = source("webdataset", str(tmp_path / "cut.tar"), batch=1, gen_prob=0.0)
+    cut.plan(0)
+    assert cut._cursors[1].skips == (("corrupt_image", 1),)
