@@ -46,6 +46,8 @@ class RecordSource(SampleSource):
 
     records_parsed: int
     """Records parsed so far in this process (a resumed run does not re-read the steps before it)."""
+    _unused_keys: tuple[str, ...] = ("fields", "shard_parts")
+    """``data`` keys these formats ignore (left out of the fingerprint: older checkpoints still match)."""
 
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, fmt: str, path: Path):
         check_shapes(cfg, shape)
@@ -164,7 +166,7 @@ class RecordSource(SampleSource):
 
     def _fingerprint(self) -> str:
         facts = [self.fmt, str(self.path), len(self.table), self.seed, self.batch, asdict(self.cfg), asdict(self.shape)]
-        for drop in ("producers", "queue_depth", "reorder", "cache_dir"):  # do not change the samples
+        for drop in ("producers", "queue_depth", "reorder", "cache_dir", *self._unused_keys):  # do not change the samples
             facts[5].pop(drop, None)
         return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -56,6 +56,8 @@ def open_table(cfg: DataConfig, selected: list[int] | None = None):
 class ShardSource(RecordSource):
     """Packed samples from one part (or all) of a sharded data set."""
 
+    _unused_keys = ()
+
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int,
                  shards: list[int] | None = None, n_shards: int = 0, part: str = ""):
         self._selected, self._n_shards, self._part = shards, n_shards, part

@@ -330,3 +330,13 @@ def test_planning_reads_only_the_start_and_end_of_a_large_tar_member(tmp_path, m
     cut = source("webdataset", str(tmp_path / "cut.tar"), batch=1, gen_prob=0.0)
     cut.plan(0)
     assert cut._cursors[1].skips == (("corrupt_image", 1),)
+
+
+def test_the_new_keys_leave_the_data_state_of_jsonl_sources_as_it_was(tmp_path):
+    (tmp_path / "l.jsonl").write_text(json.dumps({"caption": "a cat", "url": "http://x/cat.jpg"}) + "\n")
+    kw = dict(batch=1, cache_dir=str(tmp_path / "c"))
+    plain = source("laion", str(tmp_path / "l.jsonl"), **kw)
+    other = source("laion", str(tmp_path / "l.jsonl"), fields=FieldsConfig(caption=["alt"]), **kw)
+    assert plain._fingerprint() == other._fingerprint()  # checkpoints written before these keys still resume
+    path = tar_shards(tmp_path / "t", n_shards=1, per_shard=1)
+    assert source("webdataset", path, **kw)._fingerprint() != source("webdataset", path, fields=FieldsConfig(caption=["alt", "txt"]), **kw)._fingerprint()
