@@ -340,3 +340,23 @@ def test_the_new_keys_leave_the_data_state_of_jsonl_sources_as_it_was(tmp_path):
     assert plain._fingerprint() == other._fingerprint()  # checkpoints written before these keys still resume
     path = tar_shards(tmp_path / "t", n_shards=1, per_shard=1)
     assert source("webdataset", path, **kw)._fingerprint() != source("webdataset", path, fields=FieldsConfig(caption=["alt", "txt"]), **kw)._fingerprint()
+
+
+def test_interleaved_documents_in_a_folder_and_in_a_datasets_table(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "d.json").write_text(json.dumps({"texts": ["Red:", None, "Now blue:", None], "images": [None, "0.jpg", None, "1.jpg"]}))
+    (folder / "d.0.jpg").write_bytes(jpeg(COLOURS[0]))
+    (folder / "d.1.jpg").write_bytes(jpeg(COLOURS[1]))
+    s = source("folder", str(folder), batch=1).global_batch(0)[0]
+    assert np.allclose(colour(s.images[0]), [1, -1, -1], atol=0.05)
+    assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)
+    red, blue = (Image.new("RGB", (40, 30), c) for c in COLOURS[:2])
+    ds = datasets.Dataset.from_dict(
+        {"texts": [["Red:", None, "Now blue:", None]], "images": [[None, red, None, blue]]},
+        features=datasets.Features({"texts": datasets.List(datasets.Value("string")), "images": datasets.List(datasets.Image())}))
+    ds.save_to_disk(str(tmp_path / "ds"))
+    s = source("hf", str(tmp_path / "ds"), batch=1, cache_dir=str(tmp_path / "c")).global_batch(0)[0]
+    assert np.allclose(colour(s.images[0]), [1, -1, -1], atol=0.05)
+    assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)
