@@ -35,10 +35,12 @@ SHARD_SOURCES = ("webdataset", "parquet", "folder", "hf")
 
 def open_table(cfg: DataConfig, selected: list[int] | None = None):
     """The ``cfg.source`` table over the ``selected`` shards (None: all)."""
+    from .tokenizer import default_cache_dir
+
     if cfg.source == "webdataset":
         from .tables import TarTable
 
-        return TarTable(cfg.path, selected)
+        return TarTable(cfg.path, selected, default_cache_dir(cfg.cache_dir))
     if cfg.source == "parquet":
         from .tables import ParquetTable
 
@@ -48,7 +50,6 @@ def open_table(cfg: DataConfig, selected: list[int] | None = None):
 
         return FolderTable(cfg.path, selected)
     from .hf_table import HfTable
-    from .tokenizer import default_cache_dir
 
     return HfTable(cfg.path, selected, str(default_cache_dir(cfg.cache_dir) / "datasets"))
 

@@ -14,8 +14,11 @@ adjacent in a tar (as tar writers and img2dataset do); in a folder they sit side
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,21 +68,46 @@ class TarTable(ShardTable):
 
     SUFFIXES = (".tar",)
 
-    def __init__(self, pattern: str, selected: list[int] | None = None):
+    def __init__(self, pattern: str, selected: list[int] | None = None, cache_dir: Path | None = None):
         self.shards = [str(p.resolve()) for p in list_shards(pattern, self.SUFFIXES)]
         chosen = range(len(self.shards)) if selected is None else selected
         self._rows: list[tuple[str, str, dict[str, tuple[int, int]]]] = []
         self.blocks = []
         for s in chosen:
-            before = len(self._rows)
-            self._index(self.shards[s])
-            self.blocks.append(len(self._rows) - before)
+            rows = self._cached_index(self.shards[s], cache_dir)
+            self._rows += [(self.shards[s], key, {e: tuple(v) for e, v in members.items()}) for key, members in rows]
+            self.blocks.append(len(rows))
 
-    def _index(self, path: str) -> None:
+    def _cached_index(self, path: str, cache_dir: Path | None) -> list:
+        """``_index(path)``, kept as JSON under ``cache_dir`` keyed by path, size and mtime: every
+        producer of every run opens the shard's index instead of walking its headers again."""
+        if cache_dir is None:
+            return self._index(path)
+        st = os.stat(path)
+        name = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
+        cached = cache_dir / "tar_index" / f"{name}.json"
+        try:
+            return json.loads(cached.read_text())
+        except (OSError, ValueError):
+            pass
+        rows = self._index(path)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=cached.parent, delete=False, suffix=".tmp") as f:
+                json.dump(rows, f)
+            os.replace(f.name, cached)  # atomic: producers starting together never read half a file
+        except OSError:
+            pass  # a read-only cache only costs the walk next time
+        return rows
+
+    @staticmethod
+    def _index(path: str) -> list:
+        """[key, {member extension: [data offset, size]}] per key, in tar order."""
         try:
             tf = tarfile.open(path, "r:")  # uncompressed only: members are read in place by offset
         except (tarfile.TarError, OSError) as exc:
             raise ValueError(f"data.path: {path} is not an uncompressed tar ({exc})") from None
+        rows: list = []
         with tf:
             current, members = None, {}
             for m in tf:
@@ -88,11 +116,12 @@ class TarTable(ShardTable):
                 key, ext = split_name(m.name)
                 if key != current:
                     if members:
-                        self._rows.append((path, current, members))
+                        rows.append([current, members])
                     current, members = key, {}
-                members[ext] = (m.offset_data, m.size)
+                members[ext] = [m.offset_data, m.size]
             if members:
-                self._rows.append((path, current, members))
+                rows.append([current, members])
+        return rows
 
     def record(self, index: int) -> tuple[dict, str]:
         path, key, members = self._rows[index]

@@ -63,6 +63,12 @@ def tar_shards(root: Path, n_shards: int = 4, per_shard: int = 3) -> str:
     return str(root / ("{00000..%05d}.tar" % (n_shards - 1)))
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Tar indexes and Arrow tables go under the test's folder, not the user's cache."""
+    monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path / "default-cache"))
+
+
 def source(src: str, path: str, batch: int = 2, seed: int = 0, **kw):
     cfg = DataConfig(**{"source": src, "path": path, "seq_len": 64, "image_sizes": [16], "gen_images": [0, 2],
                         "shuffle": False, **kw})
@@ -253,8 +259,8 @@ def test_each_part_reads_only_its_own_shards(tmp_path, monkeypatch):
     path = tar_shards(tmp_path, n_shards=6, per_shard=2)
     opened: list[str] = []
     real = tables.TarTable._index
-    monkeypatch.setattr(tables.TarTable, "_index", lambda self, p: (opened.append(Path(p).name), real(self, p))[1])
-    src = source("webdataset", path, batch=4, seed=2, shard_parts=2)
+    monkeypatch.setattr(tables.TarTable, "_index", staticmethod(lambda p: (opened.append(Path(p).name), real(p))[1]))
+    src = source("webdataset", path, batch=4, seed=2, shard_parts=2, cache_dir=str(tmp_path / "c"))
     shares = [sorted(f"{s:05d}.tar" for s in assign_shards(6, 2, j, 2)) for j in range(2)]
     assert sorted(opened) == shares[0]  # opening the source indexes part 0 only
     part1 = src.part_batch(0, 1)
@@ -264,8 +270,9 @@ def test_each_part_reads_only_its_own_shards(tmp_path, monkeypatch):
     batch = src.global_batch(0)
     assert [s.sample_id for s in batch] == [0, 1, 2, 3]
     state = json.loads(json.dumps(src.state_dict()))
-    again = source("webdataset", path, batch=4, seed=2, shard_parts=2)
+    again = source("webdataset", path, batch=4, seed=2, shard_parts=2, cache_dir=str(tmp_path / "c"))
     again.load_state_dict(state)
+    assert sorted(opened) == sorted(shares[0] + shares[1])  # the second source reads the cached indexes
     for s in range(1, 3):
         assert [x.input_ids.tolist() for x in again.global_batch(s)] == [x.input_ids.tolist() for x in src.global_batch(s)]
 
@@ -360,3 +367,11 @@ def test_interleaved_documents_in_a_folder_and_in_a_datasets_table(tmp_path):
     s = source("hf", str(tmp_path / "ds"), batch=1, cache_dir=str(tmp_path / "c")).global_batch(0)[0]
     assert np.allclose(colour(s.images[0]), [1, -1, -1], atol=0.05)
     assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)
+
+
+def test_a_rewritten_shard_is_indexed_again(tmp_path):
+    write_tar(tmp_path / "s.tar", pair_members("a", "first", COLOURS[0]))
+    assert len(source("webdataset", str(tmp_path / "s.tar")).table) == 1
+    write_tar(tmp_path / "s.tar", pair_members("a", "first", COLOURS[0]) + pair_members("b", "second", COLOURS[1]))
+    assert len(source("webdataset", str(tmp_path / "s.tar")).table) == 2
+    assert len(list((tmp_path / "default-cache" / "tar_index").iterdir())) == 2
