@@ -12,7 +12,7 @@ import functools
 from pathlib import Path
 
 from .shards import list_shards
-from .tables import ImageAt, ShardTable, _cells
+from .tables import ShardTable, image_cells
 from . import blobs
 
 ROWS_PER_SHARD = 1024
@@ -78,8 +78,6 @@ class HfTable(ShardTable):
     def record(self, index: int) -> tuple[dict, str]:
         row = self._rows[index]
         values = self.ds[row]
-        out = {c: _cells(v, lambda i, c=c: blobs.key("hf", self.path, self.cache_dir, row, c, i)) for c, v in values.items()}
+        out = {c: image_cells(v, lambda i, c=c: blobs.key("hf", self.path, self.cache_dir, row, c, i)) for c, v in values.items()}
         return out, f"{self.path}:row {row}"
 
-
-__all__ = ["HfTable", "ImageAt", "open_dataset"]

@@ -14,7 +14,6 @@ cursor), so computing part j opens part j's shards alone.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +91,7 @@ class PartedSource(SampleSource):
         parts = cfg.shard_parts
         if global_batch % parts:
             raise ValueError(f"data.shard_parts: {parts} does not divide train.global_batch {global_batch}")
-        n_shards = len(open_table(replace(cfg), []).shards)  # names only: no shard is indexed
+        n_shards = len(open_table(cfg, []).shards)  # names only: no shard is indexed
         if n_shards < parts:
             raise ValueError(f"data.shard_parts: {parts} parts but {cfg.path} has only {n_shards} shards")
         self.batch, self.per_part, self.cfg = global_batch, global_batch // parts, cfg

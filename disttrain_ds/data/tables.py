@@ -207,7 +207,7 @@ class ParquetTable(ShardTable):
         out: dict = {}
         for column in table.column_names:
             value = table.column(column)[row].as_py()
-            out[column] = _cells(value, lambda i, c=column: blobs.key("pq", path, group, row, c, i))
+            out[column] = image_cells(value, lambda i, c=column: blobs.key("pq", path, group, row, c, i))
         return out, f"{path}:row {start - self._group_start(g) + row + 1}"
 
     def _group_start(self, g: int) -> int:
@@ -218,7 +218,7 @@ class ParquetTable(ShardTable):
         return self._groups[g][2]
 
 
-def _cells(value: object, key_of) -> object:
+def image_cells(value: object, key_of) -> object:
     """Image cells (bytes / bytes structs, alone or in a list) replaced by ``ImageAt`` blobs."""
     if blobs.cell_bytes(value) is not None:
         return ImageAt("blob", key_of(None))
