@@ -51,7 +51,8 @@ def pread(path: str, offset: int, size: int) -> bytes:
 
 
 _GROUPS: OrderedDict[tuple[str, int], object] = OrderedDict()
-_GROUPS_KEPT = 4
+_GROUPS_KEPT = 2
+"""Row groups a process keeps decoded in memory (planning and decoding move through the same blocks)."""
 
 
 def row_group(path: str, group: int):
