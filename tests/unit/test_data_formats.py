@@ -375,3 +375,44 @@ def test_a_rewritten_shard_is_indexed_again(tmp_path):
     write_tar(tmp_path / "s.tar", pair_members("a", "first", COLOURS[0]) + pair_members("b", "second", COLOURS[1]))
     assert len(source("webdataset", str(tmp_path / "s.tar")).table) == 2
     assert len(list((tmp_path / "default-cache" / "tar_index").iterdir())) == 2
+
+
+def test_random_garbage_records_are_skipped_with_a_known_reason_never_raised(tmp_path):
+    """Fields of every shape in every slot: each record parses to a document or a counted skip."""
+    from disttrain_ds.data.entry_parse import parse_entry
+    from disttrain_ds.data.formats import Bad, Document, ParseContext
+    from disttrain_ds.data.tables import ImageAt
+    from disttrain_ds.data.tokenizer import load_tokenizer
+
+    good = tmp_path / "g.jpg"
+    good.write_bytes(jpeg(COLOURS[0]))
+    (tmp_path / "bad.jpg").write_bytes(b"\x89PNG junk")
+    write_tar(tmp_path / "b.tar", [("x.png", bomb_png())])
+    import tarfile as tf_mod
+
+    with tf_mod.open(tmp_path / "b.tar") as tf:
+        m = tf.getmembers()[0]
+        bomb = ImageAt("blob", json.dumps(["tar", str(tmp_path / "b.tar"), m.offset_data, m.size]))
+    values = [None, "", "  ", "text", "caf\udcff", 5, 2.5, True, [], {}, b"", b"\xff\xfe", "0.jpg", [None],
+              ["a", None], [None, "0.jpg"], [1, 2], {"bytes": None}, {"caption": "x"},
+              ImageAt("file", str(good)), ImageAt("file", str(tmp_path / "bad.jpg")), ImageAt("file", str(tmp_path / "no.jpg")),
+              bomb, ImageAt("blob", json.dumps(["tar", str(tmp_path / "gone.tar"), 0, 10])), ImageAt("blob", "not json")]
+    names = ["txt", "jpg", "json", "texts", "images", "generate", "0.jpg", "caption"]
+    cfg = DataConfig(seq_len=64, image_sizes=[16], gen_images=[0, 2])
+    ctx = ParseContext(cfg, load_tokenizer("byte", ""), 8, 4, 0)
+    rng = np.random.default_rng(0)
+    known = {"missing_fields", "missing_caption", "missing_image", "empty_text", "bad_type", "bad_image", "bad_json",
+             "not_utf8", "corrupt_image", "image_too_large", "missing_image", "too_long", "too_many_images"}
+    seen = set()
+    for _ in range(600):
+        record = {n: values[rng.integers(len(values))] for n in rng.choice(names, size=int(rng.integers(0, 5)), replace=False)}
+        if rng.random() < 0.2:  # a json member with fields of its own (JSON values only)
+            plain = [v for v in values if isinstance(v, (str, int, float, list, dict, type(None))) and v != "caf\udcff"]
+            doc = {names[rng.integers(len(names))]: plain[rng.integers(len(plain))] for _ in range(2)}
+            record["json"] = json.dumps(doc).encode() if rng.random() < 0.8 else b"{broken"
+        out = parse_entry(record, FieldsConfig(), ctx, np.random.default_rng(0))
+        assert isinstance(out, (Document, Bad)), record
+        if isinstance(out, Bad):
+            assert out.reason in known, (out.reason, record)
+        seen.add(type(out).__name__ if isinstance(out, Document) else out.reason)
+    assert "Document" in seen and {"image_too_large", "corrupt_image", "missing_fields", "bad_type"} <= seen
