@@ -31,10 +31,16 @@ def jpeg(rgb, size=(40, 30)) -> bytes:
 
 
 def bomb_png(side: int = 20000) -> bytes:
-    """A tiny PNG whose header declares side x side pixels (a decompression bomb)."""
-    buf = io.BytesIO()
-    Image.new("1", (side, side)).save(buf, format="PNG")
-    return buf.getvalue()
+    """A tiny PNG whose header declares side x side pixels (a decompression bomb): only its header
+    and end are real, as a check that never decodes sees them."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
@@ -209,14 +215,21 @@ def test_records_lacking_fields_or_with_bad_images_are_skipped_by_reason(tmp_pat
 
 def test_a_decompression_bomb_is_refused_per_record_not_per_job(tmp_path):
     write_tar(tmp_path / "b.tar", pair_members("b", "a caption long enough to fill most of a sequence", COLOURS[2])
-              + [("c.png", bomb_png()), ("c.txt", b"bomb")])
+              + [("c.png", bomb_png(8000)), ("c.txt", b"bomb")])
     src = source("webdataset", str(tmp_path / "b.tar"), batch=1, gen_prob=0.0)  # default limit 4096 x 4096
     s = src.global_batch(0)[0]
     assert src.skip_counts() == {"image_too_large": 1}
     assert np.allclose(colour(s.images[0]), [-1, 1, -1], atol=0.05)
-    # Negative control: with a limit above the bomb's header it is not refused from its header.
-    assert "image_too_large" not in source("webdataset", str(tmp_path / "b.tar"), batch=1,
-                                           max_image_pixels=20000 * 20000).skip_counts()
+    # Negative control: under a limit above its header's 64 million pixels the same record is planned.
+    lax = source("webdataset", str(tmp_path / "b.tar"), batch=1, gen_prob=0.0, max_image_pixels=8000 * 8000)
+    lax.plan(0)
+    assert lax._cursors[1].skips == ()
+    # Over PIL's own limit (about 179 million pixels) no setting lets it through.
+    write_tar(tmp_path / "huge.tar", pair_members("b", "a caption long enough to fill most of a sequence", COLOURS[2])
+              + [("c.png", bomb_png(20000)), ("c.txt", b"bomb")])
+    huge = source("webdataset", str(tmp_path / "huge.tar"), batch=1, gen_prob=0.0, max_image_pixels=20000 * 20000)
+    huge.plan(0)
+    assert huge._cursors[1].skips == (("image_too_large", 1),)
 
 
 def test_a_source_with_no_usable_record_names_the_expected_fields_in_one_line(tmp_path):
