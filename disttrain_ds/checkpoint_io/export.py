@@ -67,7 +67,8 @@ def export_module(recipe, module: str, state: dict[str, torch.Tensor], out: Path
 
         save_file(projector, str(out / PROJECTOR_FILE))
         llm = graph_of(recipe).llm
-        info = {"module": module, "family": fam.name, "role": fam.role,
+        weights = [v for k, v in sorted(projector.items()) if k.endswith(".weight")]
+        info = {"in_features": weights[0].shape[1], "out_features": weights[-1].shape[0],"module": module, "family": fam.name, "role": fam.role,
                 "connects": f"{module} -> {llm}" if fam.role == "encoder" else f"{llm} -> {module}",
                 "form": "Linear, GELU, Linear", "activation": "gelu", "dtype": str(dtype).removeprefix("torch."),
                 "tensors": {k: list(v.shape) for k, v in projector.items()},
