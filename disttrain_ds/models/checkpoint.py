@@ -148,10 +148,12 @@ def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str
         return 0
     own = layer.state_dict()
     found = {k.split("/", 1)[1]: v for k, v in src.read(layer_name).items()}
+    extra = sorted(k for k in found if k not in own)
+    if extra and isinstance(src, _StepDir):  # a training checkpoint holds exactly its layers' tensors
+        raise ValueError(f"{path}: {module} {layer_name} has no tensor {extra[0]} (another model's checkpoint?)")
+    found = {k: v for k, v in found.items() if k in own}  # HF files may hold more (a decoder, a pooler)
     for k, v in found.items():
         local = f"{layer_name}/{k}"
-        if k not in own:
-            raise ValueError(f"{path}: {module} {layer_name} has no tensor {k} (another model's checkpoint?)")
         if not fits(local, tuple(v.shape), tuple(own[k].shape), vocab_params):
             raise ValueError(
                 f"{path}: {module} {layer_name}.{k} has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}"
