@@ -91,8 +91,8 @@ def load_exported(family: str, path: Path):
 
 def output_diff(spec, module: str, state: dict[str, torch.Tensor], out_dir: Path) -> float:
     """Max abs difference between the exported model (``from_pretrained``, which must report no
-    missing or unexpected keys) and the trained layers on the same inputs; the projector's exported
-    tensors must equal the trained ones exactly."""
+    missing or unexpected keys) and the trained layers on the same inputs, and between the exported
+    projector's tensors and the trained ones."""
     from safetensors.torch import load_file
 
     fam, cfg = spec.family(module), spec.config(module)
@@ -120,8 +120,10 @@ def output_diff(spec, module: str, state: dict[str, torch.Tensor], out_dir: Path
             theirs = hf(noisy, t, encoder_hidden_states=cond).sample
         else:
             raise AssertionError(f"no output check for family {fam.name}")
+    diff = float((mine - theirs).abs().max())
     proj = {k: v for k, v in state.items() if k.startswith("projector/")}
     if proj:
         saved = load_file(str(out_dir / "projector.safetensors"))
-        assert saved.keys() == proj.keys() and all(torch.equal(saved[k], proj[k].float()) for k in proj)
-    return float((mine - theirs).abs().max())
+        assert saved.keys() == proj.keys()
+        diff = max(diff, *(float((saved[k] - proj[k].float()).abs().max()) for k in proj))
+    return diff
