@@ -118,6 +118,19 @@ def output_diff(spec, module: str, state: dict[str, torch.Tensor], out_dir: Path
             t = torch.tensor([17])
             mine = ours((cond, noisy, t))
             theirs = hf(noisy, t, encoder_hidden_states=cond).sample
+        elif fam.name == "whisper":
+            from disttrain_ds.families.whisper.model import pack_clips
+
+            mel = torch.randn(cfg.n_mels, cfg.max_frames, generator=g)
+            mine = ours(pack_clips([mel]))
+            theirs = hf(mel[None]).last_hidden_state[0]
+        elif fam.name == "dit":
+            cond = torch.randn(1, 4, cfg.cross_attention_dim, generator=g)
+            noisy = torch.randn(1, cfg.in_channels, cfg.resolution, cfg.resolution, generator=g)
+            t = torch.tensor([17])
+            mine = ours((cond, noisy, t))
+            theirs = hf(noisy, encoder_hidden_states=cond, timestep=t,
+                        added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample[:, : cfg.in_channels]
         else:
             raise AssertionError(f"no output check for family {fam.name}")
     diff = float((mine - theirs).abs().max())

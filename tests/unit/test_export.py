@@ -195,3 +195,25 @@ def test_llm_vocabulary_grows_to_the_tokenizer_with_mean_rows(written):
         assert got[key].shape == (266, old.shape[1]) and torch.equal(got[key][:262], old)
         assert torch.allclose(got[key][262:], old.mean(0).expand(4, -1))
     assert all(torch.equal(got[k], states["llm"][k]) for k in got if "embed_tokens" not in k and "lm_head" not in k)
+
+
+def test_qwen2_whisper_and_dit_modules_export_from_tp2_shards(tmp_path):
+    """The other families, in a module graph (names of its own), each cut over TP=2."""
+    import yaml
+
+    from disttrain_ds.checkpoint_io.export import export_checkpoint
+    from disttrain_ds.config import recipe_from_data
+
+    data = yaml.safe_load((REPO / "recipes" / "tiny_cpu.yaml").read_text())
+    data["layout"] = "disaggregated"
+    data["model"] = {"modules": {"audio": {"family": "whisper"}, "lm": {"family": "qwen2"}, "painter": {"family": "dit"}}}
+    data["parallel"] = {"modules": {m: {"tp": 2} for m in ("audio", "lm", "painter")}}
+    recipe = recipe_from_data(data, "graph recipe")  # whisper trains nowhere yet: built, not validated
+    spec = _spec(recipe)
+    states = perturbed_states(spec, ["audio", "lm", "painter"])
+    step = write_step_dir(tmp_path / "ck", recipe, spec, states)
+    out = export_checkpoint(step, tmp_path / "exported", log=lambda line: None)
+    assert json.loads((out / "lm" / "config.json").read_text())["model_type"] == "qwen2"
+    for m in ("audio", "lm", "painter"):
+        assert output_diff(spec, m, states[m], out / m) <= 1e-5, m
+    assert json.loads((out / "painter" / "projector.json").read_text())["connects"] == "lm -> painter"
