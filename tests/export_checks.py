@@ -35,11 +35,12 @@ def write_step_dir(root: Path, recipe, spec, states: dict, step: int = 1) -> Pat
     from disttrain_ds.runtime.ckpt_files import CHECKSUM, file_entry
     from disttrain_ds.runtime.ckpt_manifest import FORMAT, MANIFEST, fingerprint, step_dir_name
 
+    from disttrain_ds.topology import Topology
+
     step_dir = root / step_dir_name(step)
-    world = 0
+    topology = Topology.from_recipe(recipe)
     for m, state in states.items():
-        par = recipe.parallel.modules[m]
-        world += par.dp * par.tp * par.pp
+        par = topology.module(m)
         (step_dir / m).mkdir(parents=True)
         for idx, d in enumerate(spec.layers(m)):
             layer = d.build()
@@ -49,7 +50,7 @@ def write_step_dir(root: Path, recipe, spec, states: dict, step: int = 1) -> Pat
                 torch.save(cut.state_dict(), step_dir / m / f"layer_{idx:02d}-model_{r:02d}-model_states.pt")
     files = {p.relative_to(step_dir).as_posix(): file_entry(p) for p in sorted(step_dir.rglob("*")) if p.is_file()}
     manifest = {"format": FORMAT, "step": step, "time": time.time(), "recipe": recipe.source_file,
-                "run_dir": str(root), "fingerprint": fingerprint(recipe, world), "checksum": CHECKSUM, "files": files}
+                "run_dir": str(root), "fingerprint": fingerprint(recipe, topology.world_size), "checksum": CHECKSUM, "files": files}
     (step_dir / MANIFEST).write_text(json.dumps(manifest))
     return step_dir
 

@@ -116,6 +116,29 @@ def _meta_layer(layer_def, tp: int):
         return layer_def.build(), shard_layer(layer_def.build(), TPContext(None, 0, tp))
 
 
+@functools.lru_cache(maxsize=16)
+def _layout(step_dir: str, folder: str) -> tuple[list, int, dict[int, dict[int, Path]]]:
+    """(layer defs, TP degree, layer files) of a module folder (once per process: the LLM's
+    vocabulary is read from its embedding file)."""
+    from ..recipe_graph import graph_of
+    from ..runtime.memory import meta_spec
+    from ..topology import Topology
+
+    manifest = verified_manifest(step_dir, folder)
+    recipe = step_recipe(manifest)
+    if folder not in recipe.model.modules:
+        raise CheckpointFileError(f"{step_dir}: its manifest has no module '{folder}'")
+    tp = Topology.from_recipe(recipe).module(folder).tp  # monolithic: encoders and generators take the LLM's
+    files = layer_files(Path(step_dir), folder)
+    llm = graph_of(recipe).llm
+    vocab = _vocab_rows(files if folder == llm else layer_files(Path(step_dir), llm)) if llm in step_modules(manifest) else 1
+    defs = meta_spec(recipe, vocab).layers(folder)
+    if sorted(files) != list(range(len(defs))):
+        raise CheckpointFileError(f"{step_dir}/{folder} holds layer files {sorted(files)}, the module has "
+                                  f"{len(defs)} layers (0..{len(defs) - 1})")
+    return defs, tp, files
+
+
 def read_module_state(step_dir: str | Path, module: str, layers: list[str] | None = None,
                       folder: str | None = None) -> dict[str, torch.Tensor]:
     """``{layer/param: full unsharded tensor}`` of ``module`` in a step directory, its projector
@@ -126,22 +149,9 @@ def read_module_state(step_dir: str | Path, module: str, layers: list[str] | Non
     unexpected tensor, or a shape the model does not have is a ``CheckpointFileError`` naming it."""
     from ..families import clear_build_caches
     from ..parallel.tensor_parallel import merge_shards, tp_split
-    from ..recipe_graph import graph_of
-    from ..runtime.memory import meta_spec
 
     step_dir, folder = Path(step_dir), folder or module
-    manifest = verified_manifest(step_dir, folder)
-    recipe = step_recipe(manifest)
-    if folder not in recipe.model.modules:
-        raise CheckpointFileError(f"{step_dir}: its manifest has no module '{folder}'")
-    tp = recipe.parallel.modules[folder].tp
-    files = layer_files(step_dir, folder)
-    vocab = _vocab_rows(files) if graph_of(recipe).role(folder) == "llm" else (
-        _vocab_rows(layer_files(step_dir, graph_of(recipe).llm)) if graph_of(recipe).llm in step_modules(manifest) else 1)
-    defs = meta_spec(recipe, vocab).layers(folder)
-    if sorted(files) != list(range(len(defs))):
-        raise CheckpointFileError(f"{step_dir}/{folder} holds layer files {sorted(files)}, the module has "
-                                  f"{len(defs)} layers (0..{len(defs) - 1})")
+    defs, tp, files = _layout(str(step_dir.resolve()), folder)
     out: dict[str, torch.Tensor] = {}
     try:
         for idx, d in enumerate(defs):

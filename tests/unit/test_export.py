@@ -66,6 +66,20 @@ def test_tp_shards_of_a_step_directory_merge_back_to_the_full_tensors(written):
         assert all(torch.equal(got[k], states[m][k]) for k in got), m
 
 
+def test_a_monolithic_checkpoint_merges_by_the_llms_tp_degree(tmp_path):
+    """Monolithic: the encoder and generator run with the LLM's TP degree, whatever parallel.encoder says."""
+    from disttrain_ds.checkpoint_io.read import read_module_state
+
+    recipe = _recipe(["layout=monolithic", "parallel.encoder.tp=1"])
+    spec = _spec(recipe)
+    states = perturbed_states(spec, MODULES)
+    step = write_step_dir(tmp_path, recipe, spec, states)
+    assert (step / "generator" / "layer_03-model_01-model_states.pt").is_file()
+    for m in MODULES:
+        got = read_module_state(step, m)
+        assert all(torch.equal(got[k], states[m][k]) for k in states[m]), m
+
+
 def test_exported_modules_load_with_from_pretrained_and_compute_what_the_trained_ones_do(written):
     step, states, spec, out = written
     assert sorted(p.name for p in out.iterdir()) == sorted(MODULES)
