@@ -58,8 +58,9 @@ def export_module(recipe, module: str, state: dict[str, torch.Tensor], out: Path
     unused = sorted(own - set(keys.values()))
     if unused:
         raise ExportError(f"export: {module}'s {unused[0]} has no place in the {fam.name} model ({len(unused)} tensors)")
+    # Built on the meta device, so the model is never in memory twice; non-persistent buffers
+    # (rotary frequencies) stay unmaterialised, and save_pretrained does not write them.
     hf.load_state_dict({k: state[m].to(dtype) for k, m in keys.items()}, strict=True, assign=True)
-    _materialise_buffers(hf, fam, cfg)
     hf.save_pretrained(str(out))
     projector = {k: v.to(dtype).contiguous() for k, v in state.items() if k.startswith("projector/")}
     if projector:
@@ -74,17 +75,6 @@ def export_module(recipe, module: str, state: dict[str, torch.Tensor], out: Path
                 "tensors": {k: list(v.shape) for k, v in projector.items()},
                 "load_with": f"model.<module>.checkpoint: {out.name}/ (this directory)"}
         (out / PROJECTOR_INFO).write_text(json.dumps(info, indent=1) + "\n")
-
-
-def _materialise_buffers(hf, fam, cfg) -> None:
-    """Non-persistent buffers (rotary frequencies, ...) are not in the state dict: a CPU build gives them."""
-    meta = [n for n, b in hf.named_buffers() if b.is_meta]
-    if meta:
-        fresh = dict(fam.hf_model(cfg).named_buffers())
-        for name in meta:
-            parent, _, leaf = name.rpartition(".")
-            owner = hf.get_submodule(parent) if parent else hf
-            owner._buffers[leaf] = fresh[name]
 
 
 def export_tokenizer(recipe, out: Path, vocab: int) -> None:

@@ -7,8 +7,9 @@ records the model and parallel degrees that wrote it, so the layers are rebuilt 
 (no memory) and cut by the same ``shard_layer`` the runtime used: which parameter was split along
 which dimension then comes from the families' TP plans, never from a second table.
 
-Every file of the module is checked against the manifest (size and SHA-256) before it is read,
-and read without running code (``ckpt_files.safe_load``).
+Every file of the module is checked against the manifest (sizes first, each file's SHA-256 just
+before it is read: a pipeline stage hashes only the files it loads) and read without running code
+(``ckpt_files.safe_load``); ``verified_manifest`` checks a whole module up front (export does).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..configtools import ConfigError
-from ..runtime.ckpt_files import CheckpointFileError, first_problem, safe_load
+from ..runtime.ckpt_files import CheckpointFileError, file_problem, first_problem, safe_load
 from ..runtime.ckpt_manifest import MANIFEST, inspect_step_dir
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -45,14 +46,14 @@ def step_modules(manifest: dict) -> list[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _verified(step_dir: str, module: str) -> dict:
+def _checked(step_dir: str, module: str, full: bool) -> dict:
     manifest, why = inspect_step_dir(Path(step_dir))
     if manifest is None:
         raise CheckpointFileError(f"{step_dir} is not a complete checkpoint ({why})")
     if module not in step_modules(manifest):
         raise CheckpointFileError(f"{step_dir} holds no '{module}' module (it holds {', '.join(step_modules(manifest))})")
     files = manifest["files"]
-    problem = first_problem(Path(step_dir), files, sorted(n for n in files if n.startswith(module + "/")))
+    problem = first_problem(Path(step_dir), files, sorted(n for n in files if n.startswith(module + "/")), full=full)
     if problem:
         raise CheckpointFileError(f"{step_dir} is damaged: {problem}")
     for p in sorted((Path(step_dir) / module).rglob("*")):
@@ -62,10 +63,11 @@ def _verified(step_dir: str, module: str) -> dict:
     return manifest
 
 
-def verified_manifest(step_dir: str | Path, module: str) -> dict:
-    """The manifest of ``step_dir`` once every file of ``module`` matched it (size and SHA-256; once
-    per process); ``CheckpointFileError`` naming the first problem otherwise."""
-    return _verified(str(Path(step_dir).resolve()), module)
+def verified_manifest(step_dir: str | Path, module: str, full: bool = True) -> dict:
+    """The manifest of ``step_dir`` once every file of ``module`` matched it (``full``: size and
+    SHA-256, else size only; once per process); ``CheckpointFileError`` naming the first problem
+    otherwise. Files are checksummed again as they are read (``_load``)."""
+    return _checked(str(Path(step_dir).resolve()), module, full)
 
 
 def step_recipe(manifest: dict):
@@ -93,7 +95,19 @@ def layer_files(step_dir: Path, module: str) -> dict[int, dict[int, Path]]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _verify_file(path: str) -> None:
+    """Size and SHA-256 of one file against its step directory's manifest (once per process)."""
+    step_dir = Path(path).parent.parent
+    files = verified_manifest(step_dir, Path(path).parent.name, full=False)["files"]
+    problem = file_problem(step_dir, Path(path).relative_to(step_dir).as_posix(), files[Path(path).relative_to(step_dir).as_posix()])
+    if problem:
+        raise CheckpointFileError(f"{step_dir} is damaged: {problem}")
+
+
 def _load(path: Path) -> dict[str, torch.Tensor]:
+    """One layer file, checked against the manifest, read without running code."""
+    _verify_file(str(path.resolve()))
     state = safe_load(path, map_location="cpu")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointFileError(f"checkpoint file {path} does not hold one layer's tensors")
@@ -124,7 +138,7 @@ def _layout(step_dir: str, folder: str) -> tuple[list, int, dict[int, dict[int, 
     from ..runtime.memory import meta_spec
     from ..topology import Topology
 
-    manifest = verified_manifest(step_dir, folder)
+    manifest = verified_manifest(step_dir, folder, full=False)  # each file's checksum: as it is read
     recipe = step_recipe(manifest)
     if folder not in recipe.model.modules:
         raise CheckpointFileError(f"{step_dir}: its manifest has no module '{folder}'")
@@ -177,6 +191,27 @@ def read_module_state(step_dir: str | Path, module: str, layers: list[str] | Non
                     raise CheckpointFileError(f"{ranks[0]}: {key} has shape {tuple(t.shape)} (tp={tp}), layer "
                                               f"{d.name} has {tuple(want.shape)}")
                 out[f"{d.name}/{key}"] = t
+    finally:
+        clear_build_caches()
+    return out
+
+
+def module_shapes(step_dir: str | Path, module: str, folder: str | None = None) -> dict[str, tuple]:
+    """``{layer/param: full shape}`` of a module in a step directory, from its manifest's model (no
+    tensor is read; every layer file present at its recorded size)."""
+    from ..families import clear_build_caches
+
+    folder = folder or module
+    defs, tp, files = _layout(str(Path(step_dir).resolve()), folder)
+    out = {}
+    try:
+        for idx, d in enumerate(defs):
+            if sorted(files[idx]) != list(range(tp)):
+                missing = next(r for r in range(tp) if r not in files[idx])
+                raise CheckpointFileError(f"{step_dir}/{folder}: layer {idx} ({d.name}) lacks its TP rank {missing} file "
+                                          f"(written with tp={tp})")
+            with torch.device("meta"):
+                out.update({f"{d.name}/{k}": tuple(v.shape) for k, v in d.build().state_dict().items()})
     finally:
         clear_build_caches()
     return out

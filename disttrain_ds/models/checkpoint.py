@@ -102,13 +102,17 @@ class _StepDir:
     def __init__(self, step_dir, folder: str):
         self.step_dir, self.folder = step_dir, folder
 
-    def read(self, layer_name: str | None = None) -> dict[str, torch.Tensor]:
+    def read(self, layer_name: str) -> dict[str, torch.Tensor]:
         from ..checkpoint_io.read import read_module_state
 
-        return read_module_state(self.step_dir, self.folder, None if layer_name is None else [layer_name])
+        return read_module_state(self.step_dir, self.folder, [layer_name])
 
     def shapes(self) -> dict[str, tuple]:
-        return {k: tuple(v.shape) for k, v in self.read().items()}
+        """Checks every file of the module (size and SHA-256) first: what runs before any process starts."""
+        from ..checkpoint_io.read import module_shapes, verified_manifest
+
+        verified_manifest(self.step_dir, self.folder)
+        return module_shapes(self.step_dir, self.folder)
 
     def name(self, local: str) -> str:
         return f"{self.folder}/{local}"

@@ -253,3 +253,23 @@ def test_exported_tokenizer_directory_gives_the_runs_ids_and_vocabulary(tmp_path
     assert again.encode(text) == load_tokenizer("smollm2").encode(text) and again.vocab_size == 49152
     assert vocab_size(_recipe([f"data.tokenizer={out}"])) == vocab_size(recipe) == 49158
     assert json.loads((out / "tokens.json").read_text())["special_tokens"]["image"] == 49153
+
+
+def test_a_damaged_step_directory_is_refused_before_training_and_when_a_layer_reads_it(written, tmp_path):
+    import shutil
+
+    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.runtime.imports import check_imports
+
+    damaged = tmp_path / written[0].name
+    shutil.copytree(written[0], damaged)
+    victim = damaged / "llm" / "layer_02-model_01-model_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[-30] ^= 0xFF  # same size: only the checksum shows it
+    victim.write_bytes(bytes(data))
+    recipe = _recipe([f"model.llm.checkpoint={damaged}"])
+    with pytest.raises(ConfigError, match="layer_02-model_01-model_states.pt does not match its sha256") as e:
+        check_imports(recipe)
+    assert "'model.llm.checkpoint'" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="does not match its sha256"):
+        _built(recipe, "llm")  # a rank reading that layer checks it too
