@@ -273,3 +273,16 @@ def test_a_damaged_step_directory_is_refused_before_training_and_when_a_layer_re
     assert "'model.llm.checkpoint'" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="does not match its sha256"):
         _built(recipe, "llm")  # a rank reading that layer checks it too
+
+
+def test_export_command_writes_every_module_and_reports_bad_input_in_one_line(written, tmp_path, run_main):
+    from disttrain_ds.cli.export import main
+
+    step = written[0]
+    code, out, err = run_main(main, "--checkpoint", str(step), "--out", str(tmp_path / "e"), "--dtype", "fp16")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == sorted(MODULES)
+    code, out, err = run_main(main, "--checkpoint", str(step), "--out", str(tmp_path / "e"))
+    assert code == 2 and err.startswith("error: --out") and err.count("\n") == 1
+    code, out, err = run_main(main, "--checkpoint", str(tmp_path), "--out", str(tmp_path / "f"))
+    assert code == 2 and "not a complete checkpoint" in err and err.count("\n") == 1
