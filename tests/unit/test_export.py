@@ -233,6 +233,15 @@ def test_qwen2_whisper_and_dit_modules_export_from_tp2_shards(tmp_path):
     assert json.loads((out / "painter" / "projector.json").read_text())["connects"] == "lm -> painter"
 
 
+def test_an_exported_llm_directory_names_the_byte_tokenizer_it_was_trained_with(written):
+    from disttrain_ds.data.tokenizer import ByteTokenizer, load_tokenizer
+    from disttrain_ds.runtime.memory import vocab_size
+
+    llm = written[3] / "llm"
+    assert isinstance(load_tokenizer(str(llm)), ByteTokenizer)
+    assert vocab_size(_recipe([f"data.tokenizer={llm}", f"model.llm.checkpoint={llm}"])) == 262
+
+
 def test_exported_tokenizer_directory_gives_the_runs_ids_and_vocabulary(tmp_path):
     """An LLM trained with a HF tokenizer (smollm2) exports it beside the weights; naming that
     directory as ``data.tokenizer`` gives the same ids and the same LLM vocabulary (specials after it)."""
