@@ -295,3 +295,11 @@ def test_export_command_writes_every_module_and_reports_bad_input_in_one_line(wr
     assert code == 2 and err.startswith("error: --out") and err.count("\n") == 1
     code, out, err = run_main(main, "--checkpoint", str(tmp_path), "--out", str(tmp_path / "f"))
     assert code == 2 and "not a complete checkpoint" in err and err.count("\n") == 1
+
+
+def test_init_from_must_be_a_step_directory(tmp_path):
+    from disttrain_ds.configtools import ConfigError
+
+    with pytest.raises(ConfigError, match="'train.init_from'.*not a checkpoint step directory") as e:
+        _recipe([f"train.init_from={tmp_path}"])
+    assert "\n" not in str(e.value)
