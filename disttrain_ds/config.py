@@ -105,6 +105,10 @@ class TrainConfig:
     """auto: continue from the newest complete checkpoint in ``checkpoint.dir`` if there is one;
     none: start from scratch (refused if ``checkpoint.dir`` already holds checkpoints);
     or the path of one checkpoint step directory."""
+    init_from: str = ""
+    """A training checkpoint step directory whose weights every module starts from (those without a
+    ``model.<module>.checkpoint`` of their own): weights only, a new optimizer, step 0 (fine-tuning
+    stages). Independent of ``resume``, which continues a run of this very recipe."""
     on_nonfinite: Literal["stop", "continue"] = "stop"
     """stop: a NaN or infinite loss ends the job with one line naming the step, on every rank, before
     that step is checkpointed; continue: log it and train on. There is no ``skip``: each DeepSpeed
@@ -268,14 +272,28 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Parse and validate a recipe (a YAML path or a shipped recipe's name) with ``a.b=c`` overrides."""
     path = find_recipe(path)
     src = str(path)
-    data = apply_overrides(load_yaml(path), overrides or [])
+    recipe = recipe_from_data(apply_overrides(load_yaml(path), overrides or []), src)
+    _apply_init_from(recipe)
+    _anchor_paths(recipe)
+    validate(recipe)
+    return recipe
+
+
+def recipe_from_data(data: dict, src: str) -> Recipe:
+    """A recipe from plain data (presets expanded, both module forms linked), not yet validated:
+    also how a checkpoint's recorded model and layout become a recipe again."""
     data = _apply_presets(expand_graph_sections(data, src), src)
     recipe = from_dict(Recipe, data, src=src)
     recipe.source_file = src
     link_sections(recipe, ModuleParallel)
-    _anchor_paths(recipe)
-    validate(recipe)
     return recipe
+
+
+def _apply_init_from(r: Recipe) -> None:
+    """``train.init_from``: every module without its own ``checkpoint`` starts from the step directory's weights."""
+    if r.train.init_from:
+        for cfg in r.model.modules.values():
+            cfg.checkpoint = cfg.checkpoint or r.train.init_from
 
 
 def _input_paths(r: Recipe) -> list[tuple[object, str]]:

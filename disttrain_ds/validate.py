@@ -142,6 +142,9 @@ def validate(r: Recipe) -> None:
                "the reference layout is for comparisons (set checkpoint.every=0)")
     elif t.resume not in ("auto", "none"):
         _check(Path(t.resume).is_dir(), src, "train.resume", f"{t.resume} is not a directory (expected auto, none or a checkpoint step directory)")
+    if t.init_from:
+        _check((Path(t.init_from) / "manifest.json").is_file(), src, "train.init_from",
+               f"{t.init_from} is not a checkpoint step directory (no manifest.json)")
     d = r.data
     _check(d.seq_len >= 16, src, "data.seq_len", f"must be >= 16, got {d.seq_len}")
     images = [n for n in graph.encoders if module_family(r, n).name == "vit"]

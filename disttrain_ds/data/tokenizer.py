@@ -145,15 +145,29 @@ def _load_directory(path: Path) -> HFTokenizer:
     return HFTokenizer(str(path), tok, len(tok), fast=False)
 
 
+def _exported_name(path: Path) -> str | None:
+    """The tokenizer an exported LLM directory names in its ``tokens.json`` when it holds no
+    tokenizer files of its own (``byte``); None: read the directory's files."""
+    import json
+
+    try:
+        named = json.loads((path / "tokens.json").read_text()).get("data.tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named if named in ("byte", "smollm2") else None
+
+
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(spec: str, cache_dir: str = "") -> Tokenizer:
-    """The tokenizer named by ``data.tokenizer``: byte | smollm2 | a local HF tokenizer directory."""
+    """The tokenizer named by ``data.tokenizer``: byte | smollm2 | a local HF tokenizer directory
+    (or an LLM directory written by ``disttrain-export``, whose ``tokens.json`` names it)."""
     if spec == "byte":
         return ByteTokenizer()
     if spec == "smollm2":
         return _load_smollm2(cache_dir)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _load_directory(path)
+        named = _exported_name(path)
+        return load_tokenizer(named, cache_dir) if named else _load_directory(path)
     raise FileNotFoundError(f"data.tokenizer: '{spec}' is not byte, smollm2 or an existing tokenizer directory")
 

@@ -79,6 +79,9 @@ class Family:
     """Generators: cfg -> the ``CostModel`` generator fields (``gen_per_image``, ``gen_per_latent``,
     ``gen_per_latent_sq`` in forward FLOPs, ``gen_downsample``) of one generated image; what data
     reordering and balance read."""
+    vocab_params: Sequence[str] = ()
+    """``layer/param`` keys whose rows are the vocabulary: an imported checkpoint with fewer rows
+    (a tokenizer with extra special ids) grows them (``models/checkpoint.py::grow_vocab``)."""
     not_trainable: str = ""
     """Why recipes cannot train this family yet (empty when they can): its layers are built and
     tested, but some part of the pipeline around them is missing."""
@@ -86,6 +89,11 @@ class Family:
     def layers(self, cfg: Any, ctx: BuildContext) -> list[LayerDef]:
         """Ordered pipeline layers of a module of this family."""
         return importlib.import_module(self.model).layers(cfg, ctx)
+
+    def hf_model(self, cfg: Any):
+        """The whole Hugging Face / diffusers model (random init) whose keys ``hf_rules`` map: what
+        ``disttrain-export`` fills and saves."""
+        return importlib.import_module(self.model).hf_model(cfg)
 
     def tp_plan(self) -> Sequence[tuple[type, dict[str, str]]]:
         """Which linears of which submodule classes tensor parallelism splits."""

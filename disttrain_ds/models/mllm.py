@@ -66,15 +66,16 @@ class MLLMSpec:
         """The module's pipeline layers: its family's, with the projector on the LLM side."""
         fam, cfg = self.family(module), self.config(module)
         ctx = BuildContext(module=module, seed=self.seed, llm_hidden=self.llm.hidden_size, image_token=self.special.image)
-        body = [replace(d, frozen=cfg.frozen) for d in with_checkpoint(module, fam.layers(cfg, ctx), cfg.checkpoint, fam.hf_rules)]
-        if fam.role == "llm":
-            return body
-        width, llm = fam.width(cfg), self.llm.hidden_size
-        if fam.role == "encoder":
-            proj = seeded(self.seed, module, "projector", lambda: InputProjector(width, llm))
-            return body + [replace(proj, frozen=cfg.projector.frozen)]
-        proj = seeded(self.seed, module, "projector", lambda: ConditionProjector(llm, width))
-        return [replace(proj, frozen=cfg.projector.frozen)] + body
+        body = [replace(d, frozen=cfg.frozen) for d in fam.layers(cfg, ctx)]
+        if fam.role != "llm":
+            width, llm = fam.width(cfg), self.llm.hidden_size
+            if fam.role == "encoder":
+                proj = seeded(self.seed, module, "projector", lambda: InputProjector(width, llm))
+                body = body + [replace(proj, frozen=cfg.projector.frozen)]
+            else:
+                proj = seeded(self.seed, module, "projector", lambda: ConditionProjector(llm, width))
+                body = [replace(proj, frozen=cfg.projector.frozen)] + body
+        return with_checkpoint(module, body, cfg.checkpoint, fam.hf_rules, fam.vocab_params)
 
     def frozen(self, module: str) -> bool:
         """Nothing in the module trains (neither its own layers nor its projector)."""

@@ -93,6 +93,16 @@ def unshard_rows(shards: list[torch.Tensor], pieces: int = 1) -> torch.Tensor:
     return torch.cat([torch.cat([s[p] for s in split], dim=0) for p in range(pieces)], dim=0)
 
 
+def merge_shards(parts: list[torch.Tensor], dim: int, pieces: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's shard of it (rank order): inverse of the column / row split."""
+    return unshard_rows(parts, pieces) if dim == 0 else torch.cat(parts, dim=dim)
+
+
+def tp_split(layer: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (split dim, stacked pieces) of each parameter ``shard_layer`` split in ``layer``."""
+    return {n: (p.tp_dim, p.tp_pieces) for n, p in layer.named_parameters() if hasattr(p, "tp_dim")}
+
+
 def _tp_param(t: torch.Tensor, dim: int, pieces: int = 1) -> nn.Parameter:
     p = nn.Parameter(t)
     # DeepSpeed's gradient-norm code counts parameters with this flag on every TP rank.
@@ -202,8 +212,5 @@ def full_state(layer: nn.Module, tp: TPContext) -> dict[str, torch.Tensor]:
             continue
         parts = [torch.empty_like(p.data) for _ in range(tp.size)]
         dist.all_gather(parts, p.data.contiguous(), group=tp.group)
-        if p.tp_dim == 0:
-            state[name] = unshard_rows(parts, p.tp_pieces)
-        else:
-            state[name] = torch.cat(parts, dim=p.tp_dim)
+        state[name] = merge_shards(parts, p.tp_dim, p.tp_pieces)
     return state

@@ -19,4 +19,4 @@ def check_imports(recipe) -> None:
         names = [d.name for d in meta_spec(recipe, vocab).layers(name)]  # defs only: nothing is built here
         fam = module_family(recipe, name)
         check_checkpoint(name, list(zip(names, meta_layers(recipe, name, vocab))), cfg.checkpoint, fam.hf_rules,
-                         f"{module_key(recipe, name)}.checkpoint", fam.hf_formats)
+                         f"{module_key(recipe, name)}.checkpoint", fam.hf_formats, fam.vocab_params)

@@ -21,7 +21,8 @@ from disttrain_ds.configtools import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-COMMANDS = ("disttrain-train", "disttrain-plan", "disttrain-profile", "disttrain-launch", "disttrain-report")
+COMMANDS = ("disttrain-train", "disttrain-plan", "disttrain-profile", "disttrain-launch", "disttrain-report",
+            "disttrain-export")
 SHIPPED = {"recipes": "*.yaml", "ds_configs": "*.json"}
 
 
@@ -70,6 +71,7 @@ def test_train_sets_the_thread_default_and_reports_a_bad_recipe_in_one_line(monk
     ["tools/train.py", "--help"],
     ["tools/launch.py", "--help"],
     ["tools/report.py", "--help"],
+    ["tools/export.py", "--help"],
     ["-m", "disttrain_ds.cli.train", "--help"],
     ["-m", "disttrain_ds.plan", "--help"],
 ])

@@ -64,6 +64,10 @@ def build_pixart(cfg: DiTConfig) -> PixArtTransformer2DModel:
     return PixArtTransformer2DModel(**pixart_kwargs(cfg))
 
 
+hf_model = build_pixart
+"""The whole diffusers model this family's layers are cut from (what export writes)."""
+
+
 @functools.lru_cache(maxsize=4)
 def _full_pixart(cfg_json: str, seed: int, device: str) -> PixArtTransformer2DModel:
     """The whole model, built once per process (and default device: a meta build for parameter

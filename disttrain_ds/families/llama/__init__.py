@@ -24,6 +24,9 @@ DECODER_HF_RULES = (
 )
 """Hugging Face causal-LM keys (``model.layers.N...``, ``lm_head``) onto embed / blockN / head."""
 
+DECODER_VOCAB_PARAMS = ("embed/embed_tokens.weight", "head/lm_head.weight")
+"""The decoder's tensors with one row per vocabulary id."""
+
 def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
     """Size rules of a Llama-shaped decoder."""
     out = []
@@ -49,6 +52,7 @@ FAMILY = Family(
     tp_sizes=decoder_tp_sizes,
     problems=decoder_problems,
     hf_rules=DECODER_HF_RULES,
+    vocab_params=DECODER_VOCAB_PARAMS,
     activation_layers=decoder_activation_layers,
     hf_formats="transformers LlamaForCausalLM or LlamaModel",
 )

@@ -11,7 +11,7 @@ from torch import nn
 from dataclasses import dataclass
 from typing import Callable
 
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -45,6 +45,11 @@ def hf_kwargs(cfg: LLMConfig) -> dict:
 
 def hf_config(cfg: LLMConfig) -> LlamaConfig:
     return LlamaConfig(**hf_kwargs(cfg))
+
+
+def hf_model(cfg: LLMConfig) -> LlamaForCausalLM:
+    """The whole transformers model this family's layers correspond to (what export writes)."""
+    return LlamaForCausalLM(hf_config(cfg))
 
 
 @dataclass(frozen=True)

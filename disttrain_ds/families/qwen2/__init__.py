@@ -5,7 +5,7 @@ Everything but the transformers classes and the presets is the Llama family's co
 
 from ...models.configs import LLMConfig
 from ..base import Family
-from ..llama import DECODER_HF_RULES, decoder_activation_layers, decoder_problems, decoder_tp_sizes
+from ..llama import DECODER_HF_RULES, DECODER_VOCAB_PARAMS, decoder_activation_layers, decoder_problems, decoder_tp_sizes
 
 PRESETS: dict[str, dict] = {
     "tiny": {},
@@ -26,6 +26,7 @@ FAMILY = Family(
     tp_sizes=decoder_tp_sizes,
     problems=decoder_problems,
     hf_rules=DECODER_HF_RULES,
+    vocab_params=DECODER_VOCAB_PARAMS,
     activation_layers=decoder_activation_layers,  # Qwen2's q/k/v biases are parameters only
     hf_formats="transformers Qwen2ForCausalLM or Qwen2Model",
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2Attention,
     Qwen2DecoderLayer,
@@ -19,6 +19,11 @@ from ..llama.model import Decoder, LlmHead, decoder_layers, hf_kwargs
 
 def hf_config(cfg: LLMConfig) -> Qwen2Config:
     return Qwen2Config(**hf_kwargs(cfg))
+
+
+def hf_model(cfg: LLMConfig) -> Qwen2ForCausalLM:
+    """The whole transformers model this family's layers correspond to (what export writes)."""
+    return Qwen2ForCausalLM(hf_config(cfg))
 
 
 QWEN2 = Decoder(hf_config, Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding)

@@ -28,6 +28,10 @@ def build_unet(cfg: GeneratorConfig) -> UNet2DConditionModel:
     return UNet2DConditionModel(**unet_kwargs(cfg))
 
 
+hf_model = build_unet
+"""The whole diffusers model this family's layers are cut from (what export writes)."""
+
+
 def unet_kwargs(cfg: GeneratorConfig) -> dict:
     """``UNet2DConditionModel`` constructor arguments for a generator config."""
     return dict(

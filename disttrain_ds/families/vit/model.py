@@ -39,6 +39,11 @@ def hf_config(cfg: EncoderConfig) -> ViTConfig:
 
 
 
+def hf_model(cfg: EncoderConfig) -> ViTModel:
+    """The whole transformers model this family's layers are cut from (what export writes)."""
+    return ViTModel(hf_config(cfg), add_pooling_layer=False)
+
+
 def _cache_key(cfg) -> str:
     """The config's own fields as JSON (the projector is not part of this network)."""
     return json.dumps({k: v for k, v in cfg.__dict__.items() if k != "projector"}, sort_keys=True)
@@ -49,7 +54,7 @@ def _full_vit(cfg_json: str, seed: int) -> ViTModel:
     """The whole HF ViT, built once per process with HF's own init; layers are taken from it."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return ViTModel(hf_config(EncoderConfig(**json.loads(cfg_json))), add_pooling_layer=False)
+        return hf_model(EncoderConfig(**json.loads(cfg_json)))
 
 
 def _vit_part(cfg: EncoderConfig, seed: int, pick):

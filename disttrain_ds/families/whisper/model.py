@@ -70,6 +70,11 @@ class LocalHeadsAttention(WhisperAttention):
         """Ignored: the weights decide (``__init__`` or a TP pass may still assign it)."""
 
 
+def hf_model(cfg: AudioEncoderConfig) -> WhisperEncoder:
+    """The whole transformers encoder this family's layers are cut from (what export writes)."""
+    return WhisperEncoder(hf_config(cfg))
+
+
 def _sizes(cfg: AudioEncoderConfig) -> tuple[int, ...]:
     """The config fields that shape the network (the cache key; ``frozen`` etc. do not matter)."""
     return (cfg.n_mels, cfg.hidden_size, cfg.layers, cfg.heads, cfg.ffn_hidden, cfg.max_frames)
