@@ -67,6 +67,11 @@ def _tp_costs(cost: float, at_tp: int) -> dict[str, float]:
     return {str(t): round(c1 / (t * TP_EFFICIENCY ** math.log2(t)), 3) for t in (1, 2, 4, 8)}
 
 
+def _tp_sources(at_tp: int) -> dict[str, str]:
+    """The paper's figure at ``at_tp`` is taken as given (not measured here); the rest are scaled."""
+    return {str(t): "assumed" if t == at_tp else "interpolated" for t in (1, 2, 4, 8)}
+
+
 def paper_profile(paper: dict, gpus: int, batch: int, model: str = "llama3-70b",
                   config: str = "8img_1024") -> Profile:
     """A profile at ``gpus``/``batch`` from the paper's per-module figures (see module doc)."""
@@ -87,11 +92,14 @@ def paper_profile(paper: dict, gpus: int, batch: int, model: str = "llama3-70b",
         "peak_tflops": paper["hardware"]["bf16_peak_tflops"],
         "modules": {
             "encoder": {"layers": 32, "cost_ms": _tp_costs(3 * fwd["vit_huge"], 1),
+                        "cost_source": _tp_sources(1),
                         "params": paper["encoder"]["params_b"] * 1e9},
             "llm": {"layers": arch["layers"], "cost_ms": _tp_costs(llm_tp8, 8),
+                    "cost_source": _tp_sources(8),
                     "params": params, "flops_per_sample": flops,
                     "activation_bytes_per_sample": 34.0 * seq * arch["hidden"] * arch["layers"]},
             "generator": {"layers": 12, "cost_ms": _tp_costs(3 * fwd["sd21"], 1),
+                          "cost_source": _tp_sources(1),
                           "params": paper["generator"]["params_b"] * 1e9},
         }})
 

@@ -92,6 +92,7 @@ def _tp1(d: dict) -> dict:
     """Tensor parallelism is not run here: keep TP=1 costs (gpus_per_node 1)."""
     for m in d["modules"].values():
         m["cost_ms"] = {"1": m["cost_ms"]["1"]}
+        m["cost_source"] = {t: s for t, s in m.get("cost_source", {}).items() if t == "1"}
     return {**d, "gpus_per_node": 1}
 
 

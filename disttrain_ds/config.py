@@ -61,6 +61,10 @@ class ModuleParallel:
     """How DeepSpeed splits layers over stages: uniform | parameters."""
     ds_config: str = ""
     """DeepSpeed JSON for this module's engine; empty uses the recipe's ``deepspeed_config``."""
+    activation_checkpointing: int = 0
+    """Recompute activations in backward instead of keeping them: each stage's layers are run in
+    checkpointed blocks of this many pipeline layers (DeepSpeed's ``activation_checkpoint_interval``);
+    only a block's input is kept per microbatch. 0 keeps every activation."""
 
 
 @dataclass

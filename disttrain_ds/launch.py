@@ -185,6 +185,23 @@ def check_memory(recipe) -> str:
             f"{recipe.train.device_memory_gib:g} GiB per device: fits")
 
 
+def tp_span_problems(recipe, active: dict[str, list[int]]) -> list[str]:
+    """TP groups whose ranks the launcher puts on more than one host (ranks go host by host in
+    hostfile order, as DeepSpeed's runner assigns them): "module ranks a-b (host x, host y)"."""
+    if recipe.layout == "reference":
+        return []
+    from .topology import Topology
+
+    host_of = [name for name, slots in active.items() for _ in slots]
+    out = []
+    for m in Topology.from_recipe(recipe).modules:
+        for group in m.tp_groups() if m.tp > 1 else ():
+            hosts = list(dict.fromkeys(host_of[r] for r in group if r < len(host_of)))
+            if len(hosts) > 1:
+                out.append(f"{m.name} ranks {group[0]}-{group[-1]} ({', '.join(hosts)})")
+    return out
+
+
 def _n(count: int, word: str) -> str:
     return f"{count} {word}" + ("" if count == 1 else "s")
 
@@ -369,6 +386,12 @@ def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str
         f"recipe {args.recipe}: layout {recipe.layout} needs {_n(ranks, 'rank')} ({breakdown}): matches",
         memory,
     ] + [restarts] * bool(restarts)
+    spans = tp_span_problems(recipe, active)
+    if spans:
+        more = f" and {len(spans) - 1} more" if len(spans) > 1 else ""
+        report.append(f"warning: {_n(len(spans), 'tensor-parallel group')} span hosts, so their all-reduces leave "
+                      f"the node: {spans[0]}{more}; plan with disttrain-plan (it keeps TP groups inside a node) "
+                      "or give every host a multiple of the TP degrees' slots")
     if not remote:
         report.append("reachability: every host is this machine, nothing to probe")
     elif args.skip_reachability:

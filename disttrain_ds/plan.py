@@ -1,12 +1,14 @@
 """Plan a disaggregated layout from a profile, and optionally write it into a recipe.
 
-    disttrain-plan --profile P.json [--json]
+    disttrain-plan --profile P.json [--json] [--measured-only] [--recipe base.yaml]
     disttrain-plan --profile P.json --write-recipe out.yaml --recipe base.yaml [--force]
 
 (``python -m disttrain_ds.plan`` is the same command.) ``--recipe`` takes a YAML path or the name of
 a shipped recipe (``mllm_9b``). For a module graph (profile modules other than encoder/llm/generator)
 the base recipe is a graph-form one (``model.modules``) with the profile's modules, and the plan
-goes into ``parallel.modules.<name>``; such a recipe is written only if it loads.
+goes into ``parallel.modules.<name>``. With ``--recipe`` the plan only uses degrees the runtime
+accepts for that recipe's model (``planner/legal.py``), and a recipe is written only if it loads.
+Every plan says which of its costs were measured and which were interpolated or assumed.
 
 Errors (bad profile, no feasible layout, missing files, refusing to overwrite) are one line on
 stderr and exit status 2.
@@ -24,9 +26,10 @@ from typing import Any
 import yaml
 
 from disttrain_ds.cli import OneLineParser, prog_name
-from disttrain_ds.config import find_recipe, load_recipe
+from disttrain_ds.config import Recipe, find_recipe, load_recipe
 from disttrain_ds.configtools import ConfigError, load_yaml
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.legal import LeftOut, measured_only, restrict_to_runtime
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
 from disttrain_ds.planner.profile import Profile, load_profile
 from disttrain_ds.recipe_graph import family_named
@@ -44,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write --recipe with layout and parallel degrees set to the plan")
     ap.add_argument("--recipe", type=Path, metavar="BASE", help="base recipe: YAML path or shipped recipe name")
     ap.add_argument("--force", action="store_true", help="overwrite --write-recipe's file")
+    ap.add_argument("--measured-only", action="store_true",
+                    help="consider only the TP degrees whose cost was measured (cost_source)")
     return ap
 
 
@@ -71,6 +76,27 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
     return "\n".join(lines)
 
 
+def format_costs(profile: Profile, result: Plan, left_out: list[LeftOut] = ()) -> str:
+    """Where every cost the plan could use comes from, per module and TP degree (``*``: the
+    plan's degree), what the runtime ruled out, and a warning when the plan rests on costs that
+    were not measured."""
+    width = max(10, *(len(n) for n in result.modules))
+    lines = ["", "cost_ms sources (* = the plan's TP degree):"]
+    for n, spec in profile.modules.items():
+        cells = [f"TP={t}{'*' if t == result.module(n).tp else ''} {spec.source(t)}"
+                 for t in spec.tp_degrees(profile.gpus_per_node)]
+        lines.append(f"  {n + ':':<{width + 1}} " + ", ".join(cells))
+    if left_out:
+        lines.append("left out, the runtime refuses them: " + ", ".join(map(str, left_out)))
+    unmeasured = [f"{n} TP={m.tp} ({m.cost_source})" for n, m in result.modules.items()
+                  if m.cost_source != "measured"]
+    if unmeasured:
+        lines.append(f"warning: the predicted times rest on costs that were not measured: "
+                     f"{', '.join(unmeasured)}; measure them (disttrain-profile --measure-tp) or "
+                     "plan with --measured-only")
+    return "\n".join(lines)
+
+
 def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") -> dict[str, Any]:
     """A copy of ``base`` with ``layout: disaggregated`` and each module's parallel degrees
     (``dp``, ``tp``, ``pp``) set from ``result``; every other key is left as it was.
@@ -78,24 +104,14 @@ def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") 
     A three-module recipe (``model.encoder`` ...) gets ``parallel.<encoder|llm|generator>``; a
     graph-form recipe (``model.modules``) gets ``parallel.modules.<name>``, and its modules must
     be the plan's: the same names with the same roles (one-line ConfigError naming both lists)."""
-    check_runtime_graph(result.graph, src)
     out = json.loads(json.dumps(base))  # deep copy of plain YAML data
-    recipe_graph = base_recipe_graph(out, src)
-    if recipe_graph is None:  # three-module form
-        if result.graph != ModuleGraph.default():
-            raise ConfigError(f"{src}: a three-module recipe has encoder (encoder), llm (llm), generator "
-                              f"(generator) but the profile's modules are {_describe(result.graph)}: give "
-                              "--recipe a recipe whose model.modules has the profile's module names")
-    elif recipe_graph != result.graph:
-        raise ConfigError(f"{src}: 'model.modules' has {_describe(recipe_graph)} but the profile's "
-                          f"modules are {_describe(result.graph)}: the base recipe needs the profile's "
-                          "module names with the same roles")
+    graph_form = check_recipe_graph(out, result.graph, src)
     out["layout"] = "disaggregated"
     parallel = out.setdefault("parallel", {})
     if not isinstance(parallel, dict):
         raise ConfigError(f"{src}: 'parallel' must be a mapping")
     prefix = "parallel"
-    if recipe_graph is not None:
+    if graph_form:
         parallel = _mapping(parallel, "modules", src, "parallel.modules")
         prefix = "parallel.modules"
     for n in result.modules:
@@ -103,6 +119,23 @@ def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") 
         m = result.module(n)
         section.update(dp=m.dp, tp=m.tp, pp=m.pp)
     return out
+
+
+def check_recipe_graph(base: dict[str, Any], graph: ModuleGraph, src: str) -> bool:
+    """Whether ``base`` is a graph-form recipe; one-line ConfigError unless its modules are
+    ``graph``'s (same names, same roles) and the runtime can train that graph."""
+    check_runtime_graph(graph, src)
+    recipe_graph = base_recipe_graph(base, src)
+    if recipe_graph is None:  # three-module form
+        if graph != ModuleGraph.default():
+            raise ConfigError(f"{src}: a three-module recipe has encoder (encoder), llm (llm), generator "
+                              f"(generator) but the profile's modules are {_describe(graph)}: give "
+                              "--recipe a recipe whose model.modules has the profile's module names")
+    elif recipe_graph != graph:
+        raise ConfigError(f"{src}: 'model.modules' has {_describe(recipe_graph)} but the profile's "
+                          f"modules are {_describe(graph)}: the base recipe needs the profile's "
+                          "module names with the same roles")
+    return recipe_graph is not None
 
 
 def _mapping(parent: dict[str, Any], key: str, src: str, where: str) -> dict[str, Any]:
@@ -164,12 +197,23 @@ def write_checked(recipe: dict[str, Any], out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_problem(path: Path) -> str:
-    """Why ``load_recipe`` refuses ``path`` (one line), or "" when it loads."""
+def memory_problem(path: Path, profile: Profile) -> str:
+    """Why the runtime's start-up memory check (``runtime/memory.py``, as ``--dry-run``) would
+    refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). The
+    planner's own memory model is coarser: it counts 1F1B's in-flight microbatches within each
+    module, not along the whole chain, and skips modules without memory figures."""
+    from disttrain_ds.runtime.memory import check_fits, estimate
+
+    recipe = load_recipe(path)
+    if recipe.train.device_memory_gib <= 0:
+        return ""
     try:
-        load_recipe(path)
+        check_fits(recipe, estimate(recipe), recipe.train.device_memory_gib, "train.device_memory_gib")
     except ConfigError as exc:
-        return str(exc).removeprefix(f"{path}: ")
+        blind = [n for n, s in profile.modules.items() if s.activation_bytes_per_sample == 0]
+        why = f" (the profile has no activation_bytes_per_sample for {', '.join(blind)})" if blind else ""
+        return f"the runtime's memory check would stop it at start-up{why}: " + \
+            str(exc).removeprefix(f"{path}: ").split("; more ranks")[0]
     return ""
 
 
@@ -189,44 +233,79 @@ def _fail(message: str) -> int:
     return 2
 
 
+def probe_recipe(path: Path, graph: ModuleGraph, graph_form: bool) -> Recipe:
+    """The base recipe loaded as the runtime will read it, every module at dp = tp = pp = 1 (the
+    model sizes decide which degrees are legal, not the base's own degrees)."""
+    prefix = "parallel.modules" if graph_form else "parallel"
+    overrides = ["layout=disaggregated"] + [f"{prefix}.{n}.{a}=1" for n in graph.names
+                                            for a in ("dp", "tp", "pp")]
+    try:
+        return load_recipe(path, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"the base recipe must load to take the runtime's rules from it: {exc}") from None
+
+
+def plan_measured_only(profile: Profile) -> Plan:
+    """The plan over measured costs only; one line naming a module and degree when there is none."""
+    kept = measured_only(profile)
+    for name, spec in kept.modules.items():
+        if not spec.cost_ms:
+            have = ", ".join(f"TP={t} {profile.modules[name].source(t)}" for t in profile.modules[name].cost_ms)
+            raise PlanError(f"--measured-only: {name} has no measured cost ({have or 'none left'}); "
+                            f"measure it with disttrain-profile (--measure-tp for TP > 1)")
+    try:
+        return plan(kept)
+    except PlanError as exc:
+        try:
+            full = plan(profile)
+        except PlanError:
+            raise exc from None
+        unmeasured = [(n, m.tp, m.cost_source) for n, m in full.modules.items() if m.cost_source != "measured"]
+        n, t, source = unmeasured[0]
+        raise PlanError(f"--measured-only: nothing feasible with measured costs only ({exc}); the best "
+                        f"plan needs {n} TP={t}, whose cost is {source}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if (args.write_recipe is None) != (args.recipe is None):
+    if args.write_recipe is not None and args.recipe is None:
         return _fail("--write-recipe and --recipe go together")
+    left_out: list[LeftOut] = []
     try:
         profile = load_profile(args.profile)
-        if args.write_recipe is not None:
+        if args.recipe is not None:
             check_runtime_graph(profile.graph, f"{args.profile}: 'modules'")
-        result = plan(profile)
-        if args.write_recipe is not None:
-            if args.write_recipe.exists() and not args.force:
+            base_path = find_recipe(args.recipe)
+            base = load_yaml(base_path)
+            graph_form = check_recipe_graph(base, profile.graph, str(args.recipe))
+            if args.write_recipe is not None and args.write_recipe.exists() and not args.force:
                 return _fail(f"{args.write_recipe}: already exists (use --force to overwrite)")
-            base = load_yaml(find_recipe(args.recipe))
+            profile, left_out = restrict_to_runtime(
+                profile, probe_recipe(base_path, profile.graph, graph_form))
+        result = plan_measured_only(profile) if args.measured_only else plan(profile)
+        if args.write_recipe is not None:
             recipe = recipe_with_plan(base, result, str(args.recipe))
-            graph_form = base_recipe_graph(base, str(args.recipe)) is not None
     except (ConfigError, PlanError) as exc:
         return _fail(str(exc))
     if args.write_recipe is not None:
         try:
-            if graph_form:  # never write a graph recipe that does not load
-                write_checked(recipe, args.write_recipe)
-            else:  # three-module form: written as always (base recipes may be partial templates)
-                args.write_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
-                problem = load_problem(args.write_recipe)
+            write_checked(recipe, args.write_recipe)  # never a recipe that does not load
         except ConfigError as exc:
             return _fail(str(exc))
         except OSError as exc:
             return _fail(f"{args.write_recipe}: cannot write ({exc.strerror})")
         print(f"wrote {args.write_recipe}", file=sys.stderr)
-        if not graph_form and problem:
-            print(f"{PROG}: warning: {args.write_recipe}: does not load yet: {problem}", file=sys.stderr)
+        problem = memory_problem(args.write_recipe, profile)
+        if problem:
+            print(f"{PROG}: warning: {args.write_recipe}: {problem}", file=sys.stderr)
         for line in batch_mismatches(base, profile):
             print(f"{PROG}: warning: {args.recipe}: {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_json()))
     else:
         print(format_plan(profile, result, str(args.profile)))
+        print(format_costs(profile, result, left_out))
     return 0
 
 

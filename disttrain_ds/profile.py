@@ -33,12 +33,27 @@ from disttrain_ds.profile_tp import cost_table, measure_tp
 PROG = prog_name("disttrain-profile", "python -m disttrain_ds.profile")
 
 
+def checkpointing_fields(recipe: Recipe, module: str) -> dict[str, float]:
+    """The planner's activation-checkpointing fields of ``module``: the recipe's block size and
+    the largest per-sample layer output of the runtime's activation formulas (what a checkpointed
+    block keeps; largest sample the recipe's data allows); empty when the module keeps all."""
+    every = recipe.parallel.modules[module].activation_checkpointing
+    if not every:
+        return {}
+    from disttrain_ds.runtime.activations import module_layers
+    from disttrain_ds.runtime.memory import vocab_size
+
+    outputs = module_layers(recipe, module, vocab_size(recipe)).outputs
+    return {"activation_checkpointing": every, "layer_output_bytes_per_sample": float(max(outputs))}
+
+
 def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Namespace, opts: Options,
-                  device_name: str, peak: tuple[float, str], tp_table: tuple[dict[str, dict[int, float]], str]
-                  ) -> Profile:
+                  device_name: str, peak: tuple[float, str], tp_table: tuple[dict[str, dict[int, float]], str],
+                  measured_tp: frozenset[int] = frozenset()) -> Profile:
     """The planner profile of ``results``; provenance goes in ``description`` (the schema is closed).
 
-    ``tp_table``: ``profile_tp.cost_table``'s cost_ms per module and TP degree, and its sentence.
+    ``tp_table``: ``profile_tp.cost_table``'s cost_ms per module and TP degree, and its sentence;
+    ``measured_tp``: the TP > 1 degrees timed with ``--measure-tp`` (the rest are interpolated).
     """
     width = float(torch.empty(0, dtype=opts.dtype).element_size())
     # Adam's two fp32 moments (this SGD has no momentum), plus fp32 master weights under bf16.
@@ -50,7 +65,9 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
         params=float(r.params), frozen=r.mode != "train", weight_bytes_per_param=width,
         grad_bytes_per_param=width, optimizer_bytes_per_param=optim,
         activation_bytes_per_sample=float(r.activation_bytes), flops_per_sample=statistics.median(r.flops),
-        sample_cost_ms=None if draws is None else draws[r.name])
+        sample_cost_ms=None if draws is None else draws[r.name],
+        cost_source={t: "measured" if t == 1 or t in measured_tp else "interpolated" for t in costs[r.name]},
+        **checkpointing_fields(recipe, r.name))
         for r in results}
     p90 = ", ".join(f"{r.name} {r.p90_ms:.4g}" for r in results)
     text = (f"Profiled by {PROG} from {recipe.source_file}{''.join(' ' + o for o in args.overrides)} on "
@@ -187,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = measure_tp(args, recipe, "cuda" if cuda else "cpu")
         tp_table = cost_table(recipe, {r.name: r.median_ms for r in results}, measured, args.tp_efficiency,
                               args.gpus_per_node)
-        profile = build_profile(recipe, results, args, opts, name, peak, tp_table)
+        profile = build_profile(recipe, results, args, opts, name, peak, tp_table, frozenset(measured))
     except (ConfigError, torch.OutOfMemoryError) as exc:
         return _fail(str(exc).splitlines()[0])
     if args.out.exists() and not args.force:  # appeared while measuring

@@ -60,6 +60,11 @@ class ModuleGrid:
     def pp_group(self, *, dp: int, tp: int = 0) -> list[int]:
         return [self.rank(stage=s, dp=dp, tp=tp) for s in range(self.pp)]
 
+    def tp_groups(self) -> list[list[int]]:
+        """Every tensor-parallel group's global ranks (TP consecutive ranks each)."""
+        return [[self.rank(stage=s, dp=d, tp=t) for t in range(self.tp)]
+                for s in range(self.pp) for d in range(self.dp)]
+
 
 @dataclass(frozen=True)
 class Topology:

@@ -99,6 +99,8 @@ def validate(r: Recipe) -> None:
         _check(mp.tp in (1, 2, 4, 8), src, f"{pkey}.tp", f"must be 1, 2, 4 or 8, got {mp.tp}")
         _check(mp.pp <= counts[name], src, f"{pkey}.pp", f"{mp.pp} exceeds the module's {counts[name]} pipeline layers")
         _check(mp.partition in ("uniform", "parameters"), src, f"{pkey}.partition", "must be uniform | parameters")
+        _check(mp.activation_checkpointing >= 0, src, f"{pkey}.activation_checkpointing",
+               f"must be >= 0 (layers per checkpointed block; 0: off), got {mp.activation_checkpointing}")
         if name != graph.llm and r.layout == "disaggregated":
             _check(slot % mp.dp == 0, src, f"{pkey}.dp", f"{mp.dp} must divide {llm_dp_key} * train.micro_batch = {slot}")
     if r.layout != "reference":

@@ -17,6 +17,7 @@ import time
 from types import MethodType
 
 import torch
+import torch.utils.checkpoint
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe import schedule as ds
@@ -57,14 +58,26 @@ class DefSpec(LayerSpec):
         return shard_layer(self.layer_def.build(), self.tp)
 
 
-def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: TPContext) -> PipelineModule:
+def recompute(function, *args):
+    """Activation checkpointing of one block of layers: keep its inputs, run it again in
+    backward. torch's non-reentrant checkpoint: inputs that need no gradient (token ids, frozen
+    layers' outputs) and layers without trainable weights are fine, and the RNG state is
+    replayed, so the recomputed forward is the forward that ran."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
+def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: TPContext,
+                          checkpoint_every: int = 0) -> PipelineModule:
     """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the
-    module's ranks; layers whose ``LayerDef`` is frozen get no weight gradients."""
+    module's ranks; layers whose ``LayerDef`` is frozen get no weight gradients.
+    ``checkpoint_every``: recompute activations in blocks of that many layers (0: keep them)."""
     with subset_grid_for_pipeline_module(tp.group):  # the TP group made for the layers, not a second one
         pm = PipelineModule(
             layers=[DefSpec(d, tp) for d in layer_defs],
             topology=OffsetTopology(grid),
             partition_method=partition,
+            activation_checkpoint_interval=checkpoint_every,
+            activation_checkpoint_func=recompute,
             dynamic_shape=True,  # images per sample vary, so activation shapes do too
         )
     for idx in range(pm._local_start, pm._local_stop):

@@ -78,7 +78,8 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
             raise PlanError(f"megatron layout (tp={tp}, pp={pp}, dp={dp}): {n} needs "
                             f"{mem / GIB:.1f} GiB per GPU, more than {profile.gpu_memory_gb:g}")
         mods[n] = ModulePlan(dp * tp * own_pp, dp, tp, own_pp, m, w[n], stage[n],
-                             mem / GIB if spec.has_memory_figures else None)
+                             mem / GIB if spec.has_memory_figures else None,
+                             cost_source=spec.source(tp if n == lname else 1))
     total = dp * per_replica
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
                 t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, total),
@@ -104,7 +105,7 @@ def ratio_split(profile: Profile) -> dict[str, int]:
     return {n: max(1, share[n]) for n in names}
 
 
-def ratio_plan(profile: Profile) -> Plan:
+def ratio_plan(profile: Profile, aligned: bool = True) -> Plan:
     """The ratio-based baseline: the minimum-T_iter layout with every module inside its
     ``ratio_split`` share (the best integer degrees near the proportional split)."""
-    return replace(plan(profile, gpu_caps=ratio_split(profile)), layout="ratio-based")
+    return replace(plan(profile, gpu_caps=ratio_split(profile), aligned=aligned), layout="ratio-based")

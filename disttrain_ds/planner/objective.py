@@ -136,15 +136,25 @@ def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, in_flig
     else:  # ZeRO-1: only optimizer states are sharded over the DP group
         per_param = spec.weight_bytes_per_param + spec.grad_bytes_per_param \
             + spec.optimizer_bytes_per_param / dp
-    return spec.params / shard * per_param \
-        + in_flight * m * spec.activation_bytes_per_sample / shard
+    weights = spec.params / shard * per_param
+    every = spec.activation_checkpointing
+    if every <= 0:
+        return weights + in_flight * m * spec.activation_bytes_per_sample / shard
+    # Checkpointed blocks of ``every`` layers: each microbatch in flight keeps one layer output per
+    # block; backward recomputes one block of one microbatch at a time.
+    stage_layers = spec.layers // pp
+    blocks = -(-stage_layers // every)
+    block = np.minimum(every, stage_layers) * (spec.activation_bytes_per_sample / spec.layers)
+    return weights + (in_flight * m * (blocks * spec.layer_output_bytes_per_sample) + m * block) / tp
 
 
 def memory_per_gpu(spec: ModuleProfile, degrees: Degrees, *, samples_per_microbatch: int,
                    in_flight: int) -> float:
     """Bytes on a GPU of the first pipeline stage: weights and gradients of 1/(tp*pp) of the
     module, optimizer states further sharded over dp, and activations of ``in_flight``
-    microbatches of ``samples_per_microbatch`` samples (1F1B: stage s of p holds min(p - s, K))."""
+    microbatches of ``samples_per_microbatch`` samples (1F1B: stage s of p holds min(p - s, K));
+    with ``activation_checkpointing``, one layer output per block and microbatch in flight plus
+    one block's activations while it is recomputed."""
     return float(memory_bytes(spec, degrees.dp, degrees.tp, degrees.pp, samples_per_microbatch,
                               in_flight))
 

@@ -23,6 +23,7 @@ from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors,  # noqa: F401
                                             layout_key, memory_per_gpu, samples_per_step,
                                             module_terms, straggler_table, t_iter)
+from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
 from disttrain_ds.planner.profile import GIB, Profile
 from disttrain_ds.planner.search import batch_splits, options, search
 
@@ -54,6 +55,8 @@ class ModulePlan:
     straggler: float = 1.0
     """Expected slowest replica's load over the mean one, h(dp, m), already in ``warmup_ms``
     (1.0 without per-sample draws)."""
+    cost_source: str = "assumed"
+    """Where the cost at this TP degree comes from: measured | interpolated | assumed."""
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,13 @@ class Plan:
         return {n: Degrees(m.dp, m.tp, m.pp) for n, m in self.modules.items()}
 
     def to_json(self) -> dict[str, Any]:
-        """The plan as plain data: per-module gpus/dp/tp/pp and the three times."""
+        """The plan as plain data: per-module gpus/dp/tp/pp, the three times, and where each
+        module's cost at its TP degree comes from."""
         out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp}
                                for n, m in self.modules.items()}
         out.update(t_iter_ms=self.t_iter_ms, t_warmup_ms=self.t_warmup_ms,
-                   t_steady_ms=self.t_steady_ms)
+                   t_steady_ms=self.t_steady_ms,
+                   cost_source={n: m.cost_source for n, m in self.modules.items()})
         return out
 
 
@@ -130,26 +135,33 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
         mem = memory_per_gpu(spec, deg, samples_per_microbatch=m, in_flight=min(deg.pp, k))
         h = 1.0 if table is None else table.factor(n, deg.dp, m)
         mods[n] = ModulePlan(deg.dp * deg.tp * deg.pp, deg.dp, deg.tp, deg.pp, m, warm,
-                             stage, mem / GIB if spec.has_memory_figures else None, h)
+                             stage, mem / GIB if spec.has_memory_figures else None, h,
+                             spec.source(deg.tp))
     gpus = sum(p.gpus for p in mods.values())
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
                 t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, gpus),
                 layout=layout_name)
 
 
-def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None) -> Plan:
+def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
+         aligned: bool = True) -> Plan:
     """The exact minimum-T_iter layout; ``gpu_caps`` optionally bounds each module's GPUs.
-    Raises PlanError with the binding constraint when nothing is feasible."""
+    ``aligned`` (the default; what ``disttrain-plan`` writes): every module's first rank is a
+    multiple of its TP degree, so no TP group spans nodes; False drops that rule (the paper's
+    model, for comparisons only). Raises PlanError with the binding constraint when nothing is
+    feasible."""
     caps = {n: profile.gpus if gpu_caps is None else min(gpu_caps[n], profile.gpus)
             for n in profile.graph.names}
     table = straggler_table(profile)
-    found = search(profile, caps, table)
+    found = search(profile, caps, table, aligned)
     if found is None:
+        if aligned and search(profile, caps, aligned=False) is not None:
+            raise PlanError(_unaligned_only(profile, caps))
         raise PlanError(_diagnose(profile, caps))
     return build_plan(profile, found, table=table)
 
 
-def exhaustive_plan(profile: Profile) -> Plan:
+def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
     """Reference optimum by brute force over every layout (small instances only; for tests)."""
     n_gpus, bs, limit = profile.gpus, profile.global_batch, profile.memory_limit_bytes
     names, best, table = profile.graph.names, None, straggler_table(profile)
@@ -163,8 +175,8 @@ def exhaustive_plan(profile: Profile) -> Plan:
             dps = [dp_llm] if n == profile.graph.llm else [x for x in range(1, d + 1) if d % x == 0]
             cands.append([Degrees(dp, tp, pp) for dp in dps
                           for tp in spec.tp_degrees(profile.gpus_per_node)
-                          for pp in range(1, spec.layers + 1)
-                          if spec.layers % pp == 0 and dp * tp * pp <= n_gpus
+                          for pp in spec.pp_degrees()
+                          if dp * tp * pp <= n_gpus
                           and (limit is None or memory_per_gpu(
                               spec, Degrees(dp, tp, pp), samples_per_microbatch=samples_per_step(
                                   profile, n, d, dp), in_flight=min(pp, bs // d)) <= limit)])
@@ -172,15 +184,32 @@ def exhaustive_plan(profile: Profile) -> Plan:
             if sum(x.dp * x.tp * x.pp for x in combo) > n_gpus:
                 continue
             layout = dict(zip(names, combo))
+            if aligned and not tp_aligned(layout, names):
+                continue
             key = layout_key(t_iter(profile, layout, table).total_ms, layout, names)
             if best is None or key < best[0]:
                 best = (key, layout)
     if best is None:
-        raise PlanError(_diagnose(profile, {n: n_gpus for n in names}))
+        caps = {n: n_gpus for n in names}
+        if aligned and search(profile, caps, aligned=False) is not None:
+            raise PlanError(_unaligned_only(profile, caps))
+        raise PlanError(_diagnose(profile, caps))
     return build_plan(profile, best[1], table=table)
 
 
 _COUNT = {2: "both", 3: "all three"}
+
+
+def _unaligned_only(profile: Profile, caps: Mapping[str, int]) -> str:
+    """Why nothing is feasible when only the node rule stands in the way."""
+    found = search(profile, caps, aligned=False)
+    shown = ", ".join(f"{n} {d.dp}x{d.tp}x{d.pp} from rank {first}"
+                      for n, first in first_ranks(found, profile.graph.names).items()
+                      for d in [found[n]])
+    capped = " and the GPU caps" if any(caps[n] < profile.gpus for n in caps) else ""
+    return (f"no layout within {profile.gpus} GPUs{capped} keeps every TP group inside a node of "
+            f"{profile.gpus_per_node} GPUs (each module must start at a multiple of its TP degree; "
+            f"the best layout without that rule is {shown})")
 
 
 def _diagnose(profile: Profile, caps: Mapping[str, int]) -> str:
@@ -190,9 +219,13 @@ def _diagnose(profile: Profile, caps: Mapping[str, int]) -> str:
     if bs % m:
         return f"global_batch {bs} is not divisible by microbatch {m}: no data-parallel degree fits"
     for n in names:
+        if not profile.modules[n].cost_ms:
+            return f"{n}: none of the profile's TP degrees is one the runtime accepts for this model"
         if not profile.modules[n].tp_degrees(profile.gpus_per_node):
             return (f"{n}: no TP degree in cost_ms ({', '.join(map(str, profile.modules[n].cost_ms))})"
-                    f" is <= gpus_per_node ({profile.gpus_per_node})")
+                    f" divides gpus_per_node ({profile.gpus_per_node})")
+        if not profile.modules[n].pp_degrees():
+            return f"{n}: no pipeline degree divides its {profile.modules[n].layers} layers"
     limit, big = profile.memory_limit_bytes, 1 << 62
     ds = batch_splits(profile)
     need: dict[str, int] = {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,11 @@ backbone -> modality generator (a profile's own names are ``Profile.graph.names`
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 """Tensor-parallel degrees the planner considers (TP stays inside one node)."""
+
+COST_SOURCES: tuple[str, ...] = ("measured", "interpolated", "assumed")
+"""Where a ``cost_ms`` entry comes from (``cost_source``): timed by the profiler, scaled from a
+measured degree, or given without a measurement (the default for a degree the profile does not
+declare)."""
 
 GIB = 2**30
 """Bytes in the unit of ``gpu_memory_gb`` (vendors' "80 GB" GPUs hold 80 GiB)."""
@@ -75,6 +80,23 @@ class ModuleProfile:
     """A representative draw of per-sample forward+backward times in ms at TP=1; entry i of every
     module's draw belongs to the same sample. With it the planner prices each stage by its
     expected slowest DP replica (:mod:`disttrain_ds.planner.hetero`) instead of the mean."""
+    activation_checkpointing: int = 0
+    """Layers per checkpointed block (the recipe's ``parallel.<module>.activation_checkpointing``):
+    a microbatch in flight keeps only each block's input, and backward recomputes one block at a
+    time. 0: every activation is kept."""
+    layer_output_bytes_per_sample: float = 0.0
+    """Bytes one layer hands to the next for one sample at TP=1 (what a checkpointed block keeps);
+    read only with ``activation_checkpointing``."""
+    cost_source: dict[int, str] = field(default_factory=dict)
+    """TP degree -> ``measured`` | ``interpolated`` | ``assumed`` for the entries of ``cost_ms``;
+    a degree not listed is ``assumed``."""
+    max_pp: int | None = None
+    """Largest pipeline degree the runtime accepts for this module (set from a recipe by
+    ``planner/legal.py``, never read from JSON); None: only "PP divides ``layers``"."""
+
+    def source(self, tp: int) -> str:
+        """Where ``cost_ms[tp]`` comes from (``COST_SOURCES``)."""
+        return self.cost_source.get(tp, "assumed")
 
     @property
     def has_memory_figures(self) -> bool:
@@ -82,8 +104,15 @@ class ModuleProfile:
         return self.params > 0 or self.activation_bytes_per_sample > 0
 
     def tp_degrees(self, gpus_per_node: int) -> tuple[int, ...]:
-        """TP degrees with a measured cost that fit inside one node, ascending."""
-        return tuple(t for t in sorted(self.cost_ms) if t <= gpus_per_node)
+        """TP degrees with a cost that divide ``gpus_per_node``, ascending: with module rank ranges
+        starting at multiples of their TP degree (``search.py``), no TP group then spans nodes."""
+        return tuple(t for t in sorted(self.cost_ms) if gpus_per_node % t == 0)
+
+    def pp_degrees(self) -> tuple[int, ...]:
+        """Pipeline degrees: divisors of ``layers`` (even stages), at most ``max_pp``, ascending."""
+        small = [d for d in range(1, int(self.layers**0.5) + 1) if self.layers % d == 0]
+        pps = small + [self.layers // d for d in reversed(small) if d * d != self.layers]
+        return tuple(p for p in pps if self.max_pp is None or p <= self.max_pp)
 
 
 @dataclass(frozen=True)
@@ -99,7 +128,7 @@ class Profile:
     microbatch: int = 1
     """Samples per LLM microbatch (M); DP_llm * M must divide ``global_batch``."""
     gpus_per_node: int = 8
-    """GPUs per node; bounds the TP degree because TP traffic needs NVLink."""
+    """GPUs per node; a TP degree must divide it, and no TP group may span two nodes."""
     gpu_memory_gb: float | None = None
     """Usable memory per GPU in GiB; when absent no layout is rejected for memory."""
     peak_tflops: float | None = None
@@ -141,8 +170,9 @@ _TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node",
                "peak_tflops", "description")
 _MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
                   "grad_bytes_per_param", "optimizer_bytes_per_param",
-                  "activation_bytes_per_sample", "flops_per_sample", "sample_cost_ms")
-_NUMBER_FIELDS = _MODULE_FIELDS[2:-1]  # written only when they differ from the default
+                  "activation_bytes_per_sample", "flops_per_sample", "activation_checkpointing",
+                  "layer_output_bytes_per_sample", "sample_cost_ms", "cost_source")
+_NUMBER_FIELDS = _MODULE_FIELDS[2:-2]  # written only when they differ from the default
 
 
 def _default_role(name: str, src: str) -> str:
@@ -224,6 +254,14 @@ def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
         cost[int(k)] = _num(raw, k, f"{pre}cost_ms.{k}", src, None, positive=True)
         if cost[int(k)] is None:
             raise _fail(src, f"{pre}cost_ms.{k}", "must be a number, got None")
+    sources = data.get("cost_source", {})
+    if not isinstance(sources, dict):
+        raise _fail(src, pre + "cost_source", "must be an object {\"tp\": measured | interpolated | assumed}")
+    for k, v in sources.items():
+        if str(k) not in raw:
+            raise _fail(src, f"{pre}cost_source.{k}", f"names no degree of {pre}cost_ms ({', '.join(raw)})")
+        if v not in COST_SOURCES:
+            raise _fail(src, f"{pre}cost_source.{k}", f"must be one of {' | '.join(COST_SOURCES)}, got {v!r}")
     frozen = data.get("frozen", False)
     if not isinstance(frozen, bool):
         raise _fail(src, pre + "frozen", f"must be true or false, got {frozen!r}")
@@ -245,6 +283,12 @@ def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
                                          d.activation_bytes_per_sample),
         flops_per_sample=_num(data, "flops_per_sample", pre + "flops_per_sample", src, None),
         sample_cost_ms=_draw(data, pre + "sample_cost_ms", src),
+        activation_checkpointing=_int(data, "activation_checkpointing", pre + "activation_checkpointing",
+                                      src, 0, low=0),
+        layer_output_bytes_per_sample=_num(data, "layer_output_bytes_per_sample",
+                                           pre + "layer_output_bytes_per_sample", src,
+                                           d.layer_output_bytes_per_sample),
+        cost_source={int(k): v for k, v in sources.items()},
     )
 
 
@@ -332,6 +376,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
                 mod[f] = value
         if spec.sample_cost_ms is not None:
             mod["sample_cost_ms"] = list(spec.sample_cost_ms)
+        if spec.cost_source:
+            mod["cost_source"] = {str(t): v for t, v in sorted(spec.cost_source.items())}
         out["modules"][name] = mod
     return out
 

@@ -251,11 +251,13 @@ def flop_split(profile: Profile) -> dict[str, int]:
 def paper_plans(profile: Profile, spec: ModelSpec) -> dict[str, Plan]:
     """``ours`` (exact optimum), ``megatron`` (paper's TP/PP), ``ratio`` (GPUs split by profiled
     GPU-time, ``baselines.ratio_plan``) and ``flops`` (split by FLOPs, :func:`flop_split`), each
-    the best layout inside its split."""
-    return {"ours": plan(profile),
+    the best layout inside its split. The paper's cost model has no node placement, so none of
+    them is held to the planner's node rule (``plan(aligned=False)``)."""
+    return {"ours": plan(profile, aligned=False),
             "megatron": megatron_plan(profile, tp=spec.megatron_tp, pp=spec.megatron_pp),
-            "ratio": ratio_plan(profile),
-            "flops": replace(plan(profile, gpu_caps=flop_split(profile)), layout="flop-ratio")}
+            "ratio": ratio_plan(profile, aligned=False),
+            "flops": replace(plan(profile, gpu_caps=flop_split(profile), aligned=False),
+                             layout="flop-ratio")}
 
 
 def sample_times(flops: np.ndarray, plan_: Plan) -> np.ndarray:

@@ -202,7 +202,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         downstream = BoundaryComm(p2p, grid, down_grid, slot, *boundary_tensor(spec, grid.name, recipe), tp)
     p2p.connect(boundary_links(topo.modules, slot, backward))
     mp = recipe.parallel.modules[grid.name]
-    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp)
+    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, mp.activation_checkpointing)
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
     frozen = not any(p.requires_grad for p in pm.parameters())  # this stage holds nothing to train

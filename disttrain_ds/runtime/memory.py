@@ -163,14 +163,25 @@ def _per_gpu(params: float, act: float, per_param: tuple, dp: int, tp: int, samp
     return out
 
 
-def _stage_activations(lb: LayerBytes, lo: int, hi: int) -> tuple[float, float]:
+def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0) -> tuple[float, float]:
     """Per-sample bytes a stage holding layers ``lo:hi`` keeps for each microbatch in flight
     (what its layers save, the input it received beside the copy its first layer reads, its
     output), and the backward workspace of one microbatch (the gradients of one layer's saved
-    tensors: about what the largest layer saves)."""
+    tensors: about what the largest layer saves).
+
+    With activation checkpointing in blocks of ``every`` layers (counted from the stage's first
+    layer, as DeepSpeed's PipelineModule forms them), a microbatch in flight keeps only each
+    block's input and the stage's output; backward recomputes one block at a time, so the
+    workspace also holds what the largest block saves."""
     received = lb.inputs if lo == 0 else lb.outputs[lo - 1]
-    kept = sum(lb.saved[lo:hi]) + received + (lb.outputs[hi - 1] if hi > lo else 0.0)
-    return kept, max(lb.saved[lo:hi], default=0.0)
+    out = lb.outputs[hi - 1] if hi > lo else 0.0
+    grads = max(lb.saved[lo:hi], default=0.0)
+    if every <= 0:
+        return sum(lb.saved[lo:hi]) + received + out, grads
+    starts = range(lo, hi, every)
+    kept = received + sum(lb.outputs[s - 1] for s in starts if s > lo) + out
+    block = max((sum(lb.saved[s:min(s + every, hi)]) for s in starts), default=0.0)
+    return kept, block + grads
 
 
 def backward_modules(recipe) -> dict[str, bool]:
@@ -208,7 +219,8 @@ def estimate(recipe) -> list[StageMemory]:
         for s in range(grid.pp):
             lo, hi = bounds[s], bounds[s + 1]
             k = min(topo.total_stages - topo.stage_offset(grid.name) - s, gas)
-            act, work = _stage_activations(lb, lo, hi) if backward[grid.name] else (0.0, 0.0)
+            every = recipe.parallel.modules[grid.name].activation_checkpointing
+            act, work = _stage_activations(lb, lo, hi, every) if backward[grid.name] else (0.0, 0.0)
             n = sum(params[lo:hi])
             parts = _per_gpu(n, act, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k, work)
             ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)

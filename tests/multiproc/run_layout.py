@@ -8,6 +8,9 @@ export every rank's final parameters and what crossed the communicator.
 control that the fidelity check must catch. ``--fault one_channel`` sends activations and gradients
 over one process group, as before the channel split: the negative control for NCCL's one stream per
 pair (a gradient receive posted ahead then holds up the next activation send).
+``--fault perturb_recompute`` makes activation checkpointing's backward rerun of a block differ
+from its forward: the negative control for the checkpointing fidelity test. Every rank writes how
+many checkpointed blocks ran and how often their layers ran (``recompute_rank<r>.json``).
 """
 
 from __future__ import annotations
@@ -52,8 +55,29 @@ def main() -> int:
         from disttrain_ds.comm.p2p import CHANNELS
 
         distributed.new_channel_groups = lambda world: dict.fromkeys(CHANNELS, dist.new_group(list(range(world))))
-    elif fault is not None:
+    elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
+    from disttrain_ds.parallel import engine
+
+    recomputed = {"blocks": 0, "runs": 0}  # checkpointed blocks, and how often their layers ran
+    original_recompute = engine.recompute
+
+    def counting_recompute(function, *a):
+        recomputed["blocks"] += 1
+        runs = [0]  # of this block, for this microbatch
+
+        def counted(*x):
+            recomputed["runs"] += 1
+            runs[0] += 1
+            if fault == "perturb_recompute" and runs[0] == 2:
+                # The backward's rerun sees other inputs than the forward did (negative control):
+                # the activations it saves for the gradients differ.
+                x = tuple(t * 1.001 if torch.is_tensor(t) and t.is_floating_point() else t for t in x)
+            return function(*x)
+
+        return original_recompute(counted, *a)
+
+    engine.recompute = counting_recompute
     seen: list[BoundaryComm] = []
     original_init = BoundaryComm.__init__
 
@@ -75,6 +99,7 @@ def main() -> int:
     (out / f"sends_rank{rank}.json").write_text(json.dumps(sends))
     shapes = sorted({s for c in seen if c.side == "down" for s in c.shapes_seen})
     (out / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))
+    (out / f"recompute_rank{rank}.json").write_text(json.dumps(recomputed))
     return rc
 
 

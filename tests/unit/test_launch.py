@@ -341,3 +341,22 @@ def test_launch_trains_tiny_disaggregated_recipe_through_deepspeed(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "reachability: every host is this machine" in proc.stdout
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# --- tensor-parallel groups and hosts ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hosts, spans", [("localhost slots=2\n127.0.0.2 slots=2\n", True),
+                                          ("localhost slots=1\n127.0.0.2 slots=3\n", False)])
+def test_dry_run_warns_when_a_tp_group_spans_hosts(tmp_path, run, hosts, spans):
+    # encoder rank 0, LLM TP=2 on ranks 1-2, generator rank 3: 2 + 2 slots split the TP pair.
+    path = hostfile(tmp_path, hosts)
+    code, out, err = run("--hostfile", path, "--dry-run", "--skip-reachability", "--recipe", TINY,
+                         "layout=disaggregated", "parallel.llm.tp=2", "parallel.llm.pp=1")
+    assert code == 0, err
+    warning = [line for line in out.splitlines() if line.startswith("warning:")]
+    if spans:
+        assert len(warning) == 1 and "1 tensor-parallel group span hosts" in warning[0]
+        assert "llm ranks 1-2 (localhost, 127.0.0.2)" in warning[0]
+    else:
+        assert warning == []

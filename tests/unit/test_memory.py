@@ -219,3 +219,30 @@ def test_device_limit_comes_from_the_recipe_or_this_machine(tiny_recipe):
 def test_negative_device_memory_is_refused():
     with pytest.raises(ConfigError, match="'train.device_memory_gib' must be >= 0"):
         load_recipe(TINY, ["train.device_memory_gib=-1"])
+
+
+def test_activation_checkpointing_keeps_block_inputs_and_recomputes_one_block():
+    lb = activations.LayerBytes(saved=[10.0, 20.0, 30.0, 40.0, 50.0], outputs=[1.0, 2.0, 3.0, 4.0, 5.0], inputs=0.5)
+    # Stage of layers 1..4 (received: layer 0's output), blocks of 2 from the stage's first layer.
+    assert memory._stage_activations(lb, 1, 5) == (20 + 30 + 40 + 50 + 1.0 + 5.0, 50.0)
+    kept, work = memory._stage_activations(lb, 1, 5, every=2)
+    assert kept == 1.0 + 3.0 + 5.0  # received (block 1's input), block 2's input (layer 2's output), output
+    assert work == (40 + 50) + 50  # the largest block recomputed, plus one layer's gradients
+    assert memory._stage_activations(lb, 0, 5, every=5) == (0.5 + 5.0, 150.0 + 50)
+
+
+def test_estimate_follows_each_modules_activation_checkpointing():
+    base = ["layout=disaggregated", "train.global_batch=8"]
+    off = {(r.module, r.stage): r for r in memory.estimate(load_recipe(TINY, base))}
+    on = {(r.module, r.stage): r for r in memory.estimate(load_recipe(TINY, [*base, "parallel.llm.activation_checkpointing=1"]))}
+    for key, row in off.items():
+        if key[0] == "llm":
+            assert 0 < on[key].activations < row.activations
+        else:
+            assert on[key].activations == row.activations
+        assert (on[key].weights, on[key].grads) == (row.weights, row.grads)
+
+
+def test_negative_activation_checkpointing_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"'parallel.llm.activation_checkpointing' must be >= 0"):
+        load_recipe(TINY, ["parallel.llm.activation_checkpointing=-1"])

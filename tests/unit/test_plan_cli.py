@@ -39,7 +39,8 @@ def test_json_output_is_one_object_with_exactly_the_plan_keys(run):
     assert code == 0
     data = json.loads(out)
     assert set(data) == {"encoder", "llm", "generator", "t_iter_ms", "t_warmup_ms",
-                         "t_steady_ms"}
+                         "t_steady_ms", "cost_source"}
+    assert data["cost_source"] == {"encoder": "assumed", "llm": "assumed", "generator": "assumed"}
     for name in ("encoder", "llm", "generator"):
         assert set(data[name]) == MODULE_KEYS
     assert data == optimize.plan(load_profile(TINY)).to_json()
@@ -59,9 +60,10 @@ def test_human_output_tabulates_every_module_and_the_times(run):
 
 
 def test_write_recipe_sets_layout_and_parallel_degrees_and_keeps_the_rest(run, tmp_path):
-    base = {"model": {"llm": "llama3-7b", "seq_len": 8192}, "layout": "colocated",
-            "parallel": {"llm": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 1}},
-            "train": {"steps": 10, "lr": 3.0e-4}}
+    base = yaml.safe_load(find_recipe("tiny_cpu").read_text())
+    base["layout"] = "monolithic"
+    base.setdefault("parallel", {})["llm"] = {"dp": 1, "tp": 1, "pp": 1, "partition": "parameters"}
+    base["train"]["steps"] = 10
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     out_path = tmp_path / "out.yaml"
     code, out, _ = run("--profile", str(TINY), "--json", "--recipe",
@@ -73,8 +75,9 @@ def test_write_recipe_sets_layout_and_parallel_degrees_and_keeps_the_rest(run, t
     for name in ("encoder", "llm", "generator"):
         assert {k: written["parallel"][name][k] for k in ("dp", "tp", "pp")} == \
             {k: plan[name][k] for k in ("dp", "tp", "pp")}
-    assert written["parallel"]["llm"]["zero_stage"] == 1
+    assert written["parallel"]["llm"]["partition"] == "parameters"
     assert written["model"] == base["model"] and written["train"] == base["train"]
+    load_recipe(out_path)
 
 
 def test_write_recipe_refuses_to_overwrite_unless_forced(run, tmp_path):
@@ -284,14 +287,14 @@ def test_graph_recipe_that_would_not_load_is_not_written(run, tmp_path):
     err = assert_one_line_error(*run("--profile", str(vlm_profile_file(tmp_path)), "--recipe",
                                      str(tmp_path / "base.yaml"), "--write-recipe", str(out_path),
                                      "--force"))
-    assert f"{out_path}: not written" in err and "no_such_ds.json" in err and ".tmp" not in err
+    assert "the base recipe must load" in err and "no_such_ds.json" in err and ".tmp" not in err
     assert out_path.read_text() == "keep: me\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.yaml", "out.yaml", "vision_llm.json"]
 
 
-def test_three_module_recipe_that_does_not_load_is_written_with_a_warning(run, tmp_path):
+def test_three_module_base_that_does_not_load_is_refused_and_nothing_written(run, tmp_path):
     (tmp_path / "base.yaml").write_text("model: {llm: llama3-7b}\n")
-    code, _, err = run("--profile", str(TINY), "--recipe", str(tmp_path / "base.yaml"),
-                       "--write-recipe", str(tmp_path / "out.yaml"))
-    assert code == 0 and (tmp_path / "out.yaml").exists()
-    assert "warning" in err and "does not load yet" in err and "'model.llm'" in err
+    err = assert_one_line_error(*run("--profile", str(TINY), "--recipe", str(tmp_path / "base.yaml"),
+                                     "--write-recipe", str(tmp_path / "out.yaml")))
+    assert "must load" in err and "'model.llm'" in err
+    assert not (tmp_path / "out.yaml").exists()

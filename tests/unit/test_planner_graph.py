@@ -283,7 +283,7 @@ def test_paper_scale_graph_with_parallel_modules_plans_in_well_under_a_second():
         "tts": {**gen, "role": "generator", "cost_ms": {t: 0.5 * c for t, c in gen["cost_ms"].items()}}}
     profile = profile_from_dict(data)
     plan(profile)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the machine's load does not count against the planner
     result = plan(profile)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert result.gpus <= 1296 and set(result.modules) == {"vit", "audio", "llm", "sd", "tts"}

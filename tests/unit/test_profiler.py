@@ -193,3 +193,18 @@ def test_a_sample_without_flops_leaves_the_draw_out():
     costs = {"llm": {1: 8.0}, "encoder": {1: 2.0}}
     assert cli.sample_draws([ok], costs) == {"llm": (4.0, 12.0)}
     assert cli.sample_draws([ok, empty], costs) is None
+
+
+def test_profile_carries_the_recipes_activation_checkpointing_for_the_memory_model():
+    from disttrain_ds.config import load_recipe
+    from disttrain_ds.profile import checkpointing_fields
+    from disttrain_ds.runtime.activations import module_layers
+    from disttrain_ds.runtime.memory import vocab_size
+
+    plain = load_recipe("tiny_cpu")
+    assert checkpointing_fields(plain, "llm") == {}
+    recipe = load_recipe("tiny_cpu", ["parallel.llm.activation_checkpointing=2"])
+    fields = checkpointing_fields(recipe, "llm")
+    assert fields["activation_checkpointing"] == 2
+    assert fields["layer_output_bytes_per_sample"] == max(module_layers(recipe, "llm", vocab_size(recipe)).outputs) > 0
+    assert checkpointing_fields(recipe, "encoder") == {}

@@ -1,0 +1,50 @@
+"""Where a plan's modules sit on the ranks, and the rule that keeps TP groups inside a node.
+
+Modules take contiguous rank ranges from rank 0 in the graph's data-flow order (encoders, the LLM,
+generators), as ``topology.Topology.from_recipe`` lays them out, and a TP group is TP consecutive
+ranks. A module whose first rank is a multiple of its TP degree, with TP dividing
+``gpus_per_node``, never puts a TP group across two nodes: the planner only returns such plans
+(``search.py`` restricts to them; nothing is padded, no GPU is left idle for it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import numpy as np
+
+from disttrain_ds.planner.profile import TP_DEGREES, Profile
+
+if TYPE_CHECKING:
+    from disttrain_ds.planner.objective import Degrees
+
+
+def alignment(profile: Profile) -> int:
+    """The largest TP degree any module may take: a power of two, so a module's first rank is a
+    multiple of its TP degree exactly when the GPUs before it are, modulo this number."""
+    return max((t for s in profile.modules.values() for t in s.tp_degrees(profile.gpus_per_node)),
+               default=1)
+
+
+def start_masks(tp: np.ndarray, align: int) -> np.ndarray:
+    """Bit r set when a module of TP degree ``tp`` may start at a rank = r (mod ``align``)."""
+    table = np.zeros(max(TP_DEGREES) + 1, dtype=np.int64)
+    for t in TP_DEGREES:
+        table[t] = sum(1 << r for r in range(align) if r % t == 0)
+    return table[tp]
+
+
+def first_ranks(layout: Mapping[str, Degrees], names: Sequence[str]) -> dict[str, int]:
+    """Each module's first global rank: contiguous ranges from 0 in ``names`` order, as
+    ``topology.Topology.from_recipe`` lays them out."""
+    out, first = {}, 0
+    for n in names:
+        out[n] = first
+        first += layout[n].dp * layout[n].tp * layout[n].pp
+    return out
+
+
+def tp_aligned(layout: Mapping[str, Degrees], names: Sequence[str]) -> bool:
+    """Whether every module starts at a multiple of its TP degree, so that (TP dividing
+    ``gpus_per_node``) none of its TP groups spans two nodes."""
+    return all(first % layout[n].tp == 0 for n, first in first_ranks(layout, names).items())
