@@ -1,12 +1,14 @@
-"""Measure a recipe's three modules and write a planner profile (see docs/profiler.md).
+"""Measure a recipe's modules and write a planner profile (see docs/profiler.md).
 
     disttrain-profile --recipe R.yaml [key=value ...] [--samples 8] [--warmup 2]
         [--gpus N] [--global-batch BS] [--gpus-per-node 8] [--measure-tp 2 4 8] [--out profile.json] [--force]
 
 (``python -m disttrain_ds.profile`` is the same command; ``--recipe`` also takes a shipped recipe's name.)
 
-Each module is built from its real layers and runs forward+backward on samples drawn from the
-recipe's data source, fed the real output of the module before it. The median time per sample is
+Each module of the recipe's graph (the three-module form, or ``model.modules`` with any names)
+is built from its real layers and runs forward+backward on samples drawn from the recipe's data
+source, fed the real output of its upstream module; the profile names the modules as the recipe
+does, with their roles. The median time per sample is
 ``cost_ms`` at TP=1. ``--measure-tp 2 4 8`` also measures those degrees with that many processes
 (``profile_tp.py``); other degrees are interpolated as C(t) = C(1) / (t * eff^log2 t), and degrees a
 module's sizes do not split are left out. The profile's ``description`` says which is which.
@@ -25,6 +27,7 @@ import torch
 from disttrain_ds.config import Recipe, load_recipe
 from disttrain_ds.cli import OneLineParser, prog_name
 from disttrain_ds.configtools import ConfigError
+from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.metrics.peak import resolve_peak
 from disttrain_ds.planner.profile import GIB, TP_DEGREES, Profile, ModuleProfile, save_profile
 from disttrain_ds.profile_measure import ModuleResult, Options, profile_recipe
@@ -81,10 +84,11 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
     if mem is None and opts.device.type == "cuda":
         mem = torch.cuda.get_device_properties(opts.device).total_memory / GIB
     p = recipe.parallel
-    gpus = args.gpus or sum(m.dp * m.tp * m.pp for m in (p.encoder, p.llm, p.generator))
+    gpus = args.gpus or sum(m.dp * m.tp * m.pp for m in p.modules.values())
     return Profile(gpus=gpus, global_batch=args.global_batch or recipe.train.global_batch, modules=modules,
                    microbatch=recipe.train.micro_batch, gpus_per_node=args.gpus_per_node,
-                   gpu_memory_gb=mem, peak_tflops=peak[0], description=text)
+                   gpu_memory_gb=mem, peak_tflops=peak[0], description=text,
+                   graph=ModuleGraph.from_roles({r.name: r.role for r in results}))
 
 
 def sample_draws(results: list[ModuleResult], costs: dict[str, dict[int, float]]

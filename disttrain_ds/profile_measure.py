@@ -1,4 +1,7 @@
-"""Timing a recipe's three modules: forward+backward per sample, fed real upstream outputs.
+"""Timing a recipe's modules: forward+backward per sample, fed real upstream outputs.
+
+Any module graph the runtime trains: each encoder on the samples' images, the LLM on the
+encoder's embeddings (none in a generation-only graph), each generator on the LLM's states.
 
 Used by ``python -m disttrain_ds.profile`` (TP=1, one process) and by ``profile_tp`` (each
 tensor-parallel rank with its shards).
@@ -18,7 +21,7 @@ from disttrain_ds.config import Recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.metrics.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.planner.profile import MODULES
+from disttrain_ds.recipe_graph import graph_of, module_config
 
 if TYPE_CHECKING:  # the model modules load transformers and diffusers; see profile_recipe
     from disttrain_ds.data.types import PackedSample
@@ -65,7 +68,7 @@ class ModuleResult:
     """What was measured for one module."""
 
     name: str
-    """encoder | llm | generator."""
+    """The module's name in the recipe's graph."""
     mode: str
     """train | frozen_passthrough (forward + input gradient) | frozen (forward only)."""
     layers: int
@@ -80,6 +83,8 @@ class ModuleResult:
     """Largest bytes saved for backward over the samples (saved-tensor hooks; 0 when forward only)."""
     memory_bytes: float
     """CUDA: peak allocated while timing. CPU: weights + gradients + activation_bytes."""
+    role: str
+    """encoder | llm | generator."""
 
     @property
     def median_ms(self) -> float:
@@ -95,21 +100,26 @@ class ModuleResult:
 
 
 def modes(recipe: Recipe) -> dict[str, tuple[str, bool]]:
-    """Per module: (mode, whether its float input needs a gradient for a trained module upstream)."""
-    out, upstream = {}, False
-    for name in MODULES:
-        frozen = not trains(getattr(recipe.model, name))
-        out[name] = (("frozen_passthrough" if upstream else "frozen") if frozen else "train", upstream)
-        upstream = upstream or not frozen
+    """Per module: (mode, whether its float input needs a gradient for a trained module upstream).
+    Upstream of an encoder is nothing; of the LLM, the encoders; of a generator, the LLM and the
+    encoders (their gradients pass through the LLM)."""
+    graph = graph_of(recipe)
+    trained = {n: trains(module_config(recipe, n)) for n in graph.names}
+    out = {}
+    for name in graph.names:
+        role = graph.role(name)
+        above = () if role == "encoder" else graph.encoders + ((graph.llm,) if role == "generator" else ())
+        upstream = any(trained[n] for n in above)
+        out[name] = ("train" if trained[name] else ("frozen_passthrough" if upstream else "frozen"), upstream)
     return out
 
 
 def block_count(recipe: Recipe, name: str) -> int:
     """The profile's ``layers``: blocks of equal cost (a PP degree dividing it fits the recipe too)."""
-    if name == "generator":
-        g = recipe.model.generator
-        return len(g.down_block_types) + 1 + len(g.up_block_types)
-    return getattr(recipe.model, name).layers
+    cfg = module_config(recipe, name)
+    if graph_of(recipe).role(name) == "generator":
+        return len(cfg.down_block_types) + 1 + len(cfg.up_block_types)
+    return cfg.layers
 
 
 def time_ms(fn: Callable[[], None], device: torch.device) -> float:
@@ -188,7 +198,7 @@ def measure_module(recipe: Recipe, spec: MLLMSpec, name: str, passes: list[Pass]
     # CPU estimate: weights, their gradients when trained, activations held for backward.
     memory = peak or float(sum(t.numel() * t.element_size() for t in params) * (1 + (mode == "train")) + acts)
     return ModuleResult(name, mode, block_count(recipe, name), sum(t.numel() for t in params), times,
-                        [p.flops for p in passes], acts, memory), carries
+                        [p.flops for p in passes], acts, memory, graph_of(recipe).role(name)), carries
 
 
 def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -196,13 +206,15 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
 
 
 def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozenset()) -> list[ModuleResult]:
-    """Measure the encoder, LLM and generator of ``recipe`` on ``opts.samples`` of its samples.
+    """Measure every module of ``recipe``'s graph on ``opts.samples`` of its samples, in data-flow
+    order (encoders, the LLM, generators), each fed its upstream module's real output.
 
     Modules in ``whole`` run with whole layers and no ``opts.sync`` (they only feed the next module).
     """
-    if tuple(recipe.model.modules) != MODULES:
-        raise ConfigError(f"{recipe.source_file}: 'model.modules' the profiler measures the three-module form "
-                          f"(encoder, llm, generator) so far; this recipe's modules are {', '.join(recipe.model.modules)}")
+    graph = graph_of(recipe)
+    if len(graph.encoders) > 1:
+        raise ConfigError(f"{recipe.source_file}: 'model.modules' the profiler feeds the LLM one encoder's "
+                          f"output so far; this recipe has {', '.join(graph.encoders)}")
     # Model code pulls in transformers and diffusers (seconds): imported only once the recipe and
     # arguments are known to be good, so errors come back at once.
     from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, lm_loss_sum
@@ -222,13 +234,16 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     finally:
         source.close()  # stops producer processes, if any
     mbs = [_to(collate([s], BatchNorms.of([s], 1), spec, dtype=opts.dtype), opts.device) for s in samples]
-    e, lm, g, mode, dev, dt = spec.encoder, spec.llm, spec.generator, modes(recipe), opts.device, opts.dtype
+    lm, mode, dev, dt = spec.llm, modes(recipe), opts.device, opts.dtype
+    gens = graph.generators
+    query_tokens = max((module_config(recipe, n).query_tokens for n in gens), default=0)
 
-    def encoder_pass(mb: MicroBatch) -> Pass:
+    def encoder_pass(name: str, mb: MicroBatch) -> Pass:
+        e = module_config(recipe, name)
         patches = [(h // e.patch_size) * (w // e.patch_size) for h, w in mb.image_hw.tolist()]
         flops = 0.0
         if patches:
-            m = mode["encoder"][0]
+            m = mode[name][0]
             flops = vit_flops(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden,
                               patches_per_image=patches, patch_size=e.patch_size, mode=m)
             flops += sum(patches) * projector_flops_per_token(
@@ -236,44 +251,57 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
         grad = torch.randn(sum(patches), lm.hidden_size, device=dev, dtype=dt)  # what the LLM sends back
         return Pass((mb.pixels, mb.image_hw), lambda out: ([out], [grad]), lambda out: out, flops)
 
-    def llm_pass(mb: MicroBatch, sample: PackedSample, embeds: torch.Tensor) -> Pass:
-        embeds = embeds.detach().clone().requires_grad_(mode["llm"][1])
-        n_gen = mb.sample_rows["gen_states"][0]
-        grad = torch.randn(n_gen, g.query_tokens, lm.hidden_size, device=dev, dtype=dt)
+    def llm_pass(mb: MicroBatch, sample: PackedSample, embeds: torch.Tensor | None) -> Pass:
+        name = graph.llm
+        if embeds is None:  # no encoder: no image embeddings (as the reference model feeds it)
+            embeds = torch.zeros(0, lm.hidden_size, device=dev, dtype=dt)
+        embeds = embeds.detach().clone().requires_grad_(mode[name][1])
+        n_gen = mb.sample_rows["gen_states"][0] if gens else 0
+        grad = torch.randn(n_gen, query_tokens, lm.hidden_size, device=dev, dtype=dt)
         # Useful FLOPs: documents only, padding left out (as the training MFU counts them).
         docs = [n for n in sample.doc_lens if n > 0] or [int((mb.input_ids != spec.special.pad).sum()) or 1]
         flops = llm_flops_packed(layers=lm.layers, hidden=lm.hidden_size, ffn_hidden=lm.ffn_hidden, heads=lm.heads,
-                                 kv_heads=lm.kv_heads, vocab=lm.vocab_size, doc_lens=docs, mode=mode["llm"][0])
+                                 kv_heads=lm.kv_heads, vocab=lm.vocab_size, doc_lens=docs, mode=mode[name][0])
 
         def head(out: Any) -> Grads:
             logits, hidden = out
             tensors, grads = [lm_loss_sum(logits, mb.labels, mb.lm_scale)], [None]
-            if n_gen:  # the generator sends gradients for the generation-query states
-                tensors.append(gen_condition(hidden, mb.gen_mask, g.query_tokens))
+            if n_gen:  # the generators send gradients for the generation-query states
+                tensors.append(gen_condition(hidden, mb.gen_mask, query_tokens))
                 grads.append(grad)
             return tensors, grads
 
-        carry = lambda out: generator_states(gen_condition(out[1], mb.gen_mask, g.query_tokens), mb)  # noqa: E731
+        def carry(out: Any) -> Any:
+            return generator_states(gen_condition(out[1], mb.gen_mask, query_tokens), mb) if gens else None
+
         return Pass((mb.input_ids, embeds), head, carry, flops)
 
-    gen_mode = mode["generator"][0]
-    with torch.device("meta"):  # only the U-Net's config is needed: allocate nothing
-        unet_config = {k: v for k, v in build_unet(g).config.items() if not k.startswith("_")}
-    per_image = unet_flops(unet_config, batch=1, resolution=g.resolution, cond_tokens=g.query_tokens,
-                           mode=gen_mode) + g.query_tokens * projector_flops_per_token(
-        in_dim=lm.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim, mode=gen_mode)
+    def generator_passes(name: str, states: list[torch.Tensor]) -> list[Pass]:
+        g, gen_mode = module_config(recipe, name), mode[name][0]
+        with torch.device("meta"):  # only the U-Net's config is needed: allocate nothing
+            unet_config = {k: v for k, v in build_unet(g).config.items() if not k.startswith("_")}
+        per_image = unet_flops(unet_config, batch=1, resolution=g.resolution, cond_tokens=g.query_tokens,
+                               mode=gen_mode) + g.query_tokens * projector_flops_per_token(
+            in_dim=lm.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim, mode=gen_mode)
 
-    def generator_pass(mb: MicroBatch, states: torch.Tensor) -> Pass:
-        states = states.detach().clone().requires_grad_(mode["generator"][1])
-        n_gen = mb.sample_rows["gen_states"][0]  # none: one zero stand-in runs, with no useful FLOPs
-        head = lambda out: ([diffusion_loss(out, mb.noise, mb.gen_weights)], [None])  # noqa: E731
-        return Pass((states, mb.noisy, mb.timesteps), head, lambda out: None, n_gen * per_image)
+        def one(mb: MicroBatch, x: torch.Tensor) -> Pass:
+            x = x.detach().clone().requires_grad_(mode[name][1])
+            n_gen = mb.sample_rows["gen_states"][0]  # none: one zero stand-in runs, with no useful FLOPs
+            head = lambda out: ([diffusion_loss(out, mb.noise, mb.gen_weights)], [None])  # noqa: E731
+            return Pass((x, mb.noisy, mb.timesteps), head, lambda out: None, n_gen * per_image)
+
+        return [one(mb, x) for mb, x in zip(mbs, states)]
 
     def o(name: str) -> Options:
         return replace(opts, build=None, sync=None) if name in whole else opts
 
-    enc, embeds = measure_module(recipe, spec, "encoder", [encoder_pass(mb) for mb in mbs], o("encoder"))
+    results, embeds = [], [None] * len(mbs)
+    for name in graph.encoders:
+        res, embeds = measure_module(recipe, spec, name, [encoder_pass(name, mb) for mb in mbs], o(name))
+        results.append(res)
     llm_passes = [llm_pass(mb, s, x) for mb, s, x in zip(mbs, samples, embeds)]
-    llm, states = measure_module(recipe, spec, "llm", llm_passes, o("llm"))
-    gen, _ = measure_module(recipe, spec, "generator", [generator_pass(mb, x) for mb, x in zip(mbs, states)], o("generator"))
-    return [enc, llm, gen]
+    res, states = measure_module(recipe, spec, graph.llm, llm_passes, o(graph.llm))
+    results.append(res)
+    for name in gens:
+        results.append(measure_module(recipe, spec, name, generator_passes(name, states), o(name))[0])
+    return results

@@ -28,7 +28,8 @@ import torch
 
 from disttrain_ds.config import Recipe, load_recipe, tp_shape_problem
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.planner.profile import MODULES, TP_DEGREES
+from disttrain_ds.planner.profile import TP_DEGREES
+from disttrain_ds.recipe_graph import graph_of
 
 WORKER_TIMEOUT_S = 3600
 
@@ -43,7 +44,7 @@ def cost_table(recipe: Recipe, c1: dict[str, float], measured: dict[int, dict[st
     """
     costs: dict[str, dict[int, float]] = {}
     dropped: list[str] = []
-    for m in MODULES:
+    for m in graph_of(recipe).names:
         row = {1: c1[m]}
         for t in (t for t in TP_DEGREES if 1 < t <= gpus_per_node):
             problem = tp_shape_problem(recipe, m, t)
@@ -129,7 +130,7 @@ def _worker(argv: list[str]) -> int:
 
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     opts = Options(args.samples, args.warmup, device, dtype, build=lambda d: shard_layer(d.build(), tp), sync=sync)
-    skip = frozenset(m for m in MODULES if tp_shape_problem(recipe, m, size))
+    skip = frozenset(m for m in graph_of(recipe).names if tp_shape_problem(recipe, m, size))
     medians = {}
     for r in profile_recipe(recipe, opts, whole=skip):
         if r.name in skip:

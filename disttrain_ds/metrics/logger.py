@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..recipe_graph import as_written
+from ..recipe_graph import as_written, graph_of
 from ..runtime.rundir import MetricsWriter
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -55,6 +55,11 @@ class LoggerOptions:
     """Show a tqdm progress bar; it is shown only when stderr is a terminal."""
     out: TextIO | None = None
     """Where :meth:`RunLogger.echo` writes; None: standard output at the time of the call."""
+    dashboard: tuple = ()
+    """``wandb_workspace.Section``s saved as the project's workspace view when an online run
+    starts (the model graph's own dashboard); empty: none."""
+    dashboard_name: str = "disttrain-ds"
+    """Name of that saved view."""
 
 
 def resolve_wandb_mode(requested: str, warn: Callable[[str], None] = _stderr) -> str:
@@ -108,6 +113,7 @@ class RunLogger:
         self.bar = self._start_bar()  # tqdm bar; None off a terminal or with progress=False
         if self.wandb_run is not None:
             self.echo(f"wandb: {self.wandb_mode} run in {self.run_dir / 'wandb'}")
+            self._push_dashboard()
 
     @classmethod
     def from_recipe(cls, run_dir: str | Path, recipe: Any, resolved: Mapping[str, Any] | None = None,
@@ -116,12 +122,16 @@ class RunLogger:
         """Logger for a :class:`~disttrain_ds.config.Recipe`: project, run name, wandb mode and
         step count from the recipe; wandb config is the recipe plus ``resolved`` (world size,
         topology), the same content as ``recipe.yaml``."""
+        from .wandb_workspace import graph_dashboard, workspace_name
+
         config = as_written(recipe)
         if resolved:
             config["resolved"] = dict(resolved)
+        graph = graph_of(recipe)
         options = LoggerOptions(project=recipe.logging.project, name=recipe.name,
                                 mode=recipe.logging.wandb, total_steps=recipe.train.steps,
-                                progress=progress, out=out)
+                                progress=progress, out=out, dashboard=graph_dashboard(graph),
+                                dashboard_name=workspace_name(graph))
         return cls(run_dir, options, config, warn)
 
     @property
@@ -141,6 +151,18 @@ class RunLogger:
             self._warn(f"warning: wandb unavailable ({_one_line(exc)}); "
                        f"logging to {self.metrics_path} only")
             return None
+
+    def _push_dashboard(self) -> None:
+        """Save the dashboard to the wandb project (online runs only: an offline run has no
+        project to save it to). Failures are one note on stderr; training goes on."""
+        if self.wandb_mode != "online" or not self.options.dashboard:
+            return
+        from .wandb_workspace import apply_workspace
+
+        url = apply_workspace(self.options.project, getattr(self.wandb_run, "entity", None) or None,
+                              name=self.options.dashboard_name, sections=self.options.dashboard)
+        if url:
+            self.echo(f"wandb: dashboard {url}")
 
     def _start_bar(self) -> Any:
         if not (self.options.progress and sys.stderr.isatty()):

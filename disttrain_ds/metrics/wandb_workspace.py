@@ -2,7 +2,9 @@
 wandb project (online only; needs ``pip install wandb-workspaces`` and a wandb login).
 
 The same panels as ``tools/report.py`` draws offline: losses, MFU per module, step-time
-breakdown and data-parallel load balance, each a line plot against the optimizer step.
+breakdown and data-parallel load balance, each a line plot against the optimizer step. Panels
+are per module name, so every module graph gets its own dashboard (``graph_dashboard``); an
+online run saves its graph's dashboard when it starts (``metrics/logger.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,23 @@ def dashboard(modules: tuple[str, ...] = MODULES, balanced: tuple[str, ...] = ("
 
 DASHBOARD: tuple[Section, ...] = dashboard()
 """The three-module model's dashboard."""
+
+
+def graph_dashboard(graph) -> tuple[Section, ...]:
+    """The dashboard of a ``ModuleGraph``: its modules' panels, load balance for its encoders and
+    generators (the modules whose DP balance the runtime logs); no generation loss without a
+    generator."""
+    sections = dashboard(graph.names, graph.encoders + graph.generators)
+    if graph.generators:
+        return sections
+    loss = Section("Loss", tuple(p for p in sections[0].panels if p.keys != ("loss/gen",)))
+    return (loss, *sections[1:])
+
+
+def workspace_name(graph) -> str:
+    """The saved view's name: one per module graph, so runs of different graphs in one project
+    keep their own dashboards."""
+    return "disttrain-ds: " + " ".join(graph.names)
 
 
 def dashboard_keys(sections: tuple[Section, ...] = DASHBOARD) -> list[str]:

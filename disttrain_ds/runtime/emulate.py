@@ -7,8 +7,9 @@ forward and backward pass is dictated: once the real layers are done, the op wai
 until the emulated time since its start has passed. On a small CPU host many ranks can then
 "compute" at once, since a sleeping rank needs no core.
 
-Emulated time of one op, for the rank of ``module`` at pipeline stage ``s`` of ``pp``, TP ``tp``,
-and the samples of its DP block in microbatch ``g``::
+Any module graph the runtime trains is emulated (encoders -> LLM -> generators, named as the
+recipe names them). Emulated time of one op, for the rank of ``module`` at pipeline stage ``s``
+of ``pp``, TP ``tp``, and the samples of its DP block in microbatch ``g``::
 
     forward  = ms_per_flop(module, tp) * sum(cost model forward FLOPs of those samples) / pp
     backward = BACKWARD_FACTOR * forward
@@ -17,7 +18,8 @@ and the samples of its DP block in microbatch ``g``::
 ``cost_ms[tp]`` describes the mean sample of the recipe's data (``calibration_batches`` global
 batches from step 0) -- or, without a profile, from ``emulate.tflops``. Either way it is
 multiplied by ``emulate.time_scale``. Per-sample variation is the recipe's cost model
-(``runtime.setup.cost_model``, the one reordering and the balance metrics use).
+(``runtime.setup.cost_model``, the one reordering and the balance metrics use), by the module's
+role (an encoder costs its input images at its own patch size).
 
 The pure functions here are shared by the engine hook and by the simulator side
 (``runtime/emulate_sim.py``, ``bench/emulated.py``), so the simulator is fed exactly the times the
@@ -36,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from ..configtools import ConfigError
-from ..topology import MODULES, Topology
+from ..recipe_graph import graph_of, module_config
+from ..topology import Topology
 
 BACKWARD_FACTOR = 2.0
 """Backward time as a multiple of forward (trained module, no recomputation; as the planner's
@@ -60,9 +63,6 @@ def check_emulate(recipe, src: str) -> None:
     if recipe.layout == "reference":
         raise ConfigError(f"{src}: 'emulate.enabled' needs layout monolithic or disaggregated "
                           "(the reference layout computes for real)")
-    if tuple(recipe.model.modules) != MODULES:
-        raise ConfigError(f"{src}: 'emulate.enabled' models the three-module form (encoder, llm, generator) "
-                          f"so far; this recipe's modules are {', '.join(recipe.model.modules)}")
     if not e.profile:
         if not e.tflops > 0:
             raise ConfigError(f"{src}: 'emulate.tflops' must be > 0 when 'emulate.profile' is empty, "
@@ -71,6 +71,9 @@ def check_emulate(recipe, src: str) -> None:
     path = require_file(e.profile, "emulate.profile", src, recipe.source_file)
     profile = load_profile(path)  # ProfileError (a ConfigError) names the field and the file
     for name, tp in module_tp(Topology.from_recipe(recipe)).items():
+        if name not in profile.modules:
+            raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no module {name!r} (it profiles "
+                              f"{', '.join(profile.modules)}; profile this recipe's modules)")
         if tp not in profile.modules[name].cost_ms:
             raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no modules.{name}.cost_ms "
                               f"for tp={tp}")
@@ -106,12 +109,14 @@ def microbatch_ms(fwd_flops: Sequence[float], ms_per_flop: float, pp: int,
     return fwd, fwd * backward_factor
 
 
-def mean_module_flops(flops: np.ndarray) -> dict[str, float]:
-    """Mean forward FLOPs per sample of each module from ``[n, 3]`` cost-model costs."""
-    f = np.asarray(flops, dtype=np.float64).reshape(-1, 3)
-    if len(f) == 0:
-        raise ValueError("need at least one sample")
-    return {name: float(v) for name, v in zip(MODULES, f.mean(axis=0))}
+def mean_module_flops(flops: dict[str, np.ndarray]) -> dict[str, float]:
+    """Mean forward FLOPs per sample of each module from its per-sample cost-model costs."""
+    out = {}
+    for name, f in flops.items():
+        if len(f) == 0:
+            raise ValueError("need at least one sample")
+        out[name] = float(np.mean(np.asarray(f, dtype=np.float64)))
+    return out
 
 
 def module_rates(emulate, topo: Topology, mean_flops: dict[str, float] | None,
@@ -119,11 +124,11 @@ def module_rates(emulate, topo: Topology, mean_flops: dict[str, float] | None,
     """Forward ms per forward FLOP of every module's ranks (``emulate``: the recipe section)."""
     tps = module_tp(topo)
     if profile is None:
-        return {n: ms_per_flop_from_tflops(emulate.tflops, tps[n], emulate.time_scale) for n in MODULES}
+        return {n: ms_per_flop_from_tflops(emulate.tflops, tp, emulate.time_scale) for n, tp in tps.items()}
     if mean_flops is None:
         raise ValueError("a profile needs the data's mean FLOPs per module")
-    return {n: ms_per_flop_from_profile(profile.modules[n].cost_ms[tps[n]], mean_flops[n],
-                                        emulate.time_scale) for n in MODULES}
+    return {n: ms_per_flop_from_profile(profile.modules[n].cost_ms[tp], mean_flops[n], emulate.time_scale)
+            for n, tp in tps.items()}
 
 
 # --------------------------------------------------------------------------- waiting
@@ -141,20 +146,34 @@ def wait_until(deadline: float) -> float:
 # --------------------------------------------------------------------------- the runtime side
 
 
-def calibration_flops(recipe) -> np.ndarray:
-    """``[n, 3]`` cost-model forward FLOPs of the first ``emulate.calibration_batches`` global
-    batches of the recipe's data (in-process, unreordered: the same samples in any setting)."""
+def patch_size(recipe, name: str) -> int:
+    """The patch size a sample's image statistics are taken at for module ``name``: an
+    encoder's own; any other module's cost does not depend on it (the default encoder's)."""
+    from ..models.configs import EncoderConfig
+
+    return getattr(module_config(recipe, name), "patch_size", None) or EncoderConfig().patch_size
+
+
+def sample_flops(cost_model, role: str, sample, patch: int, special) -> float:
+    """Cost-model forward FLOPs of one ``PackedSample`` in a module of ``role``."""
+    return cost_model.module_cost(role, sample.stats(patch, special))
+
+
+def calibration_flops(recipe) -> dict[str, np.ndarray]:
+    """Per module name, the cost-model forward FLOPs of each sample of the first
+    ``emulate.calibration_batches`` global batches of the recipe's data (in-process, unreordered:
+    the same samples in any setting)."""
     from .setup import build_data_and_spec, cost_model
 
     plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, producers=0, reorder=False))
     source, spec = build_data_and_spec(plain)
     try:
-        patch = recipe.model.encoder.patch_size
-        stats = [s.stats(patch, spec.special) for b in range(recipe.emulate.calibration_batches)
-                 for s in source.global_batch(b)]
+        samples = [s for b in range(recipe.emulate.calibration_batches) for s in source.global_batch(b)]
     finally:
         source.close()
-    return cost_model(recipe).costs(stats)
+    cm, graph = cost_model(recipe), graph_of(recipe)
+    return {n: np.array([sample_flops(cm, graph.role(n), s, patch_size(recipe, n), spec.special)
+                         for s in samples], dtype=np.float64) for n in graph.names}
 
 
 def recipe_rates(recipe, topo: Topology) -> dict[str, float]:
@@ -173,8 +192,9 @@ class Emulator:
     """One rank's emulated compute: op times of the current step, the waits, and a record."""
 
     def __init__(self, module: str, global_stage: int, dp: int, pp: int, ms_per_flop: float,
-                 backward: bool, cost_model, patch_size: int, special):
+                 backward: bool, cost_model, patch_size: int, special, role: str | None = None):
         self.module, self.global_stage, self.dp, self.pp = module, global_stage, dp, pp
+        self.role = role or module  # the three-module graph names its modules after their roles
         self.ms_per_flop, self.backward = ms_per_flop, backward
         self.cost_model, self.patch_size, self.special = cost_model, patch_size, special
         self.fwd_ms: list[float] = []
@@ -189,7 +209,8 @@ class Emulator:
         stage, dp, _ = grid.coords(rank)
         rate = recipe_rates(recipe, topo)[grid.name]
         return cls(grid.name, topo.stage_offset(grid.name) + stage, dp, grid.pp, rate, backward,
-                   cost_model(recipe), recipe.model.encoder.patch_size, spec.special)
+                   cost_model(recipe), patch_size(recipe, grid.name), spec.special,
+                   role=graph_of(recipe).role(grid.name))
 
     def set_step(self, step: int, blocks: Sequence[Sequence], started: float | None = None) -> None:
         """This rank's samples of each microbatch of ``step`` (``PackedSample`` lists);
@@ -197,8 +218,7 @@ class Emulator:
         prep = 0.0 if started is None else time.perf_counter() - started
         self.fwd_ms, self.bwd_ms = [], []
         for block in blocks:
-            flops = [self.cost_model.module_cost(self.module, s.stats(self.patch_size, self.special))
-                     for s in block]
+            flops = [sample_flops(self.cost_model, self.role, s, self.patch_size, self.special) for s in block]
             f, b = microbatch_ms(flops, self.ms_per_flop, self.pp)
             self.fwd_ms.append(f)
             self.bwd_ms.append(b if self.backward else 0.0)
@@ -224,6 +244,6 @@ class Emulator:
         path = fresh_path(Path(directory) / f"rank{rank}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
-            "rank": rank, "module": self.module, "global_stage": self.global_stage, "dp": self.dp,
+            "rank": rank, "module": self.module, "role": self.role, "global_stage": self.global_stage, "dp": self.dp,
             "pp": self.pp, "ms_per_flop": self.ms_per_flop, "steps": self.steps}))
         return path

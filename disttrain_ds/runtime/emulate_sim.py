@@ -28,7 +28,7 @@ class RankCosts:
     rank: int
     """Global rank."""
     module: str
-    """encoder | llm | generator."""
+    """The module's name in the recipe's graph."""
     global_stage: int
     """Index of the rank's stage in the pipeline over all modules."""
     dp: int
@@ -96,14 +96,20 @@ def simulate_step(ranks: Sequence[RankCosts], total_stages: int,
 def links(ranks: Sequence[RankCosts], slot: int) -> dict[tuple[int, int], list[int]]:
     """``(rank, FWD)`` -> ranks whose forward output it receives; ``(rank, BWD)`` -> ranks whose
     input gradient it receives. Inside a module: the same replica's neighbouring stage; across a
-    module boundary: every replica whose DP block of the ``slot`` samples overlaps its own."""
-    stages = {r.global_stage for r in ranks}
-    reps = {g: len({r.dp for r in ranks if r.global_stage == g}) for g in stages}
+    module boundary (a module's last stage right before another's first, as the graph's stage
+    offsets lay a star out: every encoder ends where the LLM starts, every generator starts where
+    it ends): every replica whose DP block of the ``slot`` samples overlaps its own. Two modules
+    on different paths (two encoders, two generators) never feed each other."""
+    span = {m: (min(r.global_stage for r in ranks if r.module == m), max(r.global_stage for r in ranks if r.module == m))
+            for m in {r.module for r in ranks}}
+    dps = {m: len({r.dp for r in ranks if r.module == m}) for m in span}
 
     def feeds(u: RankCosts, d: RankCosts) -> bool:  # u (stage g) sends activations to d (stage g + 1)
         if u.module == d.module:
             return u.dp == d.dp
-        bu, bd = blocks(slot, reps[u.global_stage])[u.dp], blocks(slot, reps[d.global_stage])[d.dp]
+        if u.global_stage != span[u.module][1] or d.global_stage != span[d.module][0]:
+            return False
+        bu, bd = blocks(slot, dps[u.module])[u.dp], blocks(slot, dps[d.module])[d.dp]
         return bu.start < bd.stop and bd.start < bu.stop
 
     return {(r.rank, kind): [x.rank for x in ranks if x.global_stage == r.global_stage + (1 if kind else -1)

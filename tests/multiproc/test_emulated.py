@@ -65,3 +65,44 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     measured = 1e3 * rows[-1]["step_seconds"]
     assert measured > 0.9 * compute_only  # tiny real layers alone would take a fraction of it
     assert measured == pytest.approx(simulated, rel=0.08)
+
+
+# The understanding-only module graph: vision (dp 1) -> llm (dp 2); 8 samples = 4 microbatches of 2
+VLM_LAYOUT = ["layout=disaggregated", "parallel.modules.vision.dp=1", "parallel.modules.llm.dp=2",
+              "parallel.modules.llm.pp=1", "train.global_batch=8", "train.steps=3", "optim.name=sgd",
+              "optim.lr=0.05"]
+VLM_COST_MS = {"vision": ("encoder", 60.0), "llm": ("llm", 120.0)}
+
+
+@pytest.mark.slow
+def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"gpus": 3, "global_batch": 8, "modules": {
+        m: {"role": role, "layers": 2, "cost_ms": {"1": c}} for m, (role, c) in VLM_COST_MS.items()}}))
+    emu = ["emulate.enabled=true", f"emulate.profile={profile}", "train.peak_tflops=1"]
+    rows, _, _ = launch(tmp_path, 3, [*VLM_LAYOUT, *emu], recipe="tiny_vlm")
+    run = tmp_path / "run"
+
+    ref_losses, _ = reference_run([o for o in VLM_LAYOUT if not o.startswith(("layout=", "parallel."))], "tiny_vlm")
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+
+    recs = emulate_sim.load_records(run / "emulate")
+    assert {r.module for r in recs[3]} == {"vision", "llm"}
+    recipe = load_recipe(REPO / "recipes" / "tiny_vlm.yaml", [*VLM_LAYOUT, *emu])
+    source, _ = build_data_and_spec(recipe)
+    samples = source.global_batch(2)
+    rates = emulate.recipe_rates(recipe, Topology.from_recipe(recipe))
+    cm, special = cost_model(recipe), source.special
+    vision = next(r for r in recs[3] if r.module == "vision")
+    expected = [rates["vision"] * cm.encoder_cost(s.stats(recipe.model.modules["vision"].patch_size, special))
+                for s in samples]  # one replica: both samples of each microbatch
+    assert vision.fwd_ms == pytest.approx([expected[2 * g] + expected[2 * g + 1] for g in range(4)])
+    assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
+
+    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
+    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
+    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
+    compute_only, _ = emulate_sim.simulate_step(recs[3], 2)
+    measured = 1e3 * rows[-1]["step_seconds"]
+    assert measured > 0.9 * compute_only
+    assert measured == pytest.approx(simulated, rel=0.05)

@@ -150,6 +150,21 @@ def test_links_follow_replicas_inside_a_module_and_dp_blocks_across_modules():
     assert emulate_sim.links(ranks, slot=2)[(3, emulate_sim.FWD)] == [1]
 
 
+def test_links_join_every_encoder_to_the_llm_and_never_two_encoders():
+    # image encoder pp 2 (stages 0-1), audio encoder pp 1 (stage 1), llm (stage 2), two generators
+    # (stage 3; one of pp 2 reaching stage 4), all dp 1
+    ranks = [_rc(0, 0, 0, [1], module="image"), _rc(1, 1, 0, [1], module="image"), _rc(2, 1, 0, [1], module="audio"),
+             _rc(3, 2, 0, [1]), _rc(4, 3, 0, [1], module="gen_a"), _rc(5, 3, 0, [1], module="gen_b"),
+             _rc(6, 4, 0, [1], module="gen_b")]
+    d = emulate_sim.links(ranks, slot=1)
+    fwd, bwd = emulate_sim.FWD, emulate_sim.BWD
+    assert d[(3, fwd)] == [1, 2] and d[(2, fwd)] == [] and d[(1, fwd)] == [0]
+    assert d[(0, bwd)] == [1] and d[(2, bwd)] == [3] and d[(3, bwd)] == [4, 5]
+    assert d[(6, fwd)] == [5] and d[(4, fwd)] == [3] and d[(4, bwd)] == []
+    t, _ = emulate_sim.simulate_ranks(ranks, 1)  # the graph's ranks simulate without a cycle
+    assert t > 0
+
+
 def test_independent_replicas_beat_lock_step_and_single_replicas_match_it():
     chain = [_rc(0, 0, 0, [3, 1, 2], module="encoder"), _rc(1, 1, 0, [2, 2, 2]), _rc(2, 2, 0, [1, 4, 1], module="generator")]
     assert emulate_sim.simulate_ranks(chain, 1)[0] == pytest.approx(emulate_sim.simulate_step(chain, 3)[0])
@@ -199,7 +214,7 @@ def test_rank_costs_follow_the_recipe_data_and_average_to_the_profile(tmp_path):
     topo = Topology.from_recipe(recipe)
     rates = emulate.recipe_rates(recipe, topo)
     flops = emulate.calibration_flops(recipe)
-    per_sample = flops * np.array([rates[m] for m in ("encoder", "llm", "generator")]) * 3.0  # fwd + 2 x fwd
+    per_sample = np.stack([flops[m] * rates[m] for m in ("encoder", "llm", "generator")], axis=1) * 3.0  # fwd + 2 x fwd
     assert per_sample.mean(axis=0) == pytest.approx([30.0, 100.0, 60.0])  # profile x time_scale
     assert per_sample[:, 0].std() > 0  # samples differ: variation comes from the data
 
@@ -234,6 +249,48 @@ def test_emulate_recipe_errors_name_the_key(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"gpus": 4}')
     assert "bad.json" in _error([*DISAGG, "emulate.enabled=true", f"emulate.profile={bad}"])
+
+
+VLM = REPO / "recipes" / "tiny_vlm.yaml"
+VLM_DISAGG = ["layout=disaggregated", "train.global_batch=4", "emulate.enabled=true"]
+
+
+def _vlm_profile(tmp_path: Path, costs={"vision": 30.0, "llm": 80.0}) -> Path:
+    roles = {"vision": "encoder", "llm": "llm"}
+    path = tmp_path / "vlm.json"
+    path.write_text(json.dumps({"gpus": 3, "global_batch": 4, "modules": {
+        m: {"role": roles[m], "layers": 2, "cost_ms": {"1": c}} for m, c in costs.items()}}))
+    return path
+
+
+def test_a_graph_recipe_emulates_its_own_modules_by_name(tmp_path):
+    recipe = load_recipe(VLM, [*VLM_DISAGG, f"emulate.profile={_vlm_profile(tmp_path)}", "emulate.calibration_batches=2"])
+    topo = Topology.from_recipe(recipe)
+    rates = emulate.recipe_rates(recipe, topo)
+    flops = emulate.calibration_flops(recipe)
+    assert set(rates) == set(flops) == {"vision", "llm"}
+    for m, c in (("vision", 30.0), ("llm", 80.0)):  # the mean sample costs the profile's fwd+bwd
+        assert float(np.mean(flops[m] * rates[m] * 3.0)) == pytest.approx(c)
+    assert flops["vision"].std() > 0  # images differ in size: the ViT's cost follows them
+
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    source, spec = build_data_and_spec(recipe)
+    samples = source.global_batch(0)
+    vision = Emulator.for_rank(recipe, topo, 0, spec, backward=True)
+    assert (vision.module, vision.role, vision.global_stage) == ("vision", "encoder", 0)
+    vision.set_step(0, [[s] for s in samples])
+    assert vision.fwd_ms == pytest.approx([flops["vision"][i] * rates["vision"] for i in range(4)])
+    llm_last = Emulator.for_rank(recipe, topo, 2, spec, backward=True)  # llm stage 1 of pp 2
+    assert (llm_last.module, llm_last.global_stage) == ("llm", 2)
+
+
+def test_a_graph_recipe_runs_emulated_on_tflops_and_refuses_a_profile_of_other_modules(tmp_path):
+    ok = load_recipe(VLM, [*VLM_DISAGG, "emulate.tflops=1"])
+    assert set(emulate.recipe_rates(ok, Topology.from_recipe(ok))) == {"vision", "llm"}
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(VLM, [*VLM_DISAGG, f"emulate.profile={_profile(tmp_path)}"])
+    assert "'emulate.profile'" in str(exc.value) and "'vision'" in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_profile_must_cost_the_modules_tp_degree(tmp_path):

@@ -256,3 +256,32 @@ def test_dashboard_of_a_module_graph_plots_its_module_names():
     keys = dashboard_keys(dashboard(("vision", "llm"), ("vision",)))
     assert "perf/mfu/vision" in keys and "time/vision_compute" in keys and "balance/vision_load_max" in keys
     assert not any("encoder" in k or "generator" in k for k in keys)
+
+
+def test_an_online_run_saves_its_graphs_own_dashboard_and_an_offline_one_saves_none(tmp_path, fake_wandb, monkeypatch):
+    from disttrain_ds.config import load_recipe
+    from disttrain_ds.metrics import wandb_workspace
+
+    saved = []
+    monkeypatch.setattr(wandb_workspace, "apply_workspace",
+                        lambda project, entity=None, name="", sections=(): saved.append((project, name, sections)) or "url")
+    vlm = load_recipe("tiny_vlm")  # vision -> llm, no generator
+    RunLogger.from_recipe(tmp_path / "offline", vlm, progress=False).close()
+    assert saved == []  # offline: no project to save it to, and no network
+    out = io.StringIO()
+    RunLogger.from_recipe(tmp_path / "online", load_recipe("tiny_vlm", ["logging.wandb=online"]),
+                          progress=False, out=out).close()
+    ((project, name, sections),) = saved
+    keys = dashboard_keys(sections)
+    assert project == vlm.logging.project and name == "disttrain-ds: vision llm" and "dashboard url" in out.getvalue()
+    assert {"perf/mfu/vision", "time/vision_compute", "balance/vision_load_max", "perf/mfu/llm"} <= set(keys)
+    assert not any("encoder" in k or "generator" in k or k == "loss/gen" for k in keys)
+
+
+def test_graph_dashboard_of_the_three_module_graph_is_the_default_dashboard():
+    from disttrain_ds.graph import ModuleGraph
+    from disttrain_ds.metrics.wandb_workspace import graph_dashboard
+
+    assert graph_dashboard(ModuleGraph.default()) == DASHBOARD
+    t2i = dashboard_keys(graph_dashboard(ModuleGraph.from_roles({"llm": "llm", "painter": "generator"})))
+    assert "loss/gen" in t2i and "balance/painter_load_max" in t2i and "balance/llm_load_max" not in t2i

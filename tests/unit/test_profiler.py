@@ -188,8 +188,8 @@ def test_profile_carries_a_draw_from_the_samples_flops_scaled_to_the_tp1_cost(ti
 
 
 def test_a_sample_without_flops_leaves_the_draw_out():
-    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [2.0, 6.0], 0, 0.0)
-    empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [0.0, 3.0], 0, 0.0)
+    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [2.0, 6.0], 0, 0.0, "llm")
+    empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [0.0, 3.0], 0, 0.0, "encoder")
     costs = {"llm": {1: 8.0}, "encoder": {1: 2.0}}
     assert cli.sample_draws([ok], costs) == {"llm": (4.0, 12.0)}
     assert cli.sample_draws([ok, empty], costs) is None
@@ -208,3 +208,53 @@ def test_profile_carries_the_recipes_activation_checkpointing_for_the_memory_mod
     assert fields["activation_checkpointing"] == 2
     assert fields["layer_output_bytes_per_sample"] == max(module_layers(recipe, "llm", vocab_size(recipe)).outputs) > 0
     assert checkpointing_fields(recipe, "encoder") == {}
+
+
+# --------------------------------------------------------------------------- module graphs
+
+T2I = """\
+name: tiny_t2i
+seed: 1234
+model:
+  modules:
+    llm: {family: llama, preset: tiny, layers: 2}
+    painter: {family: unet, preset: tiny}
+data: {source: synthetic, tokenizer: byte, seq_len: 64, max_images: 0, image_sizes: [16]}
+train: {steps: 2, global_batch: 2, micro_batch: 1}
+deepspeed_config: ds_configs/cpu_fp32.json
+"""
+
+
+def test_a_graph_recipe_is_profiled_by_module_name_and_planned_into_a_recipe_that_loads(tmp_path, capsys):
+    path, written = tmp_path / "vlm.json", tmp_path / "planned.yaml"
+    code, out, err = run("--recipe", "tiny_vlm", *FAST, "--out", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert list(data["modules"]) == ["vision", "llm"] and data["modules"]["vision"]["role"] == "encoder"
+    assert "generator" not in out and out.splitlines()[1].startswith("vision")
+    profile = load_profile(path)
+    assert profile.graph.encoders == ("vision",) and profile.gpus == 3  # the recipe's vision 1 + LLM PP=2
+    for name, m in profile.modules.items():  # a draw per module, averaging to its cost
+        assert m.cost_ms[1] > 0 and len(m.sample_cost_ms) == 2
+        assert sum(m.sample_cost_ms) / 2 == pytest.approx(m.cost_ms[1], rel=1e-9)
+    assert plan_cli.main(["--profile", str(path), "--recipe", "tiny_vlm", "--write-recipe", str(written)]) == 0
+    capsys.readouterr()
+    planned = load_recipe(written)
+    assert tuple(planned.model.modules) == ("vision", "llm") and planned.layout == "disaggregated"
+    assert sum(m.dp * m.tp * m.pp for m in planned.parallel.modules.values()) <= profile.gpus
+
+
+def test_a_generation_only_graph_times_its_generator_on_the_llm_states(tmp_path):
+    from disttrain_ds.profile_measure import Options, modes, profile_recipe
+
+    recipe_path = tmp_path / "t2i.yaml"
+    recipe_path.write_text(T2I)
+    recipe = load_recipe(recipe_path)
+    results = profile_recipe(recipe, Options(samples=1, warmup=0))
+    assert [(r.name, r.role, r.mode) for r in results] == [("llm", "llm", "train"), ("painter", "generator", "train")]
+    assert all(r.times_ms[0] > 0 and r.flops[0] > 0 for r in results)
+    frozen = load_recipe(recipe_path, ["model.modules.llm.frozen=true"])
+    assert modes(frozen) == {"llm": ("frozen", False), "painter": ("train", False)}
+    frozen_gen = load_recipe(recipe_path, ["model.modules.painter.frozen=true",
+                                           "model.modules.painter.projector.frozen=true"])
+    assert modes(frozen_gen)["painter"] == ("frozen_passthrough", True)
