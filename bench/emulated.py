@@ -2,6 +2,7 @@
 
     python bench/emulated.py --quick             # 8 ranks, one profile, no reordering (~3-4 min)
     python bench/emulated.py                     # 8 and 16 ranks, both profiles, +/- reordering
+    python bench/emulated.py --quick --recipe tiny_vlm   # a module graph: vision -> llm, no generator
 
 Every configuration is a real ``torchrun`` job of ``tools/train.py`` (processes, rank groups,
 communicator, 1F1B schedule, reordering, data producers, optimizer steps) with ``emulate.enabled``:
@@ -12,6 +13,8 @@ waited for, plus overheads measured from each run's last-step trace. Layouts: th
 ``disttrain_ds.planner.optimize.plan``, both on a profile whose GPU count is the rank count.
 The last line is ``measured/simulated iteration time: R, disaggregated/monolithic speedup: S``
 (R: geometric mean over all runs; S: measured, without reordering, at the first rank count).
+``--recipe tiny_vlm`` runs the understanding-only module graph instead (its modules by name; the
+paper profile is the three-module model's, so only the CPU profile of the graph applies).
 """
 
 from __future__ import annotations
@@ -36,19 +39,23 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.planner.baselines import megatron_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
 from disttrain_ds.planner.profile import (  # noqa: E402
-    MODULES, Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict,
+    Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict,
 )
 from disttrain_ds.runtime import emulate_sim  # noqa: E402
 
-RECIPE = "recipes/tiny_cpu.yaml"
+RECIPES = {"tiny_cpu": "recipes/tiny_cpu.yaml", "tiny_vlm": "recipes/tiny_vlm.yaml"}
 # Data with per-sample variation (1-5 input images of 32-48 px, i.e. 16-36 patches each, and 1-3
 # generated images per 256-token sequence) and a one-level U-Net, so that the real tiny layers
 # stay well below the emulated times of even the lightest samples on a shared CPU.
-WORKLOAD = ["data.source=synthetic", "data.seq_len=256", "data.image_sizes=[32,40,48]",
-            "data.max_images=5", "data.gen_images=[1,3]", "model.generator.block_out_channels=[8]",
-            "model.generator.down_block_types=[CrossAttnDownBlock2D]",
-            "model.generator.up_block_types=[CrossAttnUpBlock2D]", "model.generator.attention_head_dim=[8]",
-            "model.generator.norm_num_groups=4"]
+IMAGES = ["data.source=synthetic", "data.seq_len=256", "data.image_sizes=[32,40,48]", "data.max_images=5"]
+WORKLOADS = {
+    "tiny_cpu": IMAGES + ["data.gen_images=[1,3]", "model.generator.block_out_channels=[8]",
+                          "model.generator.down_block_types=[CrossAttnDownBlock2D]",
+                          "model.generator.up_block_types=[CrossAttnUpBlock2D]",
+                          "model.generator.attention_head_dim=[8]", "model.generator.norm_num_groups=4"],
+    "tiny_vlm": IMAGES,
+}
+RECIPE, WORKLOAD = RECIPES["tiny_cpu"], WORKLOADS["tiny_cpu"]  # set by --recipe
 TIME_SCALE = {"paper": 1.0, "cpu": 20.0}
 """Emulated time per profiled time: the paper's milliseconds as they are; the CPU profile's
 tiny-layer milliseconds 20 times slower. Either way the real tiny layers take a small part of
@@ -130,7 +137,7 @@ def at_scale(profile: Profile, ranks: int) -> tuple[Profile, dict[str, Plan]]:
 def monolithic_plan(profile: Profile) -> Plan:
     """Megatron-LM's layout at TP=1 with the LLM pipeline degree of least planned time (then fewest GPUs)."""
     best = None
-    for pp in range(1, profile.modules["llm"].layers + 1):
+    for pp in range(1, profile.modules[profile.graph.llm].layers + 1):
         try:
             p = megatron_plan(profile, tp=1, pp=pp)
         except PlanError:
@@ -170,15 +177,20 @@ class Config:
     def world(self) -> int:
         p = self.plan
         if self.layout == "monolithic":
-            return p.llm.dp * (p.llm.pp + 2)
-        return sum(p.module(m).dp * p.module(m).pp for m in MODULES)
+            return p.llm.dp * (p.llm.pp + len(p.graph.names) - 1)
+        return sum(p.module(m).dp * p.module(m).pp for m in p.graph.names)
 
     def overrides(self, run_dir: Path, steps: int, batch: int) -> list[str]:
-        p = self.plan
-        out = [f"layout={self.layout}", f"parallel.llm.dp={p.llm.dp}", f"parallel.llm.pp={p.llm.pp}"]
+        from disttrain_ds.config import load_recipe
+        from disttrain_ds.recipe_graph import module_key, parallel_key
+
+        p, recipe = self.plan, load_recipe(REPO / RECIPE)
+        llm = p.graph.llm
+        out = [f"layout={self.layout}", f"{parallel_key(recipe, llm)}.dp={p.llm.dp}", f"{parallel_key(recipe, llm)}.pp={p.llm.pp}"]
         if self.layout == "disaggregated":
-            out += [f"parallel.{m}.{k}={getattr(p.module(m), k)}" for m in ("encoder", "generator") for k in ("dp", "pp")]
-        out.append(f"model.llm.layers={max(4, p.llm.pp)}")  # the tiny LLM needs a layer per stage
+            out += [f"{parallel_key(recipe, m)}.{k}={getattr(p.module(m), k)}" for m in p.graph.names if m != llm
+                    for k in ("dp", "pp")]
+        out.append(f"{module_key(recipe, llm)}.layers={max(4, p.llm.pp)}")  # the tiny LLM needs a layer per stage
         return out + WORKLOAD + [
             f"train.global_batch={batch}", "train.micro_batch=1", f"train.steps={steps}", "train.peak_tflops=1",
             f"data.reorder={str(self.reorder).lower()}", "data.producers=1", f"data.queue_depth={steps}",
@@ -222,8 +234,8 @@ def analyse(run_dir: Path, warmup: int, slot: int) -> dict:
 def layout_text(cfg: Config) -> str:
     p = cfg.plan
     if cfg.layout == "monolithic":
-        return f"{p.llm.dp}x1 / {p.llm.dp}x{p.llm.pp} / {p.llm.dp}x1"
-    return " / ".join(f"{p.module(m).dp}x{p.module(m).pp}" for m in MODULES)
+        return " / ".join(f"{p.llm.dp}x{p.llm.pp if m == p.graph.llm else 1}" for m in p.graph.names)
+    return " / ".join(f"{p.module(m).dp}x{p.module(m).pp}" for m in p.graph.names)
 
 
 def median_of(cfg: Config, key: str) -> float:
@@ -231,7 +243,8 @@ def median_of(cfg: Config, key: str) -> float:
 
 
 def print_table(cfgs: list[Config], scale_: float) -> None:
-    print("| configuration | enc / llm / gen (dp x pp) | ranks | K | planner ms | simulated ms, lock-step, compute only | "
+    names = " / ".join(cfgs[0].plan.graph.names)
+    print(f"| configuration | {names} (dp x pp) | ranks | K | planner ms | simulated ms, lock-step, compute only | "
           "simulated ms, per replica + overheads | measured ms | measured / simulated | measured min-max | overruns |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cfgs:
@@ -265,7 +278,7 @@ def draw_gantt(cfg: Config, rep: dict, path: Path) -> None:
     for e in sim:
         axes[1].barh(row[e["rank"]], e["end"] - e["start"], left=e["start"], height=0.8,
                      color=colours["forward" if e["name"] == "fwd" else "backward"])
-    labels = [f"r{r} {by_rank[r].module[:3]} s{by_rank[r].global_stage} dp{by_rank[r].dp}" for r in reversed(ranks)]
+    labels = [f"r{r} {by_rank[r].module[:6]} s{by_rank[r].global_stage} dp{by_rank[r].dp}" for r in reversed(ranks)]
     for ax, what in zip(axes, ("measured", "simulated")):
         ax.set_yticks(range(len(ranks)), labels, fontsize=6)
         ax.set_ylabel(what, fontsize=7)
@@ -298,6 +311,8 @@ def machine_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 ranks, CPU profile, no reordering, 1 repetition")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="tiny_cpu",
+                    help="the model: tiny_cpu (encoder -> llm -> generator) or tiny_vlm (vision -> llm)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--profiles", nargs="+", choices=sorted(TIME_SCALE), default=["paper", "cpu"])
     ap.add_argument("--reps", type=int, default=3, help="launches per configuration")
@@ -313,7 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.ranks, args.profiles, args.reps, args.steps = [8], ["cpu"], 1, 4
-    cpu_path = args.cpu_profile or (SHIPPED_CPU_PROFILE if SHIPPED_CPU_PROFILE.is_file() else None)
+    global RECIPE, WORKLOAD
+    RECIPE, WORKLOAD = RECIPES[args.recipe], WORKLOADS[args.recipe]
+    shipped = SHIPPED_CPU_PROFILE if args.recipe == "tiny_cpu" and SHIPPED_CPU_PROFILE.is_file() else None
+    cpu_path = args.cpu_profile or shipped
+    if args.recipe != "tiny_cpu" and "paper" in args.profiles:
+        raise BenchError(f"--recipe {args.recipe}: the paper profile is the three-module model's; use --profiles cpu")
     started = time.perf_counter()
     out = args.out
     if out.exists() and any(out.iterdir()):

@@ -298,3 +298,39 @@ def test_profile_must_cost_the_modules_tp_degree(tmp_path):
     assert "tp=1" in _error([*DISAGG, "emulate.enabled=true", f"emulate.profile={path}"])
     ok = load_recipe(TINY, [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}"])
     assert ok.emulate.enabled and ok.emulate.time_scale == 1.0
+
+
+T2I = """\
+name: tiny_t2i
+seed: 1234
+model:
+  modules:
+    llm: {family: llama, preset: tiny}
+    painter: {family: unet, preset: tiny}
+data: {source: synthetic, tokenizer: byte, seq_len: 128, max_images: 0, image_sizes: [16]}
+parallel:
+  modules:
+    llm: {pp: 2}
+train: {steps: 2, global_batch: 4, micro_batch: 1}
+deepspeed_config: ds_configs/cpu_fp32.json
+"""
+
+
+def test_a_generation_only_graph_costs_its_generator_by_the_images_it_generates(tmp_path):
+    path = tmp_path / "t2i.yaml"
+    path.write_text(T2I)
+    recipe = load_recipe(path, ["layout=disaggregated", "emulate.enabled=true", "emulate.tflops=1"])
+    topo = Topology.from_recipe(recipe)
+    flops = emulate.calibration_flops(recipe)
+    assert set(flops) == set(emulate.recipe_rates(recipe, topo)) == {"llm", "painter"}
+
+    from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
+
+    source, spec = build_data_and_spec(recipe)
+    samples = source.global_batch(0)
+    painter = Emulator.for_rank(recipe, topo, 2, spec, backward=True)  # llm stages 0-1, then the painter
+    assert (painter.module, painter.role, painter.global_stage) == ("painter", "generator", 2)
+    painter.set_step(0, [[s] for s in samples])
+    cm = cost_model(recipe)
+    gen = [cm.generator_cost(s.stats(8, source.special)) for s in samples]
+    assert any(g > 0 for g in gen) and painter.fwd_ms == pytest.approx([g * painter.ms_per_flop for g in gen])
