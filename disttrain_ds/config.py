@@ -172,8 +172,9 @@ class EmulateConfig:
     enabled: bool = False
     """Replace each module's forward/backward time by its emulated cost."""
     profile: str = ""
-    """Planner profile JSON whose ``cost_ms`` give each module's mean fwd+bwd ms per sample;
-    empty: the recipe's cost model (FLOPs) at ``tflops``."""
+    """Planner profile JSON whose ``cost_ms`` give each module's mean fwd+bwd ms per sample (it
+    must name the recipe's modules, e.g. one the profiler wrote for this recipe); empty: the
+    recipe's cost model (FLOPs) at ``tflops``."""
     time_scale: float = 1.0
     """Factor on every emulated time (e.g. 0.05 runs a profile's seconds as tens of ms)."""
     tflops: float = 0.0
