@@ -106,3 +106,30 @@ def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run
     measured = 1e3 * rows[-1]["step_seconds"]
     assert measured > 0.9 * compute_only
     assert measured == pytest.approx(simulated, rel=0.05)
+
+
+@pytest.mark.slow
+def test_emulated_generation_only_graph_run_matches_the_simulator(tmp_path, reference_run):
+    from .test_graphs import T2I
+
+    recipe_path = tmp_path / "t2i.yaml"
+    recipe_path.write_text(T2I)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"gpus": 3, "global_batch": 8, "modules": {
+        "llm": {"layers": 2, "cost_ms": {"1": 200.0}},
+        "painter": {"role": "generator", "layers": 5, "cost_ms": {"1": 150.0}}}}))
+    layout = ["layout=disaggregated", "parallel.modules.llm.pp=1", "parallel.modules.llm.dp=2",
+              "parallel.modules.painter.dp=1", "train.global_batch=8", "train.steps=3", "optim.name=sgd", "optim.lr=0.05"]
+    emu = ["emulate.enabled=true", f"emulate.profile={profile}", "train.peak_tflops=1"]
+    rows, _, _ = launch(tmp_path, 3, [*layout, *emu], recipe=str(recipe_path))
+    run = tmp_path / "run"
+    ref_losses, _ = reference_run([o for o in layout if not o.startswith(("layout=", "parallel."))], str(recipe_path))
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+
+    recs = emulate_sim.load_records(run / "emulate")
+    painter = next(r for r in recs[3] if r.module == "painter")
+    assert painter.global_stage == 1 and sum(painter.fwd_ms) > 0 and painter.bwd_ms == tuple(2 * x for x in painter.fwd_ms)
+    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
+    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
+    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
+    assert 1e3 * rows[-1]["step_seconds"] == pytest.approx(simulated, rel=0.05)
