@@ -199,6 +199,23 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation loss on a held-out split of the data (``data/split.py``): forward passes only,
+    no optimizer step, no change to the training data order or RNG."""
+
+    every: int = 0
+    """Evaluate after every N optimizer steps (and after the last step); 0 turns evaluation off."""
+    batches: int = 2
+    """Held-out global batches (``train.global_batch`` samples each) per evaluation; the same
+    batches every time, so the figures are comparable across steps."""
+    holdout_fraction: float = 0.0
+    """Record and shard sources (mmc4, laion, local, webdataset, parquet, folder, hf): the share of records held out of training for
+    evaluation, a fixed choice that depends only on the record count. Above 0 it takes those
+    records out of training whether or not ``every`` is set. Synthetic sources hold out a separate
+    seed space instead and need no fraction (it must stay 0)."""
+
+
+@dataclass
 class Recipe:
     """A whole training job."""
 
@@ -222,6 +239,8 @@ class Recipe:
     """Outputs."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and what resuming reads."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation loss on held-out data."""
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
     """Emulated compute for benchmarks of the runtime on machines without the real accelerators."""
     deepspeed_config: str = "ds_configs/cpu_fp32.json"

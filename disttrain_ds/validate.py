@@ -131,6 +131,7 @@ def validate(r: Recipe) -> None:
     _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")
     _check(c.keep >= 0, src, "checkpoint.keep", f"must be >= 0, got {c.keep}")
     _check(c.sigterm_grace_s >= 0, src, "checkpoint.sigterm_grace_s", f"must be >= 0, got {c.sigterm_grace_s:g}")
+    check_eval(r, src)
     e = r.emulate
     _check(e.time_scale >= 0, src, "emulate.time_scale", f"must be >= 0, got {e.time_scale}")
     _check(e.calibration_batches >= 1, src, "emulate.calibration_batches", f"must be >= 1, got {e.calibration_batches}")
@@ -196,3 +197,18 @@ def validate(r: Recipe) -> None:
         path = mp.ds_config or r.deepspeed_config
         key = f"{parallel_key(r, name)}.ds_config" if mp.ds_config else "deepspeed_config"
         load_ds_config(require_file(path, key, src, r.source_file), key=key, recipe_src=src)
+
+
+def check_eval(r: Recipe, src: str) -> None:
+    """``eval``: sane counts, and a held-out share exactly where the data source needs one."""
+    from .data.config import RECORD_SOURCES, SHARD_PATHS
+
+    v = r.eval
+    _check(v.every >= 0, src, "eval.every", f"must be >= 0 (0 turns evaluation off), got {v.every}")
+    _check(v.batches >= 1, src, "eval.batches", f"must be >= 1, got {v.batches}")
+    _check(0.0 <= v.holdout_fraction < 1.0, src, "eval.holdout_fraction", f"must be in [0, 1), got {v.holdout_fraction:g}")
+    records = r.data.source in RECORD_SOURCES or r.data.source in SHARD_PATHS
+    _check(records or v.holdout_fraction == 0, src, "eval.holdout_fraction",
+           f"applies to record sources only; data.source {r.data.source} holds out a separate seed space (set it to 0)")
+    _check(not records or v.every == 0 or v.holdout_fraction > 0, src, "eval.holdout_fraction",
+           f"must be > 0 to evaluate on data.source {r.data.source} (e.g. 0.01 holds out 1% of the records)")

@@ -21,6 +21,7 @@ import torch
 from .config import DataConfig
 from .paper_stats import draw_sequence_layouts
 from .source import _WORDS, SampleSource, ShapeSpec, labels_for, smooth_image
+from .split import TRAIN, Split
 from .tokenizer import Tokenizer, load_tokenizer
 from .types import PackedSample, SpecialTokens
 
@@ -39,10 +40,10 @@ def patch_grid(tokens: int) -> tuple[int, int]:
 class PaperStatsSource(SampleSource):
     """Packed samples whose layouts follow DistTrain's Fig. 5 statistics."""
 
-    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int):
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         if not 0.0 <= cfg.gen_prob <= 1.0:
             raise ValueError(f"data.gen_prob: must be in [0, 1], got {cfg.gen_prob}")
-        self.cfg, self.shape, self.batch, self.seed = cfg, shape, global_batch, seed
+        self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
         self.tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
         self.base_vocab = self.tokenizer.vocab_size
         self.special = SpecialTokens.after(self.base_vocab)
@@ -89,7 +90,7 @@ class PaperStatsSource(SampleSource):
         return PackedSample(t, labels_for(t, sp), images, gen, sample_id, tuple(doc_lens), {"source": "paper_stats"})
 
     def global_batch(self, step: int) -> list[PackedSample]:
-        rng = np.random.default_rng([self.seed, step, 5])
+        rng = np.random.default_rng(self.split.seed(self.seed, step, 5))
         layouts = draw_sequence_layouts(self.batch, self.cfg.seq_len, rng)
-        return [self.sample(lay, rng, step * self.batch + i) for i, lay in enumerate(layouts)]
+        return [self.sample(lay, rng, self.split.sample_id(step * self.batch + i)) for i, lay in enumerate(layouts)]
 

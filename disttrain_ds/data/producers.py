@@ -28,6 +28,7 @@ import torch
 from .config import DataConfig
 from . import spool
 from .registry import open_source
+from .split import TRAIN, Split
 from .source import SampleSource, ShapeSpec
 from .spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
 from .types import PackedSample
@@ -57,6 +58,7 @@ class _Job:
     first_step: int
     stride: int
     state: dict | None
+    split: Split = TRAIN
 
 
 def _encode(samples: list[PackedSample]) -> list[tuple]:
@@ -115,7 +117,7 @@ def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int =
     if beat is not None:
         threading.Thread(target=_heartbeat, args=(beat,), name="producer-heartbeat", daemon=True).start()
     try:
-        source = open_source(job.cfg, job.shape, job.batch, job.seed)
+        source = open_source(job.cfg, job.shape, job.batch, job.seed, job.split)
         if job.state:
             source.load_state_dict(job.state)
         while not stop.is_set():
@@ -153,13 +155,13 @@ def _context():
 class ProducedSource(SampleSource):
     """The trainer's view of a source: batches in step order, from producers or in-process."""
 
-    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int):
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         if cfg.producers < 0:
             raise ValueError(f"data.producers: must be >= 0, got {cfg.producers}")
         if cfg.queue_depth < 1:
             raise ValueError(f"data.queue_depth: must be >= 1, got {cfg.queue_depth}")
-        self.cfg, self.shape, self.batch, self.seed = cfg, shape, global_batch, seed
-        self.inner = open_source(cfg, shape, global_batch, seed)  # vocabulary, describe, in-process batches
+        self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
+        self.inner = open_source(cfg, shape, global_batch, seed, split)  # vocabulary, describe, in-process batches
         self.special, self.base_vocab = self.inner.special, self.inner.base_vocab
         self.last_wait_seconds = 0.0
         self.stall_timeout_s = STALL_TIMEOUT_S
@@ -221,7 +223,7 @@ class ProducedSource(SampleSource):
             self._queues = [ctx.Queue(maxsize=depth) for _ in range(n)]
         self._beats = [ctx.RawValue("Q", 0) for _ in range(n)]
         for k in range(n):
-            job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state)
+            job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state, self.split)
             proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop, writer, k, self._beats[k]),
                                daemon=True, name=f"data-producer-{k}")
             proc.start()

@@ -23,6 +23,7 @@ from .images import PHOTOS
 from .pack import Cursor, Packer, Piece, materialise
 from .reader import RecordTable, record_files
 from .source import SampleSource, ShapeSpec
+from .split import TRAIN, Split, split_records
 from .tokenizer import default_cache_dir, load_tokenizer
 from .types import PackedSample, SpecialTokens
 
@@ -49,7 +50,8 @@ class RecordSource(SampleSource):
     _unused_keys: tuple[str, ...] = ("fields", "shard_parts")
     """``data`` keys these formats ignore (left out of the fingerprint: older checkpoints still match)."""
 
-    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, fmt: str, path: Path):
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, fmt: str, path: Path,
+                 split: Split = TRAIN):
         check_shapes(cfg, shape)
         if shape.gen_channels != 3:
             raise ValueError(f"model.generator.in_channels: real data sources produce RGB targets (3), got {shape.gen_channels}")
@@ -60,8 +62,12 @@ class RecordSource(SampleSource):
         self.table = self._open_table()
         if len(self.table) == 0:
             raise ValueError(f"data.path: no records in {path}")
+        self.split = split
+        self.records = split_records(len(self.table), split)  # the records this split reads
+        self._in_split = np.zeros(len(self.table), dtype=bool)
+        self._in_split[self.records] = True
         self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed)
-        self.packer = Packer(self.ctx, len(self.table), self._doc, self._order, self._where())
+        self.packer = Packer(self.ctx, len(self.records), self._doc, self._order, self._where())
         self._cursors: dict[int, Cursor] = {0: Cursor()}
         self._plans: OrderedDict[int, list[list[Piece]]] = OrderedDict()
         self._docs: OrderedDict[tuple[int, int], Document | Bad] = OrderedDict()
@@ -96,7 +102,10 @@ class RecordSource(SampleSource):
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, self._permutation(epoch))
+            order = self._permutation(epoch)
+            if len(self.records) < len(self.table):  # a hold-out: this split's records, in the same order
+                order = order[self._in_split[order]]
+            self._perm = (epoch, order)
         return self._perm[1]
 
     def _doc(self, epoch: int, record: int) -> Document | Bad:
@@ -141,7 +150,7 @@ class RecordSource(SampleSource):
 
         out = [
             materialise(pieces, self._doc, self.ctx, self.special, self.shape.gen_resolution,
-                        step * self.batch + i, self.fmt, failed)
+                        self.split.sample_id(step * self.batch + i), self.fmt, failed)
             for i, pieces in enumerate(seqs)
         ]
         if failures:
@@ -168,6 +177,8 @@ class RecordSource(SampleSource):
         facts = [self.fmt, str(self.path), len(self.table), self.seed, self.batch, asdict(self.cfg), asdict(self.shape)]
         for drop in ("producers", "queue_depth", "reorder", "cache_dir", *self._unused_keys):  # do not change the samples
             facts[5].pop(drop, None)
+        if self.split.fraction > 0 or self.split.held_out:  # runs without a hold-out keep their fingerprint
+            facts.append(asdict(self.split))
         return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:

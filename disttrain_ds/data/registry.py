@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .config import SOURCES, DataConfig, path_problem
 from .source import SampleSource, ShapeSpec, SyntheticSource
+from .split import TRAIN, Split
 
 
 def resolve(cfg: DataConfig) -> DataConfig:
@@ -22,20 +23,20 @@ def resolve(cfg: DataConfig) -> DataConfig:
     return cfg
 
 
-def open_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int) -> SampleSource:
-    """The in-process source for a resolved ``cfg`` (see :func:`resolve`)."""
+def open_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN) -> SampleSource:
+    """The in-process source for a resolved ``cfg`` (see :func:`resolve`), reading ``split``."""
     if cfg.source == "synthetic":
-        return SyntheticSource(cfg, shape, global_batch, seed)
+        return SyntheticSource(cfg, shape, global_batch, seed, split)
     if cfg.source == "paper_stats":
         from .paper_source import PaperStatsSource
 
-        return PaperStatsSource(cfg, shape, global_batch, seed)
+        return PaperStatsSource(cfg, shape, global_batch, seed, split)
     if cfg.source in ("mmc4", "laion", "local"):
         from .record_source import RecordSource
 
-        return RecordSource(cfg, shape, global_batch, seed, cfg.source, Path(cfg.path).expanduser())
+        return RecordSource(cfg, shape, global_batch, seed, cfg.source, Path(cfg.path).expanduser(), split)
     if cfg.source in ("webdataset", "parquet", "folder", "hf"):
         from .shard_source import open_shard_source
 
-        return open_shard_source(cfg, shape, global_batch, seed)
+        return open_shard_source(cfg, shape, global_batch, seed, split)
     raise ValueError(f"data.source: must be one of {' | '.join(SOURCES)}, got {cfg.source!r}")

@@ -26,6 +26,7 @@ from .formats import Bad, Document
 from .record_source import RecordSource
 from .shards import assign_shards, block_order
 from .source import SampleSource, ShapeSpec
+from .split import TRAIN, Split
 from .types import PackedSample
 
 SHARD_SOURCES = ("webdataset", "parquet", "folder", "hf")
@@ -59,9 +60,9 @@ class ShardSource(RecordSource):
     _unused_keys = ()
 
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int,
-                 shards: list[int] | None = None, n_shards: int = 0, part: str = ""):
+                 shards: list[int] | None = None, n_shards: int = 0, part: str = "", split: Split = TRAIN):
         self._selected, self._n_shards, self._part = shards, n_shards, part
-        super().__init__(cfg, shape, global_batch, seed, cfg.source, Path(cfg.path).expanduser())
+        super().__init__(cfg, shape, global_batch, seed, cfg.source, Path(cfg.path).expanduser(), split)
 
     def _open_table(self):
         return open_table(self.cfg, self._selected)
@@ -87,7 +88,7 @@ class ShardSource(RecordSource):
 class PartedSource(SampleSource):
     """``data.shard_parts`` parts side by side: part j fills global positions j*B/P .. (j+1)*B/P - 1."""
 
-    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int):
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         parts = cfg.shard_parts
         if global_batch % parts:
             raise ValueError(f"data.shard_parts: {parts} does not divide train.global_batch {global_batch}")
@@ -97,7 +98,7 @@ class PartedSource(SampleSource):
         self.batch, self.per_part, self.cfg = global_batch, global_batch // parts, cfg
         self.parts: list[ShardSource | None] = [None] * parts
         self._args = (cfg, shape, self.per_part, n_shards)
-        self.seed = seed
+        self.seed, self.split = seed, split  # each part holds out its share of its own records
         first = self.part(0)
         self.special, self.base_vocab = first.special, first.base_vocab
 
@@ -108,7 +109,7 @@ class PartedSource(SampleSource):
             shards = assign_shards(n, len(self.parts), j, self.seed)
             # Each part draws its own order and sizes: seed it apart from the others.
             self.parts[j] = ShardSource(cfg, shape, per_part, self.seed * 1000003 + j, shards, n,
-                                        f", part {j + 1}/{len(self.parts)}")
+                                        f", part {j + 1}/{len(self.parts)}", self.split)
         return self.parts[j]
 
     def describe(self) -> str:
@@ -121,7 +122,7 @@ class PartedSource(SampleSource):
         """The sequences of part ``j`` of ``step`` (reads part ``j``'s shards only)."""
         out = self.part(j).global_batch(step)
         for i, s in enumerate(out):
-            s.sample_id = step * self.batch + j * self.per_part + i
+            s.sample_id = self.split.sample_id(step * self.batch + j * self.per_part + i)
         return out
 
     def global_batch(self, step: int) -> list[PackedSample]:
@@ -151,10 +152,11 @@ class PartedSource(SampleSource):
             self.part(j).load_state_dict(sub)
 
 
-def open_shard_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int) -> SampleSource:
-    """The source for a shard format: one table, or ``data.shard_parts`` parts."""
+def open_shard_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int,
+                      split: Split = TRAIN) -> SampleSource:
+    """The source for a shard format: one table, or ``data.shard_parts`` parts, reading ``split``."""
     if cfg.shard_parts < 1:
         raise ConfigError(f"data.shard_parts: must be >= 1, got {cfg.shard_parts}")
     if cfg.shard_parts == 1:
-        return ShardSource(cfg, shape, global_batch, seed)
-    return PartedSource(cfg, shape, global_batch, seed)
+        return ShardSource(cfg, shape, global_batch, seed, split=split)
+    return PartedSource(cfg, shape, global_batch, seed, split)

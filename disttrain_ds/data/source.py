@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .config import DataConfig
+from .split import TRAIN, Split
 from .types import IGNORE_INDEX, PackedSample, SpecialTokens
 
 _WORDS = (
@@ -102,8 +103,8 @@ def smooth_image(rng: np.random.Generator, channels: int, h: int, w: int) -> tor
 class SyntheticSource(SampleSource):
     """Generated interleaved samples: word-like byte text, smooth images, fixed length."""
 
-    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int):
-        self.cfg, self.shape, self.batch, self.seed = cfg, shape, global_batch, seed
+    def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
+        self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
         self.base_vocab = 256
         self.special = SpecialTokens.after(self.base_vocab)
 
@@ -118,7 +119,7 @@ class SyntheticSource(SampleSource):
 
     def sample(self, step: int, index: int) -> PackedSample:
         cfg, sh, sp = self.cfg, self.shape, self.special
-        rng = np.random.default_rng([self.seed, step, index])
+        rng = np.random.default_rng(self.split.seed(self.seed, step, index))
         n_gen = int(rng.integers(cfg.gen_images[0], cfg.gen_images[1] + 1))
         budget = cfg.seq_len - n_gen * (sh.query_tokens + 2)
         ids: list[int] = []
@@ -143,15 +144,17 @@ class SyntheticSource(SampleSource):
         r = sh.gen_resolution
         targets = [smooth_image(rng, sh.gen_channels, r, r) for _ in range(n_gen)]
         targets = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
-        return PackedSample(t, labels_for(t, sp), images, targets, step * self.batch + index, (doc_len,))
+        sample_id = self.split.sample_id(step * self.batch + index)
+        return PackedSample(t, labels_for(t, sp), images, targets, sample_id, (doc_len,))
 
     def global_batch(self, step: int) -> list[PackedSample]:
         return [self.sample(step, i) for i in range(self.batch)]
 
 
-def build_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int) -> SampleSource:
-    """The source named by ``cfg.source``, prepared in ``cfg.producers`` processes (0: in-process)."""
+def build_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN) -> SampleSource:
+    """The source named by ``cfg.source``, prepared in ``cfg.producers`` processes (0: in-process);
+    ``split``: its training part (less any held-out records) or its held-out part (``data/split.py``)."""
     from .producers import ProducedSource
     from .registry import resolve
 
-    return ProducedSource(resolve(cfg), shape, global_batch, seed)
+    return ProducedSource(resolve(cfg), shape, global_batch, seed, split)

@@ -14,6 +14,7 @@ gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. Wha
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import MethodType
 
 import torch
@@ -38,6 +39,7 @@ from .schedule import (
     LoadData,
     StagePlace,
     engine_schedule,
+    eval_schedule,
     num_buffers,
 )
 
@@ -114,8 +116,26 @@ class ModuleEngine(PipelineEngine):
     # ---- one optimizer step -------------------------------------------------------------
     def run_step(self, batches: list[MicroBatch]) -> dict:
         """Execute this stage's part of one optimizer step over ``batches`` (one per microbatch)."""
-        assert len(batches) == self.micro_batches
         self.module.train()
+        return self._run(batches)
+
+    def run_eval(self, batches: list[MicroBatch]) -> dict:
+        """This stage's forward passes over ``batches`` (``eval_schedule``): no gradients, no
+        optimizer step, emulated compute off; ``own_loss`` as in ``run_step``. Every engine of the
+        job calls it for the same batches."""
+        saved = self.place, self._steps, self.emulator, getattr(self, "trace", [])
+        self.place = replace(self.place, backward=False, upstream_backward=False)
+        self._steps, self.emulator = eval_schedule(self.micro_batches, self.place), None
+        try:
+            with torch.no_grad():
+                return self._run(batches)
+        finally:
+            self.place, self._steps, self.emulator, self.trace = saved
+            for key in self.extra:  # nothing of the evaluation stays referenced
+                self.extra[key] = [None] * self.num_pipe_buffers
+
+    def _run(self, batches: list[MicroBatch]) -> dict:
+        assert len(batches) == self.micro_batches
         self.batches = batches
         self._next_fwd = self._next_bwd = 0
         self.stats = {"own_loss": 0.0, "compute_s": 0.0}
@@ -181,8 +201,8 @@ class ModuleEngine(PipelineEngine):
         # Clones keep the received leaves (whose .grad we send back) out of in-place ops.
         inputs = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
         with torch.set_grad_enabled(self.place.backward):
-            if self.optimizer is None:
-                # Frozen: DeepSpeed's forward hooks insist on engine.backward(), which needs an optimizer.
+            if self.optimizer is None or not self.place.backward:
+                # Frozen or evaluating: DeepSpeed's forward hooks insist on engine.backward(), which needs an optimizer.
                 outputs = self.module(inputs)
             else:
                 outputs = DeepSpeedEngine.forward(self, inputs)  # PipelineEngine.forward is disabled

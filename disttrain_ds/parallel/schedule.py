@@ -16,7 +16,7 @@ The global instructions are then rewritten for one engine:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepspeed.runtime.pipe import schedule as ds
 
@@ -69,6 +69,16 @@ def engine_schedule(micro_batches: int, place: StagePlace) -> list[list[ds.PipeI
             out.extend(_rewrite(cmd, place))
         steps.append(out)
     return steps
+
+
+def eval_schedule(micro_batches: int, place: StagePlace) -> list[list[ds.PipeInstruction]]:
+    """Forward passes only (evaluation): the same global 1F1B order with every backward,
+    gradient transfer, reduction and optimizer step left out, on every engine alike. Without
+    gradients nothing flows back, so activations only wait on upstream stages: no cycle to deadlock."""
+    forward = replace(place, backward=False, upstream_backward=False)
+    skip = (ds.ReduceGrads, ds.ReduceTiedGrads, ds.OptimizerStep)
+    steps = [[c for c in cmds if not isinstance(c, skip)] for cmds in engine_schedule(micro_batches, forward)]
+    return [cmds for cmds in steps if cmds]
 
 
 def num_buffers(micro_batches: int, place: StagePlace) -> int:

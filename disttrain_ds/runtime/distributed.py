@@ -1,7 +1,9 @@
 """``layout: disaggregated`` and ``layout: monolithic``: one pipeline engine per module.
 
-Reads top to bottom: start processes -> rank map -> this rank's engine and boundary links ->
-per step, this rank's microbatches -> run the shared 1F1B schedule -> gather figures on rank 0.
+Reads top to bottom: start processes -> rank map -> this rank's engine and boundary links -> run
+directory -> the shared ``Trainer`` (``runtime/trainer.py``) with the pipeline step executor
+(``runtime/pipeline_step.py``: this rank's microbatches through the shared 1F1B schedule, figures
+gathered from every rank) and the callbacks (``runtime/callbacks/``).
 """
 
 from __future__ import annotations
@@ -19,32 +21,36 @@ import torch.distributed as tdist
 from ..comm import nccl_emulation
 from ..comm.boundary import BoundaryComm, boundary_links
 from ..comm.p2p import P2P, PeerInfo, new_channel_groups
-from ..comm.routes import blocks
 from ..config import Recipe, resolve_path
 from ..configtools import ConfigError
 from ..data.spool import default_base, host_key, plan_shares
-from ..data.types import batch_bytes
 from ..dsconfig import engine_config, load_ds_config
+from ..metrics.logger import RunLogger
+from ..metrics.step_flops import MfuMeter
 from ..models.configs import trains
-from ..models.mllm import BatchNorms, collate
-from ..parallel.engine import build_pipeline_module, make_engine, write_trace
+from ..parallel.engine import build_pipeline_module, make_engine
 from ..parallel.roles import ROLES
 from ..parallel.schedule import StagePlace
 from ..parallel.tensor_parallel import TPContext, full_state
 from ..topology import Topology
-from .reference import step_tokens
-from ..metrics.logger import RunLogger
-from ..metrics.step_flops import MfuMeter
+from .callbacks.balance import Balance
+from .callbacks.checkpoint import Checkpointing
+from .callbacks.emulation import EmulationRecords
+from .callbacks.evaluation import Evaluation
+from .callbacks.guard import NonFiniteGuard
+from .callbacks.health import Heartbeat
+from .callbacks.metrics import MetricsLog
+from .callbacks.preemption import FaultInjection, PreemptionStop
+from .callbacks.trace import TraceWriter
 from .checkpointing import Checkpointer, resolve_resume
 from .console import Console, tell_launcher
-from .guards import check_finite_loss, fresh_path
-from .health import Watchdog, connect_store
-from .rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
-from ..metrics.balance import COLUMNS, dp_balance
-from .step_record import gather_step_record
-from .setup import build_data_and_spec, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
 from .emulate import Emulator
-from .preempt import EXIT_PREEMPTED, Preemption, injected_kill
+from .health import Watchdog, connect_store
+from .pipeline_step import PipelineExecutor
+from .preempt import EXIT_PREEMPTED, Preemption
+from .rundir import make_run_dir, reopen_run_dir, write_resolved_recipe
+from .setup import build_data_and_spec, build_eval_source, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
+from .trainer import Trainer
 
 
 def init_processes(timeout_s: float) -> torch.device:
@@ -241,99 +247,33 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         resume_from, manifest = ckpt.resume(resume_from, source)
         start = manifest["step"]
 
-    my_block = blocks(slot, grid.dp)[dp_index]
-    dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
-    gen = spec.name_of("generator")
-    gen_dp_scale = topo.module(gen).dp / topo.module(spec.name_of("llm")).dp if gen else 1.0
-    chunks = gas * recipe.parallel.llm.dp
-    writer = run_dir = None
+    run_dir = writer = mfu = None
     if is_logger:
-        resolved = {"world_size": world, "topology": topo.describe()}
-        if manifest is not None:
-            run_dir, moved = reopen_run_dir(Path(manifest["run_dir"]), start)
-            write_resolved_recipe(run_dir, recipe, {**resolved, "resumed_from": str(resume_from)}, f"recipe.resume{start}.yaml")
-            log(f"resumed from {resume_from} at step {start}" + (f"; {moved} later step records moved to metrics.rolled_back.jsonl" if moved else ""))
-        else:
-            run_dir = make_run_dir(recipe.logging.dir, recipe.name)
-            write_resolved_recipe(run_dir, recipe, resolved)
-        writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved, out=console.terminal)
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        gpus = {m.name: m.size for m in topo.modules}
-        mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
-        log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
-        costs, patch = cost_model(recipe), spec.encoder.patch_size if spec.encoder is not None else 1
-        dps = {m.name: m.dp for m in topo.modules}
-        log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
-        log(f"data: {source.describe()}")
-
+        run_dir, writer, mfu = _open_run(recipe, topo, world, device, spec, source, (resume_from, manifest, start), log,
+                                         console)
     dirs = [str(run_dir) if is_logger else None]
     tdist.broadcast_object_list(dirs, src=0, group=meta_group)
     watchdog.failure_dir = dirs[0]
     console.move_to(dirs[0])
-    preempted = None
-    try:
-        for step in range(start, recipe.train.steps):
-            watchdog.step = step + 1
-            t0 = time.perf_counter()
-            samples = source.global_batch(step)
-            data_wait = source.last_wait_seconds
-            norms = BatchNorms.of(samples, chunks)
-            batches = []
-            for g in range(gas):
-                mine = samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop]
-                batches.append(collate(mine, norms, spec, gen_dp_scale=gen_dp_scale, dtype=dtype))
-            if engine.emulator is not None:
-                engine.emulator.set_step(step, [samples[g * slot : (g + 1) * slot][my_block.start : my_block.stop] for g in range(gas)], t0)
-            stats = engine.run_step(batches)
-            stats["data_wait_s"] = data_wait
-            elapsed = time.perf_counter() - t0
-            rec = gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, meta_group,
-                                     preempt.requested, spec.roles)
-            stop = rec.pop("preempt") and step + 1 < recipe.train.steps  # any rank got SIGTERM
-            if is_logger:
-                rec = {
-                    "step": step + 1,
-                    **rec,
-                    "samples_per_s": len(samples) / rec["step_seconds"],
-                    "tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
-                    "perf/tokens_per_s": step_tokens(samples, spec.special.pad) / rec["step_seconds"],
-                    "lr": recipe.optim.lr * lr_lambda(recipe)(step),
-                    "data/batch_mib": batch_bytes(samples) / 2**20,
-                    **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
-                    **mfu(samples, rec["step_seconds"]),
-                    **dp_balance(costs.costs([s.stats(patch, spec.special) for s in samples]), slot, dps,
-                                 {n: COLUMNS[r] for n, r in spec.roles.items() if r in COLUMNS}),
-                }
-                writer.log(rec)
-                if (step + 1) % recipe.logging.every == 0:
-                    writer.echo(progress_line(rec))
-            # Every rank holds the same gathered loss: all stop here together, before any save.
-            check_finite_loss(rec, step + 1, recipe.train.on_nonfinite)
-            if stop:
-                preempt.handled()
-            if ckpt.due(step + 1) or (stop and recipe.checkpoint.every > 0):
-                path = ckpt.save(step + 1, source, dirs[0])
-                if is_logger:
-                    writer.echo(f"checkpoint {path} ({ckpt.seconds:.1f} s)")
-            if stop:
-                preempted = (step + 1, path if recipe.checkpoint.every > 0 else None)
-                break
-            injected_kill(rank, step + 1)
-    finally:
-        source.close()  # stops producer processes, if any
-    p2p.flush_sends()
-    if preempted is not None:
-        return _stop_preempted(*preempted, source, writer, log, meta_group)
-    # Per-rank timeline of the last step; ranks agree on a time origin through the step start.
-    trace = getattr(engine, "trace", [])  # none if a resumed run had no step left
-    origin = torch.tensor([min(sp["start"] for sp in trace) if trace else 0.0], dtype=torch.float64)
-    tdist.all_reduce(origin, op=tdist.ReduceOp.MIN, group=meta_group)  # same clock on one host; roughly aligned otherwise
-    trace_dir = os.path.join(dirs[0], "trace")
-    os.makedirs(trace_dir, exist_ok=True)
-    # A relaunch into the same run directory (resume) keeps the traces of earlier launches.
-    write_trace(trace, str(fresh_path(os.path.join(trace_dir, f"rank{rank}.json"))), rank, names[rank], float(origin))
+
+    executor = PipelineExecutor(recipe, topo, grid, place, tp_index, dp_index, spec, engine, p2p, meta_group, preempt)
+    callbacks = [Heartbeat(watchdog)]
+    if recipe.eval.every > 0:
+        callbacks.append(Evaluation(recipe, build_eval_source(recipe)))
+    if is_logger:
+        dps = {m.name: m.dp for m in topo.modules}
+        callbacks += [Balance(cost_model(recipe), spec, slot, dps),
+                      MetricsLog(recipe, spec.special.pad, writer, mfu, writer.echo)]
+    callbacks += [NonFiniteGuard(recipe.train.on_nonfinite), PreemptionStop(preempt), Checkpointing(ckpt, dirs[0]),
+                  TraceWriter(engine, meta_group, dirs[0], rank, names[rank])]
     if engine.emulator is not None:
-        engine.emulator.save(os.path.join(dirs[0], "emulate"), rank)
+        callbacks.append(EmulationRecords(engine.emulator, dirs[0], rank))
+    callbacks.append(FaultInjection(rank))
+    trainer = Trainer(recipe, source, executor, callbacks, start, echo=writer.echo if writer else None)
+    trainer.fit()
+    if trainer.preempted:
+        path = trainer.last_checkpoint if recipe.checkpoint.every > 0 else None
+        return _stop_preempted(trainer.step, path, source, writer, log, meta_group)
     if export_dir:
         state = layer_state(pm, grid.name, spec.layers(grid.name), tp)
         torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
@@ -343,6 +283,28 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         writer.close()
         log(f"metrics: {run_dir / 'metrics.jsonl'}")
     return 0
+
+
+def _open_run(recipe, topo, world, device, spec, source, resume, log, console):
+    """Rank 0: the run directory (a new one, or the checkpoint's reopened), its metrics writer and
+    the MFU meter."""
+    resume_from, manifest, start = resume
+    resolved = {"world_size": world, "topology": topo.describe()}
+    if manifest is not None:
+        run_dir, moved = reopen_run_dir(Path(manifest["run_dir"]), start)
+        write_resolved_recipe(run_dir, recipe, {**resolved, "resumed_from": str(resume_from)}, f"recipe.resume{start}.yaml")
+        log(f"resumed from {resume_from} at step {start}" + (f"; {moved} later step records moved to metrics.rolled_back.jsonl" if moved else ""))
+    else:
+        run_dir = make_run_dir(recipe.logging.dir, recipe.name)
+        write_resolved_recipe(run_dir, recipe, resolved)
+    writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved, out=console.terminal)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    gpus = {m.name: m.size for m in topo.modules}
+    mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
+    log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
+    log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
+    log(f"data: {source.describe()}")
+    return run_dir, writer, mfu
 
 
 def _stop_preempted(step: int, path, source, writer, log, group) -> int:

@@ -1,7 +1,9 @@
 """``layout: reference``: the whole MLLM in one process, no pipeline.
 
 Same initial weights, same data order, same loss normalisation and optimizer as the distributed
-layouts: the ground truth they are tested against, and the simplest thing a user can run.
+layouts: the ground truth they are tested against, and the simplest thing a user can run. It runs
+through the same ``Trainer`` and callbacks as the pipeline layouts; ``ReferenceExecutor`` is what
+differs (the whole model steps in this process, nothing to gather).
 """
 
 from __future__ import annotations
@@ -12,17 +14,65 @@ from pathlib import Path
 import torch
 
 from ..config import Recipe
-from ..data.types import batch_bytes
 from ..models.mllm import BatchNorms, ReferenceMLLM, collate
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
-from .guards import check_finite_loss
-from .rundir import progress_line
-from .setup import build_data_and_spec, build_optimizer, grad_accum_steps, lr_lambda, param_groups
+from .callbacks.evaluation import Evaluation, eval_figures
+from .callbacks.guard import NonFiniteGuard
+from .callbacks.metrics import MetricsLog
+from .setup import build_data_and_spec, build_eval_source, build_optimizer, grad_accum_steps, lr_lambda, param_groups
+from .trainer import Trainer
 
 
-def step_tokens(samples, pad_id: int) -> int:
-    return int(sum(int((s.input_ids != pad_id).sum()) for s in samples))
+class ReferenceExecutor:
+    """Executes a step of the whole model in one process, in LLM-microbatch chunks."""
+
+    def __init__(self, recipe: Recipe, spec, model: ReferenceMLLM):
+        self.recipe, self.spec, self.model = recipe, spec, model
+        self.dtype = compute_dtype(recipe)
+        self.chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
+        self.optimizers = {
+            name: build_optimizer(recipe, param_groups(
+                recipe, name, [(d.name, layer) for d, layer in zip(spec.layers(name), getattr(model, name).layers)]))
+            for name in spec.names
+            if not spec.frozen(name)
+        }
+        self.schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(recipe)) for n, o in self.optimizers.items()}
+
+    def _losses(self, samples: list, backward: bool) -> dict[str, float]:
+        """The global batch's losses (``loss``, ``lm``, ``gen``), summed over its chunks."""
+        m = self.recipe.train.micro_batch
+        norms = BatchNorms.of(samples, self.chunks)
+        totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
+        for c in range(self.chunks):
+            mb = collate(samples[c * m : (c + 1) * m], norms, self.spec, dtype=self.dtype)
+            out = self.model(mb)
+            if backward:
+                (out["loss"] / self.chunks).backward()
+            for k in totals:
+                totals[k] += float(out[k].detach()) / self.chunks
+        return totals
+
+    def train_step(self, step: int, samples: list, data_wait: float, t0: float) -> tuple[dict, bool]:
+        totals = self._losses(samples, backward=True)
+        for name, opt in self.optimizers.items():
+            if self.recipe.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(getattr(self.model, name).parameters(), self.recipe.optim.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.schedulers[name].step()
+        dt = time.perf_counter() - t0
+        return {"loss": totals["loss"], "loss/lm": totals["lm"], "loss/gen": totals["gen"], "step_seconds": dt,
+                "time/step": dt, "time/data_wait": data_wait}, False
+
+    def evaluate(self, batches: list[list]) -> dict[str, float]:
+        with torch.no_grad():
+            per_batch = [self._losses(samples, backward=False) for samples in batches]
+        return eval_figures(sum(t["lm"] for t in per_batch) / len(batches),
+                            sum(t["gen"] for t in per_batch) / len(batches), self.spec)
+
+    def finish(self) -> None:
+        pass
 
 
 def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[list[dict], ReferenceMLLM]:
@@ -33,75 +83,29 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     torch.manual_seed(recipe.seed)
     source, spec = build_data_and_spec(recipe)
     model = ReferenceMLLM(spec)
-    dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
-    model.to(dtype)
-    optimizers = {
-        name: build_optimizer(recipe, param_groups(
-            recipe, name, [(d.name, layer) for d, layer in zip(spec.layers(name), getattr(model, name).layers)]))
-        for name in spec.names
-        if not spec.frozen(name)
-    }
-    schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(recipe)) for n, o in optimizers.items()}
+    model.to(compute_dtype(recipe))
+    executor = ReferenceExecutor(recipe, spec, model)  # optimizers over the converted parameters
     writer = RunLogger.from_recipe(run_dir, recipe) if run_dir else None
     # One process holds every module: each module's MFU is over the one device.
     mfu = MfuMeter(spec, {m: 1 for m in spec.names}, 1, recipe.train.peak_tflops, device_name=None) if run_dir else None
     if mfu and log:
         log(f"MFU peak: {mfu.peak:.3g} TFLOP/s ({mfu.peak_source})")
-    records: list[dict] = []
+    say = (writer.echo if writer else log) if log else None
+    callbacks = [MetricsLog(recipe, spec.special.pad, writer, mfu, say), NonFiniteGuard(recipe.train.on_nonfinite)]
+    if recipe.eval.every > 0:
+        callbacks.insert(0, Evaluation(recipe, build_eval_source(recipe)))
+    trainer = Trainer(recipe, source, executor, callbacks, echo=say, keep_records=True)
     try:
-        for step in range(recipe.train.steps):
-            rec, samples = _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype)
-            if mfu:
-                rec.update(mfu(samples, rec["step_seconds"]))
-            records.append(rec)
-            if writer:
-                writer.log(rec)
-            if log and (step + 1) % recipe.logging.every == 0:
-                (writer.echo if writer else log)(progress_line(rec))
-            check_finite_loss(rec, step + 1, recipe.train.on_nonfinite)
+        trainer.fit()
     finally:
-        source.close()  # stops producer processes, if any
         if writer:
             writer.close()
-    return records, model
+    return trainer.records, model
 
 
-def _train_step(recipe, step, source, spec, model, optimizers, schedulers, dtype) -> tuple[dict, list]:
-    """One optimizer step over the global batch, in LLM-microbatch chunks; returns its record and samples."""
-    t0 = time.perf_counter()
-    m = recipe.train.micro_batch
-    chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
-    samples = source.global_batch(step)
-    norms = BatchNorms.of(samples, chunks)
-    totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
-    for c in range(chunks):
-        mb = collate(samples[c * m : (c + 1) * m], norms, spec, dtype=dtype)
-        out = model(mb)
-        (out["loss"] / chunks).backward()
-        for k in totals:
-            totals[k] += float(out[k].detach()) / chunks
-    for name, opt in optimizers.items():
-        if recipe.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(getattr(model, name).parameters(), recipe.optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        schedulers[name].step()
-    dt = time.perf_counter() - t0
-    return {
-        "step": step + 1,
-        "loss": totals["loss"],
-        "loss/lm": totals["lm"],
-        "loss/gen": totals["gen"],
-        "step_seconds": dt,
-        "samples_per_s": len(samples) / dt,
-        "tokens_per_s": step_tokens(samples, spec.special.pad) / dt,
-        "perf/tokens_per_s": step_tokens(samples, spec.special.pad) / dt,
-        "time/step": dt,
-        "lr": recipe.optim.lr * lr_lambda(recipe)(step),
-        "time/data_wait": source.last_wait_seconds,
-        "data/batch_mib": batch_bytes(samples) / 2**20,
-        **{f"data/skipped/{k}": v for k, v in source.skip_counts().items()},
-    }, samples
+def compute_dtype(recipe: Recipe) -> torch.dtype:
+    """The dtype of the model's weights and inputs (``train.dtype``)."""
+    return torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
 
 
 def reference_layer_state(model: ReferenceMLLM) -> dict[str, torch.Tensor]:

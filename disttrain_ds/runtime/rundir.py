@@ -78,6 +78,8 @@ def progress_line(rec: dict) -> str:
     for k in ("loss/lm", "loss/gen"):
         if k in rec:
             parts.append(f"{k.split('/')[1]} {rec[k]:.4f}")
+    if "eval/loss" in rec:
+        parts.append(f"eval {rec['eval/loss']:.4f}")
     parts.append(f"{rec['step_seconds']:.2f} s/step")
     parts.append(f"{rec['samples_per_s']:.2f} samples/s")
     parts.append(f"{rec['tokens_per_s']:.0f} tokens/s")

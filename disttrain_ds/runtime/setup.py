@@ -10,6 +10,7 @@ import torch
 from ..config import Recipe
 from ..costmodel import CostModel, TransformerDims, UNetDims
 from ..data.source import SampleSource, ShapeSpec, build_source
+from ..data.split import Split
 from ..models.configs import EncoderConfig, GeneratorConfig
 from ..models.mllm import MLLMSpec
 from ..recipe_graph import graph_of
@@ -47,12 +48,12 @@ def reorder_groups(recipe: Recipe) -> int:
     return groups if slot % groups == 0 else llm_dp
 
 
-def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
-    """The sample source and the model spec (LLM vocabulary sized from the tokenizer)."""
+def shape_spec(recipe: Recipe) -> ShapeSpec:
+    """The model facts the recipe's sample source lays samples out by."""
     m = recipe.model
     groups = reorder_groups(recipe)
     e, g = m.encoder or EncoderConfig(), m.generator or GeneratorConfig()  # stand-ins: no images / targets
-    shape = ShapeSpec(
+    return ShapeSpec(
         patch_size=e.patch_size,
         gen_resolution=g.resolution,
         gen_channels=g.in_channels,
@@ -61,7 +62,14 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
         micro_batch=recipe.parallel.llm.dp * recipe.train.micro_batch // groups,
         cost_model=cost_model(recipe),
     )
-    source = build_source(recipe.data, shape, recipe.train.global_batch, recipe.seed)
+
+
+def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
+    """The training sample source (less any held-out records) and the model spec (LLM vocabulary
+    sized from the tokenizer)."""
+    m = recipe.model
+    split = Split(fraction=recipe.eval.holdout_fraction)
+    source = build_source(recipe.data, shape_spec(recipe), recipe.train.global_batch, recipe.seed, split)
     need = source.special.vocab_size
     llm = m.llm
     if llm.vocab_size == 0:
@@ -72,6 +80,16 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
     spec = MLLMSpec(m.encoder, llm, m.generator, source.special, recipe.seed, m.gen_loss_weight,
                     roles={n: graph.role(n) for n in graph.names})
     return source, spec
+
+
+def build_eval_source(recipe: Recipe) -> SampleSource:
+    """The held-out split (``data/split.py``), read in-process: evaluation batches ``0 ..
+    eval.batches - 1``, each one global batch, never overlapping the training stream."""
+    from ..data.registry import open_source, resolve
+
+    cfg = dataclasses.replace(recipe.data, producers=0, reorder=False)  # a few batches: no processes
+    split = Split(held_out=True, fraction=recipe.eval.holdout_fraction)
+    return open_source(resolve(cfg), shape_spec(recipe), recipe.train.global_batch, recipe.seed, split)
 
 
 def grad_accum_steps(recipe: Recipe) -> int:

@@ -29,15 +29,8 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
         ],
         dtype=torch.float64,
     )
-    rows = [torch.zeros_like(mine) for _ in range(topo.world_size)]
-    tdist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows)
-    def loss_of(role: str) -> float:
-        picked = [names.index(n) for n, r in roles.items() if r == role]
-        return sum(float(table[(table[:, 0] == i) & (table[:, 1] == 1), 2].sum()) for i in picked)
-
-    lm = loss_of("llm") / chunks
-    gen = loss_of("generator") / chunks / gen_dp_scale
+    table = _gather_rows(mine, topo.world_size, group)
+    lm, gen = _role_losses(table, roles, chunks, gen_dp_scale)
     step = float(table[:, 3].max())
     # Idle time per rank that is neither its compute nor a boundary/data wait: pipeline bubbles
     # (including waits on DeepSpeed's intra-engine P2P) and bookkeeping.
@@ -59,6 +52,33 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
         rec[f"time/{name}_comm_wait"] = float(sel[:, 5].max())
         rec[f"memory/{name}_peak_gib"] = float(sel[:, 7].max())
     return rec
+
+
+def gather_losses(topo, grid, place, tp_index, own_loss: float, chunks: int, gen_dp_scale: float, group,
+                  roles: dict[str, str]) -> tuple[float, float]:
+    """(LM loss, diffusion loss) of one global batch from every rank's ``own_loss``, normalised as
+    in the step record (evaluation; every rank calls it and gets the same figures)."""
+    holder = 1.0 if place.last_of_engine and tp_index == 0 else 0.0
+    mine = torch.tensor([list(roles).index(grid.name), holder, own_loss], dtype=torch.float64)
+    return _role_losses(_gather_rows(mine, topo.world_size, group), roles, chunks, gen_dp_scale)
+
+
+def _gather_rows(mine: torch.Tensor, world: int, group) -> torch.Tensor:
+    rows = [torch.zeros_like(mine) for _ in range(world)]
+    tdist.all_gather(rows, mine, group=group)
+    return torch.stack(rows)
+
+
+def _role_losses(table: torch.Tensor, roles: dict[str, str], chunks: int, gen_dp_scale: float) -> tuple[float, float]:
+    """Columns: module index, whether the rank holds its module's loss (last stage, TP index 0), own loss.
+    The diffusion loss's weights carry DP_generator / DP_llm (``collate``): divided out here."""
+    names = list(roles)
+
+    def loss_of(role: str) -> float:
+        picked = [names.index(n) for n, r in roles.items() if r == role]
+        return sum(float(table[(table[:, 0] == i) & (table[:, 1] == 1), 2].sum()) for i in picked)
+
+    return loss_of("llm") / chunks, loss_of("generator") / chunks / gen_dp_scale
 
 
 def peak_memory_gib() -> float:

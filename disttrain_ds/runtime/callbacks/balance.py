@@ -1,0 +1,19 @@
+"""Per-module DP balance of each step's samples (``balance/<module>_*``), from the cost model."""
+
+from __future__ import annotations
+
+from ...metrics.balance import COLUMNS, dp_balance
+from ..trainer import Callback
+
+
+class Balance(Callback):
+    """Adds the step's balance figures to its record (the logging rank, before ``MetricsLog``)."""
+
+    def __init__(self, costs, spec, slot: int, dps: dict[str, int]):
+        self.costs, self.spec, self.slot, self.dps = costs, spec, slot, dps
+        self.patch = spec.encoder.patch_size if spec.encoder is not None else 1
+        self.columns = {n: COLUMNS[r] for n, r in spec.roles.items() if r in COLUMNS}
+
+    def on_step_end(self, trainer, samples, rec) -> None:
+        stats = [s.stats(self.patch, self.spec.special) for s in samples]
+        rec.update(dp_balance(self.costs.costs(stats), self.slot, self.dps, self.columns))
