@@ -11,6 +11,8 @@ pair (a gradient receive posted ahead then holds up the next activation send).
 ``--fault perturb_recompute`` makes activation checkpointing's backward rerun of a block differ
 from its forward: the negative control for the checkpointing fidelity test. Every rank writes how
 many checkpointed blocks ran and how often their layers ran (``recompute_rank<r>.json``).
+``--fault eval_zero_encoder`` zeroes what the encoder sends while evaluating (training untouched):
+the negative control of the evaluation check.
 """
 
 from __future__ import annotations
@@ -55,6 +57,24 @@ def main() -> int:
         from disttrain_ds.comm.p2p import CHANNELS
 
         distributed.new_channel_groups = lambda world: dict.fromkeys(CHANNELS, dist.new_group(list(range(world))))
+    elif fault == "eval_zero_encoder":
+        from disttrain_ds.parallel.engine import ModuleEngine
+
+        original_eval, original_send = ModuleEngine.run_eval, BoundaryComm.send_activation
+        evaluating = []
+
+        def flagged_eval(self, batches):
+            evaluating.append(True)
+            try:
+                return original_eval(self, batches)
+            finally:
+                evaluating.pop()
+
+        def send_zero_while_evaluating(self, mb, tensor, rows_per_sample):
+            zero = evaluating and self.up.name == "encoder"
+            return original_send(self, mb, torch.zeros_like(tensor) if zero else tensor, rows_per_sample)
+
+        ModuleEngine.run_eval, BoundaryComm.send_activation = flagged_eval, send_zero_while_evaluating
     elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
     from disttrain_ds.parallel import engine
