@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,8 +24,6 @@ from ..config import Recipe, resolve_path
 from ..configtools import ConfigError
 from ..data.spool import default_base, host_key, plan_shares
 from ..dsconfig import engine_config, load_ds_config
-from ..metrics.logger import RunLogger
-from ..metrics.step_flops import MfuMeter
 from ..models.configs import trains
 from ..parallel.engine import build_pipeline_module, make_engine
 from ..parallel.roles import ROLES
@@ -39,8 +36,8 @@ from .callbacks.emulation import EmulationRecords
 from .callbacks.evaluation import Evaluation
 from .callbacks.guard import NonFiniteGuard
 from .callbacks.health import Heartbeat
-from .callbacks.metrics import MetricsLog
-from .callbacks.preemption import FaultInjection, PreemptionStop
+from .callbacks.metrics import MetricsLog, open_pipeline_run
+from .callbacks.preemption import FaultInjection, PreemptionStop, stop_line
 from .callbacks.trace import TraceWriter
 from .checkpointing import Checkpointer, resolve_resume
 from .console import Console, tell_launcher
@@ -48,7 +45,6 @@ from .emulate import Emulator
 from .health import Watchdog, connect_store
 from .pipeline_step import PipelineExecutor
 from .preempt import EXIT_PREEMPTED, Preemption
-from .rundir import make_run_dir, reopen_run_dir, write_resolved_recipe
 from .setup import build_data_and_spec, build_eval_source, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
 from .trainer import Trainer
 
@@ -189,7 +185,6 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         source.stall_timeout_s = recipe.parallel.heartbeat_timeout_s
     grid = topo.module_of(rank)
     stage, dp_index, tp_index = grid.coords(rank)
-    gas = grad_accum_steps(recipe)
     slot = recipe.parallel.llm.dp * recipe.train.micro_batch
     backward = needs_backward(recipe, topo)
 
@@ -223,22 +218,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         upstream_backward=up_grid is not None and backward[up_grid.name],
     )
 
-    optimizer = scheduler = None
-    if not frozen:
-        defs = spec.layers(grid.name)
-        local = [(defs[i].name, getattr(pm, str(i))) for i in range(pm._local_start, pm._local_stop)]
-        optimizer = build_optimizer(recipe, param_groups(recipe, grid.name, local))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
-    base = load_ds_config(resolve_path(mp.ds_config or recipe.deepspeed_config))
-    micro = slot // grid.dp
-    cfg = engine_config(
-        base, micro_batch=micro, grad_accum=gas, dp=grid.dp, dtype=recipe.train.dtype, grad_clip=recipe.optim.grad_clip,
-        frozen=frozen,
-    )
-    engine = make_engine(pm, optimizer, scheduler, cfg)
-    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec), place, upstream, downstream, frozen)
-    if recipe.emulate.enabled:
-        engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
+    engine = _engine(recipe, topo, grid, rank, spec, pm, place, upstream, downstream, frozen)
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
     start = 0
@@ -249,72 +229,64 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
 
     run_dir = writer = mfu = None
     if is_logger:
-        run_dir, writer, mfu = _open_run(recipe, topo, world, device, spec, source, (resume_from, manifest, start), log,
-                                         console)
+        run_dir, writer, mfu = open_pipeline_run(recipe, topo, world, device, spec, source,
+                                                 (resume_from, manifest, start), log, console.terminal)
     dirs = [str(run_dir) if is_logger else None]
     tdist.broadcast_object_list(dirs, src=0, group=meta_group)
     watchdog.failure_dir = dirs[0]
     console.move_to(dirs[0])
 
     executor = PipelineExecutor(recipe, topo, grid, place, tp_index, dp_index, spec, engine, p2p, meta_group, preempt)
+    callbacks = _callbacks(recipe, topo, rank, spec, engine, ckpt, watchdog, preempt, writer, mfu, meta_group,
+                           dirs[0], names[rank])
+    trainer = Trainer(recipe, source, executor, callbacks, start, echo=writer.echo if writer else None)
+    trainer.fit()
+    if export_dir and not trainer.preempted:
+        state = layer_state(pm, grid.name, spec.layers(grid.name), tp)
+        torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
+    tdist.barrier(group=meta_group)
+    source.release_spool()  # every rank of the host is past its last batch (a relaunch reads on from the checkpoint)
+    if is_logger:
+        writer.close()
+        log(stop_line(trainer) if trainer.preempted else f"metrics: {run_dir / 'metrics.jsonl'}")
+    return EXIT_PREEMPTED if trainer.preempted else 0
+
+
+def _engine(recipe, topo, grid, rank, spec, pm, place, upstream, downstream, frozen: bool):
+    """This stage's ``ModuleEngine``: optimizer and LR schedule unless frozen, the module's DeepSpeed
+    config completed for its DP and accumulation, boundary links, emulated compute if asked."""
+    optimizer = scheduler = None
+    if not frozen:
+        defs = spec.layers(grid.name)
+        local = [(defs[i].name, getattr(pm, str(i))) for i in range(pm._local_start, pm._local_stop)]
+        optimizer = build_optimizer(recipe, param_groups(recipe, grid.name, local))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+    mp = recipe.parallel.modules[grid.name]
+    base = load_ds_config(resolve_path(mp.ds_config or recipe.deepspeed_config))
+    micro = recipe.parallel.llm.dp * recipe.train.micro_batch // grid.dp
+    cfg = engine_config(
+        base, micro_batch=micro, grad_accum=grad_accum_steps(recipe), dp=grid.dp, dtype=recipe.train.dtype,
+        grad_clip=recipe.optim.grad_clip, frozen=frozen,
+    )
+    engine = make_engine(pm, optimizer, scheduler, cfg)
+    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec), place, upstream, downstream, frozen)
+    if recipe.emulate.enabled:
+        engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
+    return engine
+
+
+def _callbacks(recipe, topo, rank, spec, engine, ckpt, watchdog, preempt, writer, mfu, group, run_dir: str,
+               label: str) -> list:
+    """The loop's concerns on this rank, in the order they see each step (metrics on rank 0 only)."""
     callbacks = [Heartbeat(watchdog)]
     if recipe.eval.every > 0:
         callbacks.append(Evaluation(recipe, build_eval_source(recipe)))
-    if is_logger:
-        dps = {m.name: m.dp for m in topo.modules}
+    if writer is not None:
+        slot, dps = recipe.parallel.llm.dp * recipe.train.micro_batch, {m.name: m.dp for m in topo.modules}
         callbacks += [Balance(cost_model(recipe), spec, slot, dps),
                       MetricsLog(recipe, spec.special.pad, writer, mfu, writer.echo)]
-    callbacks += [NonFiniteGuard(recipe.train.on_nonfinite), PreemptionStop(preempt), Checkpointing(ckpt, dirs[0]),
-                  TraceWriter(engine, meta_group, dirs[0], rank, names[rank])]
+    callbacks += [NonFiniteGuard(recipe.train.on_nonfinite), PreemptionStop(preempt), Checkpointing(ckpt, run_dir),
+                  TraceWriter(engine, group, run_dir, rank, label)]
     if engine.emulator is not None:
-        callbacks.append(EmulationRecords(engine.emulator, dirs[0], rank))
-    callbacks.append(FaultInjection(rank))
-    trainer = Trainer(recipe, source, executor, callbacks, start, echo=writer.echo if writer else None)
-    trainer.fit()
-    if trainer.preempted:
-        path = trainer.last_checkpoint if recipe.checkpoint.every > 0 else None
-        return _stop_preempted(trainer.step, path, source, writer, log, meta_group)
-    if export_dir:
-        state = layer_state(pm, grid.name, spec.layers(grid.name), tp)
-        torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
-    tdist.barrier()
-    source.release_spool()  # every rank of the host is past its last batch
-    if is_logger:
-        writer.close()
-        log(f"metrics: {run_dir / 'metrics.jsonl'}")
-    return 0
-
-
-def _open_run(recipe, topo, world, device, spec, source, resume, log, console):
-    """Rank 0: the run directory (a new one, or the checkpoint's reopened), its metrics writer and
-    the MFU meter."""
-    resume_from, manifest, start = resume
-    resolved = {"world_size": world, "topology": topo.describe()}
-    if manifest is not None:
-        run_dir, moved = reopen_run_dir(Path(manifest["run_dir"]), start)
-        write_resolved_recipe(run_dir, recipe, {**resolved, "resumed_from": str(resume_from)}, f"recipe.resume{start}.yaml")
-        log(f"resumed from {resume_from} at step {start}" + (f"; {moved} later step records moved to metrics.rolled_back.jsonl" if moved else ""))
-    else:
-        run_dir = make_run_dir(recipe.logging.dir, recipe.name)
-        write_resolved_recipe(run_dir, recipe, resolved)
-    writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved, out=console.terminal)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    gpus = {m.name: m.size for m in topo.modules}
-    mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
-    log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
-    log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
-    log(f"data: {source.describe()}")
-    return run_dir, writer, mfu
-
-
-def _stop_preempted(step: int, path, source, writer, log, group) -> int:
-    """After SIGTERM: every rank has saved ``step`` (or checkpoints are off); say so once and stop."""
-    tdist.barrier(group=group)
-    source.release_spool()  # a relaunch reads on from the checkpoint's data state
-    if writer is not None:
-        writer.close()
-        if path is not None:
-            log(f"preempted: checkpoint {path} saved at step {step}; relaunch with train.resume=auto to continue")
-        else:
-            log(f"preempted: stopped after step {step}; no checkpoint written (checkpoint.every=0)")
-    return EXIT_PREEMPTED
+        callbacks.append(EmulationRecords(engine.emulator, run_dir, rank))
+    return callbacks + [FaultInjection(rank)]

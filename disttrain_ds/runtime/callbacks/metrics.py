@@ -3,10 +3,15 @@ metrics.jsonl / wandb, and the progress line every ``logging.every`` steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
+import torch
+
 from ...data.types import batch_bytes
-from ..rundir import progress_line
+from ...metrics.logger import RunLogger
+from ...metrics.step_flops import MfuMeter
+from ..rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
 from ..setup import lr_lambda
 from ..trainer import Callback
 
@@ -40,3 +45,25 @@ class MetricsLog(Callback):
             self.writer.log(rec)
         if self.say is not None and trainer.step % self.recipe.logging.every == 0:
             self.say(progress_line(rec))
+
+
+def open_pipeline_run(recipe, topo, world: int, device, spec, source, resume, log, out):
+    """The logging rank of a pipeline layout: its run directory (new, or the checkpoint's reopened
+    after ``resume = (path, manifest, step)``), the metrics writer (terminal ``out``) and the MFU meter."""
+    resume_from, manifest, start = resume
+    resolved = {"world_size": world, "topology": topo.describe()}
+    if manifest is not None:
+        run_dir, moved = reopen_run_dir(Path(manifest["run_dir"]), start)
+        write_resolved_recipe(run_dir, recipe, {**resolved, "resumed_from": str(resume_from)}, f"recipe.resume{start}.yaml")
+        log(f"resumed from {resume_from} at step {start}" + (f"; {moved} later step records moved to metrics.rolled_back.jsonl" if moved else ""))
+    else:
+        run_dir = make_run_dir(recipe.logging.dir, recipe.name)
+        write_resolved_recipe(run_dir, recipe, resolved)
+    writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved, out=out)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    gpus = {m.name: m.size for m in topo.modules}
+    mfu = MfuMeter(spec, gpus, topo.world_size, recipe.train.peak_tflops, device_name)
+    log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
+    log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
+    log(f"data: {source.describe()}")
+    return run_dir, writer, mfu

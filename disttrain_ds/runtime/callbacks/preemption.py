@@ -27,3 +27,13 @@ class FaultInjection(Callback):
     def on_step_end(self, trainer, samples, rec) -> None:
         if not trainer.stop_requested:
             injected_kill(self.rank, trainer.step)
+
+
+def stop_line(trainer) -> str:
+    """What the logging rank says after stopping on SIGTERM (every rank has saved the step, or
+    checkpoints are off)."""
+    step = trainer.step
+    if trainer.recipe.checkpoint.every > 0:
+        return (f"preempted: checkpoint {trainer.last_checkpoint} saved at step {step}; "
+                "relaunch with train.resume=auto to continue")
+    return f"preempted: stopped after step {step}; no checkpoint written (checkpoint.every=0)"
