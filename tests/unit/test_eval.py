@@ -132,3 +132,39 @@ def test_a_training_step_inside_evaluation_would_be_caught():
     finally:
         reference.ReferenceExecutor.evaluate = original
     assert [r["loss"] for r in on][1:] != [r["loss"] for r in off][1:]
+
+
+def _tar_shards(root: Path, n_shards: int, per_shard: int) -> str:
+    """webdataset shards whose captions name their shard and item."""
+    import io
+    import tarfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 200, 10)).save(buf, format="JPEG")
+    for s in range(n_shards):
+        with tarfile.open(root / f"{s:05d}.tar", "w") as tar:
+            for i in range(per_shard):
+                for name, data in ((f"{s:05d}{i:04d}.jpg", buf.getvalue()), (f"{s:05d}{i:04d}.txt", f"shard {s} item {i}".encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return str(root / ("{00000..%05d}.tar" % (n_shards - 1)))
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_shard_training_stream_never_reads_a_held_out_record(tmp_path, monkeypatch, parts):
+    import re
+
+    monkeypatch.setenv("DISTTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = DataConfig(source="webdataset", path=_tar_shards(tmp_path / "shards", 4, 5), seq_len=64, image_sizes=[16],
+                     gen_images=[0, 1], shard_parts=parts)
+
+    def items(split: Split, steps: int) -> set[str]:
+        src = build_source(cfg, SHAPE, 2, 0, split)
+        text = [bytes(s.input_ids[s.input_ids < 256].tolist()).decode() for b in range(steps) for s in src.global_batch(b)]
+        return {m for t in text for m in re.findall(r"shard \d+ item \d+", t)}
+
+    trained, held = items(Split(fraction=0.2), 10), items(Split(held_out=True, fraction=0.2), 3)
+    assert held and trained and not trained & held
+    assert held <= items(TRAIN, 10)  # without a hold-out, training reads those very records
