@@ -97,6 +97,12 @@ def module_config(recipe, name: str):
     return recipe.model.modules[name]
 
 
+def encoder_of(recipe, modality: str):
+    """The config of the recipe's encoder that reads ``modality`` (image | audio), or None."""
+    return next((recipe.model.modules[n] for n in graph_of(recipe).encoders
+                 if FAMILIES[recipe.model.modules[n].family].modality == modality), None)
+
+
 def module_parallel(recipe, name: str):
     """The parallel degrees of module ``name``."""
     return recipe.parallel.modules[name]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .configtools import ConfigError
+from .graph import ModuleGraph
 from .recipe_graph import graph_of
 
 MODULES = ("encoder", "llm", "generator")
@@ -74,6 +75,33 @@ class Topology:
     """Module grids in data-flow order."""
     layout: str
     """monolithic | disaggregated (the reference layout has no topology)."""
+    roles: tuple[str, ...] = ()
+    """Each module's role (encoder | llm | generator), aligned with ``modules``; empty: a chain
+    (every module feeds the next)."""
+
+    @property
+    def graph(self) -> ModuleGraph | None:
+        """The module graph, or None for a chain."""
+        if not self.roles:
+            return None
+        return ModuleGraph.from_roles({m.name: r for m, r in zip(self.modules, self.roles)})
+
+    @property
+    def edges(self) -> tuple[tuple[str, str], ...]:
+        """(upstream, downstream) module names of every boundary."""
+        graph = self.graph
+        if graph is None:
+            return tuple((a.name, b.name) for a, b in zip(self.modules, self.modules[1:]))
+        return graph.edges
+
+    def _offsets(self) -> tuple[dict[str, int], int]:
+        graph = self.graph
+        if graph is None:
+            offsets, off = {}, 0
+            for m in self.modules:
+                offsets[m.name], off = off, off + m.pp
+            return offsets, off
+        return graph.stage_offsets({m.name: m.pp for m in self.modules})
 
     @property
     def world_size(self) -> int:
@@ -93,23 +121,27 @@ class Topology:
 
     @property
     def total_stages(self) -> int:
-        """Stages of the one 1F1B pipeline laid end to end over all modules."""
-        return sum(m.pp for m in self.modules)
+        """Stages of the one 1F1B pipeline laid end to end along the graph's longest path."""
+        return self._offsets()[1]
 
     def stage_offset(self, name: str) -> int:
-        """Global pipeline index of a module's first stage."""
-        off = 0
-        for m in self.modules:
-            if m.name == name:
-                return off
-            off += m.pp
-        raise KeyError(name)
+        """Global pipeline index of a module's first stage (``ModuleGraph.stage_offsets``)."""
+        return self._offsets()[0][name]
+
+    def upstreams(self, name: str) -> tuple[ModuleGrid, ...]:
+        """The grids of the modules feeding ``name``, in data-flow order."""
+        return tuple(self.module(a) for a, b in self.edges if b == name)
+
+    def downstreams(self, name: str) -> tuple[ModuleGrid, ...]:
+        """The grids of the modules ``name`` feeds, in data-flow order."""
+        return tuple(self.module(b) for a, b in self.edges if a == name)
 
     def neighbours(self, name: str) -> tuple[ModuleGrid | None, ModuleGrid | None]:
-        i = [m.name for m in self.modules].index(name)
-        up = self.modules[i - 1] if i > 0 else None
-        down = self.modules[i + 1] if i + 1 < len(self.modules) else None
-        return up, down
+        """The one module upstream and the one downstream of ``name`` (None where there is none)."""
+        ups, downs = self.upstreams(name), self.downstreams(name)
+        if len(ups) > 1 or len(downs) > 1:
+            raise ValueError(f"module {name} has several upstream or downstream modules")
+        return (ups[0] if ups else None), (downs[0] if downs else None)
 
     @staticmethod
     def from_recipe(recipe) -> "Topology":
@@ -132,7 +164,7 @@ class Topology:
             g = ModuleGrid(name, first, dp, pp, tp)
             grids.append(g)
             first += g.size
-        return Topology(tuple(grids), recipe.layout)
+        return Topology(tuple(grids), recipe.layout, tuple(graph.role(n) for n in graph.names))
 
     def check_world(self, world_size: int, src: str = "<recipe>") -> None:
         if world_size != self.world_size:

@@ -160,9 +160,23 @@ def validate(r: Recipe) -> None:
            f"must be 0: the model has no image encoder, got {d.max_images}")
     _check(not images or d.max_images >= 1 or d.source != "synthetic", src, "data.max_images",
            "must be >= 1: the synthetic source draws 1..max_images images for the image encoder")
-    _check(len(graph.encoders) <= 1 and len(graph.generators) <= 1, src, "model.modules",
-           "the runtime trains at most one encoder and one generator so far; "
-           f"got encoders {list(graph.encoders)} and generators {list(graph.generators)}")
+    _check(len(graph.generators) <= 1, src, "model.modules",
+           f"the runtime trains at most one generator so far; got generators {list(graph.generators)}")
+    modalities = [module_family(r, n).modality for n in graph.encoders]
+    _check(len(set(modalities)) == len(modalities), src, "model.modules",
+           "the runtime trains one encoder per modality so far (each fills its own placeholder token); "
+           f"got encoders {list(graph.encoders)} reading {modalities}")
+    audio = [n for n in graph.encoders if module_family(r, n).modality == "audio"]
+    _check(bool(audio) or d.max_audio == 0, src, "data.max_audio",
+           f"must be 0: the model has no audio encoder, got {d.max_audio}")
+    for name in audio:
+        _check(d.source == "synthetic", src, "data.source",
+               f"{module_key(r, name)} reads audio clips, which only data.source=synthetic produces so far; got {d.source}")
+        _check(d.max_audio >= 1, src, "data.max_audio",
+               f"must be >= 1: the synthetic source draws 1..max_audio clips for {module_key(r, name)}")
+        top = module_config(r, name).max_frames
+        _check(d.audio_frames[-1] <= top, src, "data.audio_frames",
+               f"clips of up to {d.audio_frames[-1]} frames exceed {module_key(r, name)}.max_frames {top}")
     gen = module_config(r, graph.generators[0]) if graph.generators else None
     _check(gen is not None or d.gen_prob == 0, src, "data.gen_prob",
            f"must be 0: the model has no generator, got {d.gen_prob}")

@@ -45,9 +45,11 @@ class BoundaryComm:
         features: tuple[int, ...],
         dtype: torch.dtype,
         tp=None,
+        backward: bool = True,
     ):
         self.p2p, self.up, self.down, self.slot = p2p, up, down, slot
         self.rows_key, self.features, self.dtype = rows_key, tuple(features), dtype
+        self.backward = backward  # the upstream module runs backward: gradients cross this boundary
         me = p2p.rank
         self.side = "up" if me in up.ranks else "down"
         grid = up if self.side == "up" else down
@@ -157,11 +159,15 @@ class BoundaryComm:
         self._send_split(GRAD, mb, grad.to(self.dtype), rows_per_sample)
 
 
-def boundary_links(modules: tuple[ModuleGrid, ...], slot: int, backward: dict[str, bool]) -> list[tuple[str, int, int]]:
+def boundary_links(modules: tuple[ModuleGrid, ...], slot: int, backward: dict[str, bool],
+                   edges: tuple[tuple[str, str], ...] | None = None) -> list[tuple[str, int, int]]:
     """Every (channel, low rank, high rank) pair that talks across a boundary, in one global order:
-    activations between neighbouring modules' TP-0 ranks, gradients where upstream trains."""
+    activations between the TP-0 ranks of the two modules of every graph edge (``edges``: (upstream,
+    downstream) names; None: a chain in ``modules`` order), gradients where upstream runs backward."""
+    grids = {m.name: m for m in modules}
+    pairs = [(grids[a], grids[b]) for a, b in edges] if edges is not None else list(zip(modules, modules[1:]))
     links = set()
-    for up, down in zip(modules, modules[1:]):
+    for up, down in pairs:
         for r in routes(slot, up.dp, down.dp):
             a, b = up.rank(stage=up.pp - 1, dp=r.up), down.rank(stage=0, dp=r.down)
             lo, hi = min(a, b), max(a, b)

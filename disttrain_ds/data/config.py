@@ -46,6 +46,12 @@ class DataConfig:
     """Input image sides in pixels, drawn per image (each a multiple of the encoder patch size)."""
     max_images: int = 3
     """Largest number of input images per packed sequence."""
+    max_audio: int = 0
+    """Largest number of input audio clips per packed sequence (a model with an audio encoder; the
+    synthetic source draws 1..max_audio log-mel clips per sequence)."""
+    audio_frames: list[int] = field(default_factory=lambda: [16, 64])
+    """Inclusive range [min, max] of a synthetic clip's length in log-mel frames (10 ms each; even
+    lengths are drawn, at most the audio encoder's ``max_frames``)."""
     gen_images: list[int] = field(default_factory=lambda: [1, 1])
     """Inclusive range [min, max] of images to generate per packed sequence (real sources: max is a cap)."""
     text_tokens: list[int] = field(default_factory=lambda: [8, 48])
@@ -144,6 +150,11 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
     if cfg.source == "synthetic" and cfg.gen_images[1] * (query_tokens + 2) > cfg.seq_len:
         return "gen_images", (f"{cfg.gen_images[1]} generated images take {cfg.gen_images[1] * (query_tokens + 2)} "
                               f"tokens, more than seq_len {cfg.seq_len}")
+    lo, hi = (cfg.audio_frames + [0, 0])[:2]
+    if len(cfg.audio_frames) != 2 or not 2 <= lo <= hi or lo // 2 == hi // 2 and lo % 2:
+        return "audio_frames", f"must be [min, max] with 2 <= min <= max holding an even length, got {cfg.audio_frames}"
+    if cfg.max_audio < 0:
+        return "max_audio", f"must be >= 0, got {cfg.max_audio}"
     if cfg.max_images < 0:  # synthetic sequences draw 1..max_images images (none when 0)
         return "max_images", f"must be >= 0, got {cfg.max_images}"
     if not 0.0 <= cfg.gen_prob <= 1.0:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .audio import synthetic_clip
 from .config import DataConfig
 from .split import TRAIN, Split
 from .types import IGNORE_INDEX, PackedSample, SpecialTokens
@@ -35,6 +36,9 @@ class ShapeSpec:
     """Channels of each image to generate."""
     query_tokens: int
     """Generation-query tokens per generated image."""
+    audio_mels: int = 0
+    """Log-mel bins of the audio encoder's input; 0: the model has no audio encoder (no clips,
+    no audio placeholder id)."""
     dp_size: int = 1
     """LLM data-parallel degree a global batch is split over (used by ``data.reorder``)."""
     micro_batch: int = 0
@@ -85,7 +89,7 @@ def labels_for(ids: torch.Tensor, special: SpecialTokens) -> torch.Tensor:
     """label[i] = ids[i+1] when that next token is text (or a marker); IGNORE elsewhere."""
     labels = torch.full_like(ids, IGNORE_INDEX)
     nxt = ids[1:]
-    keep = (nxt != special.image) & (nxt != special.gen) & (nxt != special.pad)
+    keep = (nxt != special.image) & (nxt != special.gen) & (nxt != special.pad) & (nxt != special.audio)
     labels[:-1] = torch.where(keep, nxt, torch.full_like(nxt, IGNORE_INDEX))
     return labels
 
@@ -106,10 +110,29 @@ class SyntheticSource(SampleSource):
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
         self.base_vocab = 256
-        self.special = SpecialTokens.after(self.base_vocab)
+        self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0)
 
     def describe(self) -> str:
-        return f"synthetic (seq_len {self.cfg.seq_len}, images {self.cfg.image_sizes} px)"
+        audio = f", audio 1..{self.cfg.max_audio} clips of {self.cfg.audio_frames} frames" if self._audio() else ""
+        return f"synthetic (seq_len {self.cfg.seq_len}, images {self.cfg.image_sizes} px{audio})"
+
+    def _audio(self) -> bool:
+        return self.shape.audio_mels > 0 and self.cfg.max_audio > 0
+
+    def _clips(self, rng: np.random.Generator, ids: list[int], budget: int) -> list[torch.Tensor]:
+        """1..max_audio seeded log-mel clips of even lengths, each as [boi] [audio x rows] [eoi] text."""
+        cfg, sp = self.cfg, self.special
+        clips = []
+        lo, hi = (cfg.audio_frames[0] + 1) // 2, cfg.audio_frames[1] // 2
+        for _ in range(int(rng.integers(1, cfg.max_audio + 1))):
+            rows = int(rng.integers(lo, hi + 1))  # frames // 2 encoder rows
+            if len(ids) + rows + 2 + cfg.text_tokens[0] > budget:
+                break
+            ids += [sp.boi] + [sp.audio] * rows + [sp.eoi]
+            clips.append(synthetic_clip(rng, self.shape.audio_mels, 2 * rows))
+            n_text = int(rng.integers(cfg.text_tokens[0], cfg.text_tokens[1] + 1))
+            ids += self._text(rng, min(n_text, budget - len(ids)))
+        return clips
 
     def _text(self, rng: np.random.Generator, n: int) -> list[int]:
         out: list[int] = []
@@ -136,6 +159,7 @@ class SyntheticSource(SampleSource):
         if cfg.max_images == 0:  # a model without an image encoder: text (and generation) only
             n_text = int(rng.integers(cfg.text_tokens[0], cfg.text_tokens[1] + 1))
             ids += self._text(rng, min(n_text, budget))
+        clips = self._clips(rng, ids, budget) if self._audio() else []
         for _ in range(n_gen):
             ids += [sp.boi] + [sp.gen] * sh.query_tokens + [sp.eoi]
         doc_len = len(ids)
@@ -145,7 +169,7 @@ class SyntheticSource(SampleSource):
         targets = [smooth_image(rng, sh.gen_channels, r, r) for _ in range(n_gen)]
         targets = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
         sample_id = self.split.sample_id(step * self.batch + index)
-        return PackedSample(t, labels_for(t, sp), images, targets, sample_id, (doc_len,))
+        return PackedSample(t, labels_for(t, sp), images, targets, sample_id, (doc_len,), audio=clips)
 
     def global_batch(self, step: int) -> list[PackedSample]:
         return [self.sample(step, i) for i in range(self.batch)]

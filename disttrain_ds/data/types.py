@@ -32,16 +32,27 @@ class SpecialTokens:
     """Generation query: the LLM hidden states at these positions condition the generator."""
     eod: int
     """End of a document inside a packed sequence."""
+    audio: int = -1
+    """One placeholder per audio-encoder output row of an input clip; replaced by projected audio
+    rows. -1 (no id, the vocabulary stays as it was) when the model has no audio encoder."""
 
     @staticmethod
-    def after(base_vocab: int) -> "SpecialTokens":
-        """Special ids placed right after a base vocabulary of ``base_vocab`` ids."""
-        return SpecialTokens(*range(base_vocab, base_vocab + 6))
+    def after(base_vocab: int, audio: bool = False) -> "SpecialTokens":
+        """Special ids placed right after a base vocabulary of ``base_vocab`` ids (plus an audio
+        placeholder id after them when ``audio``)."""
+        return SpecialTokens(*range(base_vocab, base_vocab + 6), audio=base_vocab + 6 if audio else -1)
 
     @property
     def vocab_size(self) -> int:
         """Smallest LLM vocabulary that holds the base vocabulary and these ids."""
-        return max(self.pad, self.image, self.boi, self.eoi, self.gen, self.eod) + 1
+        return max(self.pad, self.image, self.boi, self.eoi, self.gen, self.eod, self.audio) + 1
+
+    def placeholder(self, modality: str) -> int:
+        """The placeholder id an encoder reading ``modality`` (image | audio) fills."""
+        token = {"image": self.image, "audio": self.audio}.get(modality, -1)
+        if token < 0:
+            raise ValueError(f"no placeholder token for modality {modality!r}")
+        return token
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,8 @@ class SampleStats:
     """Packed sequence length (text + image placeholders + queries + padding)."""
     doc_lens: tuple[int, ...] = ()
     """Lengths of the documents packed into the sequence (for attention FLOPs); empty if unknown."""
+    audio_frames: tuple[int, ...] = ()
+    """Log-mel frames of each input audio clip, in sequence order."""
 
 
 @dataclass
@@ -82,12 +95,15 @@ class PackedSample:
     """Lengths of the documents packed into the sequence, if known."""
     meta: dict = field(default_factory=dict)
     """Free-form provenance (source, record ids); never read by the model."""
+    audio: list[torch.Tensor] = field(default_factory=list)
+    """Input audio clips for the audio encoder, float32 log-mel features [n_mels, frames] (frames
+    even); clip i fills the i-th run of ``audio`` placeholders, ``frames // 2`` of them."""
 
     def stats(self, patch_size: int, special: SpecialTokens) -> SampleStats:
         """Cost-model view of this sample."""
         patches = tuple((im.shape[1] // patch_size) * (im.shape[2] // patch_size) for im in self.images)
         ids = self.input_ids
-        non_text = (ids == special.image) | (ids == special.gen) | (ids == special.pad)
+        non_text = (ids == special.image) | (ids == special.gen) | (ids == special.pad) | (ids == special.audio)
         return SampleStats(
             text_tokens=int((~non_text).sum()),
             image_patches=patches,
@@ -95,32 +111,38 @@ class PackedSample:
             gen_resolution=int(self.gen_targets.shape[-1]) if self.gen_targets.numel() else 0,
             seq_len=int(self.input_ids.shape[0]),
             doc_lens=self.doc_lens,
+            audio_frames=tuple(int(c.shape[1]) for c in self.audio),
         )
 
     def to_plain(self) -> dict:
-        """Tensors and plain values only: what ``torch.load(weights_only=True)`` reads back."""
-        return {"input_ids": self.input_ids, "labels": self.labels, "images": list(self.images),
-                "gen_targets": self.gen_targets, "sample_id": self.sample_id, "doc_lens": tuple(self.doc_lens),
-                "meta": self.meta}
+        """Tensors and plain values only: what ``torch.load(weights_only=True)`` reads back
+        (``audio`` only when the sample has clips)."""
+        out = {"input_ids": self.input_ids, "labels": self.labels, "images": list(self.images),
+               "gen_targets": self.gen_targets, "sample_id": self.sample_id, "doc_lens": tuple(self.doc_lens),
+               "meta": self.meta}
+        if self.audio:
+            out["audio"] = list(self.audio)
+        return out
 
     @staticmethod
     def from_plain(d: object) -> "PackedSample":
         """Inverse of ``to_plain``; ValueError naming the first field that does not fit."""
-        if not isinstance(d, dict) or set(d) != _PLAIN_FIELDS:
+        if not isinstance(d, dict) or set(d) - {"audio"} != _PLAIN_FIELDS:
             got = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"a sample must have the fields {sorted(_PLAIN_FIELDS)}, got {got}")
         for key in ("input_ids", "labels", "gen_targets"):
             if not isinstance(d[key], torch.Tensor):
                 raise ValueError(f"sample field {key} is a {type(d[key]).__name__}, not a tensor")
-        images, docs = d["images"], d["doc_lens"]
-        if not isinstance(images, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in images):
-            raise ValueError("sample field images is not a list of tensors")
+        images, docs, audio = d["images"], d["doc_lens"], d.get("audio", [])
+        for key, seq in (("images", images), ("audio", audio)):
+            if not isinstance(seq, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in seq):
+                raise ValueError(f"sample field {key} is not a list of tensors")
         if not isinstance(docs, (list, tuple)) or not all(_is_int(n) for n in docs):
             raise ValueError("sample field doc_lens is not a list of ints")
         if not _is_int(d["sample_id"]) or not isinstance(d["meta"], dict):
             raise ValueError("sample field sample_id is not an int, or meta is not a dict")
         return PackedSample(d["input_ids"], d["labels"], list(images), d["gen_targets"], d["sample_id"],
-                            tuple(docs), d["meta"])
+                            tuple(docs), d["meta"], list(audio))
 
 
 _PLAIN_FIELDS = {"input_ids", "labels", "images", "gen_targets", "sample_id", "doc_lens", "meta"}
@@ -134,6 +156,6 @@ def batch_bytes(samples: list[PackedSample]) -> int:
     """Bytes of the tensors of a global batch (what a producer writes and a host's spool holds per step)."""
     total = 0
     for s in samples:
-        for t in (s.input_ids, s.labels, s.gen_targets, *s.images):
+        for t in (s.input_ids, s.labels, s.gen_targets, *s.images, *s.audio):
             total += t.numel() * t.element_size()
     return total

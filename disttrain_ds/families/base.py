@@ -34,6 +34,9 @@ class BuildContext:
     """Width of the LLM's hidden states (what encoders project to and generators read)."""
     image_token: int = -1
     """Token id of an image placeholder (LLM families)."""
+    placeholders: tuple[int, ...] = ()
+    """LLM families: the placeholder token id each upstream encoder's rows fill, in the order the
+    encoders' tensors follow the token ids into the first layer; empty: ``(image_token,)``."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class Family:
     vocab_params: Sequence[str] = ()
     """``layer/param`` keys whose rows are the vocabulary: an imported checkpoint with fewer rows
     (a tokenizer with extra special ids) grows them (``models/checkpoint.py::grow_vocab``)."""
+    modality: str = ""
+    """Encoders: what the module reads (image | audio): which sample field feeds it and which
+    placeholder token its output rows fill in the LLM's sequence."""
     not_trainable: str = ""
     """Why recipes cannot train this family yet (empty when they can): its layers are built and
     tested, but some part of the pipeline around them is missing."""

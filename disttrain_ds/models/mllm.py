@@ -15,10 +15,12 @@ from torch import nn
 
 from ..data.types import IGNORE_INDEX, PackedSample, SpecialTokens
 from ..families import BuildContext, Family, get_family
+from ..families.whisper import rows as audio_rows
 from .checkpoint import with_checkpoint
 from .configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
 from .layers import LayerDef, Sequential, seeded
 from .objectives import diffusion_loss, gen_condition, noise_sample
+from .packed import pack_clips
 from .pixels import pack_images
 from .projectors import ConditionProjector, InputProjector
 
@@ -43,7 +45,10 @@ class MLLMSpec:
     gen_loss_weight: float = 1.0
     """Weight of the diffusion loss relative to the LM loss."""
     roles: dict[str, str] = field(default_factory=lambda: dict(zip(MODULES, MODULES)))
-    """Module name -> role, in data-flow order (one module per role present)."""
+    """Module name -> role, in data-flow order."""
+    configs: dict = field(default_factory=dict)
+    """Module name -> its config section, for graphs with several modules of a role (several
+    encoders); a module not listed takes its role's field (``encoder`` / ``llm`` / ``generator``)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -57,7 +62,26 @@ class MLLMSpec:
     def config(self, module: str):
         if module not in self.roles:
             raise ValueError(f"unknown module {module!r}")
+        if module in self.configs:
+            return self.configs[module]
         return getattr(self, self.roles[module])
+
+    @property
+    def encoders(self) -> tuple[str, ...]:
+        """Encoder module names in data-flow order (the order their rows enter the LLM)."""
+        return tuple(n for n, r in self.roles.items() if r == "encoder")
+
+    def modality(self, module: str) -> str:
+        """What encoder ``module`` reads: image | audio."""
+        return self.family(module).modality
+
+    def encoder_of(self, modality: str):
+        """The config of the encoder reading ``modality``, or None."""
+        return next((self.config(n) for n in self.encoders if self.modality(n) == modality), None)
+
+    def placeholders(self) -> tuple[int, ...]:
+        """The placeholder token each encoder's rows fill in the LLM's input, encoder by encoder."""
+        return tuple(self.special.placeholder(self.modality(n)) for n in self.encoders)
 
     def family(self, module: str) -> Family:
         return get_family(self.config(module).family, self.roles[module])
@@ -65,7 +89,8 @@ class MLLMSpec:
     def layers(self, module: str) -> list[LayerDef]:
         """The module's pipeline layers: its family's, with the projector on the LLM side."""
         fam, cfg = self.family(module), self.config(module)
-        ctx = BuildContext(module=module, seed=self.seed, llm_hidden=self.llm.hidden_size, image_token=self.special.image)
+        ctx = BuildContext(module=module, seed=self.seed, llm_hidden=self.llm.hidden_size, image_token=self.special.image,
+                           placeholders=self.placeholders() if fam.role == "llm" else ())
         body = [replace(d, frozen=cfg.frozen) for d in fam.layers(cfg, ctx)]
         if fam.role != "llm":
             width, llm = fam.width(cfg), self.llm.hidden_size
@@ -125,7 +150,16 @@ class MicroBatch:
     gen_weights: torch.Tensor
     """float [n_gen]: per-image weights of the diffusion loss."""
     sample_rows: dict
-    """Per-sample row counts of the tensors that cross module boundaries (for DP splits)."""
+    """Per-sample row counts of the tensors that cross module boundaries (for DP splits):
+    ``<modality>_embeds`` per encoder modality, ``gen_states``."""
+    audio: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """Audio encoder input: all log-mel clips flattened and concatenated (``pack_clips``)."""
+    audio_shapes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    """int64 [n_clips, 2]: (n_mels, frames) of each clip."""
+
+    def encoder_inputs(self, modality: str) -> tuple:
+        """The first-layer input of the encoder reading ``modality``."""
+        return (self.pixels, self.image_hw) if modality == "image" else (self.audio, self.audio_shapes)
 
 
 def collate(
@@ -157,7 +191,10 @@ def collate(
             # and DP all-reduce must), on one all-zero stand-in whose loss weight is 0.
             c, r = g.in_channels, g.resolution
             noisy, ts, noise, weights = [torch.zeros(c, r, r)], [torch.tensor(0)], [torch.zeros(c, r, r)], [0.0]
-    p = spec.encoder.patch_size if spec.encoder is not None else 1
+    vit = spec.encoder_of("image")
+    p = vit.patch_size if vit is not None else 1
+    flat, shapes = pack_clips([c for s in samples for c in s.audio])
+    wh = spec.encoder_of("audio")
     empty = torch.zeros(0)
     return MicroBatch(
         pixels=pixels.to(dtype),
@@ -173,8 +210,12 @@ def collate(
         sample_rows={
             "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],
             "gen_states": [int(s.gen_targets.shape[0]) for s in samples],
+            "audio_embeds": [sum(audio_rows(wh, int(c.shape[1])) for c in s.audio) for s in samples],
         },
+        audio=flat.to(dtype),
+        audio_shapes=shapes,
     )
+
 
 
 def generator_states(states: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -209,12 +250,11 @@ class ReferenceMLLM(nn.Module):
         return None if name is None else getattr(self, name)
 
     def forward(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        encoder, llm, generator = self.part("encoder"), self.part("llm"), self.part("generator")
-        if encoder is not None:
-            image_embeds = encoder((mb.pixels, mb.image_hw))
-        else:
-            image_embeds = torch.zeros(0, self.spec.llm.hidden_size, dtype=next(llm.parameters()).dtype)
-        logits, hidden = llm((mb.input_ids, image_embeds))
+        llm, generator = self.part("llm"), self.part("generator")
+        embeds = [getattr(self, n)(mb.encoder_inputs(self.spec.modality(n))) for n in self.spec.encoders]
+        if not embeds:  # no encoder: no placeholders to fill
+            embeds = [torch.zeros(0, self.spec.llm.hidden_size, dtype=next(llm.parameters()).dtype)]
+        logits, hidden = llm((mb.input_ids, *embeds))
         lm = lm_loss_sum(logits, mb.labels, mb.lm_scale)
         gen = lm.new_zeros(())
         if generator is not None:

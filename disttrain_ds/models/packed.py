@@ -27,3 +27,24 @@ def per_item(fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, c
         for j, i in enumerate(idx):
             out[i] = res[j]
     return torch.cat(out) if out else hidden
+
+
+def pack_clips(clips: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten log-mel clips [n_mels, frames] into one 1-D tensor plus an int64 [n, 2] (n_mels, frames) table."""
+    if not clips:
+        return torch.zeros(0), torch.zeros(0, 2, dtype=torch.long)
+    flat = torch.cat([c.reshape(-1) for c in clips])
+    shapes = torch.tensor([[c.shape[0], c.shape[1]] for c in clips], dtype=torch.long)
+    return flat, shapes
+
+
+def unpack_clips(flat: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of ``pack_clips``: views [n_mels, frames] into ``flat``."""
+    out, offset = [], 0
+    for mels, frames in shapes.tolist():
+        n = mels * frames
+        out.append(flat[offset : offset + n].view(mels, frames))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"audio features hold {flat.numel()} values but their shapes describe {offset}")
+    return out

@@ -4,8 +4,8 @@
 gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. What changes:
 - the grid lives on the module's rank subset (``grid.SubsetGrid``);
 - the instruction stream comes from the one global 1F1B schedule (``schedule.engine_schedule``);
-- the engine's first stage takes its input from the upstream engine and returns the input
-  gradient; its last stage computes its own loss (if any), sends its output downstream and, in
+- the engine's first stage takes its input from the upstream engines (one boundary per graph
+  edge: the LLM reads every encoder) and returns each one its input gradient; its last stage computes its own loss (if any), sends its output downstream and, in
   backward, adds the downstream gradient through the surrogate ``<output, grad>``;
 - losses are kept per pipe buffer, since a last stage that is not the global last stage runs
   several forwards before the matching backwards.
@@ -104,11 +104,13 @@ class ModuleEngine(PipelineEngine):
         self,
         role: Role,
         place: StagePlace,
-        upstream: BoundaryComm | None,
+        upstreams: list[BoundaryComm],
         downstream: BoundaryComm | None,
         frozen: bool,
     ) -> None:
-        self.role, self.place, self.upstream, self.downstream, self.frozen = role, place, upstream, downstream, frozen
+        """``upstreams``: this stage's boundaries to the engines feeding it, in the order their
+        tensors enter the first stage (``role.boundary_input_indices``); empty elsewhere."""
+        self.role, self.place, self.upstreams, self.downstream, self.frozen = role, place, upstreams, downstream, frozen
         self._steps = engine_schedule(self.micro_batches, place)
         self._reserve_pipe_buffers(num_buffers(self.micro_batches, place))
         self.extra = {k: [None] * self.num_pipe_buffers for k in ("mb", "loss", "out", "out_grad", "recv")}
@@ -139,11 +141,11 @@ class ModuleEngine(PipelineEngine):
         self.batches = batches
         self._next_fwd = self._next_bwd = 0
         self.stats = {"own_loss": 0.0, "compute_s": 0.0}
-        for comm in (self.upstream, self.downstream):
-            if comm is not None:
-                comm.wait_seconds = 0.0
-        if self.upstream is not None and self.place.first_of_engine:
-            self.upstream.prefetch_activation(0, self._rows(self.upstream, 0))
+        for comm in self._comms():
+            comm.wait_seconds = 0.0
+        if self.place.first_of_engine:
+            for comm in self.upstreams:
+                comm.prefetch_activation(0, self._rows(comm, 0))
         self.trace: list[dict] = []  # this step's spans, for the per-rank timeline
         for step_cmds in self._steps:
             for cmd in step_cmds:
@@ -160,35 +162,39 @@ class ModuleEngine(PipelineEngine):
                 self.trace.append({"name": _SPAN_NAMES.get(type(cmd), type(cmd).__name__), "mb": mb,
                                    "start": t0, "end": time.perf_counter()})
         self.p2p_flush()
-        comm_wait = sum(c.wait_seconds for c in (self.upstream, self.downstream) if c is not None)
+        comm_wait = sum(c.wait_seconds for c in self._comms())
         return {**self.stats, "comm_wait_s": comm_wait}
 
     def _rows(self, comm: BoundaryComm, mb: int) -> list[int]:
         """Per-sample rows of ``comm``'s boundary tensor in microbatch ``mb``: both ends know them."""
         return self.batches[mb].sample_rows[comm.rows_key]
 
+    def _comms(self) -> list[BoundaryComm]:
+        return [*self.upstreams, *([self.downstream] if self.downstream is not None else [])]
+
     def p2p_flush(self) -> None:
-        for comm in (self.upstream, self.downstream):
-            if comm is not None:
-                comm.p2p.flush_sends()
-                break
+        for comm in self._comms()[:1]:  # one P2P serves every boundary of the rank
+            comm.p2p.flush_sends()
 
     # ---- instructions -----------------------------------------------------------------------
     def _exec_boundary_recv_activation(self, buffer_id: int) -> None:
         mb = self._next_fwd
-        act = self.upstream.recv_activation(mb, self._rows(self.upstream, mb))
-        if mb + 1 < self.micro_batches:
-            self.upstream.prefetch_activation(mb + 1, self._rows(self.upstream, mb + 1))
-        if self.place.upstream_backward:
-            act.requires_grad_(True)
-        self.extra["recv"][buffer_id] = act
+        acts = []
+        for comm in self.upstreams:
+            act = comm.recv_activation(mb, self._rows(comm, mb))
+            if mb + 1 < self.micro_batches:
+                comm.prefetch_activation(mb + 1, self._rows(comm, mb + 1))
+            if comm.backward:
+                act.requires_grad_(True)
+            acts.append(act)
+        self.extra["recv"][buffer_id] = acts
 
     def _exec_load_data(self, buffer_id: int) -> None:
         mb = self._next_fwd
         self.extra["mb"][buffer_id] = mb
         batch = self.batches[mb]
         if self.place.first_of_engine:
-            inputs = self.role.first_inputs(batch, self.extra["recv"][buffer_id])
+            inputs = self.role.first_inputs(batch, self.extra["recv"][buffer_id] or [])
             self.pipe_buffers["inputs"][buffer_id] = _to_device(inputs, self.device)
             self.extra["recv"][buffer_id] = None
 
@@ -273,9 +279,12 @@ class ModuleEngine(PipelineEngine):
 
     def _exec_boundary_send_grad(self, buffer_id: int) -> None:
         mb = self.extra["mb"][buffer_id]
-        leaf = self.pipe_buffers["inputs"][buffer_id][self.role.boundary_input_index]
-        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        self.upstream.send_grad(mb, grad, self._rows(self.upstream, mb))
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        for comm, index in zip(self.upstreams, self.role.boundary_input_indices):
+            if comm.backward:  # an upstream that runs no backward wants no gradient
+                leaf = inputs[index]
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                comm.send_grad(mb, grad, self._rows(comm, mb))
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_reduce(self) -> None:

@@ -1,4 +1,4 @@
-"""What is module-specific about an engine: its data inputs, own loss and boundary tensor."""
+"""What is module-specific about an engine: its data inputs, own loss and boundary tensors."""
 
 from __future__ import annotations
 
@@ -12,13 +12,20 @@ class Role:
     """Defaults: no upstream input, no own loss, no output sent downstream."""
 
     name = ""
-    boundary_input_index: int = -1  # position of the upstream tensor in the first stage's input tuple
+    boundary_input_indices: tuple[int, ...] = ()  # positions of the upstream tensors in the first stage's input tuple
     rows_key: str = ""  # MicroBatch.sample_rows key of the tensor sent downstream
 
-    def __init__(self, spec: MLLMSpec):
+    def __init__(self, spec: MLLMSpec, module: str | None = None):
         self.spec = spec
+        self.module = module or spec.name_of(self.name)
 
-    def first_inputs(self, mb: MicroBatch, received: torch.Tensor | None) -> tuple:
+    @property
+    def boundary_input_index(self) -> int:
+        """The one upstream tensor's position (modules with a single upstream)."""
+        return self.boundary_input_indices[0]
+
+    def first_inputs(self, mb: MicroBatch, received: list[torch.Tensor]) -> tuple:
+        """The first stage's input tuple; ``received`` holds one tensor per upstream module."""
         raise NotImplementedError
 
     def own_loss(self, outputs, mb: MicroBatch) -> torch.Tensor | None:
@@ -34,27 +41,33 @@ class Role:
 
 class EncoderRole(Role):
     name = "encoder"
-    rows_key = "image_embeds"
+
+    @property
+    def rows_key(self) -> str:
+        return f"{self.spec.modality(self.module)}_embeds"
 
     def first_inputs(self, mb, received):
-        return (mb.pixels, mb.image_hw)
+        return mb.encoder_inputs(self.spec.modality(self.module))
 
     def boundary_output(self, outputs, mb):
         return outputs
 
     def boundary_features(self):
-        return (self.spec.llm.hidden_size,)  # one projected patch embedding per row
+        return (self.spec.llm.hidden_size,)  # one projected patch / audio frame embedding per row
 
 
 class LLMRole(Role):
     name = "llm"
-    boundary_input_index = 1
     rows_key = "gen_states"
 
+    @property
+    def boundary_input_indices(self) -> tuple[int, ...]:
+        return tuple(range(1, 1 + len(self.spec.encoders)))  # after input_ids, one per encoder
+
     def first_inputs(self, mb, received):
-        if received is None:  # no encoder: no image placeholders to fill
-            received = torch.zeros(0, self.spec.llm.hidden_size, dtype=mb.pixels.dtype)
-        return (mb.input_ids, received)
+        if not received:  # no encoder: no placeholders to fill
+            received = [torch.zeros(0, self.spec.llm.hidden_size, dtype=mb.pixels.dtype)]
+        return (mb.input_ids, *received)
 
     def own_loss(self, outputs, mb):
         logits, _ = outputs
@@ -72,10 +85,10 @@ class LLMRole(Role):
 
 class GeneratorRole(Role):
     name = "generator"
-    boundary_input_index = 0
+    boundary_input_indices = (0,)
 
     def first_inputs(self, mb, received):
-        return (generator_states(received, mb), mb.noisy, mb.timesteps)
+        return (generator_states(received[0], mb), mb.noisy, mb.timesteps)
 
     def own_loss(self, outputs, mb):
         return diffusion_loss(outputs, mb.noise, mb.gen_weights)

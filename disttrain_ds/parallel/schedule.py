@@ -1,7 +1,8 @@
 """One 1F1B schedule across all modules' stages, cut into each engine's instruction stream.
 
-All stages of all modules are laid end to end (encoder stages, then LLM stages, then generator
-stages) and DeepSpeed's ``TrainSchedule`` is asked for this rank's global stage. That keeps the
+All stages of all modules are laid end to end along the graph's longest path (encoder stages,
+then LLM stages, then generator stages; ``ModuleGraph.stage_offsets``: a shorter encoder starts
+later) and DeepSpeed's ``TrainSchedule`` is asked for this rank's global stage. That keeps the
 1F1B order and its memory bound (stage s holds at most ``stages - s`` microbatches) across module
 boundaries; independent per-engine schedules deadlock whenever a downstream engine has PP > 1.
 
@@ -56,7 +57,7 @@ class StagePlace:
     backward: bool
     """This engine runs backward passes (it or an engine upstream has weights that train)."""
     upstream_backward: bool
-    """The upstream engine runs backward passes (so it wants input gradients back)."""
+    """Some upstream engine runs backward passes (so it wants input gradients back)."""
 
 
 def engine_schedule(micro_batches: int, place: StagePlace) -> list[list[ds.PipeInstruction]]:
@@ -93,7 +94,9 @@ def _rewrite(cmd: ds.PipeInstruction, p: StagePlace) -> list[ds.PipeInstruction]
         load = [LoadData(buf)] if (p.first_of_engine or p.last_of_engine) else []
         return load + [cmd]
     if isinstance(cmd, ds.RecvActivation):
-        return [BoundaryRecvActivation(buf)] if p.first_of_engine else [cmd]
+        if p.first_of_engine:  # a first stage past global stage 0 without upstream (a shorter encoder)
+            return [BoundaryRecvActivation(buf)] if p.has_upstream else []
+        return [cmd]
     if isinstance(cmd, ds.SendActivation):
         return [] if p.last_of_engine else [cmd]  # boundary send happens in the forward pass
     if isinstance(cmd, ds.SendGrad):
@@ -105,7 +108,9 @@ def _rewrite(cmd: ds.PipeInstruction, p: StagePlace) -> list[ds.PipeInstruction]
     if isinstance(cmd, ds.RecvGrad):
         if not p.backward:
             return []
-        return [BoundaryRecvGrad(buf)] if p.last_of_engine else [cmd]
+        if p.last_of_engine:  # a last stage before the global last without downstream (a shorter generator)
+            return [BoundaryRecvGrad(buf)] if p.has_downstream else []
+        return [cmd]
     if isinstance(cmd, ds.BackwardPass):
         return [cmd] if p.backward else []
     if isinstance(cmd, (ds.ReduceGrads, ds.ReduceTiedGrads, ds.OptimizerStep)):

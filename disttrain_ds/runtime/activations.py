@@ -32,16 +32,22 @@ class SampleShape:
     """Encoder patches over all input images (each is one LLM token, so at most ``tokens``)."""
     gen_images: int
     """Images the generator produces (at least 1: an empty sample still runs one stand-in)."""
+    audio_rows: int = 0
+    """Audio-encoder output rows over all input clips (each is one LLM token, so at most ``tokens``);
+    a clip of ``f`` log-mel frames makes ``f // 2``."""
 
 
 def sample_shape(recipe) -> SampleShape:
     """The worst-case sample of ``recipe``'s ``data`` section."""
-    d, enc, gen = recipe.data, recipe.model.encoder, recipe.model.generator
+    from ..recipe_graph import encoder_of
+
+    d, enc, gen = recipe.data, encoder_of(recipe, "image"), recipe.model.generator
     per_image = (max(d.image_sizes) // enc.patch_size) ** 2 if d.image_sizes and enc is not None else 0
     patches = min(d.seq_len, d.max_images * per_image)
     images = min(d.max_images, -(-patches // per_image)) if per_image else 0
     gens = max(1, min(d.gen_images[1], d.seq_len // gen.query_tokens)) if gen is not None else 0
-    return SampleShape(d.seq_len, images, patches, gens)
+    audio = min(d.seq_len, d.max_audio * (d.audio_frames[-1] // 2)) if encoder_of(recipe, "audio") else 0
+    return SampleShape(d.seq_len, images, patches, gens, audio)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ def llm_layers(cfg, shape: SampleShape, b: int) -> LayerBytes:
     head = 2 * h * b + (h + 1) * FP32 + v * FP32  # norm, LM-head input, float32 log-softmax
     saved = [9.0 * s, *[block * s] * cfg.layers, head * s]  # embed: token ids and image mask
     outputs = [h * b * s] * (cfg.layers + 1) + [(v + h) * b * s]  # the head returns logits and states
-    return LayerBytes(saved, outputs, 8.0 * s + h * b * shape.patches)
+    return LayerBytes(saved, outputs, 8.0 * s + h * b * (shape.patches + shape.audio_rows))
 
 
 def encoder_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:

@@ -86,10 +86,9 @@ def attempt_store(timeout: timedelta):
 
 def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
-    out, any_trainable = {}, False
-    for m in topo.modules:
-        any_trainable = any_trainable or trains(recipe.model.modules[m.name])
-        out[m.name] = any_trainable
+    out: dict[str, bool] = {}
+    for m in topo.modules:  # data-flow order: upstream modules come first
+        out[m.name] = trains(recipe.model.modules[m.name]) or any(out[u.name] for u in topo.upstreams(m.name))
     return out
 
 
@@ -110,7 +109,7 @@ def tp_context(grid, stage: int, dp: int, tp_index: int) -> TPContext:
 
 def boundary_tensor(spec, module: str, recipe: Recipe) -> tuple[str, tuple[int, ...], torch.dtype]:
     """What ``module`` sends downstream: its rows key, the trailing dims of a row, and dtype."""
-    role = ROLES[spec.roles[module]](spec)
+    role = ROLES[spec.roles[module]](spec, module)
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     return role.rows_key, role.boundary_features(), dtype
 
@@ -195,13 +194,13 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     share_batches(recipe, source, rank, world, meta_group)
     tp = tp_context(grid, stage, dp_index, tp_index)
-    up_grid, down_grid = topo.neighbours(grid.name)
-    upstream = downstream = None
-    if up_grid and stage == 0:
-        upstream = BoundaryComm(p2p, up_grid, grid, slot, *boundary_tensor(spec, up_grid.name, recipe), tp)
+    up_grids, (down_grid,) = topo.upstreams(grid.name), topo.downstreams(grid.name) or (None,)
+    upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, recipe), tp, backward[up.name])
+                 for up in up_grids] if stage == 0 else []  # one boundary per graph edge
+    downstream = None
     if down_grid and stage == grid.pp - 1:
         downstream = BoundaryComm(p2p, grid, down_grid, slot, *boundary_tensor(spec, grid.name, recipe), tp)
-    p2p.connect(boundary_links(topo.modules, slot, backward))
+    p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges))
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, mp.activation_checkpointing)
     if recipe.train.dtype == "bf16":
@@ -212,13 +211,13 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         global_stage=topo.stage_offset(grid.name) + stage,
         first_of_engine=stage == 0,
         last_of_engine=stage == grid.pp - 1,
-        has_upstream=up_grid is not None,
+        has_upstream=bool(up_grids),
         has_downstream=down_grid is not None,
         backward=backward[grid.name],
-        upstream_backward=up_grid is not None and backward[up_grid.name],
+        upstream_backward=any(backward[up.name] for up in up_grids),
     )
 
-    engine = _engine(recipe, topo, grid, rank, spec, pm, place, upstream, downstream, frozen)
+    engine = _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstream, frozen)
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
     start = 0
@@ -252,7 +251,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     return EXIT_PREEMPTED if trainer.preempted else 0
 
 
-def _engine(recipe, topo, grid, rank, spec, pm, place, upstream, downstream, frozen: bool):
+def _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstream, frozen: bool):
     """This stage's ``ModuleEngine``: optimizer and LR schedule unless frozen, the module's DeepSpeed
     config completed for its DP and accumulation, boundary links, emulated compute if asked."""
     optimizer = scheduler = None
@@ -269,7 +268,7 @@ def _engine(recipe, topo, grid, rank, spec, pm, place, upstream, downstream, fro
         grad_clip=recipe.optim.grad_clip, frozen=frozen,
     )
     engine = make_engine(pm, optimizer, scheduler, cfg)
-    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec), place, upstream, downstream, frozen)
+    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name), place, upstreams, downstream, frozen)
     if recipe.emulate.enabled:
         engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
     return engine

@@ -99,20 +99,25 @@ def vocab_size(recipe) -> int:
     base = {"byte": ByteTokenizer.vocab_size, "smollm2": SMOLLM2_VOCAB}.get(name)
     if base is None:
         base = load_tokenizer(name, recipe.data.cache_dir).vocab_size
-    return SpecialTokens.after(base).vocab_size
+    from ..recipe_graph import encoder_of
+
+    return SpecialTokens.after(base, audio=encoder_of(recipe, "audio") is not None).vocab_size
 
 
 def meta_spec(recipe, vocab: int):
     """The recipe's model spec with nothing to read (no checkpoints), for builds on the meta device."""
     from ..data.types import SpecialTokens
+    from ..families import FAMILIES
     from ..models.mllm import MLLMSpec
 
     graph = graph_of(recipe)
     roles = {n: graph.role(n) for n in graph.names}
-    cfgs = {r: replace(recipe.model.modules[n], checkpoint="") for n, r in roles.items()}
-    cfgs["llm"] = replace(cfgs["llm"], vocab_size=vocab)
-    return MLLMSpec(cfgs.get("encoder"), cfgs["llm"], cfgs.get("generator"), SpecialTokens.after(0), recipe.seed,
-                    roles=roles)
+    by_name = {n: replace(recipe.model.modules[n], checkpoint="") for n in roles}
+    by_name[graph.llm] = replace(by_name[graph.llm], vocab_size=vocab)
+    cfgs = {r: by_name[n] for n, r in roles.items()}
+    audio = any(FAMILIES[by_name[n].family].modality == "audio" for n in graph.encoders)
+    return MLLMSpec(cfgs.get("encoder"), cfgs["llm"], cfgs.get("generator"), SpecialTokens.after(0, audio=audio),
+                    recipe.seed, roles=roles, configs={n: by_name[n] for n in graph.encoders})
 
 
 def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> list:

@@ -13,7 +13,7 @@ from ..data.source import SampleSource, ShapeSpec, build_source
 from ..data.split import Split
 from ..models.configs import EncoderConfig, GeneratorConfig
 from ..models.mllm import MLLMSpec
-from ..recipe_graph import graph_of
+from ..recipe_graph import encoder_of, graph_of
 
 
 def cost_model(recipe: Recipe) -> CostModel:
@@ -22,7 +22,7 @@ def cost_model(recipe: Recipe) -> CostModel:
 
     # A graph without an encoder (generator) has no images (generation targets), so the stand-in
     # default sizes below cost nothing for any of its samples.
-    e = recipe.model.encoder or EncoderConfig()
+    e = encoder_of(recipe, "image") or EncoderConfig()
     l, g = recipe.model.llm, recipe.model.generator or GeneratorConfig()
     model = CostModel.from_dims(
         TransformerDims(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, heads=e.heads),
@@ -52,8 +52,10 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
     """The model facts the recipe's sample source lays samples out by."""
     m = recipe.model
     groups = reorder_groups(recipe)
-    e, g = m.encoder or EncoderConfig(), m.generator or GeneratorConfig()  # stand-ins: no images / targets
+    e, g = encoder_of(recipe, "image") or EncoderConfig(), m.generator or GeneratorConfig()  # stand-ins: no images / targets
+    audio = encoder_of(recipe, "audio")
     return ShapeSpec(
+        audio_mels=audio.n_mels if audio is not None else 0,
         patch_size=e.patch_size,
         gen_resolution=g.resolution,
         gen_channels=g.in_channels,
@@ -77,8 +79,9 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
     elif llm.vocab_size < need:
         raise ValueError(f"model.llm.vocab_size {llm.vocab_size} is smaller than the tokenizer's {need} ids")
     graph = graph_of(recipe)
-    spec = MLLMSpec(m.encoder, llm, m.generator, source.special, recipe.seed, m.gen_loss_weight,
-                    roles={n: graph.role(n) for n in graph.names})
+    spec = MLLMSpec(encoder_of(recipe, "image"), llm, m.generator, source.special, recipe.seed, m.gen_loss_weight,
+                    roles={n: graph.role(n) for n in graph.names},
+                    configs={n: m.modules[n] for n in graph.encoders})
     return source, spec
 
 

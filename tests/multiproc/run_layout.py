@@ -5,7 +5,9 @@ export every rank's final parameters and what crossed the communicator.
         [key=value ...]
 
 ``--fault drop_encoder_grad`` zeroes the gradient the LLM returns to the encoder: the negative
-control that the fidelity check must catch. ``--fault one_channel`` sends activations and gradients
+control that the fidelity check must catch (``drop_ear_grad``: to the module named ``ear``).
+``--fault swap_audio_rows`` reverses the audio rows the LLM receives, so they fill the wrong
+audio placeholders. ``--fault one_channel`` sends activations and gradients
 over one process group, as before the channel split: the negative control for NCCL's one stream per
 pair (a gradient receive posted ahead then holds up the next activation send).
 ``--fault perturb_recompute`` makes activation checkpointing's backward rerun of a block differ
@@ -44,13 +46,22 @@ def main() -> int:
     if args and args[0] == "--recipe":
         name, args = args[1], args[2:]
     recipe = load_recipe(name, [f"logging.dir={out / 'run'}", *args])
-    if fault == "drop_encoder_grad":
+    if fault in ("drop_encoder_grad", "drop_ear_grad"):
         original = BoundaryComm.send_grad
+        victim = fault.split("_")[1]
 
         def send_zero_to_encoder(self, mb, grad, rows_per_sample):
-            return original(self, mb, torch.zeros_like(grad) if self.up.name == "encoder" else grad, rows_per_sample)
+            return original(self, mb, torch.zeros_like(grad) if self.up.name == victim else grad, rows_per_sample)
 
         BoundaryComm.send_grad = send_zero_to_encoder
+    elif fault == "swap_audio_rows":
+        original_recv = BoundaryComm.recv_activation
+
+        def recv_reversed(self, mb, rows_per_sample):
+            out = original_recv(self, mb, rows_per_sample)
+            return out.flip(0) if self.rows_key == "audio_embeds" else out
+
+        BoundaryComm.recv_activation = recv_reversed
     elif fault == "one_channel":
         import torch.distributed as dist
 

@@ -70,25 +70,30 @@ LLAMA = Decoder(hf_config, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 
 class LlmEmbed(nn.Module):
-    """(input_ids [B, S], image_embeds [P, H]) -> (hidden [B, S, H],).
+    """(input_ids [B, S], embeds_1 [P_1, H], ..., embeds_n [P_n, H]) -> (hidden [B, S, H],).
 
-    Image placeholders are replaced, in order, by the projected patch embeddings from the encoder.
-    """
+    The placeholders of ``tokens[i]`` are replaced, in sequence order, by the rows of ``embeds_i``
+    (the projected outputs of the i-th upstream encoder: image patches, audio frames)."""
 
-    def __init__(self, cfg: LLMConfig, image_token: int):
+    def __init__(self, cfg: LLMConfig, image_token: int, tokens: tuple[int, ...] = ()):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.image_token = image_token
+        self.tokens = tuple(tokens) or (image_token,)
 
     def forward(self, inputs):
-        input_ids, image_embeds = inputs
+        input_ids, *embeds = inputs
+        if len(embeds) != len(self.tokens):
+            raise ValueError(f"{len(embeds)} encoder outputs for {len(self.tokens)} placeholder kinds")
         hidden = self.embed_tokens(input_ids)
-        mask = input_ids == self.image_token
-        n = int(mask.sum())
-        if n != image_embeds.shape[0]:
-            raise ValueError(f"{n} image placeholders but {image_embeds.shape[0]} image embeddings")
-        if n:
-            hidden = hidden.masked_scatter(mask.unsqueeze(-1), image_embeds.to(hidden.dtype))
+        for token, rows in zip(self.tokens, embeds):
+            mask = input_ids == token
+            n = int(mask.sum())
+            if n != rows.shape[0]:
+                kind = "image" if token == self.image_token else f"token {token}"
+                raise ValueError(f"{n} {kind} placeholders but {rows.shape[0]} encoder rows for them")
+            if n:
+                hidden = hidden.masked_scatter(mask.unsqueeze(-1), rows.to(hidden.dtype))
         return (hidden,)
 
 
@@ -126,7 +131,7 @@ class LlmHead(nn.Module):
 def decoder_layers(cfg: LLMConfig, ctx: BuildContext, decoder: Decoder) -> list[LayerDef]:
     """Ordered pipeline layers of a decoder LLM: embed, ``cfg.layers`` decoder blocks, head."""
     seed, module = ctx.seed, ctx.module
-    defs = [seeded(seed, module, "embed", lambda: LlmEmbed(cfg, ctx.image_token))]
+    defs = [seeded(seed, module, "embed", lambda: LlmEmbed(cfg, ctx.image_token, ctx.placeholders))]
     for i in range(cfg.layers):
         defs.append(seeded(seed, module, f"block{i}", lambda i=i: LlmBlock(cfg, i, decoder)))
     defs.append(seeded(seed, module, "head", lambda: LlmHead(cfg, decoder)))

@@ -15,6 +15,7 @@ def _problems(cfg: EncoderConfig, prefix: str) -> list[tuple[str, str]]:
 FAMILY = Family(
     name="vit",
     role="encoder",
+    modality="image",
     config_type=EncoderConfig,
     presets=ENCODER_PRESETS,
     model="disttrain_ds.families.vit.model",

@@ -7,6 +7,7 @@ of the system needs to know about the encoder's input and output.
 
 from ..base import Family
 from .config import AUDIO_ENCODER_PRESETS, AudioEncoderConfig
+from .estimates import activation_layers
 
 modality = "audio"
 """What the encoder reads: log-mel clips [n_mels, frames], packed by ``model.pack_clips``."""
@@ -54,7 +55,8 @@ FAMILY = Family(
         (_P + r"layer_norm\.(.*)$", r"head/layer_norm.\1"),
     ),
     hf_formats="transformers WhisperEncoder / WhisperModel / WhisperForConditionalGeneration",
-    not_trainable="no data source produces audio clips yet",
+    modality=modality,
+    activation_layers=activation_layers,
 )
 
 __all__ = ["AUDIO_ENCODER_PRESETS", "AudioEncoderConfig", "FAMILY", "modality", "rows", "width"]

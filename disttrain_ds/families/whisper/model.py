@@ -25,7 +25,7 @@ from torch import nn
 from transformers import WhisperConfig
 from transformers.models.whisper.modeling_whisper import WhisperAttention, WhisperEncoder, WhisperEncoderLayer
 
-from ...models.packed import by_length, per_item
+from ...models.packed import by_length, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
 from ...models.layers import LayerDef, layer_seed, seeded
 from ..base import BuildContext
 from .config import AudioEncoderConfig
@@ -97,28 +97,6 @@ def _full_whisper(sizes: tuple[int, ...], seed: int) -> WhisperEncoder:
 def _part(cfg: AudioEncoderConfig, seed: int, pick: Callable[[WhisperEncoder], nn.Module]) -> nn.Module:
     """A private copy of one part of the cached initial encoder (the cache itself is never trained)."""
     return copy.deepcopy(pick(_full_whisper(_sizes(cfg), seed)))
-
-
-def pack_clips(clips: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten log-mel clips [n_mels, frames] into one 1-D tensor plus an int64 [n, 2] (n_mels, frames) table."""
-    if not clips:
-        return torch.zeros(0), torch.zeros(0, 2, dtype=torch.long)
-    flat = torch.cat([c.reshape(-1) for c in clips])
-    shapes = torch.tensor([[c.shape[0], c.shape[1]] for c in clips], dtype=torch.long)
-    return flat, shapes
-
-
-def unpack_clips(flat: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
-    """Inverse of ``pack_clips``: views [n_mels, frames] into ``flat``."""
-    out, offset = [], 0
-    for mels, frames in shapes.tolist():
-        n = mels * frames
-        out.append(flat[offset : offset + n].view(mels, frames))
-        offset += n
-    if offset != flat.numel():
-        raise ValueError(f"audio features hold {flat.numel()} values but their shapes describe {offset}")
-    return out
-
 
 
 class WhisperEmbed(nn.Module):

@@ -1,0 +1,35 @@
+"""Whisper encoder formulas behind the family record: activation bytes per layer, forward FLOPs.
+
+No torch: recipe validation, the memory estimate and the cost model read these. Counts follow
+the ViT's (``runtime/activations.py``): the same pre-norm transformer block with a GELU MLP, on
+``frames // 2`` rows per clip; the stem keeps the two convolutions' inputs and GELU inputs.
+"""
+
+from __future__ import annotations
+
+from ...runtime.activations import FP32, LayerBytes, SampleShape
+
+
+def activation_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
+    """Per-sample bytes of embed, blocks, head and input projector of the audio encoder."""
+    e, fe, a, rows = cfg.hidden_size, cfg.ffn_hidden, cfg.heads, shape.audio_rows
+    frames = 2 * rows
+    mels = cfg.n_mels * frames * b
+    # conv1 input, its GELU input and conv2 input (full frame rate), conv2's GELU input (half rate)
+    stem = mels + 2 * e * frames * b + e * rows * b
+    block = ((8 * e + 2 * fe) * b + (a + 4) * FP32) * rows
+    head = (e * b + 2 * FP32) * rows
+    projector = (e + 2 * llm_hidden) * b * rows
+    saved = [stem, *[block] * cfg.layers, head, projector]
+    outputs = [e * b * rows] * (cfg.layers + 2) + [llm_hidden * b * rows]
+    return LayerBytes(saved, outputs, mels)
+
+
+def forward_flops_per_clip(cfg, frames: int) -> float:
+    """Forward FLOPs of the encoder's own layers on one clip of ``frames`` log-mel frames
+    (multiply-adds count 2; the input projector is counted apart)."""
+    e, f, rows = cfg.hidden_size, cfg.ffn_hidden, frames // 2
+    stem = 2 * 3 * cfg.n_mels * e * frames + 2 * 3 * e * e * rows  # two kernel-3 convolutions
+    linear = 2 * (4 * e * e + 2 * e * f) * rows  # q, k, v, out; fc1, fc2
+    attention = 2 * 2 * e * rows * rows  # scores and weighted sum
+    return stem + cfg.layers * (linear + attention)
