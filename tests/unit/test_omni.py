@@ -1,0 +1,75 @@
+"""Several encoders in the runtime: rank map, stage offsets, links, schedule and the LLM's scatter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from disttrain_ds.comm.boundary import boundary_links
+from disttrain_ds.comm.p2p import ACT, GRAD
+from disttrain_ds.config import load_recipe
+from disttrain_ds.parallel.schedule import BoundaryRecvActivation, StagePlace, engine_schedule
+from disttrain_ds.topology import Topology
+from deepspeed.runtime.pipe import schedule as ds
+
+
+def _topo(*overrides: str) -> Topology:
+    return Topology.from_recipe(load_recipe("tiny_omni", ["layout=disaggregated", *overrides]))
+
+
+def test_a_shorter_encoder_starts_later_on_the_longest_path():
+    topo = _topo("parallel.modules.ear.pp=2")  # vision 0, ear 1-2, llm 3-4, painter 5
+    assert [(m.name, list(m.ranks)) for m in topo.modules] == [
+        ("vision", [0]), ("ear", [1, 2]), ("llm", [3, 4]), ("painter", [5])]
+    assert {m.name: topo.stage_offset(m.name) for m in topo.modules} == {"vision": 1, "ear": 0, "llm": 2, "painter": 4}
+    assert topo.total_stages == 5 and topo.edges == (("vision", "llm"), ("ear", "llm"), ("llm", "painter"))
+    assert [m.name for m in topo.upstreams("llm")] == ["vision", "ear"]
+
+
+def test_links_join_every_encoder_to_the_llm_and_never_the_encoders_to_each_other():
+    topo = _topo("parallel.modules.vision.dp=2", "parallel.modules.ear.dp=2", "train.micro_batch=2")
+    # vision 0-1, ear 2-3, llm 4-5 (PP=2), painter 6
+    backward = {"vision": True, "ear": False, "llm": True, "painter": True}
+    links = boundary_links(topo.modules, 2, backward, topo.edges)
+    assert links == sorted(links, key=lambda link: (link[1], link[2], link[0]))
+    assert set(links) == {(ACT, 0, 4), (GRAD, 0, 4), (ACT, 1, 4), (GRAD, 1, 4),
+                          (ACT, 2, 4), (ACT, 3, 4),  # a frozen ear gets no gradient channel
+                          (ACT, 5, 6), (GRAD, 5, 6)}
+
+
+def test_a_first_stage_without_upstream_past_global_stage_zero_receives_nothing():
+    place = StagePlace(total_stages=4, global_stage=1, first_of_engine=True, last_of_engine=True, has_upstream=False,
+                       has_downstream=True, backward=True, upstream_backward=False)
+    cmds = [type(c) for step in engine_schedule(3, place) for c in step]
+    assert ds.ForwardPass in cmds and ds.BackwardPass in cmds
+    assert not {ds.RecvActivation, BoundaryRecvActivation, ds.SendGrad} & set(cmds)
+    with_upstream = dataclasses.replace(place, has_upstream=True)
+    assert BoundaryRecvActivation in [type(c) for step in engine_schedule(3, with_upstream) for c in step]
+
+
+def test_the_llm_fills_each_encoders_placeholders_with_that_encoders_rows():
+    from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    recipe = load_recipe("tiny_omni")
+    source, spec = build_data_and_spec(recipe)
+    assert spec.encoders == ("vision", "ear") and spec.placeholders() == (spec.special.image, spec.special.audio)
+    samples = source.global_batch(0)[:2]
+    mb = collate(samples, BatchNorms.of(samples, 1), spec)
+    model = ReferenceMLLM(spec)
+    embed = model.llm.layers[0]
+    image = model.vision(mb.encoder_inputs("image"))
+    audio = model.ear(mb.encoder_inputs("audio"))
+    assert image.shape[0] == sum(mb.sample_rows["image_embeds"]) and audio.shape[0] == sum(mb.sample_rows["audio_embeds"])
+    (hidden,) = embed((mb.input_ids, image, audio))
+    ids = mb.input_ids
+    torch.testing.assert_close(hidden[ids == spec.special.audio], audio)
+    torch.testing.assert_close(hidden[ids == spec.special.image], image)
+    (wrong,) = embed((mb.input_ids, image, audio.flip(0)))
+    assert not torch.allclose(wrong, hidden)  # the rows' order is what the placement checks
+    loss = model(mb)["loss"]
+    loss.backward()
+    trained = [p for p in model.ear.parameters() if p.requires_grad]  # Whisper's positions are fixed
+    assert trained and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained)
+    source.close()
