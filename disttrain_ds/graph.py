@@ -103,6 +103,14 @@ class ModuleGraph:
     def downstream(self, name: str) -> tuple[str, ...]:
         return tuple(b for a, b in self.edges if a == name)
 
+    def runs_backward(self, trains: Mapping[str, bool]) -> dict[str, bool]:
+        """Which modules run backward passes: those that train (``trains``) or have a module
+        upstream that does (gradients must pass through them); two encoders never affect each other."""
+        out: dict[str, bool] = {}
+        for n in self.names:  # data-flow order: upstream modules come first
+            out[n] = bool(trains[n]) or any(out[u] for u in self.upstream(n))
+        return out
+
     def critical_path(self, weights: Mapping[str, float]) -> float:
         """Largest sum of ``weights`` along any encoder -> LLM -> generator path.
 

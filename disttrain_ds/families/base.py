@@ -85,6 +85,11 @@ class Family:
     vocab_params: Sequence[str] = ()
     """``layer/param`` keys whose rows are the vocabulary: an imported checkpoint with fewer rows
     (a tokenizer with extra special ids) grows them (``models/checkpoint.py::grow_vocab``)."""
+    clip_flops: Callable[[Any, int], float] | None = None
+    """Audio encoders: (cfg, log-mel frames) -> forward FLOPs of one clip in the family's own layers
+    (the input projector is counted apart); what MFU reads."""
+    rows: Callable[[Any, int], int] | None = None
+    """Audio encoders: (cfg, log-mel frames) -> output rows (LLM tokens) of one clip."""
     modality: str = ""
     """Encoders: what the module reads (image | audio): which sample field feeds it and which
     placeholder token its output rows fill in the LLM's sequence."""

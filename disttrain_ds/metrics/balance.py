@@ -16,6 +16,13 @@ from ..comm.routes import blocks
 COLUMNS = {"encoder": 0, "generator": 2}
 
 
+def module_columns(spec) -> dict[str, int]:
+    """Module name -> its cost column for an ``MLLMSpec``: the image encoder and the generator
+    (the cost model has no audio column yet, so an audio encoder has no balance figures)."""
+    return {n: COLUMNS[r] for n, r in spec.roles.items()
+            if r in COLUMNS and (r != "encoder" or spec.modality(n) == "image")}
+
+
 def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int],
                columns: dict[str, int] | None = None) -> dict[str, float]:
     """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, 3]``; ``columns``:

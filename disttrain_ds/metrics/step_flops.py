@@ -1,7 +1,7 @@
 """FLOPs of one optimizer step of the MLLM, from the global batch's actual samples.
 
-The encoder's cost follows each image's patch count, the LLM's each packed sequence's document
-lengths, the generator's the number of images it generates (times its family's ``image_flops``),
+The image encoder's cost follows each image's patch count, an audio encoder's each clip's frame
+count (its family's ``clip_flops``), the LLM's each packed sequence's document lengths, the generator's the number of images it generates (times its family's ``image_flops``),
 so MFU reflects the data the step saw.
 Frozen modules count forward only, or forward plus input gradient when a trainable module
 upstream needs gradients through them.
@@ -12,8 +12,8 @@ from __future__ import annotations
 from ..data.types import PackedSample
 from ..models.mllm import MLLMSpec
 from ..families import get_family
-from .flops import llm_flops_packed, projector_flops_per_token, vit_flops
-from .mfu import StepFlops
+from .flops import llm_flops_packed, projector_flops_per_token, training_flops, vit_flops
+from .mfu import StepFlops, module_mfu, overall_mfu, tflops_per_gpu
 
 
 def flops_modes(spec: MLLMSpec) -> dict[str, str]:
@@ -21,17 +21,30 @@ def flops_modes(spec: MLLMSpec) -> dict[str, str]:
     projector (key: ``<role>/projector``), in data-flow order: encoder, its projector, LLM, the
     generator's projector, generator. Roles the graph lacks are absent."""
     e, g = spec.encoder, spec.generator
-    parts = []
+    chains = [[(n, spec.config(n).frozen), (f"{n}/projector", spec.config(n).projector.frozen)]
+              for n in _audio_encoders(spec)]  # each encoder starts a path of its own
     if e is not None:
-        parts += [("encoder", e.frozen), ("encoder/projector", e.projector.frozen)]
-    parts.append(("llm", spec.llm.frozen))
+        chains.insert(0, [("encoder", e.frozen), ("encoder/projector", e.projector.frozen)])
+    tail = [("llm", spec.llm.frozen)]
     if g is not None:
-        parts += [("generator/projector", g.projector.frozen), ("generator", g.frozen)]
-    modes, trainable_upstream = {}, False
-    for name, frozen in parts:
-        modes[name] = "train" if not frozen else "frozen_passthrough" if trainable_upstream else "frozen"
-        trainable_upstream = trainable_upstream or not frozen
+        tail += [("generator/projector", g.projector.frozen), ("generator", g.frozen)]
+    modes, any_upstream = {}, False
+    for parts in [*chains, tail]:
+        trainable_upstream = any_upstream if parts is tail else False
+        for name, frozen in parts:
+            modes[name] = "train" if not frozen else "frozen_passthrough" if trainable_upstream else "frozen"
+            trainable_upstream = trainable_upstream or not frozen
+        any_upstream = any_upstream or trainable_upstream
     return modes
+
+
+def _audio_encoders(spec: MLLMSpec) -> tuple[str, ...]:
+    return tuple(n for n in spec.encoders if spec.modality(n) == "audio")
+
+
+def image_encoder_name(spec: MLLMSpec) -> str | None:
+    """The module the ``encoder`` figures (``spec.encoder``, the image encoder) belong to."""
+    return next((n for n in spec.encoders if spec.modality(n) == "image"), None)
 
 
 class StepFlopsCounter:
@@ -77,6 +90,19 @@ class StepFlopsCounter:
         )
         return StepFlops(encoder=enc, llm=llm, generator=gen)
 
+    def audio(self, samples: list[PackedSample]) -> dict[str, float]:
+        """Training FLOPs of each audio encoder (its projector included) over the step's clips."""
+        out, l = {}, self.spec.llm
+        frames = [int(c.shape[1]) for s in samples for c in s.audio]
+        for name in _audio_encoders(self.spec):
+            cfg, fam = self.spec.config(name), self.spec.family(name)
+            own = sum(fam.clip_flops(cfg, f) for f in frames)
+            rows = sum(fam.rows(cfg, f) for f in frames) if frames else 0
+            proj = projector_flops_per_token(in_dim=fam.width(cfg), hidden_dim=l.hidden_size, out_dim=l.hidden_size,
+                                             mode=self.modes[f"{name}/projector"])
+            out[name] = training_flops(own, mode=self.modes[name]) + rows * proj
+        return out
+
 
 class MfuMeter:
     """``perf/mfu/*`` and ``perf/tflops_per_gpu/*`` of a step from its samples and duration."""
@@ -90,7 +116,7 @@ class MfuMeter:
 
     def __call__(self, samples: list[PackedSample], step_seconds: float) -> dict[str, float]:
         flops, spec = self.count(samples), self.count.spec
-        names = {role: spec.name_of(role) for role in ("encoder", "llm", "generator")}
+        names = {"encoder": image_encoder_name(spec), "llm": spec.name_of("llm"), "generator": spec.name_of("generator")}
         out = flops.metrics(
             **{f"{role}_gpus": self.gpus[n] if n else 0 for role, n in names.items()},
             peak_tflops=self.peak,
@@ -102,4 +128,12 @@ class MfuMeter:
         for key, value in out.items():
             head, _, role = key.rpartition("/")
             renamed[f"{head}/{names.get(role) or role}"] = value
+        audio = self.count.audio(samples)
+        for name, f in audio.items():  # modules beside the three roles' figures
+            renamed[f"perf/mfu/{name}"] = module_mfu(f, self.gpus[name], self.peak, step_seconds)
+            renamed[f"perf/tflops_per_gpu/{name}"] = tflops_per_gpu(f, self.gpus[name], step_seconds)
+        if audio:
+            total = flops.total + sum(audio.values())
+            renamed["perf/mfu/overall"] = overall_mfu(total, self.world, self.peak, step_seconds)
+            renamed["perf/tflops_per_gpu/overall"] = tflops_per_gpu(total, self.world, step_seconds)
         return renamed

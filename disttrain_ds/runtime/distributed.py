@@ -86,10 +86,7 @@ def attempt_store(timeout: timedelta):
 
 def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
-    out: dict[str, bool] = {}
-    for m in topo.modules:  # data-flow order: upstream modules come first
-        out[m.name] = trains(recipe.model.modules[m.name]) or any(out[u.name] for u in topo.upstreams(m.name))
-    return out
+    return topo.graph.runs_backward({m.name: trains(recipe.model.modules[m.name]) for m in topo.modules})
 
 
 def rank_name(m, rank: int) -> str:

@@ -191,11 +191,8 @@ def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0) -> tupl
 
 def backward_modules(recipe) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
-    out, upstream = {}, False
-    for name in graph_of(recipe).names:
-        upstream = upstream or trains(recipe.model.modules[name])
-        out[name] = upstream
-    return out
+    graph = graph_of(recipe)
+    return graph.runs_backward({n: trains(recipe.model.modules[n]) for n in graph.names})
 
 
 def estimate(recipe) -> list[StageMemory]:

@@ -31,6 +31,7 @@ def test_two_encoders_fanning_in_to_a_split_llm_match_reference(tmp_path, refere
     assert {k.split("/")[0] for k in params} == {"vision", "ear", "llm", "painter"}
     last = rows[-1]
     assert last["loss/gen"] > 0 and all(f"time/{m}_compute" in last for m in ("vision", "ear", "llm", "painter"))
+    assert all(last[f"perf/mfu/{m}"] > 0 for m in ("vision", "ear", "llm", "painter"))
 
 
 def test_audio_rows_in_the_wrong_placeholders_are_caught(tmp_path, reference_run):

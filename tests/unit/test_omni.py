@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from disttrain_ds.comm.boundary import boundary_links
@@ -73,3 +74,31 @@ def test_the_llm_fills_each_encoders_placeholders_with_that_encoders_rows():
     trained = [p for p in model.ear.parameters() if p.requires_grad]  # Whisper's positions are fixed
     assert trained and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained)
     source.close()
+
+
+def test_a_frozen_encoder_runs_no_backward_whatever_the_other_encoder_does():
+    from disttrain_ds.graph import ModuleGraph
+
+    g = ModuleGraph.from_roles({"vision": "encoder", "ear": "encoder", "llm": "llm", "painter": "generator"})
+    assert g.runs_backward({"vision": True, "ear": False, "llm": False, "painter": False}) == {
+        "vision": True, "ear": False, "llm": True, "painter": True}
+    assert g.runs_backward({"vision": False, "ear": False, "llm": False, "painter": True})["llm"] is False
+
+
+def test_audio_encoder_flops_and_memory_come_from_its_family():
+    from disttrain_ds.metrics.step_flops import StepFlopsCounter
+    from disttrain_ds.runtime.memory import estimate
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    def ear_flops(*overrides):
+        source, spec = build_data_and_spec(load_recipe("tiny_omni", list(overrides)))
+        samples = source.global_batch(0)
+        source.close()
+        count = StepFlopsCounter(spec)
+        return count.audio(samples)["ear"], count.audio(samples * 2)["ear"]
+
+    train, twice = ear_flops()
+    frozen, _ = ear_flops("model.modules.ear.frozen=true", "model.modules.ear.projector.frozen=true")
+    assert train > 0 and twice == pytest.approx(2 * train) and frozen == pytest.approx(train / 3)
+    rows = {r.module: r for r in estimate(load_recipe("tiny_omni", ["layout=disaggregated"]))}
+    assert rows["ear"].activations > 0 and rows["ear"].params > 0

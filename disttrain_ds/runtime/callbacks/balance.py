@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...metrics.balance import COLUMNS, dp_balance
+from ...metrics.balance import dp_balance, module_columns
 from ..trainer import Callback
 
 
@@ -12,7 +12,7 @@ class Balance(Callback):
     def __init__(self, costs, spec, slot: int, dps: dict[str, int]):
         self.costs, self.spec, self.slot, self.dps = costs, spec, slot, dps
         self.patch = spec.encoder.patch_size if spec.encoder is not None else 1
-        self.columns = {n: COLUMNS[r] for n, r in spec.roles.items() if r in COLUMNS}
+        self.columns = module_columns(spec)
 
     def on_step_end(self, trainer, samples, rec) -> None:
         stats = [s.stats(self.patch, self.spec.special) for s in samples]
