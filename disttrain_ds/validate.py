@@ -170,10 +170,10 @@ def validate(r: Recipe) -> None:
     _check(bool(audio) or d.max_audio == 0, src, "data.max_audio",
            f"must be 0: the model has no audio encoder, got {d.max_audio}")
     for name in audio:
-        _check(d.source == "synthetic", src, "data.source",
-               f"{module_key(r, name)} reads audio clips, which only data.source=synthetic produces so far; got {d.source}")
+        _check(d.source in ("synthetic", "local"), src, "data.source",
+               f"{module_key(r, name)} reads audio clips, which data.source synthetic and local produce; got {d.source}")
         _check(d.max_audio >= 1, src, "data.max_audio",
-               f"must be >= 1: the synthetic source draws 1..max_audio clips for {module_key(r, name)}")
+               f"must be >= 1: {module_key(r, name)} reads up to max_audio clips per sequence")
         top = module_config(r, name).max_frames
         _check(d.audio_frames[-1] <= top, src, "data.audio_frames",
                f"clips of up to {d.audio_frames[-1]} frames exceed {module_key(r, name)}.max_frames {top}")

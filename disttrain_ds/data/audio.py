@@ -96,6 +96,27 @@ def read_wav(path: str | Path) -> torch.Tensor:
     return torch.from_numpy(data.reshape(-1, channels).mean(axis=1).copy())
 
 
+def clip_frames(path: str | Path, n_mels: int, max_frames: int) -> int:
+    """Frames ``load_clip`` will return for ``path``, from the file's header alone (plan time)."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        if arr.ndim != 2 or arr.shape[0] != n_mels:
+            raise ValueError(f"{path}: log-mel array of shape {arr.shape}; expected ({n_mels}, frames)")
+        frames = arr.shape[1]
+    elif path.suffix == ".wav":
+        with wave.open(str(path), "rb") as w:
+            if w.getframerate() != SAMPLE_RATE:
+                raise ValueError(f"{path}: {w.getframerate()} Hz audio; the audio encoder reads {SAMPLE_RATE} Hz")
+            frames = w.getnframes() // HOP
+    else:
+        raise ValueError(f"{path}: audio clips are .wav files or .npy log-mel arrays")
+    frames = min(frames, max_frames) // 2 * 2
+    if frames < 2:
+        raise ValueError(f"{path}: shorter than 2 mel frames ({2 * HOP} samples)")
+    return frames
+
+
 def load_clip(path: str | Path, n_mels: int, max_frames: int) -> torch.Tensor:
     """[n_mels, frames] features of a .wav file or a .npy log-mel array, cut to ``max_frames``
     and to an even frame count (the encoder's stride-2 convolution); ValueError naming the file."""

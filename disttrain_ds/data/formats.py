@@ -52,7 +52,18 @@ class ImageSeg:
     """True: a generation target (query tokens in the sequence); False: an encoder input."""
 
 
-Segment = Union[TextSeg, ImageSeg]
+@dataclass(frozen=True)
+class AudioSeg:
+    """One input audio clip (local records), read by the audio encoder."""
+
+    path: str
+    """Resolved .wav or .npy file."""
+    frames: int
+    """Log-mel frames the clip gives (even, at most the encoder's ``max_frames``); ``frames // 2``
+    audio placeholders in the sequence."""
+
+
+Segment = Union[TextSeg, ImageSeg, AudioSeg]
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,7 @@ class Bad:
 
     reason: str
     """missing_image | corrupt_image | image_too_large | empty_text | too_long | too_many_images |
-    not_utf8 | bad_json | bad_type | bad_image."""
+    not_utf8 | bad_json | bad_type | bad_image | bad_audio | no_audio_encoder | too_many_clips."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,10 @@ class ParseContext:
     """Generation queries per generated image."""
     seed: int
     """Run seed (image sizes and generation choices are drawn from it)."""
+    audio_mels: int = 0
+    """Log-mel bins of the audio encoder's input; 0: the model has no audio encoder."""
+    audio_max_frames: int = 0
+    """Longest clip the audio encoder reads, in log-mel frames (longer clips are cut)."""
 
 
 class _BadRecord(Exception):
@@ -136,6 +151,21 @@ def _file_ref(value: object, base: Path, ctx: ParseContext) -> ImageRef:
         return ImageRef("file", str((base / value).resolve()), ctx.cfg.max_image_pixels)
     except (ValueError, OSError, RuntimeError):  # NUL byte, lone surrogate, name too long, symlink loop
         raise _BadRecord("bad_image") from None
+
+
+def _audio(ctx: ParseContext, value: object, base: Path) -> AudioSeg:
+    from .audio import clip_frames
+
+    if ctx.audio_mels == 0:
+        raise _BadRecord("no_audio_encoder")
+    if not isinstance(value, str) or not value.strip():
+        raise _BadRecord("bad_audio")
+    try:
+        path = (base / value).resolve()
+        frames = clip_frames(path, ctx.audio_mels, ctx.audio_max_frames)
+    except (ValueError, OSError, RuntimeError, EOFError):
+        raise _BadRecord("bad_audio") from None
+    return AudioSeg(str(path), frames)
 
 
 def _generating(ctx: ParseContext) -> bool:
@@ -210,8 +240,11 @@ def parse_local(obj: dict, rec: RawRecord, ctx: ParseContext, rng: np.random.Gen
         n_images, seen = len(marks), 0
         segs: list[Segment] = []
         for it in items:
-            if not isinstance(it, dict) or len({"text", "image"} & it.keys()) != 1:
+            if not isinstance(it, dict) or len({"text", "image", "audio"} & it.keys()) != 1:
                 raise _BadRecord("bad_type")
+            if "audio" in it:
+                segs.append(_audio(ctx, it["audio"], base))
+                continue
             if "text" in it:
                 text = _text(ctx, it["text"], first=not any(isinstance(s, TextSeg) for s in segs))
                 if text:
@@ -237,6 +270,8 @@ def seg_cost(seg: Segment, ctx: ParseContext) -> int:
     """Tokens a whole segment takes: text ids, or markers plus placeholders / queries."""
     if isinstance(seg, TextSeg):
         return len(seg.ids)
+    if isinstance(seg, AudioSeg):
+        return seg.frames // 2 + 2
     if seg.generate:
         return ctx.query_tokens + 2
     return (seg.height // ctx.patch_size) * (seg.width // ctx.patch_size) + 2
@@ -248,9 +283,12 @@ def _check_fits(doc: Document, ctx: ParseContext) -> None:
     if not any(isinstance(s, TextSeg) for s in doc.segments):
         raise _BadRecord("empty_text")
     images = [s for s in doc.segments if isinstance(s, ImageSeg)]
+    clips = [s for s in doc.segments if isinstance(s, AudioSeg)]
     if doc.splittable:
-        if any(seg_cost(s, ctx) + 1 > cfg.seq_len for s in images):
+        if any(seg_cost(s, ctx) + 1 > cfg.seq_len for s in (*images, *clips)):
             raise _BadRecord("too_long")
+        if clips and cfg.max_audio < 1:
+            raise _BadRecord("too_many_clips")
         if cfg.max_images < 1 and any(not s.generate for s in images):
             raise _BadRecord("too_many_images")
         return

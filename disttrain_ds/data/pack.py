@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from ..configtools import ConfigError
-from .formats import Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
+from .audio import load_clip
+from .formats import AudioSeg, Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
 from .images import load_image
 from .source import labels_for
 from .types import PackedSample, SpecialTokens
@@ -66,6 +67,7 @@ class _Fill:
     images: int
     gens: int
     pieces: list[Piece] = field(default_factory=list)
+    clips: int = 0
 
 
 DocGetter = Callable[[int, int], "Document | Bad"]
@@ -85,10 +87,13 @@ class Packer:
             return False
         if isinstance(seg, ImageSeg):
             return fill.gens < self.ctx.cfg.gen_images[1] if seg.generate else fill.images < self.ctx.cfg.max_images
+        if isinstance(seg, AudioSeg):
+            return fill.clips < self.ctx.cfg.max_audio
         return True
 
     def _take(self, fill: _Fill, seg, cost: int) -> None:
         fill.room -= cost
+        fill.clips += isinstance(seg, AudioSeg)
         if isinstance(seg, ImageSeg):
             fill.gens += seg.generate
             fill.images += not seg.generate
@@ -174,6 +179,7 @@ def materialise(
     ids: list[int] = []
     images: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
+    clips: list[torch.Tensor] = []
     doc_lens: list[int] = []
     p, q, r = ctx.patch_size, ctx.query_tokens, gen_resolution
     for piece in pieces:
@@ -184,6 +190,10 @@ def materialise(
             s = doc.segments[seg_i]
             if isinstance(s, TextSeg):
                 ids += s.ids[lo:hi]
+                continue
+            if isinstance(s, AudioSeg):
+                clips.append(_clip(s, ctx, on_decode_error))
+                ids += [special.boi] + [special.audio] * (s.frames // 2) + [special.eoi]
                 continue
             size = (r, r) if s.generate else (s.height, s.width)
             try:
@@ -207,4 +217,17 @@ def materialise(
     t = torch.tensor(ids, dtype=torch.long)
     gen = torch.stack(targets) if targets else torch.zeros(0, 3, r, r)
     meta = {"source": source, "records": [(int(pc.epoch), int(pc.record)) for pc in pieces]}
-    return PackedSample(t, labels_for(t, special), images, gen, sample_id, tuple(doc_lens), meta)
+    return PackedSample(t, labels_for(t, special), images, gen, sample_id, tuple(doc_lens), meta, audio=clips)
+
+
+def _clip(seg: AudioSeg, ctx: ParseContext, on_decode_error: Callable[[], None]) -> torch.Tensor:
+    """The clip's log-mel features; silence-level features where it fails to decode (the plan,
+    made from its header, stays valid)."""
+    try:
+        clip = load_clip(seg.path, ctx.audio_mels, ctx.audio_max_frames)
+    except (OSError, ValueError, EOFError):
+        clip = None
+    if clip is None or clip.shape[1] != seg.frames:
+        on_decode_error()
+        clip = torch.zeros(ctx.audio_mels, seg.frames)
+    return clip

@@ -58,7 +58,7 @@ class RecordSource(SampleSource):
         self.cfg, self.shape, self.batch, self.seed, self.fmt, self.path = cfg, shape, global_batch, seed, fmt, path
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
         self.base_vocab = tokenizer.vocab_size
-        self.special = SpecialTokens.after(self.base_vocab)
+        self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0)
         self.table = self._open_table()
         if len(self.table) == 0:
             raise ValueError(f"data.path: no records in {path}")
@@ -66,7 +66,8 @@ class RecordSource(SampleSource):
         self.records = split_records(len(self.table), split)  # the records this split reads
         self._in_split = np.zeros(len(self.table), dtype=bool)
         self._in_split[self.records] = True
-        self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed)
+        self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed, shape.audio_mels,
+                                shape.audio_max_frames)
         self.packer = Packer(self.ctx, len(self.records), self._doc, self._order, self._where())
         self._cursors: dict[int, Cursor] = {0: Cursor()}
         self._plans: OrderedDict[int, list[list[Piece]]] = OrderedDict()

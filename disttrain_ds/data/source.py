@@ -39,6 +39,8 @@ class ShapeSpec:
     audio_mels: int = 0
     """Log-mel bins of the audio encoder's input; 0: the model has no audio encoder (no clips,
     no audio placeholder id)."""
+    audio_max_frames: int = 0
+    """Longest clip the audio encoder reads, in log-mel frames (real clips are cut to it)."""
     dp_size: int = 1
     """LLM data-parallel degree a global batch is split over (used by ``data.reorder``)."""
     micro_batch: int = 0

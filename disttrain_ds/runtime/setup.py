@@ -56,6 +56,7 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
     audio = encoder_of(recipe, "audio")
     return ShapeSpec(
         audio_mels=audio.n_mels if audio is not None else 0,
+        audio_max_frames=audio.max_frames if audio is not None else 0,
         patch_size=e.patch_size,
         gen_resolution=g.resolution,
         gen_channels=g.in_channels,

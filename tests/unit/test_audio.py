@@ -104,3 +104,34 @@ def test_samples_with_clips_survive_the_plain_round_trip():
     assert len(back.audio) == len(s.audio) and all(torch.equal(a, b) for a, b in zip(back.audio, s.audio))
     old = {k: v for k, v in s.to_plain().items() if k != "audio"}  # written before clips existed
     assert PackedSample.from_plain(old).audio == []
+
+
+def test_local_documents_read_wav_and_npy_clips_into_audio_placeholders(tmp_path):
+    import json
+
+    from disttrain_ds.data.source import build_source
+
+    _wav(tmp_path / "tone.wav", _tone(21))  # 21 frames: cut to 20, 10 placeholders
+    np.save(tmp_path / "feat.npy", np.full((16, 12), 0.5, dtype=np.float32))
+    records = [
+        {"segments": [{"text": "Listen:"}, {"audio": "tone.wav"}, {"text": "then"}, {"audio": "feat.npy"}]},
+        {"segments": [{"text": "Broken:"}, {"audio": "missing.wav"}]},
+        {"segments": [{"text": "Bad type:"}, {"audio": 3}]},
+    ]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(source="local", path=str(tmp_path), seq_len=64, shuffle=False, max_images=0, gen_images=[0, 0],
+                     max_audio=2)
+    shape = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, audio_mels=16,
+                      audio_max_frames=64)
+    with build_source(cfg, shape, 1, 0) as src:
+        s = src.global_batch(0)[0]
+        assert [c.shape[1] for c in s.audio] == [20, 12]
+        torch.testing.assert_close(s.audio[0], load_clip(tmp_path / "tone.wav", 16, 64))
+        assert torch.equal(s.audio[1], torch.full((16, 12), 0.5))
+        assert int((s.input_ids == src.special.audio).sum()) == 16
+        src.global_batch(1)
+        assert set(src.skip_counts()) == {"bad_audio"}  # the missing file and the number, each epoch
+    no_encoder = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+    (tmp_path / "docs.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps({"segments": [{"text": "ok"}]}) + "\n")
+    with build_source(cfg, no_encoder, 1, 0) as src:
+        assert not src.global_batch(0)[0].audio and set(src.skip_counts()) == {"no_audio_encoder"}
