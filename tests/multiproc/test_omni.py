@@ -59,6 +59,8 @@ def test_dropped_audio_encoder_gradient_is_caught(tmp_path, reference_run):
     # The LLM over two replicas, each fed by one replica of each encoder; the generator on one.
     (["parallel.modules.vision.dp=2", "parallel.modules.ear.dp=2", "parallel.modules.llm.dp=2",
       "parallel.modules.llm.pp=1"], 7),
+    # Tensor parallelism in the audio encoder and the LLM: TP index 0 receives both encoders' rows.
+    (["parallel.modules.ear.tp=2", "parallel.modules.llm.tp=2"], 8),
 ])
 def test_other_omni_layouts_match_reference(tmp_path, reference_run, overrides, nproc):
     rows, params, ref_losses, ref_params = _run(tmp_path, reference_run, overrides, nproc)
