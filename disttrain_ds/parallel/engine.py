@@ -5,8 +5,9 @@ gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. Wha
 - the grid lives on the module's rank subset (``grid.SubsetGrid``);
 - the instruction stream comes from the one global 1F1B schedule (``schedule.engine_schedule``);
 - the engine's first stage takes its input from the upstream engines (one boundary per graph
-  edge: the LLM reads every encoder) and returns each one its input gradient; its last stage computes its own loss (if any), sends its output downstream and, in
-  backward, adds the downstream gradient through the surrogate ``<output, grad>``;
+  edge: the LLM reads every encoder) and returns each one its input gradient; its last stage
+  computes its own loss (if any), sends its output downstream and, in backward, adds the
+  downstream gradient through the surrogate ``<output, grad>``;
 - losses are kept per pipe buffer, since a last stage that is not the global last stage runs
   several forwards before the matching backwards.
 """
