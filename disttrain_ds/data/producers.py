@@ -65,7 +65,7 @@ def _encode(samples: list[PackedSample]) -> list[tuple]:
     """Tensors as numpy arrays: plain pickling, no shared-memory file descriptors to leak."""
     return [
         (s.input_ids.numpy(), s.labels.numpy(), [im.numpy() for im in s.images], s.gen_targets.numpy(),
-         s.sample_id, s.doc_lens, s.meta)
+         s.sample_id, s.doc_lens, s.meta, [c.numpy() for c in s.audio])
         for s in samples
     ]
 
@@ -73,8 +73,8 @@ def _encode(samples: list[PackedSample]) -> list[tuple]:
 def _decode(payload: list[tuple]) -> list[PackedSample]:
     return [
         PackedSample(torch.from_numpy(ids), torch.from_numpy(lab), [torch.from_numpy(im) for im in ims],
-                     torch.from_numpy(gen), sid, tuple(docs), meta)
-        for ids, lab, ims, gen, sid, docs, meta in payload
+                     torch.from_numpy(gen), sid, tuple(docs), meta, [torch.from_numpy(c) for c in clips])
+        for ids, lab, ims, gen, sid, docs, meta, clips in payload
     ]
 
 

@@ -135,3 +135,14 @@ def test_local_documents_read_wav_and_npy_clips_into_audio_placeholders(tmp_path
     (tmp_path / "docs.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps({"segments": [{"text": "ok"}]}) + "\n")
     with build_source(cfg, no_encoder, 1, 0) as src:
         assert not src.global_batch(0)[0].audio and set(src.skip_counts()) == {"no_audio_encoder"}
+
+
+def test_clips_prepared_in_producer_processes_arrive_unchanged():
+    import dataclasses
+
+    from disttrain_ds.data.source import build_source
+
+    inline = _source(max_audio=2)
+    with build_source(dataclasses.replace(inline.cfg, producers=1), inline.shape, 8, 3) as src:
+        for s, t in zip(inline.global_batch(0), src.global_batch(0)):
+            assert len(s.audio) == len(t.audio) and all(torch.equal(a, b) for a, b in zip(s.audio, t.audio))
