@@ -41,6 +41,14 @@ def sample_problems(
         patches.append((im.shape[1] // patch_size) * (im.shape[2] // patch_size))
     if _runs(ids == special.image) != patches:
         bad.append(f"placeholder runs {_runs(ids == special.image)} do not match image patches {patches}")
+    rows = []
+    for c in s.audio:
+        if c.dtype != torch.float32 or c.dim() != 2 or c.shape[1] % 2 or c.shape[1] == 0:
+            bad.append(f"audio clip must be float32 [n_mels, even frames], got {tuple(c.shape)} {c.dtype}")
+            continue
+        rows.append(c.shape[1] // 2)
+    if _runs(ids == special.audio) != rows:
+        bad.append(f"audio placeholder runs {_runs(ids == special.audio)} do not match clip rows {rows}")
     gens = _runs(ids == special.gen)
     g = s.gen_targets
     if g.dim() != 4 or g.shape[0] != len(gens) or g.shape[-1] != gen_resolution or g.shape[-2] != gen_resolution:
@@ -51,7 +59,7 @@ def sample_problems(
         bad.append("gen_targets outside [-1, 1]")
     nxt = ids[1:]
     expect = torch.full_like(ids, IGNORE_INDEX)
-    keep = (nxt != special.image) & (nxt != special.gen) & (nxt != special.pad)
+    keep = (nxt != special.image) & (nxt != special.gen) & (nxt != special.pad) & (nxt != special.audio)
     expect[:-1] = torch.where(keep, nxt, torch.full_like(nxt, IGNORE_INDEX))
     if not torch.equal(labels, expect):
         bad.append("labels are not the next text/marker token with placeholders, queries and padding ignored")

@@ -12,6 +12,7 @@ from disttrain_ds.data.audio import HOP, SAMPLE_RATE, load_clip, log_mel, read_w
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.source import ShapeSpec, SyntheticSource
 from disttrain_ds.data.types import PackedSample, SpecialTokens
+from disttrain_ds.data.validate import sample_problems
 
 
 def _tone(frames: int, hz: float = 440.0) -> np.ndarray:
@@ -80,6 +81,7 @@ def test_synthetic_samples_carry_clips_with_one_placeholder_per_encoder_row():
     assert batch[0].audio and src.special.audio == src.special.eod + 1
     lengths = set()
     for s in batch:
+        assert sample_problems(s, src.special, 8, 160, 4, 16) == []
         rows = sum(c.shape[1] // 2 for c in s.audio)
         assert int((s.input_ids == src.special.audio).sum()) == rows
         assert all(c.shape[0] == 16 and c.shape[1] % 2 == 0 and 8 <= c.shape[1] <= 40 for c in s.audio)
@@ -96,6 +98,13 @@ def test_models_without_an_audio_encoder_see_the_same_samples_and_vocabulary_as_
     assert plain.special == SpecialTokens.after(256) and plain.special.vocab_size == 262
     for s, t in zip(plain.global_batch(1), audio_off.global_batch(1)):
         assert torch.equal(s.input_ids, t.input_ids) and not s.audio and not t.audio
+
+
+def test_a_clip_without_its_placeholders_breaks_the_sample_contract():
+    src = _source(max_audio=2)
+    s = src.global_batch(0)[0]
+    s.audio.append(s.audio[0])
+    assert any("audio placeholder runs" in p for p in sample_problems(s, src.special, 8, 160, 4, 16))
 
 
 def test_samples_with_clips_survive_the_plain_round_trip():
@@ -125,7 +134,7 @@ def test_local_documents_read_wav_and_npy_clips_into_audio_placeholders(tmp_path
                       audio_max_frames=64)
     with build_source(cfg, shape, 1, 0) as src:
         s = src.global_batch(0)[0]
-        assert [c.shape[1] for c in s.audio] == [20, 12]
+        assert [c.shape[1] for c in s.audio] == [20, 12] and sample_problems(s, src.special, 8, 64, 4, 16) == []
         torch.testing.assert_close(s.audio[0], load_clip(tmp_path / "tone.wav", 16, 64))
         assert torch.equal(s.audio[1], torch.full((16, 12), 0.5))
         assert int((s.input_ids == src.special.audio).sum()) == 16
