@@ -33,7 +33,7 @@ class MLLMSpec:
     """Everything needed to build the model's layers, identically on every rank."""
 
     encoder: EncoderConfig | None
-    """The encoder's section, or None in a graph without one."""
+    """The image encoder's section, or None in a graph without one."""
     llm: LLMConfig
     """Backbone sizes (vocab_size resolved)."""
     generator: GeneratorConfig | None
@@ -47,8 +47,8 @@ class MLLMSpec:
     roles: dict[str, str] = field(default_factory=lambda: dict(zip(MODULES, MODULES)))
     """Module name -> role, in data-flow order."""
     configs: dict = field(default_factory=dict)
-    """Module name -> its config section, for graphs with several modules of a role (several
-    encoders); a module not listed takes its role's field (``encoder`` / ``llm`` / ``generator``)."""
+    """Module name -> config section of the modules the role fields do not hold (an audio
+    encoder, a second encoder); every other module takes its role's field."""
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -114,10 +114,12 @@ def meta_spec(recipe, vocab: int):
     roles = {n: graph.role(n) for n in graph.names}
     by_name = {n: replace(recipe.model.modules[n], checkpoint="") for n in roles}
     by_name[graph.llm] = replace(by_name[graph.llm], vocab_size=vocab)
-    cfgs = {r: by_name[n] for n, r in roles.items()}
-    audio = any(FAMILIES[by_name[n].family].modality == "audio" for n in graph.encoders)
-    return MLLMSpec(cfgs.get("encoder"), cfgs["llm"], cfgs.get("generator"), SpecialTokens.after(0, audio=audio),
-                    recipe.seed, roles=roles, configs={n: by_name[n] for n in graph.encoders})
+    modality = {n: FAMILIES[by_name[n].family].modality for n in graph.encoders}
+    image = next((n for n in graph.encoders if modality[n] == "image"), None)
+    gen = graph.generators[0] if graph.generators else None
+    return MLLMSpec(by_name.get(image), by_name[graph.llm], by_name.get(gen),
+                    SpecialTokens.after(0, audio="audio" in modality.values()), recipe.seed, roles=roles,
+                    configs={n: by_name[n] for n in graph.encoders if n != image})
 
 
 def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> list:

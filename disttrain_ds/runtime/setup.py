@@ -80,9 +80,10 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
     elif llm.vocab_size < need:
         raise ValueError(f"model.llm.vocab_size {llm.vocab_size} is smaller than the tokenizer's {need} ids")
     graph = graph_of(recipe)
-    spec = MLLMSpec(encoder_of(recipe, "image"), llm, m.generator, source.special, recipe.seed, m.gen_loss_weight,
+    image = encoder_of(recipe, "image")
+    spec = MLLMSpec(image, llm, m.generator, source.special, recipe.seed, m.gen_loss_weight,
                     roles={n: graph.role(n) for n in graph.names},
-                    configs={n: m.modules[n] for n in graph.encoders})
+                    configs={n: m.modules[n] for n in graph.encoders if m.modules[n] is not image})
     return source, spec
 
 
