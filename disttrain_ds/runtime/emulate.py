@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..configtools import ConfigError
-from ..recipe_graph import graph_of, module_config
+from ..recipe_graph import graph_of, module_config, module_family, module_key
 from ..topology import Topology
 
 BACKWARD_FACTOR = 2.0
@@ -63,6 +63,10 @@ def check_emulate(recipe, src: str) -> None:
     if recipe.layout == "reference":
         raise ConfigError(f"{src}: 'emulate.enabled' needs layout monolithic or disaggregated "
                           "(the reference layout computes for real)")
+    for name in graph_of(recipe).encoders:
+        if module_family(recipe, name).modality != "image":
+            raise ConfigError(f"{src}: 'emulate.enabled' costs every encoder by its input images so far; "
+                              f"{module_key(recipe, name)} reads {module_family(recipe, name).modality}")
     if not e.profile:
         if not e.tflops > 0:
             raise ConfigError(f"{src}: 'emulate.tflops' must be > 0 when 'emulate.profile' is empty, "

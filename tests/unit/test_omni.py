@@ -102,3 +102,11 @@ def test_audio_encoder_flops_and_memory_come_from_its_family():
     assert train > 0 and twice == pytest.approx(2 * train) and frozen == pytest.approx(train / 3)
     rows = {r.module: r for r in estimate(load_recipe("tiny_omni", ["layout=disaggregated"]))}
     assert rows["ear"].activations > 0 and rows["ear"].params > 0
+
+
+def test_emulating_an_audio_encoder_is_refused_in_one_line():
+    from disttrain_ds.configtools import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe("tiny_omni", ["layout=disaggregated", "emulate.enabled=true", "emulate.tflops=1"])
+    assert "model.modules.ear reads audio" in str(e.value) and "\n" not in str(e.value)
