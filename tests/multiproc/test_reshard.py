@@ -61,7 +61,12 @@ def test_readme_layout_resumed_with_llm_and_generator_dp2_matches_reference(tmp_
     manifest = json.loads((tmp_path / "ck_b" / "step_00000006" / "manifest.json").read_text())  # written by layout B
     assert sorted((r["stage"], r["dp"]) for r in manifest["shards"]["llm"]) == [(0, 0), (0, 1)]
 
-    # Negative control: the same resume with Adam's moments zeroed drifts from the reference.
+
+@pytest.mark.slow
+def test_resume_in_another_layout_without_adam_moments_drifts_from_reference(tmp_path, reference_run):
+    """Negative control of the test above: the same resume with Adam's moments zeroed."""
+    ref_losses, _ = reference_run(["optim.warmup_steps=5", "train.steps=6"])
+    step3 = first_three_steps(tmp_path, (4, README))
     bad, _, _ = resume(tmp_path, step3, (5, WIDE), "neg", fault="drop_adam_moments")
     assert bad[:4] == pytest.approx(ref_losses[:4], rel=1e-5)  # weights re-sharded right: step 4 still matches
     assert abs(bad[5] - ref_losses[5]) > 1e-4, (bad, ref_losses)
@@ -71,7 +76,8 @@ def test_readme_layout_resumed_with_llm_and_generator_dp2_matches_reference(tmp_
 @pytest.mark.parametrize(
     "first,second",
     [
-        ((4, README), (4, ["layout=monolithic"])),
+        # Monolithic: encoder and generator take the LLM's DP=2, so all three modules are re-sharded.
+        ((4, README), (6, ["layout=monolithic", "parallel.llm.dp=2", "parallel.llm.pp=1"])),
         ((6, ["parallel.llm.tp=2"]), (4, README)),
         ((4, ["parallel.llm.dp=2", "parallel.llm.pp=1", "deepspeed_config=ds_configs/zero1.json"]),
          (5, ["parallel.llm.dp=1", "parallel.llm.pp=3", "deepspeed_config=ds_configs/zero1.json"])),
