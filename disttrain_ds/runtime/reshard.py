@@ -261,7 +261,8 @@ def load_into_engine(engine, pm, full: dict[str, ParamState], tp_rank: int, tp_s
         for g in opt.param_groups:
             for p in g["params"]:
                 n = ids[id(p)]
-                opt.state[p] = {"step": full[n].step.detach().clone(), **{k: v.to(device=p.device, dtype=p.dtype, copy=True) for k, v in cut[n].items()}}
+                moments = {k: v.to(device=p.device, dtype=p.dtype, copy=True) for k, v in cut[n].items()}
+                opt.state[p] = {"step": full[n].step.detach().clone(), **moments}
         done.append("optimizer state (" + ", ".join(sorted({k for v in cut.values() for k in v} | {"step"})) + ")")
         return done
     flats = opt.single_partition_of_fp32_groups if kind == "zero" else opt.fp32_groups_flat_partition

@@ -158,3 +158,26 @@ def test_record_data_state_resumes_under_another_dp_split_with_the_same_batches(
     other = build_source(dataclasses.replace(cfg, seq_len=128), two, 4, 7)
     with pytest.raises(ValueError, match="different data setup"):  # what the samples are made of still counts
         other.load_state_dict(part.state_dict())
+
+
+def test_load_into_engine_writes_this_tp_ranks_shards_into_parameters_and_torch_optimizer():
+    from types import SimpleNamespace
+
+    from disttrain_ds.runtime.reshard import ParamState, load_into_engine
+
+    pm = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.LayerNorm(3))
+    pm[0].weight = torch.nn.Parameter(torch.zeros(2, 3))  # TP rank 1 of 2: rows 2-3 of a [4, 3] weight
+    pm[0].weight.tp_dim, pm[0].weight.tp_pieces = 0, 1
+    opt = torch.optim.AdamW(pm.parameters())
+    w, m = torch.randn(4, 3), torch.randn(4, 3)
+    full = {"0.weight": ParamState(weight=w, optim={"exp_avg": m, "exp_avg_sq": m * m}, step=torch.tensor(3.0))}
+    for n, p in pm.named_parameters():
+        if n != "0.weight":
+            full[n] = ParamState(weight=torch.full(p.shape, 2.0), optim={"exp_avg": torch.ones(p.shape)}, step=torch.tensor(3.0))
+    done = load_into_engine(SimpleNamespace(optimizer=opt), pm, full, 1, 2)
+    assert torch.equal(pm[0].weight, w[2:]) and torch.equal(pm[1].weight, torch.full((3,), 2.0))
+    assert torch.equal(opt.state[pm[0].weight]["exp_avg"], m[2:]) and float(opt.state[pm[0].weight]["step"]) == 3.0
+    assert done == ["weights", "optimizer state (exp_avg, exp_avg_sq, step)"]
+    del full["1.bias"]
+    with pytest.raises(ReshardError, match="no value for parameter 1.bias"):
+        load_into_engine(SimpleNamespace(optimizer=opt), pm, full, 1, 2)
