@@ -135,7 +135,9 @@ def zero_states(partitions: list[dict], shapes: dict[str, torch.Size]) -> dict[s
         for g, mapping in enumerate(osd["param_slice_mappings"]):
             flat = osd["single_partition_of_fp32_groups"][g]
             state = osd["base_optimizer_state"]["state"].get(g, {})
-            tensors = {"master": flat, **{k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape}}
+            # DeepSpeed saves the fp32 partition without its alignment padding, the moments with it.
+            tensors = {"master": flat, **{k: v for k, v in state.items()
+                                          if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat.numel()}}
             for name, addr in mapping.items():
                 if name not in shapes:
                     continue  # a layer this rank does not hold now

@@ -56,7 +56,8 @@ def zero_partition(flat: torch.Tensor, names: dict[str, int], dp: int, rank: int
         if a < b:
             mapping[name] = fragment_address(numel=b - a, start=a - lo)
         pos += n
-    state = {"step": torch.tensor(step), "exp_avg": part * 10, "exp_avg_sq": part * 100}
+    moments = torch.cat([part, torch.zeros(1)])  # saved with the alignment padding the fp32 partition lacks
+    state = {"step": torch.tensor(step), "exp_avg": moments * 10, "exp_avg_sq": moments * 100}
     return {"param_slice_mappings": [mapping], "single_partition_of_fp32_groups": [part],
             "base_optimizer_state": {"state": {0: state}}}
 
