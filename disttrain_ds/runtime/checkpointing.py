@@ -301,14 +301,11 @@ class Checkpointer:
         return None
 
     def _load_verified(self, path: Path, manifest: dict, source) -> None:
-        reshard = must_reshard(self, manifest)
-        if reshard or self._moved:
-            done = load_resharded(self, path, manifest) if reshard else self._load_engine(path, manifest)
-            loaded = self._gather((self.module, done))
-            if self._moved or any(done for _, done in loaded):
-                self._say(resume_line(path, manifest["step"], self._moved, loaded))
-        else:
-            self._load_engine(path, manifest)
+        done = load_resharded(self, path, manifest) if must_reshard(self, manifest) else self._load_engine(path, manifest)
+        loaded = self._gather((self.module, done))  # every rank: some modules may be re-sharded, others not
+        if self._moved or any(d for _, d in loaded):
+            self._say(resume_line(path, manifest["step"], self._moved, loaded))
+        if not self._moved:
             load_rng(path / rng_file(self.rank))
         self._load_data(path, source)
 

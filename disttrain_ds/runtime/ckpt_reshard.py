@@ -28,7 +28,9 @@ def must_reshard(ckpt, manifest: dict) -> bool:
         grid = Topology.from_recipe(ckpt.recipe).module(ckpt.module)
         mine = describe_rank(ckpt.engine.module, ckpt.engine.optimizer, grid.coords(ckpt.rank),
                              (grid.pp, grid.dp, grid.tp), [])
-        fits = files_fit(saved.get(ckpt.module, []), mine)
+        # DeepSpeed 0.19.8 cannot read its own bf16-optimizer files back under ZeRO stage 0 (it looks
+        # for the optimizer in the model-state file: KeyError 0), so those are always re-sharded.
+        fits = files_fit(saved.get(ckpt.module, []), mine) and mine["optimizer"] != "bf16"
     return not all(ok for m, ok in ckpt._gather((ckpt.module, fits)) if m == ckpt.module)
 
 
@@ -68,5 +70,7 @@ def resume_line(path: Path, step: int, moved: list[str], loaded: list[tuple[str,
         if done:
             per_module.setdefault(module, set()).update(done)
     what = "; ".join(f"{m}: {', '.join(sorted(d))}" for m, d in per_module.items()) or "nothing (every module's files fit as they are)"
-    return (f"train.resume: layout changed since {path} ({'; '.join(moved) or 'engine files differ'}); re-sharded {what}; "
+    if not moved:  # same layout, files DeepSpeed cannot read back itself (bf16 optimizer)
+        return f"train.resume: read {path} through re-sharding: {what}"
+    return (f"train.resume: layout changed since {path} ({'; '.join(moved)}); re-sharded {what}; "
             f"LR schedule and data order continue at step {step}; per-rank RNG states not restored")
