@@ -91,3 +91,14 @@ def test_resume_in_another_layout_matches_reference(tmp_path, reference_run, fir
     losses, params, log = resume(tmp_path, first_three_steps(tmp_path, first), second, "b")
     assert "train.resume: layout changed" in log
     check_against_reference(losses, params, ref_losses, ref_params)
+
+
+@pytest.mark.slow
+def test_bf16_resume_in_the_same_layout_continues_bit_for_bit(tmp_path):
+    """DeepSpeed 0.19.8 cannot read its bf16 optimizer's files back under ZeRO stage 0; they are
+    read by the re-sharding loader (fp32 masters, moments, steps), and the run continues exactly."""
+    bf16 = ["train.dtype=bf16", *README]
+    straight, _, _ = launch(tmp_path / "straight", 4, [*COMMON, *bf16, "train.steps=6"])
+    losses, _, log = resume(tmp_path, first_three_steps(tmp_path, (4, bf16)), (4, bf16), "b")
+    assert "train.resume: read " in log and "fp32 master partitions" in log
+    assert losses == [r["loss"] for r in straight]
