@@ -25,9 +25,10 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint_io.read import LAYER_FILE
 from ..configtools import ConfigError
+from ..parallel.tensor_parallel import merge_shards, shard_rows
 
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 MODEL_FILE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
 ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 
@@ -100,17 +101,15 @@ def join_tp(shards: list[torch.Tensor], split: list[int] | None) -> torch.Tensor
     """The full tensor from every TP index's shard; ``split``: [dim, pieces] as TP cut it, None: replicated."""
     if split is None or len(shards) == 1:
         return shards[0]
-    dim, pieces = split
-    parts = [s.chunk(pieces, dim=dim) for s in shards]
-    return torch.cat([torch.cat([p[k] for p in parts], dim=dim) for k in range(pieces)], dim=dim)
+    return merge_shards(shards, *split)
 
 
 def cut_tp(full: torch.Tensor, split: list[int] | None, rank: int, size: int) -> torch.Tensor:
-    """Inverse of ``join_tp``: TP index ``rank``'s shard of ``full``."""
+    """Inverse of ``join_tp``: TP index ``rank``'s shard of ``full`` (as ``shard_layer`` cuts it)."""
     if split is None or size == 1:
         return full
     dim, pieces = split
-    return torch.cat([p.chunk(size, dim=dim)[rank] for p in full.chunk(pieces, dim=dim)], dim=dim).contiguous()
+    return shard_rows(full, rank, size, pieces) if dim == 0 else full.chunk(size, dim=dim)[rank].contiguous()
 
 
 def torch_optimizer_states(osd: dict, names: list[str]) -> dict[str, ParamState]:

@@ -26,7 +26,7 @@ from disttrain_ds.runtime.reshard import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("split", [[0, 1], [0, 2], [1, 1], None])
+@pytest.mark.parametrize("split", [[0, 1], [0, 2], [1, 1], None])  # rows, stacked halves, columns, replicated
 @pytest.mark.parametrize("old,new", [(2, 1), (1, 2), (2, 4), (4, 2)])
 def test_tp_shards_joined_then_cut_for_another_degree_are_that_degrees_shards(split, old, new):
     full = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
