@@ -174,12 +174,15 @@ class RecordSource(SampleSource):
         total["image_decode_failed"] += sum(n for s, n in self._decode_failures.items() if s <= self._served)
         return {k: v for k, v in sorted(total.items()) if v}
 
-    def _fingerprint(self) -> str:
+    def _fingerprint(self, legacy: bool = False) -> str:
         facts = [self.fmt, str(self.path), len(self.table), self.seed, self.batch, asdict(self.cfg), asdict(self.shape)]
         for drop in ("producers", "queue_depth", "reorder", "cache_dir", *self._unused_keys):  # do not change the samples
             facts[5].pop(drop, None)
         if self.split.fraction > 0 or self.split.held_out:  # runs without a hold-out keep their fingerprint
             facts.append(asdict(self.split))
+        if not legacy:  # the layout's DP split only regroups a batch (data.reorder): resuming may change it
+            for drop in ("dp_size", "micro_batch"):
+                facts[6].pop(drop, None)
         return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:
@@ -194,7 +197,8 @@ class RecordSource(SampleSource):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "records" or state.get("fingerprint") != self._fingerprint():
+        # A state saved before the fingerprint left out the DP split still loads in its own layout.
+        if state.get("kind") != "records" or state.get("fingerprint") not in (self._fingerprint(), self._fingerprint(legacy=True)):
             raise ValueError("data: the checkpoint's data state was written for a different data setup (source, path, seed or packing)")
         nxt = int(state["next_step"])
         c = state["cursor"]

@@ -6,7 +6,8 @@ Layout of ``checkpoint.dir``::
         encoder/ llm/ generator/    one DeepSpeed checkpoint per module engine (tag = module name)
         rng/rank00000.pt ...        each rank's RNG states (tensors and numbers only)
         data.json                   the sample source's state (cursor, skip counts)
-        manifest.json               written last: step, layout, run directory, size and SHA-256 of every file
+        manifest.json               written last: step, layout, run directory, size and SHA-256 of every file,
+                                    and which rank (stage, DP, TP index) wrote which engine file
 
 A step is written into ``step_XXXXXXXX.partial`` and renamed once every rank has finished and the
 manifest is on disk, so a directory named ``step_XXXXXXXX`` with a manifest is always complete; a
@@ -16,7 +17,8 @@ of the same step that is not an intact checkpoint is renamed aside (``.invalid``
 
 Resuming checks every file against the manifest before anything is loaded (each rank an equal share
 of its own module's files, its own RNG file and the data state), and reads files back only in forms
-that cannot run code (``ckpt_files.py``, ``ckpt_engine.py``).
+that cannot run code (``ckpt_files.py``, ``ckpt_engine.py``). A run with another layout (degrees,
+world size, monolithic/disaggregated) re-shards the modules whose engines changed (``ckpt_reshard.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch.distributed as tdist
 from ..config import Recipe
 from ..configtools import ConfigError
 from ..topology import Topology
+from .ckpt_reshard import load_resharded, must_reshard, resume_line
+from .reshard import describe_rank
 from .ckpt_files import (
     CHECKSUM,
     DATA_STATE,
@@ -55,6 +59,7 @@ from .ckpt_manifest import (  # noqa: F401 - re-exported: the runtime and tests 
     complete_checkpoints,
     fingerprint,
     inspect_step_dir,
+    layout_changes,
     newest_intact,
     read_manifest,
     resolve_resume,
@@ -87,6 +92,8 @@ class Checkpointer:
     """A gloo group over all ranks for bookkeeping collectives; None: one process acting alone."""
     log: Log = field(default=print)
     """Where rank 0 reports (fallbacks, verification time)."""
+    _moved: list[str] = field(default_factory=list, init=False)
+    """How this run's layout differs from the checkpoint being resumed (``layout_changes``)."""
 
     @property
     def root(self) -> Path:
@@ -128,10 +135,11 @@ class Checkpointer:
         partial = final.with_name(final.name + ".partial")
         self._on_rank0(lambda: self.prepare(final, partial), f"checkpoint.dir: cannot write {partial}")
         t0 = time.perf_counter()
-        reported = {}
-        for entries in self._gather(self.write_share(partial, step, source)):
+        reported, shards = {}, {}
+        for entries, record in self._gather(self.write_share(partial, step, source)):
             reported.update(entries)
-        self._on_rank0(lambda: (self.seal(partial, final, step, run_dir, reported), self._prune()),
+            shards.setdefault(record.pop("module"), []).append(record)
+        self._on_rank0(lambda: (self.seal(partial, final, step, run_dir, reported, shards), self._prune()),
                        f"checkpoint.dir: could not complete {final}")
         self.seconds = time.perf_counter() - t0
         return final
@@ -144,8 +152,9 @@ class Checkpointer:
             shutil.rmtree(partial)
         (partial / RNG_DIR).mkdir(parents=True)
 
-    def write_share(self, partial: Path, step: int, source) -> dict[str, dict]:
-        """This rank's files (its engine's, its RNG states, rank 0 the data state) and their manifest entries."""
+    def write_share(self, partial: Path, step: int, source) -> tuple[dict[str, dict], dict]:
+        """This rank's files (its engine's, its RNG states, rank 0 the data state), their manifest
+        entries, and what its engine files hold (``reshard.describe_rank``, for another layout)."""
         take_saved = getattr(getattr(self.engine, "checkpoint_engine", None), "take_saved", None)
         if take_saved:
             take_saved()
@@ -153,6 +162,11 @@ class Checkpointer:
         # which all call this together.
         self.engine.save_checkpoint(str(partial), tag=self.module, client_state={"step": step}, save_latest=False)
         written = take_saved() if take_saved else []
+        engine_files = [Path(os.path.relpath(os.path.abspath(p), os.path.abspath(partial))).as_posix() for p in written]
+        grid = Topology.from_recipe(self.recipe).module(self.module)
+        record = describe_rank(self.engine.module, self.engine.optimizer, grid.coords(self.rank),
+                               (grid.pp, grid.dp, grid.tp), engine_files)
+        record["module"] = self.module
         save_rng(partial / rng_file(self.rank))
         written.append(str(partial / rng_file(self.rank)))
         if self.rank == 0:
@@ -164,7 +178,7 @@ class Checkpointer:
             rel = os.path.relpath(os.path.abspath(p), base)
             if not rel.startswith(".."):
                 entries[Path(rel).as_posix()] = file_entry(Path(p))
-        return entries
+        return entries, record
 
     def _clear_leftover(self, final: Path) -> None:
         """A directory of the step being saved: refuse an intact checkpoint, set anything else aside."""
@@ -176,7 +190,8 @@ class Checkpointer:
         aside = set_aside(final, "damaged" if manifest is not None else "invalid")
         self._say(f"checkpoint {final} is not an intact checkpoint ({why}); moved it to {aside.name}")
 
-    def seal(self, partial: Path, final: Path, step: int, run_dir: str, reported: dict[str, dict]) -> None:
+    def seal(self, partial: Path, final: Path, step: int, run_dir: str, reported: dict[str, dict],
+             shards: dict[str, list[dict]] | None = None) -> None:
         """Rank 0, once every rank has written: check the parts, write the manifest, rename."""
         missing = [m for m in self.recipe.model.modules if not (partial / m).is_dir()]
         rngs = len(list((partial / RNG_DIR).glob("rank*.pt")))
@@ -201,6 +216,7 @@ class Checkpointer:
             "fingerprint": fingerprint(self.recipe, self.world),
             "checksum": CHECKSUM,
             "files": files,
+            "shards": shards or {},  # which rank wrote which engine file: resuming under another layout
         }
         tmp = partial / (MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -231,6 +247,7 @@ class Checkpointer:
         manifest, why = inspect_step_dir(path)
         if manifest is None:
             raise ConfigError(f"train.resume: {path} is not a complete checkpoint ({why})")
+        self._moved = layout_changes(manifest, self.recipe, self.world)
         auto = self.recipe.train.resume == "auto"
         while (problem := self._verify(path, manifest)) is not None:
             if not auto:
@@ -243,6 +260,7 @@ class Checkpointer:
             self._say(f"train.resume: auto: {path} is damaged ({problem}); moved it to {aside.name}; "
                       f"resuming from {found[0]} (step {found[1]['step']}) instead")
             path, manifest = found
+            self._moved = layout_changes(manifest, self.recipe, self.world)
         self._load_verified(path, manifest, source)
         return path, manifest
 
@@ -261,7 +279,8 @@ class Checkpointer:
         """Every rank checks its files (``my_files``) in parallel; the first problem found anywhere, or None."""
         t0, files = time.perf_counter(), manifest["files"]
         mine = self.my_files(files)
-        problem = next((f"{n} is not in the manifest" for n in (rng_file(self.rank), DATA_STATE) if n not in files), None)
+        needed = (DATA_STATE,) if self._moved else (rng_file(self.rank), DATA_STATE)  # RNG files are per rank
+        problem = next((f"{n} is not in the manifest" for n in needed if n not in files), None)
         problem = problem or first_problem(path, files, mine)
         if problem is None and self.rank == Topology.from_recipe(self.recipe).module(self.module).ranks[0]:
             problem = self._unlisted(path, files)
@@ -282,6 +301,16 @@ class Checkpointer:
         return None
 
     def _load_verified(self, path: Path, manifest: dict, source) -> None:
+        done = load_resharded(self, path, manifest) if must_reshard(self, manifest) else self._load_engine(path, manifest)
+        loaded = self._gather((self.module, done))  # every rank: some modules may be re-sharded, others not
+        if self._moved or any(d for _, d in loaded):
+            self._say(resume_line(path, manifest["step"], self._moved, loaded))
+        if not self._moved:
+            load_rng(path / rng_file(self.rank))
+        self._load_data(path, source)
+
+    def _load_engine(self, path: Path, manifest: dict) -> list[str]:
+        """DeepSpeed reads this module's files as they are (same engine layout); nothing re-sharded."""
         checkpoint_engine = getattr(self.engine, "checkpoint_engine", None)
         if not hasattr(checkpoint_engine, "expected"):
             raise RuntimeError("the engine was not made by make_engine: its checkpoint engine would unpickle files")
@@ -295,7 +324,9 @@ class Checkpointer:
             checkpoint_engine.expected = None
         if load_path is None:
             raise ConfigError(f"train.resume: {path} holds no '{self.module}' engine files")
-        load_rng(path / rng_file(self.rank))
+        return []
+
+    def _load_data(self, path: Path, source) -> None:
         try:
             source.load_state_dict(load_data_state(path / DATA_STATE))
         except ValueError as exc:

@@ -93,14 +93,25 @@ def fingerprint(recipe: Recipe, world: int) -> dict:
     }
 
 
-def _first_difference(a, b, prefix: str = "") -> str | None:
+LAYOUT_KEYS = ("world_size", "layout", "parallel", "train.micro_batch")
+"""Fingerprint entries a run may change on resume: the module engines are re-sharded
+(``reshard.py``). Every other entry (model, data, seed, global batch, dtype, optimizer) must match."""
+
+
+def differences(a, b, prefix: str = "") -> list[str]:
+    """Every leaf where two fingerprints differ, as ``key (checkpoint: x, this run: y)``."""
     if isinstance(a, dict) and isinstance(b, dict):
+        out = []
         for k in sorted(set(a) | set(b)):
-            d = _first_difference(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
-            if d:
-                return d
-        return None
-    return None if a == b else f"{prefix} (checkpoint: {a!r}, this run: {b!r})"
+            out += differences(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+        return out
+    return [] if a == b else [f"{prefix} (checkpoint: {a!r}, this run: {b!r})"]
+
+
+def layout_changes(manifest: dict, recipe: Recipe, world: int) -> list[str]:
+    """How this run's layout differs from the checkpoint's (empty: the same layout)."""
+    old, new = manifest["fingerprint"], fingerprint(recipe, world)
+    return differences({k: old.get(k) for k in LAYOUT_KEYS}, {k: new[k] for k in LAYOUT_KEYS})
 
 
 def _rank0_print(line: str) -> None:
@@ -111,9 +122,16 @@ def _rank0_print(line: str) -> None:
 
 def _check_usable(recipe: Recipe, world: int, path: Path, manifest: dict) -> None:
     src = recipe.source_file
-    diff = _first_difference(manifest["fingerprint"], fingerprint(recipe, world))
-    if diff:
-        raise ConfigError(f"{src}: 'train.resume' {path} was written by a different setup: {diff}")
+    old, new = manifest["fingerprint"], fingerprint(recipe, world)
+    fixed = differences({k: v for k, v in old.items() if k not in LAYOUT_KEYS},
+                        {k: v for k, v in new.items() if k not in LAYOUT_KEYS})
+    if fixed:
+        raise ConfigError(f"{src}: 'train.resume' {path} was written by a different setup; only the layout may "
+                          f"change on resume: {'; '.join(fixed)}")
+    moved = layout_changes(manifest, recipe, world)
+    if moved and not isinstance(manifest.get("shards"), dict):
+        raise ConfigError(f"{src}: 'train.resume' {path} was written by a different layout and does not describe "
+                          f"its shards (written by an earlier version), so it cannot be re-sharded: {'; '.join(moved)}")
     if manifest["step"] > recipe.train.steps:
         raise ConfigError(
             f"{src}: 'train.steps' {recipe.train.steps} is below the checkpoint's step {manifest['step']} ({path})"

@@ -15,6 +15,8 @@ from its forward: the negative control for the checkpointing fidelity test. Ever
 many checkpointed blocks ran and how often their layers ran (``recompute_rank<r>.json``).
 ``--fault eval_zero_encoder`` zeroes what the encoder sends while evaluating (training untouched):
 the negative control of the evaluation check.
+``--fault drop_adam_moments`` zeroes the optimizer's per-element state (Adam's moments) read back
+when a checkpoint is re-sharded for another layout: the negative control for resuming under a new layout.
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ def main() -> int:
             return original_send(self, mb, torch.zeros_like(tensor) if zero else tensor, rows_per_sample)
 
         ModuleEngine.run_eval, BoundaryComm.send_activation = flagged_eval, send_zero_while_evaluating
+    elif fault == "drop_adam_moments":
+        from disttrain_ds.runtime import ckpt_reshard
+
+        read = ckpt_reshard.read_module
+
+        def read_without_moments(*a, **kw):
+            full = read(*a, **kw)
+            for st in full.values():
+                st.optim = {k: torch.zeros_like(v) for k, v in st.optim.items()}
+            return full
+
+        ckpt_reshard.read_module = read_without_moments
     elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
     from disttrain_ds.parallel import engine

@@ -60,16 +60,19 @@ def test_killed_and_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path):
     assert list(spool_dir.iterdir()) == []  # the killed run's spool removed, and the resumed run's own
 
 
-def test_resume_auto_refuses_a_checkpoint_of_a_different_layout(tmp_path):
+def test_resume_auto_refuses_a_checkpoint_of_a_different_model_naming_every_field(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = _torchrun(["train.steps=1", "checkpoint.every=1", f"checkpoint.dir={ckpt}", f"logging.dir={tmp_path / 'a'}"])
     assert first.returncode == 0, first.stderr[-3000:]
+    # The layout may change (parallel.llm.pp=1: re-sharded); the model and the global batch may not.
     cmd = [sys.executable, "tools/train.py", "--recipe", *BASE, "train.steps=2", "checkpoint.every=1",
-           f"checkpoint.dir={ckpt}", "parallel.llm.pp=1"]
+           f"checkpoint.dir={ckpt}", "parallel.llm.pp=1", "model.llm.layers=3", "train.global_batch=8"]
     # The check runs before any process group starts, so a single process shows it.
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "3"})
     assert out.returncode == 2
-    assert out.stderr.strip().count("\n") == 0 and "parallel.llm.pp (checkpoint: 2, this run: 1)" in out.stderr, out.stderr
+    err = out.stderr.strip()
+    assert err.count("\n") == 0 and "model.llm.layers (checkpoint: 4, this run: 3)" in err, err
+    assert "train.global_batch (checkpoint: 4, this run: 8)" in err and "parallel" not in err, err
 
 
 @pytest.mark.slow

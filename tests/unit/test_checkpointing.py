@@ -146,6 +146,14 @@ class RunsAShellCommand:
         return (os.system, (f"touch {self.marker}",))
 
 
+class FakeLayers(torch.nn.Module):
+    """Stands in for a PipelineModule: one layer per rank, no parameters."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self._local_start, self._local_stop = rank, rank + 1
+
+
 class FakeEngine:
     """Writes and reads DeepSpeed-like files through the safe checkpoint engine, as DeepSpeed does."""
 
@@ -153,6 +161,7 @@ class FakeEngine:
         from disttrain_ds.runtime.ckpt_engine import SafeCheckpointEngine
 
         self.rank, self.checkpoint_engine, self.optimizer, self.loaded = rank, SafeCheckpointEngine(), object(), {}
+        self.module = FakeLayers(rank)
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -190,10 +199,12 @@ def real_checkpoint(rec, step: int) -> Path:
     final = checkpoint_root(rec) / f"step_{step:08d}"
     partial = final.with_name(final.name + ".partial")
     rank_ckpt(rec, 0).prepare(final, partial)
-    reported = {}
+    reported, shards = {}, {}
     for r in range(WORLD):
-        reported.update(rank_ckpt(rec, r).write_share(partial, step, FakeSource(step)))
-    rank_ckpt(rec, 0).seal(partial, final, step, str(checkpoint_root(rec)), reported)
+        entries, record = rank_ckpt(rec, r).write_share(partial, step, FakeSource(step))
+        reported.update(entries)
+        shards.setdefault(record.pop("module"), []).append(record)
+    rank_ckpt(rec, 0).seal(partial, final, step, str(checkpoint_root(rec)), reported, shards)
     return final
 
 
