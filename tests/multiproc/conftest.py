@@ -20,6 +20,14 @@ RUNNER = Path(__file__).with_name("run_layout.py")
 NCCL_RULES = {"DISTTRAIN_NCCL_EMULATION": "1"}
 
 
+@pytest.fixture(autouse=True)
+def _nccl_rules_for_every_job(monkeypatch):
+    """Every process a multi-process test starts, whichever helper starts it, inherits the NCCL
+    rules; a negative control that wants plain gloo passes ``DISTTRAIN_NCCL_EMULATION=0`` itself."""
+    for key, value in NCCL_RULES.items():
+        monkeypatch.setenv(key, value)
+
+
 def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None, timeout: int = 600,
            env_extra: dict | None = None, check: bool = True, recipe: str = "tiny_cpu"):
     """Run tests/multiproc/run_layout.py under torchrun; returns (losses per step, params, shapes),
