@@ -112,6 +112,8 @@ class MicroBatch:
     """int64 [B, S]."""
     labels: torch.Tensor
     """int64 [B, S]; IGNORE_INDEX where no loss."""
+    doc_ids: torch.Tensor
+    """int64 [B, S]: each position's document in its packed sequence, ``NO_DOC`` on padding."""
     gen_mask: torch.Tensor
     """bool [B, S]: generation-query positions."""
     lm_scale: torch.Tensor
@@ -164,6 +166,7 @@ def collate(
         image_hw=hw,
         input_ids=torch.stack([s.input_ids for s in samples]),
         labels=torch.stack([s.labels for s in samples]),
+        doc_ids=torch.stack([s.doc_ids() for s in samples]),
         gen_mask=torch.stack([s.input_ids == spec.special.gen for s in samples]),
         lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
         noisy=torch.stack(noisy).to(dtype) if noisy else empty,
@@ -175,6 +178,11 @@ def collate(
             "gen_states": [int(s.gen_targets.shape[0]) for s in samples],
         },
     )
+
+
+def llm_inputs(mb: MicroBatch, image_embeds: torch.Tensor) -> tuple:
+    """The LLM's first-layer input tuple (``families/llama/model.py::LlmEmbed``)."""
+    return (mb.input_ids, image_embeds, mb.doc_ids)
 
 
 def generator_states(states: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -214,7 +222,7 @@ class ReferenceMLLM(nn.Module):
             image_embeds = encoder((mb.pixels, mb.image_hw))
         else:
             image_embeds = torch.zeros(0, self.spec.llm.hidden_size, dtype=next(llm.parameters()).dtype)
-        logits, hidden = llm((mb.input_ids, image_embeds))
+        logits, hidden = llm(llm_inputs(mb, image_embeds))
         lm = lm_loss_sum(logits, mb.labels, mb.lm_scale)
         gen = lm.new_zeros(())
         if generator is not None:

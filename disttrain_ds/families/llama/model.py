@@ -6,7 +6,6 @@ layer class) reuses it by passing its own ``Decoder`` (see ``families/qwen2``).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from dataclasses import dataclass
 from typing import Callable
@@ -21,6 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ...models.configs import LLMConfig
+from ...models.doc_mask import doc_causal_mask, doc_positions
 from ...models.layers import LayerDef, seeded
 from ..base import BuildContext
 
@@ -70,9 +70,11 @@ LLAMA = Decoder(hf_config, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 
 class LlmEmbed(nn.Module):
-    """(input_ids [B, S], image_embeds [P, H]) -> (hidden [B, S, H],).
+    """(input_ids [B, S], image_embeds [P, H], doc_ids [B, S]) -> (hidden [B, S, H], doc_ids).
 
     Image placeholders are replaced, in order, by the projected patch embeddings from the encoder.
+    ``doc_ids`` (each position's document, ``models/doc_mask.py``) travels with the hidden states
+    to every block, across pipeline stages too.
     """
 
     def __init__(self, cfg: LLMConfig, image_token: int):
@@ -81,7 +83,9 @@ class LlmEmbed(nn.Module):
         self.image_token = image_token
 
     def forward(self, inputs):
-        input_ids, image_embeds = inputs
+        input_ids, image_embeds, doc_ids = inputs
+        if doc_ids.shape != input_ids.shape:
+            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} do not match input_ids {tuple(input_ids.shape)}")
         hidden = self.embed_tokens(input_ids)
         mask = input_ids == self.image_token
         n = int(mask.sum())
@@ -89,11 +93,12 @@ class LlmEmbed(nn.Module):
             raise ValueError(f"{n} image placeholders but {image_embeds.shape[0]} image embeddings")
         if n:
             hidden = hidden.masked_scatter(mask.unsqueeze(-1), image_embeds.to(hidden.dtype))
-        return (hidden,)
+        return hidden, doc_ids
 
 
 class LlmBlock(nn.Module):
-    """(hidden,) -> (hidden,): one decoder layer (causal, rotary positions)."""
+    """(hidden, doc_ids) -> (hidden, doc_ids): one decoder layer, causal inside each document,
+    rotary positions restarting at each document."""
 
     def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
         super().__init__()
@@ -102,15 +107,16 @@ class LlmBlock(nn.Module):
         self.rotary = decoder.rotary(hf)
 
     def forward(self, inputs):
-        (hidden,) = inputs if isinstance(inputs, tuple) else (inputs,)
-        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        # attention_mask=None with SDPA gives causal attention over the packed sequence.
-        out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos))
-        return (out[0] if isinstance(out, tuple) else out,)
+        hidden, doc_ids = inputs
+        pos = doc_positions(doc_ids)
+        # A boolean mask (True: attend) goes to SDPA as is; bench/bench_doc_mask.py compares the options.
+        out = self.layer(hidden, attention_mask=doc_causal_mask(doc_ids), position_ids=pos,
+                         position_embeddings=self.rotary(hidden, pos))
+        return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 
 class LlmHead(nn.Module):
-    """(hidden,) -> (logits [B, S, V], normed hidden [B, S, H]); the latter feeds the generator."""
+    """(hidden, doc_ids) -> (logits [B, S, V], normed hidden [B, S, H]); the latter feeds the generator."""
 
     def __init__(self, cfg: LLMConfig, decoder: Decoder = LLAMA):
         super().__init__()
@@ -118,7 +124,7 @@ class LlmHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, inputs):
-        (hidden,) = inputs if isinstance(inputs, tuple) else (inputs,)
+        hidden, _ = inputs
         h = self.norm(hidden)
         return self.lm_head(h), h
 
