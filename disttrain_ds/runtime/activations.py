@@ -60,11 +60,10 @@ def llm_layers(cfg, shape: SampleShape, b: int) -> LayerBytes:
     """LLM: embed, decoder blocks, head (norm + LM head + cross-entropy), at ``b`` bytes per element."""
     h, f, a, s, v = cfg.hidden_size, cfg.ffn_hidden, cfg.heads, shape.tokens, cfg.vocab_size
     d = h // a
+    kv = cfg.kv_heads * d
     # Per token: RMSNorm input kept in float32 plus its normed output, twice (attention, MLP);
     # q, k, v after rotary, cos/sin, attention output; SwiGLU gate, up, silu(gate), down input.
-    # With the document mask SDPA keeps k and v repeated to every query head, and the mask itself
-    # as an additive [s, s] tensor (``models/doc_mask.py``): s elements per token.
-    block = (6 * h + 2 * h + 2 * d + 4 * f + s) * b + (2 * h + a + 2) * FP32
+    block = (6 * h + 2 * kv + 2 * d + 4 * f) * b + (2 * h + a + 2) * FP32
     head = 2 * h * b + (h + 1) * FP32 + v * FP32  # norm, LM-head input, float32 log-softmax
     saved = [9.0 * s, *[block * s] * cfg.layers, head * s]  # embed: token ids and image mask
     outputs = [h * b * s] * (cfg.layers + 1) + [(v + h) * b * s]  # the head returns logits and states

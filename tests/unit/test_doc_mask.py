@@ -11,7 +11,7 @@ from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.source import ShapeSpec, SyntheticSource, build_source
 from disttrain_ds.data.types import NO_DOC, doc_ids
 from disttrain_ds.data.validate import sample_problems
-from disttrain_ds.models.doc_mask import doc_causal_mask, doc_positions
+from disttrain_ds.models.doc_mask import doc_attention, doc_causal_mask, doc_positions, doc_spans
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate
 
@@ -36,6 +36,32 @@ def test_mask_is_causal_inside_each_document_only():
                     [0, 0, 1, 0, 0],
                     [0, 0, 1, 1, 0],
                     [0, 0, 0, 0, 1]]  # padding sees only padding: no softmax over an empty row
+
+
+def test_spans_are_the_runs_of_each_row_and_never_join_two_rows():
+    docs = torch.stack([doc_ids((3, 2), 6), doc_ids((1, 5), 6)])  # row 0 ends in padding, row 1 does not
+    assert doc_spans(docs).tolist() == [3, 2, 1, 1, 5]
+    same = torch.stack([doc_ids((6,), 6), doc_ids((6,), 6)])  # one document per row: two spans, not one
+    assert doc_spans(same).tolist() == [6, 6]
+
+
+def test_attention_per_document_span_equals_sdpa_under_the_document_mask():
+    g = torch.Generator().manual_seed(1)
+    docs = torch.stack([doc_ids((5, 3, 5), 16), doc_ids((2, 14), 16)])
+    q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, generator=g, requires_grad=True) for _ in range(2))  # grouped-query heads
+    out, _ = doc_attention(None, q, k, v, None, scaling=0.3, doc_spans=doc_spans(docs))
+    kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=doc_causal_mask(docs), scale=0.3)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    w = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref.transpose(1, 2) * w).sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Negative control: the plain causal mask over the pack is another function.
+    crossed = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True, scale=0.3)
+    assert (crossed.transpose(1, 2) - out).abs().max() > 1e-2
 
 
 def _llm(spec, family: str) -> Sequential:

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ...models.configs import LLMConfig
-from ...models.doc_mask import doc_causal_mask, doc_positions
+from ...models.doc_mask import DOC_ATTENTION, doc_positions, doc_spans
 from ...models.layers import LayerDef, seeded
 from ..base import BuildContext
 
@@ -103,15 +103,16 @@ class LlmBlock(nn.Module):
     def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
         super().__init__()
         hf = decoder.config(cfg)
+        hf._attn_implementation = DOC_ATTENTION  # this block's own config: causal SDPA per document
         self.layer = decoder.layer(hf, index)
         self.rotary = decoder.rotary(hf)
 
     def forward(self, inputs):
         hidden, doc_ids = inputs
         pos = doc_positions(doc_ids)
-        # A boolean mask (True: attend) goes to SDPA as is; bench/bench_doc_mask.py compares the options.
-        out = self.layer(hidden, attention_mask=doc_causal_mask(doc_ids), position_ids=pos,
-                         position_embeddings=self.rotary(hidden, pos))
+        # Attention per document span, no [S, S] mask (bench/bench_doc_mask.py compares the options).
+        out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos),
+                         doc_spans=doc_spans(doc_ids))
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 
