@@ -101,7 +101,8 @@ def smooth_image(rng: np.random.Generator, channels: int, h: int, w: int) -> tor
 
 
 class SyntheticSource(SampleSource):
-    """Generated interleaved samples: word-like byte text, smooth images, fixed length."""
+    """Generated interleaved samples: word-like byte text, smooth images, one or more documents per
+    fixed-length sequence."""
 
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
