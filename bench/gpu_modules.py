@@ -115,7 +115,7 @@ def llm_case(tiny: bool, seq_len: int, batch: int) -> Case:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len), generator=g).to(device)
         labels = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len), generator=g).to(device)
-        return (ids, torch.zeros(0, cfg.hidden_size, device=device, dtype=dtype)), labels
+        return (ids, torch.zeros(0, cfg.hidden_size, device=device, dtype=dtype), torch.zeros_like(ids)), labels
 
     flops = lambda: llm_flops_packed(  # noqa: E731
         layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,

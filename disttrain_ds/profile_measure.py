@@ -217,7 +217,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
                           f"output so far; this recipe has {', '.join(graph.encoders)}")
     # Model code pulls in transformers and diffusers (seconds): imported only once the recipe and
     # arguments are known to be good, so errors come back at once.
-    from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, lm_loss_sum
+    from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
     from disttrain_ds.families.unet.model import build_unet
     from disttrain_ds.models.objectives import diffusion_loss, gen_condition
     from disttrain_ds.runtime.setup import build_data_and_spec
@@ -274,7 +274,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
         def carry(out: Any) -> Any:
             return generator_states(gen_condition(out[1], mb.gen_mask, query_tokens), mb) if gens else None
 
-        return Pass((mb.input_ids, embeds), head, carry, flops)
+        return Pass(llm_inputs(mb, embeds), head, carry, flops)
 
     def generator_passes(name: str, states: list[torch.Tensor]) -> list[Pass]:
         g, gen_mode = module_config(recipe, name), mode[name][0]

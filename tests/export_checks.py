@@ -111,7 +111,7 @@ def output_diff(spec, module: str, state: dict[str, torch.Tensor], out_dir: Path
             theirs = hf(img[None], interpolate_pos_encoding=True).last_hidden_state[0, 1:]
         elif fam.role == "llm":
             ids = torch.randint(0, 200, (1, 12), generator=g)
-            mine = ours((ids, torch.zeros(0, cfg.hidden_size)))[0]
+            mine = ours((ids, torch.zeros(0, cfg.hidden_size), torch.zeros_like(ids)))[0]  # one document
             theirs = hf(ids).logits
         elif fam.name == "unet":
             cond = torch.randn(1, 4, cfg.cross_attention_dim, generator=g)

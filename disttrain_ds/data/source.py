@@ -107,7 +107,8 @@ def smooth_image(rng: np.random.Generator, channels: int, h: int, w: int) -> tor
 
 
 class SyntheticSource(SampleSource):
-    """Generated interleaved samples: word-like byte text, smooth images, fixed length."""
+    """Generated interleaved samples: word-like byte text, smooth images, one or more documents per
+    fixed-length sequence."""
 
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
@@ -143,12 +144,20 @@ class SyntheticSource(SampleSource):
         return out[:n]
 
     def sample(self, step: int, index: int) -> PackedSample:
+        """One sequence of one or more documents, each closed by ``eod``: an input image with its
+        text closes its document with probability 1/2; the generation queries end the last one."""
         cfg, sh, sp = self.cfg, self.shape, self.special
         rng = np.random.default_rng(self.split.seed(self.seed, step, index))
         n_gen = int(rng.integers(cfg.gen_images[0], cfg.gen_images[1] + 1))
-        budget = cfg.seq_len - n_gen * (sh.query_tokens + 2)
+        budget = cfg.seq_len - n_gen * (sh.query_tokens + 2) - 1  # the last document's eod
         ids: list[int] = []
         images: list[torch.Tensor] = []
+        doc_lens: list[int] = []
+
+        def close() -> None:
+            ids.append(sp.eod)
+            doc_lens.append(len(ids) - sum(doc_lens))
+
         for _ in range(int(rng.integers(1, cfg.max_images + 1)) if cfg.max_images else 0):
             side_h, side_w = (int(rng.choice(cfg.image_sizes)) for _ in range(2))
             patches = (side_h // sh.patch_size) * (side_w // sh.patch_size)
@@ -158,20 +167,27 @@ class SyntheticSource(SampleSource):
             images.append(smooth_image(rng, 3, side_h, side_w))
             n_text = int(rng.integers(cfg.text_tokens[0], cfg.text_tokens[1] + 1))
             ids += self._text(rng, min(n_text, budget - len(ids)))
+            if rng.random() < 0.5 and len(ids) < budget:
+                close()
         if cfg.max_images == 0:  # a model without an image encoder: text (and generation) only
-            n_text = int(rng.integers(cfg.text_tokens[0], cfg.text_tokens[1] + 1))
-            ids += self._text(rng, min(n_text, budget))
+            n_text = max(0, min(int(rng.integers(cfg.text_tokens[0], cfg.text_tokens[1] + 1)), budget - 1))
+            cut = int(rng.integers(1, n_text)) if n_text > 1 and rng.random() < 0.5 else n_text
+            ids += self._text(rng, cut)
+            if cut < n_text:  # two documents
+                close()
+                ids += self._text(rng, n_text - cut)
         clips = self._clips(rng, ids, budget) if self._audio() else []
         for _ in range(n_gen):
             ids += [sp.boi] + [sp.gen] * sh.query_tokens + [sp.eoi]
-        doc_len = len(ids)
+        if len(ids) > sum(doc_lens) or not doc_lens:
+            close()
         ids += [sp.pad] * (cfg.seq_len - len(ids))
         t = torch.tensor(ids, dtype=torch.long)
         r = sh.gen_resolution
         targets = [smooth_image(rng, sh.gen_channels, r, r) for _ in range(n_gen)]
         targets = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
         sample_id = self.split.sample_id(step * self.batch + index)
-        return PackedSample(t, labels_for(t, sp), images, targets, sample_id, (doc_len,), audio=clips)
+        return PackedSample(t, labels_for(t, sp), images, targets, sample_id, tuple(doc_lens), audio=clips)
 
     def global_batch(self, step: int) -> list[PackedSample]:
         return [self.sample(step, i) for i in range(self.batch)]

@@ -92,7 +92,9 @@ class PackedSample:
     sample_id: int
     """Stable id of this sample within the dataset order; seeds its diffusion noise and timesteps."""
     doc_lens: tuple[int, ...] = ()
-    """Lengths of the documents packed into the sequence, if known."""
+    """Lengths of the documents packed into the sequence, in order from position 0; the positions
+    after them are padding. The LLM attends inside each document only and restarts its positions
+    at each (``doc_ids``), so every source must set it."""
     meta: dict = field(default_factory=dict)
     """Free-form provenance (source, record ids); never read by the model."""
     audio: list[torch.Tensor] = field(default_factory=list)
@@ -113,6 +115,10 @@ class PackedSample:
             doc_lens=self.doc_lens,
             audio_frames=tuple(int(c.shape[1]) for c in self.audio),
         )
+
+    def doc_ids(self) -> torch.Tensor:
+        """int64 [seq_len]: the document index of each position, ``NO_DOC`` on the padding."""
+        return doc_ids(self.doc_lens, int(self.input_ids.shape[0]), where=f"sample {self.sample_id}")
 
     def to_plain(self) -> dict:
         """Tensors and plain values only: what ``torch.load(weights_only=True)`` reads back
@@ -146,6 +152,22 @@ class PackedSample:
 
 
 _PLAIN_FIELDS = {"input_ids", "labels", "images", "gen_targets", "sample_id", "doc_lens", "meta"}
+
+
+NO_DOC = -1
+"""Document index of padding positions: they attend to no document and no document attends to them."""
+
+
+def doc_ids(doc_lens: tuple[int, ...], seq_len: int, where: str = "sample") -> torch.Tensor:
+    """int64 [seq_len]: 0 for the first ``doc_lens[0]`` positions, 1 for the next ``doc_lens[1]``,
+    ..., ``NO_DOC`` after the last document; ValueError naming ``where`` when they do not fit."""
+    if not doc_lens or any(n <= 0 for n in doc_lens) or sum(doc_lens) > seq_len:
+        raise ValueError(f"{where}: doc_lens {tuple(doc_lens)} must be positive lengths summing to at most "
+                         f"seq_len {seq_len}")
+    ids = torch.full((seq_len,), NO_DOC, dtype=torch.long)
+    used = sum(doc_lens)
+    ids[:used] = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+    return ids
 
 
 def _is_int(value: object) -> bool:

@@ -19,6 +19,10 @@ def _runs(mask: torch.Tensor) -> list[int]:
     return out
 
 
+def _starts(mask: torch.Tensor) -> list[int]:
+    return mask.nonzero().flatten().tolist()
+
+
 def sample_problems(
     s: PackedSample, special: SpecialTokens, patch_size: int, seq_len: int, query_tokens: int, gen_resolution: int
 ) -> list[str]:
@@ -64,8 +68,15 @@ def sample_problems(
     if not torch.equal(labels, expect):
         bad.append("labels are not the next text/marker token with placeholders, queries and padding ignored")
     used = int((ids != special.pad).sum())
-    if s.doc_lens and sum(s.doc_lens) != used:
+    if not s.doc_lens or any(n <= 0 for n in s.doc_lens):
+        bad.append(f"doc_lens {tuple(s.doc_lens)} must list each document's positive length")
+    elif sum(s.doc_lens) != used:
         bad.append(f"doc_lens sum {sum(s.doc_lens)} != {used} non-padding tokens")
+    else:
+        docs = s.doc_ids()
+        for lo, hi in zip(_starts(ids == special.boi), _starts(ids == special.eoi)):
+            if docs[lo] != docs[hi]:
+                bad.append(f"the image at positions {lo}..{hi} straddles two documents")
     if used and bool((ids[:used] == special.pad).any()):
         bad.append("padding inside the sequence (it must only trail)")
     return bad

@@ -9,6 +9,7 @@ every layout (reference, monolithic, disaggregated) computes the same number.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -137,6 +138,8 @@ class MicroBatch:
     """int64 [B, S]."""
     labels: torch.Tensor
     """int64 [B, S]; IGNORE_INDEX where no loss."""
+    doc_ids: torch.Tensor
+    """int64 [B, S]: each position's document in its packed sequence, ``NO_DOC`` on padding."""
     gen_mask: torch.Tensor
     """bool [B, S]: generation-query positions."""
     lm_scale: torch.Tensor
@@ -201,6 +204,7 @@ def collate(
         image_hw=hw,
         input_ids=torch.stack([s.input_ids for s in samples]),
         labels=torch.stack([s.labels for s in samples]),
+        doc_ids=torch.stack([s.doc_ids() for s in samples]),
         gen_mask=torch.stack([s.input_ids == spec.special.gen for s in samples]),
         lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
         noisy=torch.stack(noisy).to(dtype) if noisy else empty,
@@ -216,6 +220,12 @@ def collate(
         audio_shapes=shapes,
     )
 
+
+def llm_inputs(mb: MicroBatch, embeds: torch.Tensor | Sequence[torch.Tensor]) -> tuple:
+    """The LLM's first-layer input tuple (``families/llama/model.py::LlmEmbed``): token ids, one row
+    tensor per encoder (a single tensor: one encoder), each position's document."""
+    rows = [embeds] if isinstance(embeds, torch.Tensor) else list(embeds)
+    return (mb.input_ids, *rows, mb.doc_ids)
 
 
 def generator_states(states: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -254,7 +264,7 @@ class ReferenceMLLM(nn.Module):
         embeds = [getattr(self, n)(mb.encoder_inputs(self.spec.modality(n))) for n in self.spec.encoders]
         if not embeds:  # no encoder: no placeholders to fill
             embeds = [torch.zeros(0, self.spec.llm.hidden_size, dtype=next(llm.parameters()).dtype)]
-        logits, hidden = llm((mb.input_ids, *embeds))
+        logits, hidden = llm(llm_inputs(mb, embeds))
         lm = lm_loss_sum(logits, mb.labels, mb.lm_scale)
         gen = lm.new_zeros(())
         if generator is not None:

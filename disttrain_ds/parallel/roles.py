@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.mllm import MicroBatch, MLLMSpec, generator_states, lm_loss_sum
+from ..models.mllm import MicroBatch, MLLMSpec, generator_states, llm_inputs, lm_loss_sum
 from ..models.objectives import diffusion_loss, gen_condition
 
 
@@ -67,7 +67,7 @@ class LLMRole(Role):
     def first_inputs(self, mb, received):
         if not received:  # no encoder: no placeholders to fill
             received = [torch.zeros(0, self.spec.llm.hidden_size, dtype=mb.pixels.dtype)]
-        return (mb.input_ids, *received)
+        return llm_inputs(mb, received)
 
     def own_loss(self, outputs, mb):
         logits, _ = outputs

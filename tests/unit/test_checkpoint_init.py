@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from disttrain_ds.data.types import doc_ids
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.models.mllm import MLLMSpec
 
@@ -23,8 +24,12 @@ def test_llm_layers_load_transformers_save_pretrained(tmp_path, tiny_spec):
     spec = dataclasses.replace(tiny_spec, llm=dataclasses.replace(tiny_spec.llm, checkpoint=str(tmp_path / "llama")))
     ours = Sequential([d.build() for d in spec.layers("llm")])
     ids = torch.randint(0, 200, (1, 12))
-    logits, _ = ours((ids, torch.zeros(0, spec.llm.hidden_size)))
+    logits, _ = ours((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))
     torch.testing.assert_close(logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+    # Packed after another document, a document's logits are transformers' for it alone.
+    packed = torch.cat([torch.randint(0, 200, (1, 7)), ids], dim=1)
+    logits, _ = ours((packed, torch.zeros(0, spec.llm.hidden_size), doc_ids((7, 12), 19).unsqueeze(0)))
+    torch.testing.assert_close(logits[:, 7:], hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_vit_and_unet_weights_load_and_differ_from_seeded_init(tmp_path, tiny_spec):

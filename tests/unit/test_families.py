@@ -83,12 +83,12 @@ def test_qwen2_layers_load_transformers_save_pretrained_and_match_its_logits(tmp
     hf.save_pretrained(tmp_path / "qwen2")
     loaded = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, checkpoint=str(tmp_path / "qwen2")))
     ids = torch.randint(0, 200, (1, 12))
-    ours, _ = Sequential([d.build() for d in loaded.layers("llm")])((ids, torch.zeros(0, spec.llm.hidden_size)))
+    ours, _ = Sequential([d.build() for d in loaded.layers("llm")])((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))
     theirs = hf(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     # Negative control: the same weights read by the Llama family (no q/k/v biases) differ.
     as_llama = dataclasses.replace(loaded, llm=dataclasses.replace(loaded.llm, family="llama"))
-    other, _ = Sequential([d.build() for d in as_llama.layers("llm")])((ids, torch.zeros(0, spec.llm.hidden_size)))
+    other, _ = Sequential([d.build() for d in as_llama.layers("llm")])((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))
     assert (other - theirs).abs().max() > 1e-2
 
 

@@ -14,7 +14,7 @@ from disttrain_ds.config import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.entry import run
 from disttrain_ds.models.objectives import gen_condition
-from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, lm_loss_sum
+from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
 from disttrain_ds.runtime import activations, memory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def test_activation_formulas_match_saved_tensors_of_real_layers(overrides):
            "generator": activations.generator_layers(m.generator, m.llm.hidden_size, shape, b).saved}
     got = {}
     got["encoder"], embeds = _measure(spec, "encoder", (mb.pixels, mb.image_hw))
-    got["llm"], out = _measure(spec, "llm", (mb.input_ids, embeds),
+    got["llm"], out = _measure(spec, "llm", llm_inputs(mb, embeds),
                                head=lambda o: (lm_loss_sum(o[0], mb.labels, mb.lm_scale), o[1]))
     states = generator_states(gen_condition(out[1], mb.gen_mask, spec.generator.query_tokens), mb)
     got["generator"], _ = _measure(spec, "generator", (states, mb.noisy, mb.timesteps))
@@ -121,7 +121,7 @@ def test_dit_activation_formula_matches_saved_tensors_of_real_layers(tmp_path, o
                                      gen_images=max(1, sample.gen_targets.shape[0]))
     g = recipe.model.generator
     est = module_family(recipe, "painter").activation_layers(g, recipe.model.llm.hidden_size, shape, 4)
-    _, out = _measure(spec, "llm", (mb.input_ids, torch.zeros(0, spec.llm.hidden_size)))
+    _, out = _measure(spec, "llm", llm_inputs(mb, torch.zeros(0, spec.llm.hidden_size)))
     states = generator_states(gen_condition(out[1], mb.gen_mask, g.query_tokens), mb)
     got, pred = _measure(spec, "painter", (states, mb.noisy, mb.timesteps))
     assert len(est.saved) == len(got) == len(est.outputs) == len(spec.layers("painter"))

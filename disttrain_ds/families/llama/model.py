@@ -6,7 +6,6 @@ layer class) reuses it by passing its own ``Decoder`` (see ``families/qwen2``).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from dataclasses import dataclass
 from typing import Callable
@@ -21,6 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ...models.configs import LLMConfig
+from ...models.doc_mask import DOC_ATTENTION, doc_positions, doc_spans
 from ...models.layers import LayerDef, seeded
 from ..base import BuildContext
 
@@ -70,10 +70,12 @@ LLAMA = Decoder(hf_config, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 
 class LlmEmbed(nn.Module):
-    """(input_ids [B, S], embeds_1 [P_1, H], ..., embeds_n [P_n, H]) -> (hidden [B, S, H],).
+    """(input_ids [B, S], embeds_1 [P_1, H], ..., embeds_n [P_n, H], doc_ids [B, S]) -> (hidden [B, S, H], doc_ids).
 
     The placeholders of ``tokens[i]`` are replaced, in sequence order, by the rows of ``embeds_i``
-    (the projected outputs of the i-th upstream encoder: image patches, audio frames)."""
+    (the projected outputs of the i-th upstream encoder: image patches, audio frames). ``doc_ids``
+    (each position's document, ``models/doc_mask.py``) travels with the hidden states to every
+    block, across pipeline stages too."""
 
     def __init__(self, cfg: LLMConfig, image_token: int, tokens: tuple[int, ...] = ()):
         super().__init__()
@@ -82,9 +84,11 @@ class LlmEmbed(nn.Module):
         self.tokens = tuple(tokens) or (image_token,)
 
     def forward(self, inputs):
-        input_ids, *embeds = inputs
+        input_ids, *embeds, doc_ids = inputs
         if len(embeds) != len(self.tokens):
             raise ValueError(f"{len(embeds)} encoder outputs for {len(self.tokens)} placeholder kinds")
+        if doc_ids.shape != input_ids.shape:
+            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} do not match input_ids {tuple(input_ids.shape)}")
         hidden = self.embed_tokens(input_ids)
         for token, rows in zip(self.tokens, embeds):
             mask = input_ids == token
@@ -94,28 +98,31 @@ class LlmEmbed(nn.Module):
                 raise ValueError(f"{n} {kind} placeholders but {rows.shape[0]} encoder rows for them")
             if n:
                 hidden = hidden.masked_scatter(mask.unsqueeze(-1), rows.to(hidden.dtype))
-        return (hidden,)
+        return hidden, doc_ids
 
 
 class LlmBlock(nn.Module):
-    """(hidden,) -> (hidden,): one decoder layer (causal, rotary positions)."""
+    """(hidden, doc_ids) -> (hidden, doc_ids): one decoder layer, causal inside each document,
+    rotary positions restarting at each document."""
 
     def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
         super().__init__()
         hf = decoder.config(cfg)
+        hf._attn_implementation = DOC_ATTENTION  # this block's own config: causal SDPA per document
         self.layer = decoder.layer(hf, index)
         self.rotary = decoder.rotary(hf)
 
     def forward(self, inputs):
-        (hidden,) = inputs if isinstance(inputs, tuple) else (inputs,)
-        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        # attention_mask=None with SDPA gives causal attention over the packed sequence.
-        out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos))
-        return (out[0] if isinstance(out, tuple) else out,)
+        hidden, doc_ids = inputs
+        pos = doc_positions(doc_ids)
+        # Attention per document span, no [S, S] mask (bench/bench_doc_mask.py compares the options).
+        out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos),
+                         doc_spans=doc_spans(doc_ids))
+        return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 
 class LlmHead(nn.Module):
-    """(hidden,) -> (logits [B, S, V], normed hidden [B, S, H]); the latter feeds the generator."""
+    """(hidden, doc_ids) -> (logits [B, S, V], normed hidden [B, S, H]); the latter feeds the generator."""
 
     def __init__(self, cfg: LLMConfig, decoder: Decoder = LLAMA):
         super().__init__()
@@ -123,7 +130,7 @@ class LlmHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, inputs):
-        (hidden,) = inputs if isinstance(inputs, tuple) else (inputs,)
+        hidden, _ = inputs
         h = self.norm(hidden)
         return self.lm_head(h), h
 
