@@ -184,15 +184,21 @@ def test_profile_carries_a_draw_from_the_samples_flops_scaled_to_the_tp1_cost(ti
     assert {len(d) for d in draws.values()} == {int(FAST[1])}  # one entry per timed sample
     for name, draw in draws.items():
         assert sum(draw) / len(draw) == pytest.approx(data["modules"][name]["cost_ms"]["1"], rel=1e-9)
-    assert "sample_cost_ms: the 2 samples' FLOPs" in data["description"]
+    assert "sample_cost_ms: the 2 samples' cost-model FLOPs" in data["description"]
 
 
-def test_a_sample_without_flops_leaves_the_draw_out():
-    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [2.0, 6.0], 0, 0.0, "llm")
-    empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [0.0, 3.0], 0, 0.0, "encoder")
+def test_a_sample_without_work_leaves_the_draw_out():
+    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [9.0, 9.0], 0, 0.0, "llm", work=[2.0, 6.0])
+    empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [1.0, 3.0], 0, 0.0, "encoder", work=[0.0, 3.0])
     costs = {"llm": {1: 8.0}, "encoder": {1: 2.0}}
     assert cli.sample_draws([ok], costs) == {"llm": (4.0, 12.0)}
     assert cli.sample_draws([ok, empty], costs) is None
+
+
+def test_the_draw_follows_the_runtimes_cost_model_not_the_useful_flops():
+    # Packed sequences of one length: useful FLOPs vary with their padding, the work does not.
+    llm = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [1.0, 3.0], 0, 0.0, "llm", work=[4.0, 4.0])
+    assert cli.sample_draws([llm], {"llm": {1: 8.0}}) == {"llm": (8.0, 8.0)}
 
 
 def test_profile_carries_the_recipes_activation_checkpointing_for_the_memory_model():
