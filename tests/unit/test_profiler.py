@@ -177,7 +177,7 @@ def test_cuda_path_times_with_events_and_reports_peak_memory():
         assert min(r.times_ms) > 0 and r.memory_bytes >= r.params * 4
 
 
-def test_profile_carries_a_draw_from_the_samples_flops_scaled_to_the_tp1_cost(tiny):
+def test_profile_carries_a_draw_from_the_runtimes_cost_model_scaled_to_the_tp1_cost(tiny):
     path, _ = tiny
     data = json.loads(path.read_text())
     draws = {n: m["sample_cost_ms"] for n, m in data["modules"].items()}
@@ -185,6 +185,23 @@ def test_profile_carries_a_draw_from_the_samples_flops_scaled_to_the_tp1_cost(ti
     for name, draw in draws.items():
         assert sum(draw) / len(draw) == pytest.approx(data["modules"][name]["cost_ms"]["1"], rel=1e-9)
     assert "sample_cost_ms: the 2 samples' cost-model FLOPs" in data["description"]
+    # Proportional to the runtime's cost model over the timed samples (global batch 0).
+    from dataclasses import replace
+
+    from disttrain_ds.runtime.emulate import patch_size, sample_flops
+    from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
+
+    recipe = load_recipe(TINY, ["model.llm.layers=2"])
+    source, spec = build_data_and_spec(replace(recipe, train=replace(recipe.train, global_batch=2)))
+    try:
+        samples = source.global_batch(0)
+    finally:
+        source.close()
+    roles = {"encoder": "encoder", "llm": "llm", "generator": "generator"}
+    for name, draw in draws.items():
+        work = [sample_flops(cost_model(recipe), roles[name], x, patch_size(recipe, name), spec.special)
+                for x in samples]
+        assert [d / draw[0] for d in draw] == pytest.approx([w / work[0] for w in work], rel=1e-9)
 
 
 def test_a_sample_without_work_leaves_the_draw_out():
