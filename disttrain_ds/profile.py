@@ -78,7 +78,7 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
             f"cost_ms: TP=1 measured (median; p90 ms: {p90}){tp_text}")
     text += (". flops_per_sample: median; activation_bytes_per_sample: largest over the samples; "
              f"peak_tflops: {peak[1]}; sample_cost_ms: "
-             + (f"the {opts.samples} samples' FLOPs scaled to each module's TP=1 cost." if draws is not None
+             + (f"the {opts.samples} samples' cost-model FLOPs scaled to each module's TP=1 cost." if draws is not None
                 else "left out (a sample without FLOPs in some module)."))
     mem = args.gpu_memory_gb
     if mem is None and opts.device.type == "cuda":
@@ -93,13 +93,15 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
 
 def sample_draws(results: list[ModuleResult], costs: dict[str, dict[int, float]]
                  ) -> dict[str, tuple[float, ...]] | None:
-    """Per-sample fwd+bwd ms at TP=1 of every module (``sample_cost_ms``): each timed sample's FLOPs
-    (the cost model of metrics/flops.py) scaled so the module's mean is its C(1), time proportional
-    to FLOPs, which keeps the measurement's noise out of the spread. None when some sample has no
-    FLOPs in some module (a draw must be positive)."""
-    if any(f <= 0 for r in results for f in r.flops):
+    """Per-sample fwd+bwd ms at TP=1 of every module (``sample_cost_ms``): each timed sample's work
+    by the runtime's cost model (``ModuleResult.work``, padding included: what the module computes,
+    as reordering and emulation price it; not the useful FLOPs of MFU, whose spread over packed
+    sequences is mostly padding) scaled so the module's mean is its C(1), time proportional to
+    work, which keeps the measurement's noise out of the spread. None when some sample has no
+    work in some module (a draw must be positive)."""
+    if any(not r.work or any(f <= 0 for f in r.work) for r in results):
         return None
-    return {r.name: tuple(f / statistics.fmean(r.flops) * costs[r.name][1] for f in r.flops)
+    return {r.name: tuple(f / statistics.fmean(r.work) * costs[r.name][1] for f in r.work)
             for r in results}
 
 

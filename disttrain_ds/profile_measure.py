@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -85,6 +85,10 @@ class ModuleResult:
     """CUDA: peak allocated while timing. CPU: weights + gradients + activation_bytes."""
     role: str
     """encoder | llm | generator."""
+    work: list[float] = field(default_factory=list)
+    """Forward FLOPs of each sample by the runtime's cost model (``runtime.setup.cost_model``:
+    what the module computes, padding included, as reordering and emulation price a sample);
+    ``flops`` counts useful FLOPs only (documents, for MFU) and can vary where the work does not."""
 
     @property
     def median_ms(self) -> float:
@@ -304,4 +308,10 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     results.append(res)
     for name in gens:
         results.append(measure_module(recipe, spec, name, generator_passes(name, states), o(name))[0])
+    from disttrain_ds.runtime.emulate import patch_size, sample_flops
+    from disttrain_ds.runtime.setup import cost_model
+
+    model = cost_model(recipe)
+    for r in results:
+        r.work = [sample_flops(model, r.role, s, patch_size(recipe, r.name), spec.special) for s in samples]
     return results

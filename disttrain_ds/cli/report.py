@@ -7,7 +7,8 @@
 (``python tools/report.py ...`` in a checkout is the same command.) Several runs share each
 figure (legend: run directory and layout). Writes into --out
 (default <first run dir>/report/; a numbered sibling such as report-2 when that one is not
-empty, so nothing is overwritten): loss.png, step_time.png, mfu.png and balance.png (when
+empty, so nothing is overwritten): loss.png (with a validation-loss panel when a run logged
+eval/loss), step_time.png, mfu.png and balance.png (when
 the runs log those keys), trace_<run>.json and gantt_<run>.png for runs with trace/*.json,
 and index.html with --html. Bad input: one line on stderr and exit code 2.
 """
@@ -39,7 +40,7 @@ def module_names(runs: list["Run"], prefix: str = "time/", suffix: str = "_compu
         for record in run.records:
             for key in record:
                 if key.startswith(prefix) and key.endswith(suffix) and len(key) > len(prefix) + len(suffix):
-                    seen.setdefault(key[len(prefix):-len(suffix)])
+                    seen.setdefault(key[len(prefix):len(key) - len(suffix)])  # suffix may be empty
     return [m for m in MODULES if m in seen] + [m for m in seen if m not in MODULES]
 MAX_GANTT_EVENTS = 4000  # beyond this a Gantt is unreadable and slow to draw
 # Per-rank trace names -> the names the Gantt helper colours.
@@ -166,16 +167,38 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def loss_panels(runs: list[Run]) -> list[tuple[str, list[str]]]:
+    """(title, keys) of each loss panel: total, LM and generation loss, and beside them the
+    validation loss (``eval/loss`` and its per-module parts) when any run logged it."""
+    panels = [("total loss", ["loss"]), ("LM loss", ["loss/lm"]), ("generation loss", ["loss/gen"])]
+    if any(r.has("eval/loss") for r in runs):
+        parts = [f"eval/loss/{m}" for m in module_names(runs, "eval/loss/", "")
+                 if any(r.has(f"eval/loss/{m}") for r in runs)]
+        panels.append(("validation loss", ["eval/loss", *parts]))
+    return panels
+
+
+_EVAL_MARKERS = ("o", "s", "^", "v", "D")  # one per validation key, the run keeps its colour
+
+
 def plot_loss(runs: list[Run], out: Path) -> Path:
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = [("loss", "total loss"), ("loss/lm", "LM loss"), ("loss/gen", "generation loss")]
-    for ax, (key, title) in zip(axes, panels):
+    panels = loss_panels(runs)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (title, keys) in zip(axes, panels):
         for k, run in enumerate(runs):
-            if run.has(key):
-                ax.plot(*run.series(key), **_style(k), label=run.label)
+            for j, key in enumerate(keys):
+                if not run.has(key):
+                    continue
+                if len(keys) == 1:
+                    ax.plot(*run.series(key), **_style(k), label=run.label)
+                else:  # sparse points (every eval.every steps): marked, one marker per key
+                    ax.plot(*run.series(key), **_style(k), marker=_EVAL_MARKERS[j % len(_EVAL_MARKERS)],
+                            label=f"{run.label} {key}")
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
     axes[0].legend(fontsize=8)
     return _save(fig, out / "loss.png")
 
@@ -312,6 +335,9 @@ def summary_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
     mfu = any(r.has("perf/mfu/overall") for r in runs)
     if mfu:
         header.append("median MFU")
+    evals = any(r.has("eval/loss") for r in runs)
+    if evals:
+        header.append("final eval loss")
     rows = []
     for r in runs:
         row = [r.name, r.layout, str(r.records[-1]["step"]), f"{r.records[-1]['loss']:.4f}",
@@ -319,6 +345,8 @@ def summary_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
         if mfu:
             m = r.median("perf/mfu/overall")
             row.append("-" if m is None else f"{100 * m:.1f}%")
+        if evals:
+            row.append(fmt((r.series("eval/loss")[1] or [None])[-1], ".4f"))
         rows.append(row)
     return header, rows
 

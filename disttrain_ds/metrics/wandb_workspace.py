@@ -1,8 +1,9 @@
 """The training dashboard as a wandb workspace: plain data, plus a function that saves it to a
 wandb project (online only; needs ``pip install wandb-workspaces`` and a wandb login).
 
-The same panels as ``tools/report.py`` draws offline: losses, MFU per module, step-time
-breakdown and data-parallel load balance, each a line plot against the optimizer step. Panels
+The same panels as ``tools/report.py`` draws offline: losses (training and validation), MFU per
+module, step-time breakdown and data-parallel load balance, each a line plot against the
+optimizer step. Panels
 are per module name, so every module graph gets its own dashboard (``graph_dashboard``); an
 online run saves its graph's dashboard when it starts (``metrics/logger.py``).
 """
@@ -36,15 +37,20 @@ class Section:
     """Panels in display order."""
 
 
-def dashboard(modules: tuple[str, ...] = MODULES, balanced: tuple[str, ...] = ("encoder", "generator")
-              ) -> tuple[Section, ...]:
+def dashboard(modules: tuple[str, ...] = MODULES, balanced: tuple[str, ...] = ("encoder", "generator"),
+              evaluated: tuple[str, ...] | None = None) -> tuple[Section, ...]:
     """The dashboard of a model whose modules are ``modules`` (metric keys are per module name);
-    ``balanced``: the modules whose data-parallel load balance is logged (encoders, generators)."""
+    ``balanced``: the modules whose data-parallel load balance is logged (encoders, generators);
+    ``evaluated``: the modules whose part of the validation loss is logged (the LLM, generators;
+    None: those of the three-module names "llm" and "generator" that are in ``modules``)."""
+    if evaluated is None:
+        evaluated = tuple(m for m in ("llm", "generator") if m in modules)
     return (
         Section("Loss", (
             Panel("total loss", ("loss/total",)),
             Panel("LM loss", ("loss/lm",)),
             Panel("generation loss", ("loss/gen",)),
+            Panel("validation loss", ("eval/loss", *(f"eval/loss/{m}" for m in evaluated))),
         )),
         Section("MFU", (
             Panel("MFU per module", tuple(f"perf/mfu/{m}" for m in (*modules, "overall"))),
@@ -69,9 +75,10 @@ DASHBOARD: tuple[Section, ...] = dashboard()
 
 def graph_dashboard(graph) -> tuple[Section, ...]:
     """The dashboard of a ``ModuleGraph``: its modules' panels, load balance for its encoders and
-    generators (the modules whose DP balance the runtime logs); no generation loss without a
-    generator."""
-    sections = dashboard(graph.names, graph.encoders + graph.generators)
+    generators (the modules whose DP balance the runtime logs), validation loss in total and for
+    its LLM and generators; no generation loss without a generator."""
+    sections = dashboard(graph.names, graph.encoders + graph.generators,
+                         (graph.llm, *graph.generators))
     if graph.generators:
         return sections
     loss = Section("Loss", tuple(p for p in sections[0].panels if p.keys != ("loss/gen",)))

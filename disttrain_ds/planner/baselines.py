@@ -9,8 +9,10 @@
 * ``ratio_plan``: GPUs split across all modules of the graph in proportion to their per-sample
   cost, then the best (dp, tp, pp) of each module inside its share.
 
-Both return a ``Plan`` whose ``t_iter_ms`` comes from ``objective.combine``, so they are directly
-comparable with ``optimize.plan``; neither can beat it (see ``docs/planner.md``).
+Both return a ``Plan`` whose times come from ``objective.t_iter`` with the profile's straggler
+factors (per-sample draws included), so a layout gets the same predicted time however it was
+found and the baselines are directly comparable with ``optimize.plan``; neither can beat it
+(see ``docs/planner.md``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from disttrain_ds.planner.objective import Degrees, combine, memory_per_gpu
+from disttrain_ds.planner.objective import (Degrees, memory_per_gpu, module_terms,
+                                            straggler_table, t_iter)
 from disttrain_ds.planner.optimize import ModulePlan, Plan, PlanError, plan, predicted_mfu
 from disttrain_ds.planner.profile import GIB, Profile
 
@@ -32,7 +35,8 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
         T_iter = (w_llm + (w_enc + w_gen)) + max(w_llm / PP, w_enc, w_gen) * (K - 1)
 
     i.e. the disaggregated formula with DP_enc = DP_gen = DP and PP_enc = PP_gen = 1, on
-    DP * TP * (PP + 2) GPUs. Memory follows 1F1B on PP + 2 stages: the encoder stage holds
+    DP * TP * (PP + 2) GPUs; it is priced by ``objective.t_iter`` on that layout (straggler
+    factors included when the profile has per-sample draws). Memory follows 1F1B on PP + 2 stages: the encoder stage holds
     min(PP + 2, K) microbatches, the first LLM stage min(PP + 1, K), the generator stage one.
     Without an encoder (generator) the chain is one stage shorter and that term is 0.
     """
@@ -62,9 +66,11 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
                         f"{profile.gpus} GPUs")
     dp = dps[0]
     k = bs // (dp * m)
-    w = {n: m * profile.modules[n].cost_ms[tp if n == lname else 1] for n in graph.names}
-    stage = {n: w[n] / pp if n == lname else w[n] for n in graph.names}
-    it = combine(graph, w, stage, k)
+    # The same layout as a disaggregated one: every module at DP, the extra stages at TP=1 speed.
+    layout = {n: Degrees(dp, tp, pp) if n == lname else Degrees(dp, 1, 1) for n in graph.names}
+    table = straggler_table(profile)
+    it = t_iter(profile, layout, table)
+    terms = {n: module_terms(profile, n, layout[n], m, table) for n in graph.names}
     first = {n: i for i, n in enumerate(graph.names)}  # stage index: encoder, LLM stages, generator
     first.update({n: len(graph.encoders) + pp for n in graph.generators})
     mods = {}
@@ -77,8 +83,9 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
         if limit is not None and mem > limit:
             raise PlanError(f"megatron layout (tp={tp}, pp={pp}, dp={dp}): {n} needs "
                             f"{mem / GIB:.1f} GiB per GPU, more than {profile.gpu_memory_gb:g}")
-        mods[n] = ModulePlan(dp * tp * own_pp, dp, tp, own_pp, m, w[n], stage[n],
-                             mem / GIB if spec.has_memory_figures else None,
+        h = 1.0 if table is None else table.factor(n, dp, m)
+        mods[n] = ModulePlan(dp * tp * own_pp, dp, tp, own_pp, m, *terms[n],
+                             mem / GIB if spec.has_memory_figures else None, h,
                              cost_source=spec.source(tp if n == lname else 1))
     total = dp * per_replica
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,

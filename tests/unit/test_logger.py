@@ -285,3 +285,20 @@ def test_graph_dashboard_of_the_three_module_graph_is_the_default_dashboard():
     assert graph_dashboard(ModuleGraph.default()) == DASHBOARD
     t2i = dashboard_keys(graph_dashboard(ModuleGraph.from_roles({"llm": "llm", "painter": "generator"})))
     assert "loss/gen" in t2i and "balance/painter_load_max" in t2i and "balance/llm_load_max" not in t2i
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "tiny_vlm"])
+def test_graph_dashboard_plots_the_validation_loss_keys_the_runtime_logs(name):
+    from types import SimpleNamespace
+
+    from disttrain_ds.config import load_recipe
+    from disttrain_ds.metrics.wandb_workspace import graph_dashboard
+    from disttrain_ds.recipe_graph import graph_of
+    from disttrain_ds.runtime.callbacks.evaluation import eval_figures
+
+    graph = graph_of(load_recipe(name))
+    roles = {"llm": graph.llm, "generator": graph.generators[0] if graph.generators else None}
+    logged = set(wandb_payload(eval_figures(4.0, 0.5, SimpleNamespace(name_of=roles.get))))
+    (panel,) = [p for s in graph_dashboard(graph) for p in s.panels if p.title == "validation loss"]
+    assert set(panel.keys) == logged and panel.keys[0] == "eval/loss"
+    assert len(logged) == (3 if graph.generators else 2)

@@ -14,8 +14,9 @@ from disttrain_ds.data.reorder import lpt_equal_count, lpt_rows
 from disttrain_ds.planner import hetero, scale
 from disttrain_ds.planner.hetero import StragglerTable, expected_max
 from disttrain_ds.planner.simulate import makespan_1f1b
-from disttrain_ds.planner.objective import combine, samples_per_step
-from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
+from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
+from disttrain_ds.planner.objective import combine, samples_per_step, straggler_table, t_iter
+from disttrain_ds.planner.optimize import PlanError, build_plan, exhaustive_plan, plan
 from disttrain_ds.planner.profile import (Profile, ProfileError, load_profile,
                                           profile_from_dict, profile_to_dict)
 
@@ -273,3 +274,54 @@ def test_paper_profile_draw_keeps_each_modules_mean_and_simulation_keeps_the_mea
     times = scale.sample_times(costs.flops, p)  # the straggler factor is not a per-sample cost
     for j, (name, m) in enumerate(p.modules.items()):
         assert times[:, j].mean() == pytest.approx(with_draw.modules[name].cost_ms[m.tp], rel=1e-12)
+
+
+# ----------------------------------------------------------------------- baselines priced alike
+
+
+def vlm_profile(draw: bool) -> Profile:
+    """An encoder -> LLM model on 8 GPUs at TP=1 (LLM 4x the encoder's cost) whose best
+    disaggregated layout is Megatron-LM's (every module at DP 4, one stage each)."""
+    rng = np.random.default_rng(3)
+    mods = {"vision": {"role": "encoder", "layers": 2, "cost_ms": {"1": 31.0}},
+            "llm": {"layers": 4, "cost_ms": {"1": 130.0}}}
+    if draw:
+        for name, m in mods.items():
+            m["sample_cost_ms"] = (m["cost_ms"]["1"] * rng.lognormal(0, 0.5, 16)).tolist()
+    return profile_from_dict({"gpus": 8, "global_batch": 16, "microbatch": 1,
+                              "gpus_per_node": 1, "modules": mods})
+
+
+@pytest.mark.parametrize("draw", [False, True])
+def test_plan_and_megatron_baseline_price_the_same_layout_the_same(draw):
+    profile = vlm_profile(draw)
+    found, rigid = plan(profile), megatron_plan(profile, tp=1, pp=1)
+    assert found.degrees() == rigid.degrees() == {"vision": (4, 1, 1), "llm": (4, 1, 1)}
+    assert rigid.t_iter_ms == found.t_iter_ms
+    assert (rigid.t_warmup_ms, rigid.t_steady_ms) == (found.t_warmup_ms, found.t_steady_ms)
+    assert [m.straggler for m in rigid.modules.values()] == \
+        [m.straggler for m in found.modules.values()]
+    if draw:  # the draw is priced (a baseline at the mean cost would look ~1.5x faster)
+        assert rigid.t_iter_ms > megatron_plan(vlm_profile(False), tp=1, pp=1).t_iter_ms * 1.1
+
+
+@pytest.mark.parametrize("graph", ["chain", "two_generators"])
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("draw", [0, 32])
+def test_baselines_are_priced_by_the_objective_of_their_layout(graph, seed, draw):
+    profile = profile_from_dict(random_data(GRAPHS[graph], seed, draw))
+    table = straggler_table(profile)
+    rigid = []
+    if graph == "chain":
+        for pp in profile.modules["llm"].pp_degrees():
+            try:
+                rigid.append(megatron_plan(profile, tp=1, pp=pp))
+            except PlanError:
+                pass
+    try:
+        rigid.append(ratio_plan(profile))
+    except PlanError:
+        pass
+    for p in rigid:
+        assert p.t_iter_ms == t_iter(profile, p.degrees(), table).total_ms
+        assert p.t_iter_ms == build_plan(profile, p.degrees(), table=table).t_iter_ms

@@ -177,22 +177,45 @@ def test_cuda_path_times_with_events_and_reports_peak_memory():
         assert min(r.times_ms) > 0 and r.memory_bytes >= r.params * 4
 
 
-def test_profile_carries_a_draw_from_the_samples_flops_scaled_to_the_tp1_cost(tiny):
+def test_profile_carries_a_draw_from_the_runtimes_cost_model_scaled_to_the_tp1_cost(tiny):
     path, _ = tiny
     data = json.loads(path.read_text())
     draws = {n: m["sample_cost_ms"] for n, m in data["modules"].items()}
     assert {len(d) for d in draws.values()} == {int(FAST[1])}  # one entry per timed sample
     for name, draw in draws.items():
         assert sum(draw) / len(draw) == pytest.approx(data["modules"][name]["cost_ms"]["1"], rel=1e-9)
-    assert "sample_cost_ms: the 2 samples' FLOPs" in data["description"]
+    assert "sample_cost_ms: the 2 samples' cost-model FLOPs" in data["description"]
+    # Proportional to the runtime's cost model over the timed samples (global batch 0).
+    from dataclasses import replace
+
+    from disttrain_ds.runtime.emulate import patch_size, sample_flops
+    from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
+
+    recipe = load_recipe(TINY, ["model.llm.layers=2"])
+    source, spec = build_data_and_spec(replace(recipe, train=replace(recipe.train, global_batch=2)))
+    try:
+        samples = source.global_batch(0)
+    finally:
+        source.close()
+    roles = {"encoder": "encoder", "llm": "llm", "generator": "generator"}
+    for name, draw in draws.items():
+        work = [sample_flops(cost_model(recipe), roles[name], x, patch_size(recipe, name), spec.special)
+                for x in samples]
+        assert [d / draw[0] for d in draw] == pytest.approx([w / work[0] for w in work], rel=1e-9)
 
 
-def test_a_sample_without_flops_leaves_the_draw_out():
-    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [2.0, 6.0], 0, 0.0, "llm")
-    empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [0.0, 3.0], 0, 0.0, "encoder")
+def test_a_sample_without_work_leaves_the_draw_out():
+    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [9.0, 9.0], 0, 0.0, "llm", work=[2.0, 6.0])
+    empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [1.0, 3.0], 0, 0.0, "encoder", work=[0.0, 3.0])
     costs = {"llm": {1: 8.0}, "encoder": {1: 2.0}}
     assert cli.sample_draws([ok], costs) == {"llm": (4.0, 12.0)}
     assert cli.sample_draws([ok, empty], costs) is None
+
+
+def test_the_draw_follows_the_runtimes_cost_model_not_the_useful_flops():
+    # Packed sequences of one length: useful FLOPs vary with their padding, the work does not.
+    llm = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [1.0, 3.0], 0, 0.0, "llm", work=[4.0, 4.0])
+    assert cli.sample_draws([llm], {"llm": {1: 8.0}}) == {"llm": (8.0, 8.0)}
 
 
 def test_profile_carries_the_recipes_activation_checkpointing_for_the_memory_model():

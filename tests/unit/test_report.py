@@ -195,3 +195,35 @@ def test_module_names_come_from_the_logged_keys_of_any_graph():
             Run(Path("b"), "disaggregated", [{"step": 1, "time/encoder_compute": 0.1, "time/llm_compute": 0.2}])]
     assert module_names(runs) == ["encoder", "llm", "vision"]
     assert module_names(runs, "balance/", "_load_mean") == ["vision"]
+    assert module_names(runs, "perf/mfu/", "") == ["vision"]  # an empty suffix keeps the whole tail
+
+
+def _png_width(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[16:20], "big")  # IHDR width
+
+
+def test_validation_loss_panel_sits_beside_the_training_loss_only_when_a_run_logged_eval(tmp_path):
+    from disttrain_ds.cli.report import Run, loss_panels
+
+    plain = make_run(tmp_path, "plain", "disaggregated")
+    evald = make_run(tmp_path, "evald", "disaggregated")
+    rows = [json.loads(x) for x in (evald / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["step"] % 3 == 0:  # eval.every: 3, as the runtime adds it to the step's row
+            r.update({"eval/loss": 5.5 - 0.1 * r["step"], "eval/loss/llm": 4.6, "eval/loss/generator": 0.9})
+    (evald / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+
+    only_plain = loss_panels([Run(plain, "disaggregated", [json.loads(x) for x in
+                                                           (plain / "metrics.jsonl").read_text().splitlines()])])
+    assert [t for t, _ in only_plain] == ["total loss", "LM loss", "generation loss"]
+    both = loss_panels([Run(plain, "?", [{"step": 1, "loss": 1.0}]), Run(evald, "?", rows)])
+    assert both[-1] == ("validation loss", ["eval/loss", "eval/loss/llm", "eval/loss/generator"])
+
+    assert run_report(plain, "--out", tmp_path / "a").returncode == 0
+    proc = run_report(plain, evald, "--out", tmp_path / "b")
+    assert proc.returncode == 0, proc.stderr
+    assert _png_width(tmp_path / "b" / "loss.png") > _png_width(tmp_path / "a" / "loss.png")  # a 4th panel
+    assert "final eval loss" in proc.stdout
+    evald_row = next(x for x in proc.stdout.splitlines() if x.startswith("evald"))
+    plain_row = next(x for x in proc.stdout.splitlines() if x.startswith("plain"))
+    assert evald_row.split()[-1] == "4.9000" and plain_row.split()[-1] == "-"
