@@ -50,7 +50,7 @@ def test_a_first_stage_without_upstream_past_global_stage_zero_receives_nothing(
 
 
 def test_the_llm_fills_each_encoders_placeholders_with_that_encoders_rows():
-    from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate
+    from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate, llm_inputs
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     recipe = load_recipe("tiny_omni")
@@ -63,11 +63,11 @@ def test_the_llm_fills_each_encoders_placeholders_with_that_encoders_rows():
     image = model.vision(mb.encoder_inputs("image"))
     audio = model.ear(mb.encoder_inputs("audio"))
     assert image.shape[0] == sum(mb.sample_rows["image_embeds"]) and audio.shape[0] == sum(mb.sample_rows["audio_embeds"])
-    (hidden,) = embed((mb.input_ids, image, audio))
+    hidden, _ = embed(llm_inputs(mb, [image, audio]))
     ids = mb.input_ids
     torch.testing.assert_close(hidden[ids == spec.special.audio], audio)
     torch.testing.assert_close(hidden[ids == spec.special.image], image)
-    (wrong,) = embed((mb.input_ids, image, audio.flip(0)))
+    wrong, _ = embed(llm_inputs(mb, [image, audio.flip(0)]))
     assert not torch.allclose(wrong, hidden)  # the rows' order is what the placement checks
     loss = model(mb)["loss"]
     loss.backward()
