@@ -98,8 +98,8 @@ def paper_profile(paper: dict, gpus: int, batch: int, model: str = "llama3-70b",
                     "cost_source": _tp_sources(8),
                     "params": params, "flops_per_sample": flops,
                     "activation_bytes_per_sample": 34.0 * seq * arch["hidden"] * arch["layers"],
-                    # Megatron's 34 s h bytes per layer, 24 of them split by TP (no sequence parallelism)
-                    "activation_tp_sharded": 24 / 34},
+                    # Megatron-LM with sequence parallelism, as in the paper: all of it splits over TP
+                    "activation_tp_sharded": 1.0},
             "generator": {"layers": 12, "cost_ms": _tp_costs(3 * fwd["sd21"], 1),
                           "cost_source": _tp_sources(1),
                           "params": paper["generator"]["params_b"] * 1e9},

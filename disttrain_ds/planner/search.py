@@ -131,10 +131,17 @@ def downstream_splits(profile: Profile) -> list[tuple[int, int]]:
     return [(p, g) for p in profile.modules[graph.llm].pp_degrees() for g in gens]
 
 
+def _down_key(graph: Roles, name: str, down: tuple[int, int]) -> tuple[int, ...]:
+    """The part of (P, G) module ``name``'s options depend on (``options``)."""
+    if name == graph.llm:
+        return down
+    return (down[0] + down[1],) if name in graph.encoders else (down[1],)
+
+
 def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
             grid: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
             llm: str | None = None, align: int | None = None,
-            down: tuple[int, int] | None = None) -> Opts:
+            down: tuple[int, int] | None = None, restrict: bool = True) -> Opts:
     """Every (dp, tp, pp) of module ``name`` at D = d within ``cap`` GPUs and the memory limit;
     ``grid``, ``llm`` (the LLM's name) and ``align`` only save looking them up again.
 
@@ -142,7 +149,8 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     so the LLM keeps only pp = P, every generator pp <= G, and the microbatches in flight are
     counted for a chain ending with G generator stages (for a plan whose longest generator is
     shorter, an over-count: that plan is also met, counted exactly, under its own G). None: no
-    restriction, in flight counted with the smallest P and G (the fewest; for diagnostics)."""
+    restriction, in flight counted with the smallest P and G (the fewest). ``restrict=False``:
+    ``down`` only counts the microbatches in flight (the most, for the largest P and G)."""
     spec = profile.modules[name]
     graph = profile.graph
     is_llm = name == (graph.llm if llm is None else llm)
@@ -152,8 +160,9 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
         p_llm, g_max = min(profile.modules[graph.llm].pp_degrees(), default=1), max(gens, default=0)
     else:
         p_llm, g_max = down
-        keep = pp0 == p_llm if is_llm else pp0 <= g_max if name in graph.generators else pp0 > 0
-        tp0, pp0, cost0 = tp0[keep], pp0[keep], cost0[keep]
+        if restrict:
+            keep = pp0 == p_llm if is_llm else pp0 <= g_max if name in graph.generators else pp0 > 0
+            tp0, pp0, cost0 = tp0[keep], pp0[keep], cost0[keep]
     dps = np.array([d // profile.microbatch] if is_llm else divisors(d), dtype=np.int64)
     dp = dps[:, None]  # rows: dp; columns: (tp, pp) combinations
     tp, pp, cost = tp0[None, :], pp0[None, :], cost0[None, :]
@@ -406,14 +415,33 @@ def search(profile: Profile, caps: Mapping[str, int], table: StragglerTable | No
     grids = {n: module_grid(profile, n) for n in graph.names}
     align = alignment(profile) if aligned else 1
     # Memory couples modules: the microbatches in flight depend on the LLM's and the generators'
-    # pipeline degrees, so with a limit every (P, G) of ``downstream_splits`` is its own group.
+    # pipeline degrees. When the limit keeps the same layouts counted with the fewest in flight
+    # (``options`` without ``down``) and with the most (``worst``), it does not depend on them;
+    # otherwise every (P, G) of ``downstream_splits`` is its own group.
     downs = [None] if limit is None else downstream_splits(profile)
+    worst = None if limit is None else (max(p for p, _ in downs), max(g for _, g in downs))
     groups = []
     for d in batch_splits(profile):
         k = profile.global_batch // d
-        for down in downs:
-            opts = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down)
-                    for n in graph.names}
+
+        free = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm, align) for n in graph.names}
+        variants = [free]
+        if limit is not None and any(
+                len(free[n]) != len(options(profile, n, d, caps[n], limit, grids[n], graph.llm, align,
+                                            worst, restrict=False)) for n in graph.names):
+            # Memory binds differently for some (P, G): each is its own group. A module's
+            # options depend only on part of (P, G), so equal parts share one computation.
+            cache: dict = {}
+            variants = []
+            for down in downs:
+                opts = {}
+                for n in graph.names:
+                    key = (n, _down_key(graph, n, down))
+                    if key not in cache:
+                        cache[key] = options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down)
+                    opts[n] = cache[key]
+                variants.append(opts)
+        for opts in variants:
             if min(len(o) for o in opts.values()) == 0 \
                     or sum(int(o.gpus.min()) for o in opts.values()) > n_gpus:
                 continue
