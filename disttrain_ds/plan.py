@@ -200,9 +200,9 @@ def write_checked(recipe: dict[str, Any], out: Path) -> None:
 
 def memory_problem(path: Path, profile: Profile) -> str:
     """Why the runtime's start-up memory check (``runtime/memory.py``, as ``--dry-run``) would
-    refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). The
-    planner's own memory model is coarser: it counts 1F1B's in-flight microbatches within each
-    module, not along the whole chain, and skips modules without memory figures."""
+    refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). With
+    ``--recipe`` the plan already passed that check (``planner/recipe_memory.fit_plan``); this
+    stays as the last word on the file actually written."""
     from disttrain_ds.runtime.memory import check_fits, estimate
 
     recipe = load_recipe(path)

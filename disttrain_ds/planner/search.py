@@ -34,6 +34,11 @@ the encoder and generator units. A graph with at most one encoder and one genera
 nothing, which is the three-module search as it always was; each extra parallel module
 multiplies the unit size by at most its own n_i before pruning (in practice far less).
 
+Memory couples modules through 1F1B's microbatches in flight along the whole chain (an encoder's
+count depends on the LLM's and the generators' pipeline degrees, ``memory_model.stages_to_end``):
+where that changes which layouts fit, each (LLM PP, longest generator PP) pair is a group of its
+own (``options``' ``down``), which keeps the search exact.
+
 With per-sample cost draws (:mod:`disttrain_ds.planner.hetero`) a D's layouts are priced with
 the straggler factors only when the search visits it (step 2 onwards); step 1's bound from mean
 costs stays a lower bound because every factor is >= 1.
