@@ -29,7 +29,7 @@ process baseline."""
 
 LAYOUTS = {  # name: (ranks, overrides)
     "LLM PP 2": (4, ["layout=disaggregated"]),
-    "LLM DP 2": (4, ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1",
+    "LLM DP 2": (5, ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1",
                      "parallel.generator.dp=2"]),
     "LLM TP 2": (4, ["layout=disaggregated", "parallel.llm.tp=2", "parallel.llm.pp=1"]),
 }
