@@ -32,6 +32,7 @@ from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.legal import LeftOut, measured_only, restrict_to_runtime
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
 from disttrain_ds.planner.profile import Profile, load_profile
+from disttrain_ds.planner.recipe_memory import fit_plan, with_recipe_memory
 from disttrain_ds.recipe_graph import family_named
 
 PROG = prog_name("disttrain-plan", "python -m disttrain_ds.plan")
@@ -199,9 +200,9 @@ def write_checked(recipe: dict[str, Any], out: Path) -> None:
 
 def memory_problem(path: Path, profile: Profile) -> str:
     """Why the runtime's start-up memory check (``runtime/memory.py``, as ``--dry-run``) would
-    refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). The
-    planner's own memory model is coarser: it counts 1F1B's in-flight microbatches within each
-    module, not along the whole chain, and skips modules without memory figures."""
+    refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). With
+    ``--recipe`` the plan already passed that check (``planner/recipe_memory.fit_plan``); this
+    stays as the last word on the file actually written."""
     from disttrain_ds.runtime.memory import check_fits, estimate
 
     recipe = load_recipe(path)
@@ -245,6 +246,22 @@ def probe_recipe(path: Path, graph: ModuleGraph, graph_form: bool) -> Recipe:
         raise ConfigError(f"the base recipe must load to take the runtime's rules from it: {exc}") from None
 
 
+def runtime_limit(probe: Recipe, profile: Profile) -> float | None:
+    """GiB per rank the written recipe's memory check will hold a plan to: its
+    ``train.device_memory_gib``, else the profile's ``gpu_memory_gb`` (the cluster's GPUs)."""
+    if probe.train.device_memory_gib > 0:
+        return probe.train.device_memory_gib
+    return profile.gpu_memory_gb
+
+
+def planned_recipe(path: Path, result: Plan, graph_form: bool) -> Recipe:
+    """The recipe at ``path`` with ``result``'s degrees, as the runtime will load it."""
+    prefix = "parallel.modules" if graph_form else "parallel"
+    overrides = ["layout=disaggregated"] + [f"{prefix}.{n}.{a}={getattr(m, a)}"
+                                            for n, m in result.modules.items() for a in ("dp", "tp", "pp")]
+    return load_recipe(path, overrides)
+
+
 def plan_measured_only(profile: Profile) -> Plan:
     """The plan over measured costs only; one line naming a module and degree when there is none."""
     kept = measured_only(profile)
@@ -281,9 +298,15 @@ def main(argv: list[str] | None = None) -> int:
             graph_form = check_recipe_graph(base, profile.graph, str(args.recipe))
             if args.write_recipe is not None and args.write_recipe.exists() and not args.force:
                 return _fail(f"{args.write_recipe}: already exists (use --force to overwrite)")
-            profile, left_out = restrict_to_runtime(
-                profile, probe_recipe(base_path, profile.graph, graph_form))
-        result = plan_measured_only(profile) if args.measured_only else plan(profile)
+            probe = probe_recipe(base_path, profile.graph, graph_form)
+            profile, left_out = restrict_to_runtime(profile, probe)
+            profile = with_recipe_memory(profile, probe)
+        make_plan = plan_measured_only if args.measured_only else plan
+        limit = runtime_limit(probe, profile) if args.recipe is not None else None
+        if limit is None:
+            result = make_plan(profile)
+        else:  # only a plan the runtime's own memory check accepts
+            result = fit_plan(profile, make_plan, lambda p: planned_recipe(base_path, p, graph_form), limit)
         if args.write_recipe is not None:
             recipe = recipe_with_plan(base, result, str(args.recipe))
     except (ConfigError, PlanError) as exc:

@@ -28,6 +28,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner import memory_model as mm
 from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.profile import ModuleProfile, Profile
 
@@ -128,35 +129,56 @@ def t_iter(profile: Profile, layout: Mapping[str, Degrees],
 
 
 def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, in_flight: Any) -> Any:
-    """``memory_per_gpu`` written once for Python ints and numpy arrays alike, so both give
-    identical floats."""
-    shard = tp * pp
-    if spec.frozen:
-        per_param = spec.weight_bytes_per_param
-    else:  # ZeRO-1: only optimizer states are sharded over the DP group
-        per_param = spec.weight_bytes_per_param + spec.grad_bytes_per_param \
-            + spec.optimizer_bytes_per_param / dp
-    weights = spec.params / shard * per_param
+    """``memory_per_gpu`` for Python ints and numpy arrays alike (identical floats), by the shared
+    per-rank formula of :mod:`disttrain_ds.planner.memory_model`."""
+    per_param = (spec.weight_bytes_per_param, 0.0, 0.0) if spec.frozen else (
+        spec.weight_bytes_per_param, spec.grad_bytes_per_param, spec.optimizer_bytes_per_param)
+    act = spec.activation_bytes_per_sample
+    shard = spec.activation_tp_sharded
     every = spec.activation_checkpointing
     if every <= 0:
-        return weights + in_flight * m * spec.activation_bytes_per_sample / shard
-    # Checkpointed blocks of ``every`` layers: each microbatch in flight keeps one layer output per
-    # block; backward recomputes one block of one microbatch at a time.
-    stage_layers = spec.layers // pp
-    blocks = -(-stage_layers // every)
-    block = np.minimum(every, stage_layers) * (spec.activation_bytes_per_sample / spec.layers)
-    return weights + (in_flight * m * (blocks * spec.layer_output_bytes_per_sample) + m * block) / tp
+        kept = mm.tp_share(act * (1 - shard) / pp, act * shard / pp, tp)
+        workspace = 0.0
+    else:  # checkpointed blocks of ``every`` layers: each keeps its input (replicated over TP);
+        # backward recomputes one block of one microbatch at a time
+        stage_layers = spec.layers // pp
+        kept = -(-stage_layers // every) * spec.layer_output_bytes_per_sample
+        block = np.minimum(every, stage_layers) * (act / spec.layers)
+        workspace = mm.tp_share(block * (1 - shard), block * shard, tp)
+    opt_dp = dp if spec.optimizer_sharded else 1
+    return mm.rank_bytes(spec.params / pp, tp, per_param, opt_dp, kept, workspace, m, in_flight)
 
 
 def memory_per_gpu(spec: ModuleProfile, degrees: Degrees, *, samples_per_microbatch: int,
                    in_flight: int) -> float:
     """Bytes on a GPU of the first pipeline stage: weights and gradients of 1/(tp*pp) of the
     module, optimizer states further sharded over dp, and activations of ``in_flight``
-    microbatches of ``samples_per_microbatch`` samples (1F1B: stage s of p holds min(p - s, K));
-    with ``activation_checkpointing``, one layer output per block and microbatch in flight plus
-    one block's activations while it is recomputed."""
+    microbatches of ``samples_per_microbatch`` samples (1F1B over the whole chain:
+    ``memory_model.in_flight`` of ``memory_model.stages_to_end``), the TP-sharded fraction of
+    them over TP; with ``activation_checkpointing``, one layer output per block and microbatch in
+    flight plus one block's activations while it is recomputed."""
     return float(memory_bytes(spec, degrees.dp, degrees.tp, degrees.pp, samples_per_microbatch,
                               in_flight))
+
+
+def module_in_flight(graph: ModuleGraph, name: str, layout: Mapping[str, Degrees],
+                     microbatches: int) -> int:
+    """Microbatches in flight at the first stage of module ``name`` in ``layout`` (1F1B over the
+    whole chain, ``memory_model.stages_to_end``)."""
+    gen = max((layout[g].pp for g in graph.generators), default=0)
+    return int(mm.in_flight(mm.stages_to_end(graph.role(name), layout[name].pp,
+                                             layout[graph.llm].pp, gen), microbatches))
+
+
+def layout_memory(profile: Profile, layout: Mapping[str, Degrees]) -> dict[str, float]:
+    """Peak bytes per GPU of every module's first stage in ``layout`` (``memory_per_gpu``)."""
+    graph = profile.graph
+    d = layout[graph.llm].dp * profile.microbatch
+    k = profile.global_batch // d
+    return {n: memory_per_gpu(profile.modules[n], layout[n],
+                              samples_per_microbatch=samples_per_step(profile, n, d, layout[n].dp),
+                              in_flight=module_in_flight(graph, n, layout, k))
+            for n in graph.names}
 
 
 def layout_key(total_ms: float, layout: Mapping[str, Degrees], names: Sequence[str]) -> tuple:

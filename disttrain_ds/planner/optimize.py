@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors,  # noqa: F401
-                                            layout_key, memory_per_gpu, samples_per_step,
+                                            layout_key, layout_memory, memory_per_gpu, samples_per_step,
                                             module_terms, straggler_table, t_iter)
 from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
 from disttrain_ds.planner.profile import GIB, Profile
@@ -127,12 +127,12 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
     k = profile.global_batch // d
     table = straggler_table(profile) if table is None else table
     it = t_iter(profile, layout, table)
-    mods = {}
+    mods, memory = {}, layout_memory(profile, layout)
     for n in graph.names:
         deg, spec = layout[n], profile.modules[n]
         m = samples_per_step(profile, n, d, deg.dp)
         warm, stage = module_terms(profile, n, deg, m, table)
-        mem = memory_per_gpu(spec, deg, samples_per_microbatch=m, in_flight=min(deg.pp, k))
+        mem = memory[n]
         h = 1.0 if table is None else table.factor(n, deg.dp, m)
         mods[n] = ModulePlan(deg.dp * deg.tp * deg.pp, deg.dp, deg.tp, deg.pp, m, warm,
                              stage, mem / GIB if spec.has_memory_figures else None, h,
@@ -176,15 +176,14 @@ def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
             cands.append([Degrees(dp, tp, pp) for dp in dps
                           for tp in spec.tp_degrees(profile.gpus_per_node)
                           for pp in spec.pp_degrees()
-                          if dp * tp * pp <= n_gpus
-                          and (limit is None or memory_per_gpu(
-                              spec, Degrees(dp, tp, pp), samples_per_microbatch=samples_per_step(
-                                  profile, n, d, dp), in_flight=min(pp, bs // d)) <= limit)])
+                          if dp * tp * pp <= n_gpus])
         for combo in itertools.product(*cands):
             if sum(x.dp * x.tp * x.pp for x in combo) > n_gpus:
                 continue
             layout = dict(zip(names, combo))
             if aligned and not tp_aligned(layout, names):
+                continue
+            if limit is not None and max(layout_memory(profile, layout).values()) > limit:
                 continue
             key = layout_key(t_iter(profile, layout, table).total_ms, layout, names)
             if best is None or key < best[0]:

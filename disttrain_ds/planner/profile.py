@@ -72,8 +72,13 @@ class ModuleProfile:
     master weights + Adam moments); ignored when frozen."""
     activation_bytes_per_sample: float = 0.0
     """Activation bytes kept for backward by the whole module for one sample at TP=1; split evenly
-    over pipeline stages and divided by TP (sequence parallelism). Use 0 for a frozen encoder,
-    whose activations are never needed for backward."""
+    over pipeline stages; the fraction ``activation_tp_sharded`` of it is split over TP, the rest
+    is replicated on every TP rank. Use 0 for a frozen encoder, whose activations are never needed
+    for backward."""
+    activation_tp_sharded: float = 0.0
+    """Fraction (0..1) of ``activation_bytes_per_sample`` that TP splits (attention and MLP
+    internals); without sequence parallelism norms' inputs and layer outputs stay whole on every
+    TP rank. 0, the default, counts everything as replicated."""
     flops_per_sample: float | None = None
     """Forward+backward FLOPs of the whole module for one sample; used only for predicted MFU."""
     sample_cost_ms: tuple[float, ...] | None = None
@@ -90,6 +95,10 @@ class ModuleProfile:
     cost_source: dict[int, str] = field(default_factory=dict)
     """TP degree -> ``measured`` | ``interpolated`` | ``assumed`` for the entries of ``cost_ms``;
     a degree not listed is ``assumed``."""
+    optimizer_sharded: bool = True
+    """Whether optimizer states shard over the module's DP group (ZeRO-1, DeepSpeed's bf16
+    optimizer); False for ZeRO-0 in fp32 (set from a recipe by ``planner/legal.py``, never read
+    from JSON)."""
     max_pp: int | None = None
     """Largest pipeline degree the runtime accepts for this module (set from a recipe by
     ``planner/legal.py``, never read from JSON); None: only "PP divides ``layers``"."""
@@ -170,7 +179,7 @@ _TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node",
                "peak_tflops", "description")
 _MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
                   "grad_bytes_per_param", "optimizer_bytes_per_param",
-                  "activation_bytes_per_sample", "flops_per_sample", "activation_checkpointing",
+                  "activation_bytes_per_sample", "activation_tp_sharded", "flops_per_sample", "activation_checkpointing",
                   "layer_output_bytes_per_sample", "sample_cost_ms", "cost_source")
 _NUMBER_FIELDS = _MODULE_FIELDS[2:-2]  # written only when they differ from the default
 
@@ -281,6 +290,7 @@ def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
         activation_bytes_per_sample=_num(data, "activation_bytes_per_sample",
                                          pre + "activation_bytes_per_sample", src,
                                          d.activation_bytes_per_sample),
+        activation_tp_sharded=_fraction(data, pre + "activation_tp_sharded", src),
         flops_per_sample=_num(data, "flops_per_sample", pre + "flops_per_sample", src, None),
         sample_cost_ms=_draw(data, pre + "sample_cost_ms", src),
         activation_checkpointing=_int(data, "activation_checkpointing", pre + "activation_checkpointing",
@@ -290,6 +300,14 @@ def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
                                            d.layer_output_bytes_per_sample),
         cost_source={int(k): v for k, v in sources.items()},
     )
+
+
+def _fraction(data: dict, key: str, src: str) -> float:
+    """``activation_tp_sharded``: a number from 0 to 1, 0 when absent."""
+    raw = data.get("activation_tp_sharded", 0.0)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 <= raw <= 1:
+        raise _fail(src, key, f"must be a number from 0 to 1, got {raw!r}")
+    return float(raw)
 
 
 def _draw(data: dict, key: str, src: str) -> tuple[float, ...] | None:

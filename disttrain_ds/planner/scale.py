@@ -221,7 +221,9 @@ def build_profile(paper: Mapping, spec: ModelSpec, costs: SampleCosts, *, gpus: 
                         "flops_per_sample": float(mean_flops[0])},
             "llm": {"layers": arch["layers"], "cost_ms": tp_costs(llm, ref.megatron_tp),
                     "params": _llm_params(arch), "flops_per_sample": float(mean_flops[1]),
-                    "activation_bytes_per_sample": 34.0 * seq * arch["hidden"] * arch["layers"]},
+                    "activation_bytes_per_sample": 34.0 * seq * arch["hidden"] * arch["layers"],
+                    # Megatron-LM with sequence parallelism, as in the paper: all of it splits over TP
+                    "activation_tp_sharded": 1.0},
             "generator": {"layers": GENERATOR_LAYERS, "cost_ms": tp_costs(gen, 1),
                           "params": paper["generator"]["params_b"] * 1e9,
                           "flops_per_sample": float(mean_flops[2])},

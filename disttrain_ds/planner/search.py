@@ -34,6 +34,11 @@ the encoder and generator units. A graph with at most one encoder and one genera
 nothing, which is the three-module search as it always was; each extra parallel module
 multiplies the unit size by at most its own n_i before pruning (in practice far less).
 
+Memory couples modules through 1F1B's microbatches in flight along the whole chain (an encoder's
+count depends on the LLM's and the generators' pipeline degrees, ``memory_model.stages_to_end``):
+where that changes which layouts fit, each (LLM PP, longest generator PP) pair is a group of its
+own (``options``' ``down``), which keeps the search exact.
+
 With per-sample cost draws (:mod:`disttrain_ds.planner.hetero`) a D's layouts are priced with
 the straggler factors only when the search visits it (step 2 onwards); step 1's bound from mean
 costs stays a lower bound because every factor is >= 1.
@@ -48,6 +53,7 @@ import numpy as np
 
 from disttrain_ds.planner.objective import (Degrees, Roles, combine_arrays, divisors,
                                             layout_key, memory_bytes)
+from disttrain_ds.planner import memory_model as mm
 from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.placement import alignment, start_masks
 from disttrain_ds.planner.profile import Profile
@@ -122,20 +128,54 @@ def module_grid(profile: Profile, name: str) -> tuple[np.ndarray, np.ndarray, np
     return tp, np.tile(np.array(pps, dtype=np.int64), len(tps)), cost
 
 
+def downstream_splits(profile: Profile) -> list[tuple[int, int]]:
+    """Every (LLM pipeline degree, longest generator's pipeline degree) pair (0: no generator):
+    what the microbatches in flight of every module depend on besides its own degree."""
+    graph = profile.graph
+    gens = sorted({p for g in graph.generators for p in profile.modules[g].pp_degrees()}) or [0]
+    return [(p, g) for p in profile.modules[graph.llm].pp_degrees() for g in gens]
+
+
+def _down_key(graph: Roles, name: str, down: tuple[int, int]) -> tuple[int, ...]:
+    """The part of (P, G) module ``name``'s options depend on (``options``)."""
+    if name == graph.llm:
+        return down
+    return (down[0] + down[1],) if name in graph.encoders else (down[1],)
+
+
 def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
             grid: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-            llm: str | None = None, align: int | None = None) -> Opts:
+            llm: str | None = None, align: int | None = None,
+            down: tuple[int, int] | None = None, restrict: bool = True) -> Opts:
     """Every (dp, tp, pp) of module ``name`` at D = d within ``cap`` GPUs and the memory limit;
-    ``grid``, ``llm`` (the LLM's name) and ``align`` only save looking them up again."""
+    ``grid``, ``llm`` (the LLM's name) and ``align`` only save looking them up again.
+
+    ``down`` = (P, G): the plans whose LLM runs P stages and whose generators at most G (0: none),
+    so the LLM keeps only pp = P, every generator pp <= G, and the microbatches in flight are
+    counted for a chain ending with G generator stages (for a plan whose longest generator is
+    shorter, an over-count: that plan is also met, counted exactly, under its own G). None: no
+    restriction, in flight counted with the smallest P and G (the fewest). ``restrict=False``:
+    ``down`` only counts the microbatches in flight (the most, for the largest P and G)."""
     spec = profile.modules[name]
-    is_llm = name == (profile.graph.llm if llm is None else llm)
+    graph = profile.graph
+    is_llm = name == (graph.llm if llm is None else llm)
     tp0, pp0, cost0 = grid if grid is not None else module_grid(profile, name)
+    if down is None:
+        gens = [min(profile.modules[g].pp_degrees(), default=1) for g in graph.generators]
+        p_llm, g_max = min(profile.modules[graph.llm].pp_degrees(), default=1), max(gens, default=0)
+    else:
+        p_llm, g_max = down
+        if restrict:
+            keep = pp0 == p_llm if is_llm else pp0 <= g_max if name in graph.generators else pp0 > 0
+            tp0, pp0, cost0 = tp0[keep], pp0[keep], cost0[keep]
     dps = np.array([d // profile.microbatch] if is_llm else divisors(d), dtype=np.int64)
     dp = dps[:, None]  # rows: dp; columns: (tp, pp) combinations
     tp, pp, cost = tp0[None, :], pp0[None, :], cost0[None, :]
     m = np.full_like(dp, profile.microbatch) if is_llm else d // dp
     warm = m * cost
-    in_flight = np.minimum(pp, profile.global_batch // d)
+    role = "llm" if is_llm else graph.role(name)
+    in_flight = mm.in_flight(mm.stages_to_end(role, pp, pp if is_llm else p_llm, g_max),
+                             profile.global_batch // d)
     gpus = dp * tp * pp
     mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, in_flight), gpus.shape)
     ok = gpus <= cap
@@ -379,19 +419,42 @@ def search(profile: Profile, caps: Mapping[str, int], table: StragglerTable | No
     graph, n_gpus, limit = Roles.of(profile.graph), profile.gpus, profile.memory_limit_bytes
     grids = {n: module_grid(profile, n) for n in graph.names}
     align = alignment(profile) if aligned else 1
+    # Memory couples modules: the microbatches in flight depend on the LLM's and the generators'
+    # pipeline degrees. When the limit keeps the same layouts counted with the fewest in flight
+    # (``options`` without ``down``) and with the most (``worst``), it does not depend on them;
+    # otherwise every (P, G) of ``downstream_splits`` is its own group.
+    downs = [None] if limit is None else downstream_splits(profile)
+    worst = None if limit is None else (max(p for p, _ in downs), max(g for _, g in downs))
     groups = []
     for d in batch_splits(profile):
         k = profile.global_batch // d
-        opts = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm, align)
-                for n in graph.names}
-        if min(len(o) for o in opts.values()) == 0 \
-                or sum(int(o.gpus.min()) for o in opts.values()) > n_gpus:
-            continue
-        lb = float(combine_arrays(graph, {n: float(o.warm.min()) for n, o in opts.items()},
-                                  {n: float(o.stage.min()) for n, o in opts.items()}, k))
-        groups.append((lb, d, k, opts))
+
+        free = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm, align) for n in graph.names}
+        variants = [free]
+        if limit is not None and any(
+                len(free[n]) != len(options(profile, n, d, caps[n], limit, grids[n], graph.llm, align,
+                                            worst, restrict=False)) for n in graph.names):
+            # Memory binds differently for some (P, G): each is its own group. A module's
+            # options depend only on part of (P, G), so equal parts share one computation.
+            cache: dict = {}
+            variants = []
+            for down in downs:
+                opts = {}
+                for n in graph.names:
+                    key = (n, _down_key(graph, n, down))
+                    if key not in cache:
+                        cache[key] = options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down)
+                    opts[n] = cache[key]
+                variants.append(opts)
+        for opts in variants:
+            if min(len(o) for o in opts.values()) == 0 \
+                    or sum(int(o.gpus.min()) for o in opts.values()) > n_gpus:
+                continue
+            lb = float(combine_arrays(graph, {n: float(o.warm.min()) for n, o in opts.items()},
+                                      {n: float(o.stage.min()) for n, o in opts.items()}, k))
+            groups.append((lb, d, len(groups), k, opts))
     best: tuple | None = None
-    for lb, d, k, opts in sorted(groups, key=lambda g: (g[0], g[1])):
+    for lb, d, _, k, opts in sorted(groups, key=lambda g: (g[0], g[1], g[2])):
         if best is not None and lb > best[0][0]:
             break  # groups are sorted by a valid lower bound: none of the rest can win
         bound = None if best is None else best[0][0]

@@ -14,7 +14,7 @@ and ``data.gen_images[1]`` generated images.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 FP32 = 4
 """Bytes of the float32 tensors kept whatever the compute dtype (norm statistics, log-sum-exp, loss)."""
@@ -60,6 +60,15 @@ class LayerBytes:
     """What each layer returns (a pipeline stage keeps its last layer's output until backward)."""
     inputs: float
     """What the module's first layer takes in (a stage keeps the tensors it receives)."""
+    sharded: list[float] = field(default_factory=list)
+    """The part of each layer's ``saved`` that tensor parallelism splits (attention and MLP
+    internals); the rest, and ``outputs`` and ``inputs``, is whole on every TP rank. Empty: all
+    of it is replicated (the safe figure for a family that does not say)."""
+
+    def on_rank(self, tp: int) -> list[float]:
+        """Each layer's saved bytes on one of ``tp`` TP ranks."""
+        split = self.sharded or [0.0] * len(self.saved)
+        return [s - x + x / tp for s, x in zip(self.saved, split)]
 
 
 def llm_layers(cfg, shape: SampleShape, b: int) -> LayerBytes:
@@ -70,10 +79,14 @@ def llm_layers(cfg, shape: SampleShape, b: int) -> LayerBytes:
     # Per token: RMSNorm input kept in float32 plus its normed output, twice (attention, MLP);
     # q, k, v after rotary, cos/sin, attention output; SwiGLU gate, up, silu(gate), down input.
     block = (6 * h + 2 * kv + 2 * d + 4 * f) * b + (2 * h + a + 2) * FP32
+    # TP splits q, k, v, the attention output and log-sum-exp, and the MLP's hidden tensors; the
+    # norms' inputs and outputs and cos/sin are whole on every rank.
+    split = (4 * h + 2 * kv + 4 * f) * b + a * FP32
     head = 2 * h * b + (h + 1) * FP32 + v * FP32  # norm, LM-head input, float32 log-softmax
     saved = [9.0 * s, *[block * s] * cfg.layers, head * s]  # embed: token ids and image mask
     outputs = [h * b * s] * (cfg.layers + 1) + [(v + h) * b * s]  # the head returns logits and states
-    return LayerBytes(saved, outputs, 8.0 * s + h * b * (shape.patches + shape.audio_rows))
+    return LayerBytes(saved, outputs, 8.0 * s + h * b * (shape.patches + shape.audio_rows),
+                      [0.0, *[split * s] * cfg.layers, 0.0])
 
 
 def encoder_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
@@ -84,11 +97,12 @@ def encoder_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerByt
     # Per token: two LayerNorm inputs, normed inputs of q/k/v and the MLP, q, k, v, attention
     # output, GELU input and fc2 input.
     block = ((8 * e + 2 * fe) * b + (a + 4) * FP32) * tokens
+    split = ((4 * e + 2 * fe) * b + a * FP32) * tokens  # q, k, v, attention output, MLP hidden
     head = (e * b + 2 * FP32) * tokens
     projector = (e + 2 * llm_hidden) * b * shape.patches  # fc1 input, GELU input, fc2 input
     saved = [pixels, *[block] * cfg.layers, head, projector]
     outputs = [e * b * tokens] * (cfg.layers + 1) + [e * b * shape.patches, llm_hidden * b * shape.patches]
-    return LayerBytes(saved, outputs, pixels)
+    return LayerBytes(saved, outputs, pixels, [0.0, *[split] * cfg.layers, 0.0, 0.0])
 
 
 def generator_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:

@@ -2,9 +2,9 @@
 
 Parameter counts come from the model's own pipeline layers built on the meta device, split over
 stages as DeepSpeed splits them; activation bytes from ``runtime/activations.py``; and each
-rank's total from the planner's memory model (``planner.optimize.memory_per_gpu``): weights,
-gradients and optimizer states (sharded over DP under ZeRO-1), plus the activations of the
-microbatches 1F1B keeps in flight at that stage. ``--dry-run`` prints it; a real run checks it
+rank's total from the per-rank formula the planner also uses (``planner/memory_model.py``):
+weights, gradients and optimizer states (sharded over DP under ZeRO-1), plus the activations of
+the microbatches 1F1B keeps in flight at that stage along the whole chain of modules. ``--dry-run`` prints it; a real run checks it
 before building anything.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from ..models.configs import trains
 from ..recipe_graph import graph_of
 from ..configtools import ConfigError
+from ..planner.memory_model import in_flight
 from .activations import LayerBytes, module_layers
 from .console import prefer_cpu_accelerator
 
@@ -150,44 +151,37 @@ def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:
     return ds_utils.partition_uniform(num_items=len(params), num_parts=pp)
 
 
-def _per_gpu(params: float, act: float, per_param: tuple, dp: int, tp: int, samples: int, k: int,
+def _per_gpu(params: float, kept: float, per_param: tuple, dp: int, tp: int, samples: int, k: int,
              workspace: float = 0.0) -> list[float]:
-    """(weights, grads, optimizer, activations) bytes of one rank by ``memory_per_gpu``, plus a
-    backward ``workspace`` (per sample) for one microbatch in the activations."""
-    from ..planner.optimize import Degrees, memory_per_gpu
-    from ..planner.profile import ModuleProfile
+    """(weights, grads, optimizer, activations) bytes of one rank by the shared per-rank formula
+    (``planner.memory_model``): ``kept`` and ``workspace`` are per-sample bytes on one TP rank."""
+    from ..planner import memory_model as mm
 
     w, g, o, sharded = per_param
-    full = ModuleProfile(layers=1, cost_ms={1: 0.0}, params=params, weight_bytes_per_param=w,
-                         grad_bytes_per_param=g, optimizer_bytes_per_param=o, activation_bytes_per_sample=act)
-    deg = Degrees(dp if sharded else 1, tp, 1)  # one stage: the stage's own parameters and activations
-    parts = [replace(full, grad_bytes_per_param=0, optimizer_bytes_per_param=0, activation_bytes_per_sample=0),
-             replace(full, weight_bytes_per_param=0, optimizer_bytes_per_param=0, activation_bytes_per_sample=0),
-             replace(full, weight_bytes_per_param=0, grad_bytes_per_param=0, activation_bytes_per_sample=0),
-             replace(full, params=0)]
-    out = [memory_per_gpu(p, deg, samples_per_microbatch=samples, in_flight=k) for p in parts]
-    out[3] += workspace * samples / tp
-    return out
+    return [*mm.state_bytes(params, tp, w, g, o, dp if sharded else 1),
+            mm.activation_bytes(kept, workspace, samples, k)]
 
 
-def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0) -> tuple[float, float]:
-    """Per-sample bytes a stage holding layers ``lo:hi`` keeps for each microbatch in flight
-    (what its layers save, the input it received beside the copy its first layer reads, its
-    output), and the backward workspace of one microbatch (the gradients of one layer's saved
-    tensors: about what the largest layer saves).
+def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int = 1) -> tuple[float, float]:
+    """Per-sample bytes on one TP rank of a stage holding layers ``lo:hi`` kept for each
+    microbatch in flight (what its layers save, the TP-sharded part over ``tp``; the input it
+    received beside the copy its first layer reads; its output), and the backward workspace of one
+    microbatch (the gradients of one layer's saved tensors: about what the largest layer saves).
 
     With activation checkpointing in blocks of ``every`` layers (counted from the stage's first
     layer, as DeepSpeed's PipelineModule forms them), a microbatch in flight keeps only each
     block's input and the stage's output; backward recomputes one block at a time, so the
-    workspace also holds what the largest block saves."""
+    workspace also holds what the largest block saves. Layer inputs and outputs are whole on
+    every TP rank (no sequence parallelism)."""
+    saved = lb.on_rank(tp)
     received = lb.inputs if lo == 0 else lb.outputs[lo - 1]
     out = lb.outputs[hi - 1] if hi > lo else 0.0
-    grads = max(lb.saved[lo:hi], default=0.0)
+    grads = max(saved[lo:hi], default=0.0)
     if every <= 0:
-        return sum(lb.saved[lo:hi]) + received + out, grads
+        return sum(saved[lo:hi]) + received + out, grads
     starts = range(lo, hi, every)
     kept = received + sum(lb.outputs[s - 1] for s in starts if s > lo) + out
-    block = max((sum(lb.saved[s:min(s + every, hi)]) for s in starts), default=0.0)
+    block = max((sum(saved[s:min(s + every, hi)]) for s in starts), default=0.0)
     return kept, block + grads
 
 
@@ -222,9 +216,9 @@ def estimate(recipe) -> list[StageMemory]:
         samples = slot // grid.dp
         for s in range(grid.pp):
             lo, hi = bounds[s], bounds[s + 1]
-            k = min(topo.total_stages - topo.stage_offset(grid.name) - s, gas)
+            k = int(in_flight(topo.total_stages - topo.stage_offset(grid.name) - s, gas))
             every = recipe.parallel.modules[grid.name].activation_checkpointing
-            act, work = _stage_activations(lb, lo, hi, every) if backward[grid.name] else (0.0, 0.0)
+            act, work = _stage_activations(lb, lo, hi, every, grid.tp) if backward[grid.name] else (0.0, 0.0)
             n = sum(params[lo:hi])
             parts = _per_gpu(n, act, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k, work)
             ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)

@@ -16,9 +16,10 @@ from disttrain_ds import plan as cli
 from disttrain_ds.config import find_recipe, load_recipe
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.legal import restrict_to_runtime
+from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peak, with_recipe_memory
 from disttrain_ds.planner.optimize import (Degrees, PlanError, exhaustive_plan, first_ranks, plan,
                                            tp_aligned)
-from disttrain_ds.planner.profile import MODULES, Profile, load_profile, profile_from_dict
+from disttrain_ds.planner.profile import GIB, MODULES, Profile, load_profile, profile_from_dict
 from disttrain_ds.topology import Topology
 
 EXAMPLES = Path(optimize.__file__).parent / "examples"
@@ -48,8 +49,13 @@ def written_recipe_checks(path: Path, result: optimize.Plan, gpus_per_node: int)
     assert spanning_tp_groups(topo, gpus_per_node) == []
 
 
+def runtime_fits(path: Path, limit_gib: float) -> bool:
+    """Whether the runtime's start-up memory check (as ``--dry-run``) accepts the recipe at ``path``."""
+    return runtime_peak(load_recipe(path)) <= limit_gib * GIB
+
+
 @pytest.mark.parametrize("example", sorted(SHIPPED))
-def test_shipped_profile_writes_a_recipe_that_loads_with_tp_groups_inside_nodes(run, tmp_path, example):
+def test_shipped_profile_writes_a_recipe_the_runtime_memory_check_accepts(run, tmp_path, example):
     out = tmp_path / "planned.yaml"
     profile_path = EXAMPLES / example
     code, stdout, err = run("--profile", str(profile_path), "--recipe", SHIPPED[example],
@@ -58,23 +64,29 @@ def test_shipped_profile_writes_a_recipe_that_loads_with_tp_groups_inside_nodes(
     data = json.loads(stdout)
     profile = load_profile(profile_path)
     base = load_recipe(SHIPPED[example], ["layout=disaggregated"])
-    expected = plan(restrict_to_runtime(profile, base)[0])
+    legal = with_recipe_memory(restrict_to_runtime(profile, base)[0], base)
+    limit = cli.runtime_limit(base, legal)
+    expected = plan(legal) if limit is None else fit_plan(
+        legal, plan, lambda p: cli.planned_recipe(find_recipe(SHIPPED[example]), p, False), limit)
     assert data == expected.to_json()
     written_recipe_checks(out, expected, profile.gpus_per_node)
-    # What the runtime's start-up memory check would say is never left unsaid.
-    assert ("memory check would stop it" in err) == bool(cli.memory_problem(out, profile))
+    assert limit is None or runtime_fits(out, limit)
+    assert "memory check would stop it" not in err and cli.memory_problem(out, profile) == ""
 
 
-def test_written_recipe_the_runtimes_memory_check_refuses_is_named_in_a_warning(run, tmp_path):
-    # The paper-built 72B profile has no encoder activations, so the planner gives the encoder
-    # 15 samples per replica; the runtime's estimate (worst-case 8,192 patches) does not fit.
+def test_72b_plan_from_the_profile_alone_is_refused_by_the_runtime_and_the_written_one_is_not(run, tmp_path):
+    # Negative control: the paper-built 72B profile has no encoder activations and counts 1F1B's
+    # microbatches in flight per module; its plan written into mllm_72b does not fit the runtime's
+    # estimate (the worst-case sample's 8,192 patches at the head of the whole chain).
+    profile = load_profile(EXAMPLES / "mllm_72b_1296gpus.json")
+    base = load_recipe("mllm_72b", ["layout=disaggregated"])
+    blind = plan(restrict_to_runtime(profile, base)[0])
+    assert runtime_peak(cli.planned_recipe(find_recipe("mllm_72b"), blind, False)) > 80 * GIB
     out = tmp_path / "planned.yaml"
     code, _, err = run("--profile", str(EXAMPLES / "mllm_72b_1296gpus.json"), "--recipe", "mllm_72b",
                        "--write-recipe", str(out))
-    assert code == 0 and out.exists()
-    warning = [line for line in err.splitlines() if "warning" in line]
-    assert len(warning) == 1 and "the runtime's memory check would stop it at start-up (the profile has no " \
-        "activation_bytes_per_sample for encoder, generator): rank 0 (encoder stage 0" in warning[0]
+    assert code == 0 and "warning: " + str(out) not in err
+    assert runtime_fits(out, 80)
 
 
 def test_9b_plan_keeps_the_generator_at_a_tp_degree_its_heads_split():
@@ -274,3 +286,23 @@ def test_when_only_the_node_rule_leaves_nothing_the_error_says_so_and_shows_the_
                        r"rule is encoder 1x1x1 from rank 0, llm 1x4x1 from rank 1, generator 1x1x1 from rank 5\)$"):
         plan(profile)
     assert plan(profile, aligned=False).module("llm").tp == 4
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_profiles_under_a_memory_limit_write_recipes_the_runtime_memory_check_accepts(run, tmp_path, seed):
+    # The tiny recipe's ranks need a few MiB: limits in that range make memory bind.
+    r = random.Random(7000 + seed)
+    profile, _ = random_runtime_profile(seed)
+    data = _as_dict(profile)
+    limit = r.uniform(0.003, 0.008)
+    data.update(gpu_memory_gb=limit, global_batch=4, gpus=r.randint(8, 64))  # tiny_cpu's batch
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "planned.yaml"
+    code, _, err = run("--profile", str(path), "--recipe", "tiny_cpu", "--write-recipe", str(out))
+    if code != 0:
+        assert not out.exists() and err.count("\n") == 1  # nothing fits: one line, nothing written
+        return
+    recipe = load_recipe(out)
+    assert recipe.train.device_memory_gib <= 0  # tiny_cpu sets none: the profile's limit holds
+    assert runtime_peak(recipe) <= limit * GIB

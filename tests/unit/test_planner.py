@@ -87,7 +87,7 @@ def test_optimum_equals_exhaustive_search_where_the_node_rule_binds(seed):
 def test_node_rule_binds_on_some_of_the_instances_above():
     # Guards the test above from comparing instances the rule never touches.
     binding = 0
-    for seed in range(20):
+    for seed in range(40):
         r = random.Random(1000 + seed)
         data = profile_to_dict(random_profile(seed))
         data["gpus_per_node"] = r.choice([2, 4, 8])
@@ -247,7 +247,11 @@ def test_memory_counts_zero1_shards_and_in_flight_microbatches():
     spec = profile_from_dict(tiny()).module("llm")
     spec = type(spec)(layers=4, cost_ms={1: 1.0}, params=8e9, activation_bytes_per_sample=1e9)
     got = memory_per_gpu(spec, Degrees(dp=4, tp=2, pp=2), samples_per_microbatch=3, in_flight=2)
-    assert got == pytest.approx(8e9 / 4 * (2 + 2 + 12 / 4) + 2 * 3 * 1e9 / 4)
+    # Activations are whole on every TP rank unless the profile says which part TP splits.
+    assert got == pytest.approx(8e9 / 4 * (2 + 2 + 12 / 4) + 2 * 3 * 1e9 / 2)
+    half = dataclasses.replace(spec, activation_tp_sharded=0.5)
+    got = memory_per_gpu(half, Degrees(dp=4, tp=2, pp=2), samples_per_microbatch=3, in_flight=2)
+    assert got == pytest.approx(8e9 / 4 * (2 + 2 + 12 / 4) + 2 * 3 * (0.5e9 + 0.5e9 / 2) / 2)
     frozen = type(spec)(layers=4, cost_ms={1: 1.0}, params=8e9, frozen=True)
     assert memory_per_gpu(frozen, Degrees(1, 1, 1), samples_per_microbatch=1,
                           in_flight=1) == pytest.approx(8e9 * 2)
@@ -336,12 +340,16 @@ def test_checkpointed_activations_keep_one_layer_output_per_block_and_one_block(
         "llm": {"layers": 12, "cost_ms": {"1": 1.0}, "activation_bytes_per_sample": 1200.0,
                 "layer_output_bytes_per_sample": 10.0, "activation_checkpointing": 4},
         "generator": {"layers": 1, "cost_ms": {"1": 1.0}}}}).modules["llm"]
-    # pp=2: 6 layers per stage in blocks of 4 -> 2 blocks; tp=2, 3 microbatches of 2 samples.
+    # pp=2: 6 layers per stage in blocks of 4 -> 2 blocks; tp=2, 3 microbatches of 2 samples;
+    # layer outputs (and here every activation) are whole on each TP rank.
     got = memory_per_gpu(spec, Degrees(1, 2, 2), samples_per_microbatch=2, in_flight=3)
-    assert got == (3 * 2 * (2 * 10.0) + 2 * (4 * 1200.0 / 12)) / 2
+    assert got == 3 * 2 * (2 * 10.0) + 2 * (4 * 1200.0 / 12)
+    split = dataclasses.replace(spec, activation_tp_sharded=1.0)  # the recomputed block splits
+    assert memory_per_gpu(split, Degrees(1, 2, 2), samples_per_microbatch=2, in_flight=3) \
+        == 3 * 2 * (2 * 10.0) + 2 * (4 * 1200.0 / 12) / 2
     plain = dataclasses.replace(spec, activation_checkpointing=0)
     assert memory_per_gpu(plain, Degrees(1, 2, 2), samples_per_microbatch=2, in_flight=3) \
-        == 3 * 2 * 1200.0 / 4
+        == 3 * 2 * 1200.0 / 2
     # A block larger than the stage: the stage is one block.
     assert memory_per_gpu(dataclasses.replace(spec, activation_checkpointing=100), Degrees(1, 1, 4),
                           samples_per_microbatch=1, in_flight=1) == 10.0 + 3 * 100.0
@@ -363,7 +371,8 @@ def test_optimum_with_activation_checkpointing_equals_exhaustive_search(seed):
 def test_checkpointing_lets_a_layout_fit_that_does_not_without_it():
     data = tiny()
     data.update(gpu_memory_gb=1.0, gpus=16)
-    data["modules"]["llm"].update(activation_bytes_per_sample=8 * GIB, layer_output_bytes_per_sample=0.01 * GIB)
+    data["modules"]["llm"].update(activation_bytes_per_sample=8 * GIB, layer_output_bytes_per_sample=0.01 * GIB,
+                                  activation_tp_sharded=1.0)
     with pytest.raises(PlanError, match="needs at least 66 GPUs to fit in memory .* profile has 16"):
         plan(profile_from_dict(data))
     data["modules"]["llm"]["activation_checkpointing"] = 1
