@@ -110,9 +110,9 @@ def test_tiny_step_is_well_under_a_second_on_cpu():
     model = _ours(cfg)
     cond, noisy, t = _inputs(cfg)
     model((cond, noisy, t)).square().mean().backward()  # warm-up
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: other processes' load does not count
     model((cond, noisy, t)).square().mean().backward()
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
 
 
 def test_tensor_parallel_shards_block_attention_and_mlp():

@@ -149,9 +149,9 @@ def test_paper_scale_instance_plans_in_well_under_a_second():
     profile = load_profile(EXAMPLES / "mllm_72b_1296gpus.json")
     assert (profile.gpus, profile.global_batch) == (1296, 1920)
     plan(profile)  # first call pays numpy's one-off start-up
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: other processes' load does not count
     result = plan(profile)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert result.gpus <= 1296
 
 
