@@ -17,6 +17,8 @@ many checkpointed blocks ran and how often their layers ran (``recompute_rank<r>
 the negative control of the evaluation check.
 ``--fault drop_adam_moments`` zeroes the optimizer's per-element state (Adam's moments) read back
 when a checkpoint is re-sharded for another layout: the negative control for resuming under a new layout.
+``--fault drop_fp32_masters`` drops the fp32 master weights read back that way, so a bf16 engine's
+masters restart from its bf16 weights: the negative control for resuming bf16 under a new layout.
 """
 
 from __future__ import annotations
@@ -100,6 +102,18 @@ def main() -> int:
             return full
 
         ckpt_reshard.read_module = read_without_moments
+    elif fault == "drop_fp32_masters":
+        from disttrain_ds.runtime import ckpt_reshard
+
+        read_all = ckpt_reshard.read_module
+
+        def read_without_masters(*a, **kw):
+            full = read_all(*a, **kw)
+            for st in full.values():
+                st.master = None  # the loader then takes the (bf16) weight as the master
+            return full
+
+        ckpt_reshard.read_module = read_without_masters
     elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
     from disttrain_ds.parallel import engine

@@ -84,3 +84,34 @@ def test_init_from_a_step_directory_trains_the_reference_losses_from_its_weights
     assert abs(losses[0] - fresh[0]) > 1e-3  # negative control: the weights did come from the checkpoint
     assert (tmp_path / "ck" / "step_00000002" / "manifest.json").is_file() and step.is_dir()
     assert metrics_steps(tmp_path / "run" / "run") == rows
+
+
+def test_bf16_checkpoint_exports_in_bf16_and_fp32_that_compute_what_the_bf16_modules_compute(tmp_path):
+    """A bf16 run's step directory holds the bf16 weights its engines computed with (the fp32 masters
+    sit in the optimizer files, for resuming); those are the trained modules. ``--dtype bf16`` writes
+    them as they are, ``--dtype fp32`` widens them exactly, and both compute what the modules do."""
+    from safetensors.torch import load_file
+
+    from disttrain_ds.checkpoint_io.export import export_checkpoint
+    from disttrain_ds.checkpoint_io.read import read_module_state, step_recipe, verified_manifest
+    from disttrain_ds.runtime.memory import meta_spec
+
+    _, params, _ = launch(tmp_path / "run", 4, ["layout=disaggregated", "train.dtype=bf16", "train.steps=2",
+                                                "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}"])
+    step = tmp_path / "ck" / "step_00000002"
+    assert {v.dtype for v in params.values() if v.is_floating_point()} == {torch.bfloat16}
+    recipe = step_recipe(verified_manifest(step, "llm"))
+    spec = meta_spec(recipe, params["llm/embed/embed_tokens.weight"].shape[0])
+    for dtype, want in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        out = export_checkpoint(step, tmp_path / dtype, dtype=dtype, log=lambda line: None)
+        for m in MODULES:
+            state = _module_state(params, m)
+            got = read_module_state(step, m)
+            assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state), m
+            for f in (out / m).glob("*.safetensors"):
+                assert {t.dtype for t in load_file(str(f)).values()} == {want}, (dtype, f)
+            # Run in fp32 on both sides: the exported tensors are the bf16 weights, bit for bit.
+            assert output_diff(spec, m, state, out / m) <= 1e-5, (dtype, m)
+    # Negative control: the same check against the generator's untrained init fails.
+    init = {f"{d.name}/{k}": v for d in spec.layers("generator") for k, v in d.build().state_dict().items()}
+    assert output_diff(spec, "generator", init, tmp_path / "fp32" / "generator") > 1e-4

@@ -102,3 +102,38 @@ def test_bf16_resume_in_the_same_layout_continues_bit_for_bit(tmp_path):
     losses, _, log = resume(tmp_path, first_three_steps(tmp_path, (4, bf16)), (4, bf16), "b")
     assert "train.resume: read " in log and "fp32 master partitions" in log
     assert losses == [r["loss"] for r in straight]
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_bf16_resume_in_another_layout_tracks_a_straight_bf16_run_and_catches_dropped_moments(tmp_path):
+    """bf16, 3 steps in the README layout resumed for 3 in LLM DP=2 PP=1 + generator DP=2, against
+    6 bf16 steps straight in that layout (the fp32 reference is no yardstick: bf16 rounding alone
+    moves the losses by ~1e-2). Two bf16 layouts differ by their rounding (reduction order over DP,
+    bf16 activations cut at other stage boundaries); the fp32 masters and Adam's moments must carry
+    over, so the resumed losses stay within that rounding, and the same resume with the moments
+    zeroed (negative control) must leave the tolerance by far."""
+    bf16 = ["train.dtype=bf16"]
+    straight, _, _ = launch(tmp_path / "straight", 5, [*COMMON, *bf16, *WIDE, "train.steps=6"])
+    want = [r["loss"] for r in straight]
+    other, _, _ = launch(tmp_path / "other", 4, [*COMMON, *bf16, *README, "train.steps=6"])
+    spread = _relative([r["loss"] for r in other], want)
+    step3 = first_three_steps(tmp_path, (4, [*bf16, *README]))
+    metrics = tmp_path / "a" / "run" / "metrics.jsonl"
+    first_three = metrics.read_text()
+    losses, _, log = resume(tmp_path, step3, (5, [*bf16, *WIDE]), "b")
+    assert "train.resume: layout changed" in log and "fp32 master partitions" in log
+    metrics.write_text(first_three)  # the control continues the same 3 steps (a resume appends to the run's metrics)
+    bad, _, _ = resume(tmp_path, step3, (5, [*bf16, *WIDE]), "neg", fault="drop_adam_moments")
+    metrics.write_text(first_three)
+    nomaster, _, _ = resume(tmp_path, step3, (5, [*bf16, *WIDE]), "nm", fault="drop_fp32_masters")
+    good_err, bad_err = _relative(losses[3:], want[3:]), _relative(bad[3:], want[3:])
+    print(f"bf16 resumed vs straight: steps 1-3 {_relative(losses[:3], want[:3]):.2e}, steps 4-6 {good_err:.2e}; "
+          f"without moments {bad_err:.2e}; without masters {_relative(nomaster[3:], want[3:]):.2e}; "
+          f"README vs wide straight {spread:.2e}; per step {[abs(a-b)/abs(b) for a, b in zip(losses, want)]} "
+          f"nm {[abs(a-b)/abs(b) for a, b in zip(nomaster, want)]} other {[abs(r['loss']-b)/abs(b) for r, b in zip(other, want)]}")
+    assert good_err < 1e-4, (losses, want)
+    assert bad_err > 1e-3, (bad, want)
