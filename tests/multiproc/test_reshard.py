@@ -108,32 +108,35 @@ def _relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+# bf16 resumed under another layout vs straight in that layout (relative, any of steps 4-6). Measured:
+# 9.3e-5 for the resume below; 1.5e-5 between straight bf16 runs in the two layouts (other layout
+# pairs up to 8e-5: Adam turns rounding noise in near-zero gradients into lr-sized steps). Dropping
+# the fp32 masters on resume (weights only, rounded to bf16) moves the losses by 1.8e-3, dropping
+# Adam's moments by 1.8e-2: 3e-4 sits above bf16's layout noise and 6x below the smaller fault.
+BF16_RESUME_TOL = 3e-4
+
+
 @pytest.mark.slow
-def test_bf16_resume_in_another_layout_tracks_a_straight_bf16_run_and_catches_dropped_moments(tmp_path):
+def test_bf16_resume_in_another_layout_tracks_a_straight_bf16_run_and_catches_dropped_state(tmp_path):
     """bf16, 3 steps in the README layout resumed for 3 in LLM DP=2 PP=1 + generator DP=2, against
     6 bf16 steps straight in that layout (the fp32 reference is no yardstick: bf16 rounding alone
-    moves the losses by ~1e-2). Two bf16 layouts differ by their rounding (reduction order over DP,
-    bf16 activations cut at other stage boundaries); the fp32 masters and Adam's moments must carry
-    over, so the resumed losses stay within that rounding, and the same resume with the moments
-    zeroed (negative control) must leave the tolerance by far."""
+    moves the losses by ~1e-2). The restored weights give the README run's step-4 loss; the fp32
+    masters and Adam's moments must carry over for steps 5-6 to stay within bf16's layout noise, and
+    the same resume without either (negative controls) must leave it."""
     bf16 = ["train.dtype=bf16"]
     straight, _, _ = launch(tmp_path / "straight", 5, [*COMMON, *bf16, *WIDE, "train.steps=6"])
     want = [r["loss"] for r in straight]
     other, _, _ = launch(tmp_path / "other", 4, [*COMMON, *bf16, *README, "train.steps=6"])
-    spread = _relative([r["loss"] for r in other], want)
     step3 = first_three_steps(tmp_path, (4, [*bf16, *README]))
     metrics = tmp_path / "a" / "run" / "metrics.jsonl"
     first_three = metrics.read_text()
-    losses, _, log = resume(tmp_path, step3, (5, [*bf16, *WIDE]), "b")
-    assert "train.resume: layout changed" in log and "fp32 master partitions" in log
-    metrics.write_text(first_three)  # the control continues the same 3 steps (a resume appends to the run's metrics)
-    bad, _, _ = resume(tmp_path, step3, (5, [*bf16, *WIDE]), "neg", fault="drop_adam_moments")
-    metrics.write_text(first_three)
-    nomaster, _, _ = resume(tmp_path, step3, (5, [*bf16, *WIDE]), "nm", fault="drop_fp32_masters")
-    good_err, bad_err = _relative(losses[3:], want[3:]), _relative(bad[3:], want[3:])
-    print(f"bf16 resumed vs straight: steps 1-3 {_relative(losses[:3], want[:3]):.2e}, steps 4-6 {good_err:.2e}; "
-          f"without moments {bad_err:.2e}; without masters {_relative(nomaster[3:], want[3:]):.2e}; "
-          f"README vs wide straight {spread:.2e}; per step {[abs(a-b)/abs(b) for a, b in zip(losses, want)]} "
-          f"nm {[abs(a-b)/abs(b) for a, b in zip(nomaster, want)]} other {[abs(r['loss']-b)/abs(b) for r, b in zip(other, want)]}")
-    assert good_err < 1e-4, (losses, want)
-    assert bad_err > 1e-3, (bad, want)
+    runs = {}
+    for fault in (None, "drop_fp32_masters", "drop_adam_moments"):
+        metrics.write_text(first_three)  # each resume continues the same 3 steps (a resume appends to the run's metrics)
+        runs[fault], _, log = resume(tmp_path, step3, (5, [*bf16, *WIDE]), fault or "b", fault=fault)
+        assert "train.resume: layout changed" in log and "fp32 master partitions" in log
+        assert runs[fault][:4] == pytest.approx([r["loss"] for r in other][:4], rel=1e-6, abs=0)
+    errs = {f: _relative(losses[3:], want[3:]) for f, losses in runs.items()}
+    print(f"bf16 resume vs straight, relative: {errs}; straight layouts: {_relative([r['loss'] for r in other], want):.2e}")
+    assert errs[None] < BF16_RESUME_TOL, (runs[None], want)
+    assert errs["drop_fp32_masters"] > BF16_RESUME_TOL and errs["drop_adam_moments"] > BF16_RESUME_TOL, errs
