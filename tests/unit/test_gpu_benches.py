@@ -35,7 +35,7 @@ def _run(cmd: list[str], timeout: int = 300, hide_cuda: bool = False) -> subproc
     return proc
 
 
-@pytest.mark.parametrize("script", ["gpu_modules.py", "gpu_comm_overlap.py"])
+@pytest.mark.parametrize("script", ["gpu_modules.py", "gpu_comm_overlap.py", "gpu_vae.py"])
 def test_bench_without_cuda_prints_only_the_skip_line_and_exits_zero(script):
     proc = _run([sys.executable, str(BENCH / script)], hide_cuda=True)
     assert proc.stdout.splitlines() == ["skipped: no CUDA device"]
@@ -130,3 +130,14 @@ def test_module_bench_refuses_unknown_modules_and_bad_batches():
     with pytest.raises(SystemExit, match="--batch 'vit=0': expected MODULE=N"):
         mods.parse_batch(["vit=0"], tiny=True)
     assert mods.parse_batch(["unet1024=4"], tiny=False)["unet1024"] == 4
+
+
+def test_vae_bench_tiny_cpu_smoke_counts_flops_per_image_and_latent_sides(tmp_path):
+    out = tmp_path / "vae.json"
+    proc = _run([sys.executable, str(BENCH / "gpu_vae.py"), "--device", "cpu", "--tiny", "--sizes", "32",
+                 "--batch", "2", "--repeats", "1", "--warmup", "0", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["latent"] == [4, 16, 16]  # the tiny VAE has two levels: one 2x downsampling
+    assert row["gflop_per_image"] > 0 and row["ms_per_image"] > 0
+    assert row["images_per_s"] == pytest.approx(1e3 / row["ms_per_image"])
+    assert "| 32 | 4x16x16 |" in proc.stdout
