@@ -12,9 +12,13 @@ call and counts the bytes autograd keeps for backward, for:
 - ``doc_attention (spans)``: SDPA ``is_causal`` on each document's span, spans of equal length
   batched (``models/doc_mask.py::doc_attention``, what the LLM uses: a variable-length kernel's
   work, no mask);
-- ``flex_attention``: torch's flex attention with a block mask, compiled; it has no backward on CPU.
+- ``flex_attention``: torch's flex attention with a block mask from ``create_block_mask``,
+  compiled; it has no backward on CPU;
+- ``doc_attention (flex)``: the same through ``doc_attention`` as the LLM calls it on CUDA (block
+  mask from ``doc_block_mask``, the module-level compiled kernel).
 
-Each row also checks its output against the boolean-mask row.
+Each row also checks its output against the boolean-mask row. With flex it also prints how long
+building each block mask takes (done once per microbatch).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from disttrain_ds.data.types import doc_ids
-from disttrain_ds.models.doc_mask import doc_attention, doc_causal_mask, doc_spans
+from disttrain_ds.models.doc_mask import doc_attention, doc_block_mask, doc_causal_mask, doc_spans
 
 
 def saved_bytes(fn) -> tuple[torch.Tensor, int]:
@@ -42,20 +46,28 @@ def saved_bytes(fn) -> tuple[torch.Tensor, int]:
     return out, sum(seen.values())
 
 
-def timed(fn, q, k, v, steps: int, device: str) -> float:
+def timed(fn, device: str, steps: int) -> float:
+    """Median seconds of ``fn()`` over ``steps`` calls after one warm-up call."""
     times = []
     for i in range(steps + 1):
-        for t in (q, k, v):
-            t.grad = None
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn().sum().backward()
+        fn()
         if device == "cuda":
             torch.cuda.synchronize()
         if i:  # the first call warms up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def fwd_bwd(fn, leaves):
+    """One forward + backward of ``fn``, gradients reset first."""
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn().sum().backward()
+    return step
 
 
 def main() -> None:
@@ -93,9 +105,17 @@ def main() -> None:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
             d0 = docs[0]
-            block = create_block_mask(lambda b, h, i, j: (d0[i] == d0[j]) & (i >= j), 1, None, s, s, device=dev)
+
+            def build_raw():
+                return create_block_mask(lambda b, h, i, j: (d0[i] == d0[j]) & (i >= j), 1, None, s, s, device=dev)
+
+            block = build_raw()
             compiled = torch.compile(flex_attention)
             variants["flex_attention"] = lambda: compiled(q, k, v, block_mask=block)
+            ours = doc_block_mask(docs)
+            variants["doc_attention (flex)"] = lambda: doc_attention(None, q, k, v, None, doc_blocks=ours)[0].transpose(1, 2)
+            for name, build in (("create_block_mask", build_raw), ("doc_block_mask", lambda: doc_block_mask(docs))):
+                print(f"block mask build, {name}: {timed(build, dev, args.steps) * 1e3:.2f} ms")
         except Exception as exc:  # noqa: BLE001 - reported as a row
             print(f"flex_attention: unavailable ({type(exc).__name__}: {exc})")
 
@@ -106,7 +126,7 @@ def main() -> None:
         try:
             out, saved = saved_bytes(fn)
             diff = (out.detach().float() - ref).abs().max().item()
-            ms = timed(fn, q, k, v, args.steps, dev) * 1e3
+            ms = timed(fwd_bwd(fn, (q, k, v)), dev, args.steps) * 1e3
         except Exception as exc:  # noqa: BLE001 - e.g. flex attention's missing CPU backward
             print(f"{name:24s} {'-':>11s} {'-':>10s} {'-':>11s}  ({type(exc).__name__}: {str(exc).splitlines()[0][:70]})")
             continue

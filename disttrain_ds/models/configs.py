@@ -8,6 +8,7 @@ Stable-Diffusion-2.1-like U-Net (~866M). A recipe names a preset and may overrid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -71,6 +72,11 @@ class LLMConfig:
     """Largest position for rotary embeddings."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    doc_attention: Literal["auto", "spans", "flex"] = "auto"
+    """How attention stays inside each packed document (``models/doc_mask.py``): ``spans`` runs
+    causal SDPA per document span, ``flex`` compiled flex attention with a block mask (CUDA only:
+    no backward on CPU), ``auto`` flex on CUDA and spans elsewhere. All three compute the same
+    function."""
     frozen: bool = False
     """Keep the backbone's weights fixed (gradients still flow through to the encoders' projectors)."""
     checkpoint: str = ""

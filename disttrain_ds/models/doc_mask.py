@@ -6,31 +6,57 @@ A query attends to the keys of its own document up to itself, and positions coun
 start of each document, so a document's outputs are those it would have alone. The padding forms
 one more span that attends only to itself; nothing attends to it.
 
-The LLM runs this as ``doc_attention``: causal SDPA on each span, spans of equal length batched
-(``models/packed.py``), so no [S, S] mask is built or kept and the attention work is the cost
-model's sum of squared document lengths. ``doc_causal_mask`` is the same rule as a boolean mask
-(tests and ``bench/bench_doc_mask.py`` compare the two).
+The LLM runs this as ``doc_attention``, in one of two ways that compute the same function, chosen
+by ``LLMConfig.doc_attention`` (``doc_attention_kwargs``):
+
+- spans: causal SDPA on each span, spans of equal length batched (``models/packed.py``), so no
+  [S, S] mask is built or kept and the attention work is the cost model's sum of squared document
+  lengths; the default off CUDA (flex attention has no backward on CPU);
+- flex: compiled flex attention under a block mask built from the spans' block ends
+  (``doc_block_mask``, no [S, S] mask either); the default on CUDA, where it is the faster one.
+
+Either is built once per microbatch and reused by every block of a stage. ``doc_causal_mask`` is
+the same rule as a boolean mask (tests and ``bench/bench_doc_mask.py`` compare them).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..configtools import ConfigError
 from .packed import per_item
 
 DOC_ATTENTION = "disttrain_doc_spans"
 """Name of ``doc_attention`` among transformers' attention implementations."""
 
 
+FLEX_BLOCK = 128
+"""Side of flex attention's mask blocks (its default sparse block size)."""
+
+
+def _run_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, S]: True where a run of one document (or of padding) begins."""
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return start
+
+
 def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """int64 [B, S]: each position's offset from the start of its document (or of the padding)."""
     idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
-    start = torch.ones_like(doc_ids, dtype=torch.bool)
-    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    first = torch.where(_run_starts(doc_ids), idx, torch.zeros_like(idx)).cummax(dim=1).values
     return idx - first
+
+
+def doc_runs(doc_ids: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S]: the index of each position's run (0, 1, ... along each row, padding included):
+    the spans of ``doc_spans`` numbered, ascending along a row."""
+    return _run_starts(doc_ids).long().cumsum(dim=1) - 1
 
 
 def doc_spans(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -48,14 +74,100 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
 
 
+def doc_mask_mod(runs: torch.Tensor) -> Callable:
+    """flex attention's mask_mod over ``doc_runs``: query q may attend key kv of its own run, kv <= q."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (runs[b, q_idx] == runs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return mask_mod
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [B, 1, nq, nk] block flags -> (blocks per query block, their kv block indices first),
+    as flex attention's own ``create_block_mask`` orders them."""
+    dense = dense.to(torch.int32)
+    return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def doc_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
+    """flex attention's block mask of ``doc_mask_mod`` for [B, S] ``doc_ids``, built from each
+    block's first and last run (B x blocks^2 work, no [S, S] mask as ``create_block_mask`` makes)."""
+    b, s = doc_ids.shape
+    runs = doc_runs(doc_ids)
+    n = -(-s // block)
+    # Positions past S form a run of their own (run indices stay below S), so no last block is full.
+    ends = F.pad(runs, (0, n * block - s), value=s).view(b, n, block)
+    first, last = ends[..., 0], ends[..., -1]
+    i = torch.arange(n, device=doc_ids.device)
+    below = (i[:, None] > i[None, :]).expand(b, n, n)  # [B, q block, kv block]: kv block before q block
+    # Runs ascend along a row: kv block j < q block i share a run iff j's last run is i's first,
+    # and every pair is allowed iff j's first run is i's last (one run covers both blocks).
+    full = below & (first[:, None, :] == last[:, :, None])
+    some = (below & (last[:, None, :] == first[:, :, None])) | (i[:, None] == i[None, :])
+    partial = some & ~full
+    kv_num, kv_idx = _ordered(partial.unsqueeze(1))
+    full_num, full_idx = _ordered(full.unsqueeze(1))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+                                    mask_mod=doc_mask_mod(runs), seq_lengths=(s, s))
+
+
+_FLEX: Callable | None = None
+
+
+def flex_kernel() -> Callable:
+    """``flex_attention`` compiled once for the process (uncompiled it materialises the scores)."""
+    global _FLEX
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def doc_attention_path(choice: str, device: torch.device) -> str:
+    """``LLMConfig.doc_attention`` on ``device`` -> "spans" or "flex"."""
+    if choice == "auto":
+        return "flex" if device.type == "cuda" else "spans"
+    if choice == "flex" and device.type != "cuda":
+        raise ConfigError(f"doc_attention: flex needs a CUDA device (flex attention has no backward on "
+                          f"{device.type}); set model.<llm>.doc_attention to auto or spans")
+    if choice not in ("spans", "flex"):
+        raise ConfigError(f"doc_attention must be one of auto | spans | flex, got {choice!r}")
+    return choice
+
+
+_LAST: tuple = ()
+"""(doc_ids tensor, its version, choice, kwargs) of the last microbatch seen."""
+
+
+@torch.compiler.disable
+def doc_attention_kwargs(doc_ids: torch.Tensor, choice: str = "auto") -> dict:
+    """Keyword arguments for ``doc_attention`` (``doc_spans`` or ``doc_blocks``) for [B, S]
+    ``doc_ids``: built once per microbatch, since every block of a stage passes the same tensor on."""
+    global _LAST
+    if _LAST and _LAST[0] is doc_ids and _LAST[1] == doc_ids._version and _LAST[2] == choice:
+        return _LAST[3]
+    if doc_attention_path(choice, doc_ids.device) == "flex":
+        kwargs = {"doc_blocks": doc_block_mask(doc_ids)}
+    else:
+        kwargs = {"doc_spans": doc_spans(doc_ids)}
+    _LAST = (doc_ids, doc_ids._version, choice, kwargs)
+    return kwargs
+
+
 def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                  doc_spans=None, **kwargs):
+                  doc_spans=None, doc_blocks: BlockMask | None = None, **kwargs):
     """transformers attention interface: q [B, Hq, S, D], k / v [B, Hkv, S, D] -> [B, S, Hq, D],
-    causal inside each span of ``doc_spans`` (lengths covering the B rows in order)."""
-    if doc_spans is None or attention_mask is not None:
-        raise ValueError(f"{DOC_ATTENTION} attention takes doc_spans and no attention_mask")
+    causal inside each span of ``doc_spans`` (lengths covering the B rows in order), or under the
+    block mask ``doc_blocks`` (``doc_block_mask``) through compiled flex attention."""
+    if attention_mask is not None or (doc_spans is None) == (doc_blocks is None):
+        raise ValueError(f"{DOC_ATTENTION} attention takes doc_spans or doc_blocks and no attention_mask")
     b, hq, s, d = query.shape
     hk = key.shape[1]
+    if doc_blocks is not None:
+        if dropout:
+            raise ValueError(f"{DOC_ATTENTION} attention through flex has no dropout, got {dropout}")
+        out = flex_kernel()(query, key, value, block_mask=doc_blocks, scale=scaling, enable_gqa=hk != hq)
+        return out.transpose(1, 2), None
     # One row per position holding its q, k and v, so spans cut all three at once.
     rows = torch.cat([t.transpose(1, 2).reshape(b * s, -1) for t in (query, key, value)], dim=-1)
 

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ...models.configs import LLMConfig
-from ...models.doc_mask import DOC_ATTENTION, doc_positions, doc_spans
+from ...models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
 from ...models.layers import LayerDef, seeded
 from ..base import BuildContext
 
@@ -102,22 +102,24 @@ class LlmEmbed(nn.Module):
 
 
 class LlmBlock(nn.Module):
-    """(hidden, doc_ids) -> (hidden, doc_ids): one decoder layer, causal inside each document,
-    rotary positions restarting at each document."""
+    """(hidden, doc_ids) -> (hidden, doc_ids): one decoder layer, causal inside each document
+    (per span or through flex attention, ``cfg.doc_attention``), rotary positions restarting at
+    each document."""
 
     def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
         super().__init__()
         hf = decoder.config(cfg)
-        hf._attn_implementation = DOC_ATTENTION  # this block's own config: causal SDPA per document
+        hf._attn_implementation = DOC_ATTENTION  # this block's own config: attention per document
+        self.doc_attention = cfg.doc_attention
         self.layer = decoder.layer(hf, index)
         self.rotary = decoder.rotary(hf)
 
     def forward(self, inputs):
         hidden, doc_ids = inputs
         pos = doc_positions(doc_ids)
-        # Attention per document span, no [S, S] mask (bench/bench_doc_mask.py compares the options).
+        # No [S, S] mask: spans or a block mask, built once per microbatch (bench/bench_doc_mask.py).
         out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos),
-                         doc_spans=doc_spans(doc_ids))
+                         **doc_attention_kwargs(doc_ids, self.doc_attention))
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 
