@@ -102,25 +102,30 @@ class Result:
     """Every timed step, milliseconds."""
 
 
-def llm_case(tiny: bool, seq_len: int, batch: int) -> Case:
+def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention: str = "auto") -> Case:
+    from disttrain_ds.data.types import doc_ids
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.llama.model import llm_layers
     from disttrain_ds.models.objectives import lm_loss
 
-    cfg = LLMConfig(preset="bench", **(LLM_TINY if tiny else LLM_1B))
+    cfg = LLMConfig(preset="bench", doc_attention=doc_attention, **(LLM_TINY if tiny else LLM_1B))
     cfg.max_position = max(cfg.max_position, seq_len)
+    # ``docs`` equal documents per packed sequence (the last one takes the remainder).
+    lens = (seq_len // docs,) * (docs - 1) + (seq_len - (seq_len // docs) * (docs - 1),)
     image_token = cfg.vocab_size - 1  # never drawn below: the batch is text only
 
     def inputs(device, dtype):
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len), generator=g).to(device)
         labels = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len), generator=g).to(device)
-        return (ids, torch.zeros(0, cfg.hidden_size, device=device, dtype=dtype), torch.zeros_like(ids)), labels
+        docs_ = doc_ids(lens, seq_len).expand(batch, seq_len).contiguous().to(device)
+        return (ids, torch.zeros(0, cfg.hidden_size, device=device, dtype=dtype), docs_), labels
 
     flops = lambda: llm_flops_packed(  # noqa: E731
         layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
-        kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, doc_lens=[seq_len] * batch)
-    return Case("llm", f"{batch} x {seq_len} tokens", lambda: [d.build() for d in llm_layers(cfg, BuildContext("llm", 0, cfg.hidden_size, image_token))],
+        kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, doc_lens=list(lens) * batch)
+    shape = f"{batch} x {seq_len} tokens" + (f", {docs} docs" if docs > 1 else "")
+    return Case("llm", shape, lambda: [d.build() for d in llm_layers(cfg, BuildContext("llm", 0, cfg.hidden_size, image_token))],
                 inputs, lambda out, labels: lm_loss(out[0], labels), flops)
 
 
@@ -184,11 +189,12 @@ def unet_case(name: str, tiny: bool, batch: int) -> Case:
                 inputs, lambda out, tgt: diffusion_loss(out, tgt[0], tgt[1]), flops)
 
 
-def build_cases(names: list[str], tiny: bool, seq_len: int, batch: dict[str, int]) -> list[Case]:
+def build_cases(names: list[str], tiny: bool, seq_len: int, batch: dict[str, int], docs: int = 1,
+                doc_attention: str = "auto") -> list[Case]:
     out = []
     for name in names:
         if name == "llm":
-            out.append(llm_case(tiny, seq_len, batch[name]))
+            out.append(llm_case(tiny, seq_len, batch[name], docs, doc_attention))
         elif name == "vit":
             out.append(vit_case(tiny, batch[name]))
         else:
@@ -313,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
     ap.add_argument("--attention", default="auto", choices=BACKENDS, help="restrict SDPA to one backend")
+    ap.add_argument("--docs", type=int, default=1, help="LLM: equal documents per packed sequence (attention stays in each)")
+    ap.add_argument("--doc-attention", default="auto", choices=("auto", "spans", "flex"),
+                    help="LLM: document attention path (model.<llm>.doc_attention)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak instead of the table's")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -323,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--modules: unknown {unknown}; choose from {', '.join(MODULES)}")
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.docs < 1:
+        raise SystemExit("--docs must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return 0
@@ -334,10 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"{exc} (pass --peak-tflops)") from None
     print(f"device: {device_name}; peak {peak:.1f} TFLOP/s ({peak_src}); bf16 params/grads/AdamW states, "
-          f"{'fused' if device.type == 'cuda' else 'foreach'} AdamW; attention: {args.attention}; "
+          f"{'fused' if device.type == 'cuda' else 'foreach'} AdamW; attention: {args.attention}, documents {args.doc_attention}; "
           f"torch {torch.__version__}")
     results = []
-    for case in build_cases(names, args.tiny, seq_len, parse_batch(args.batch, args.tiny)):
+    for case in build_cases(names, args.tiny, seq_len, parse_batch(args.batch, args.tiny), args.docs,
+                                   args.doc_attention):
         try:
             res = run_case(case, device, torch.bfloat16, args.steps, args.warmup, peak, args.attention, args.compile)
             res.note = goal_note(res, device_name)
