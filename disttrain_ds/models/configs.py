@@ -75,8 +75,8 @@ class LLMConfig:
     doc_attention: Literal["auto", "spans", "flex"] = "auto"
     """How attention stays inside each packed document (``models/doc_mask.py``): ``spans`` runs
     causal SDPA per document span, ``flex`` compiled flex attention with a block mask (CUDA only:
-    no backward on CPU), ``auto`` flex on CUDA and spans elsewhere. All three compute the same
-    function."""
+    no backward on CPU), ``auto`` flex on CUDA for microbatches that pack several documents (or a document
+    and padding) in a row, spans otherwise. All three compute the same function."""
     frozen: bool = False
     """Keep the backbone's weights fixed (gradients still flow through to the encoders' projectors)."""
     checkpoint: str = ""

@@ -103,6 +103,18 @@ def test_auto_is_flex_on_cuda_and_spans_elsewhere():
     assert doc_attention_kwargs(docs)["doc_spans"].tolist() == [3, 2, 1]
 
 
+def test_auto_keeps_plain_causal_sdpa_for_rows_of_one_whole_document(monkeypatch):
+    # Pretend CUDA: auto's device rule says flex; a microbatch without packing still takes the
+    # spans (one causal SDPA per row), an explicit flex does not.
+    monkeypatch.setattr(doc_mask, "doc_attention_path", lambda choice, device: "flex" if choice != "spans" else "spans")
+    whole = _docs([(6,), (6,)], 6)
+    packed, padded = _docs([(3, 3), (6,)], 6), _docs([(4,), (6,)], 6)
+    assert set(doc_attention_kwargs(whole, "auto")) == {"doc_spans"}
+    assert set(doc_attention_kwargs(whole, "flex")) == {"doc_blocks"}
+    assert set(doc_attention_kwargs(packed, "auto")) == {"doc_blocks"}
+    assert set(doc_attention_kwargs(padded, "auto")) == {"doc_blocks"}  # padding is a span of its own
+
+
 def test_flex_on_cpu_is_a_one_line_error_naming_the_setting(tiny_spec):
     with pytest.raises(ConfigError, match=r"^doc_attention: flex needs a CUDA device .* auto or spans$"):
         doc_attention_path("flex", torch.device("cpu"))
