@@ -2,10 +2,12 @@
 
 The global batch is cut into ``global_batch / (dp_size * micro_batch)`` consecutive microbatches.
 Each is split across the LLM's DP ranks with equal sample counts, minimising the slowest rank
-(intra-microbatch reordering); then the microbatches are put in the order that minimises the
-simulated 1F1B makespan of a three-stage pipeline (encoder -> LLM -> generator), where a stage's
-time for a microbatch is its slowest DP rank (inter-microbatch reordering). Costs come from
-:class:`disttrain_ds.costmodel.CostModel`.
+(intra-microbatch reordering) by each sample's cost summed over every module of the graph (both
+encoders of an image + audio graph included); then the microbatches are put in the order that
+minimises the simulated 1F1B makespan of a three-stage pipeline (encoders -> LLM -> generators),
+where a module's time for a microbatch is its slowest DP rank and a stage's time its slowest
+module's (inter-microbatch reordering). Costs come from
+:class:`disttrain_ds.module_costs.GraphCosts`.
 
 The returned batch reads as: microbatches in execution order; inside each, DP rank 0's
 ``micro_batch`` samples, then rank 1's, and so on. Samples never leave their global batch, so
@@ -24,9 +26,9 @@ INTER_TIME_BUDGET_S = 1.0
 
 
 def _cost_model(shape: ShapeSpec):
-    from disttrain_ds.costmodel import CostModel
+    from disttrain_ds.module_costs import as_graph_costs
 
-    return shape.cost_model if shape.cost_model is not None else CostModel.paper_mllm()
+    return as_graph_costs(shape.cost_model)
 
 
 def reorder_batch(samples: list[PackedSample], shape: ShapeSpec, special: SpecialTokens) -> list[PackedSample]:
@@ -39,10 +41,12 @@ def reorder_batch(samples: list[PackedSample], shape: ShapeSpec, special: Specia
     if slot < 1 or len(samples) % slot:
         raise ValueError(f"data.reorder: global batch {len(samples)} is not a multiple of dp_size * micro_batch = {slot}")
     model = _cost_model(shape)
-    per_module = model.costs([s.stats(shape.patch_size, special) for s in samples])  # [n, 3] forward
+    per_module = model.costs([s.stats(shape.patch_size, special) for s in samples])  # [n, modules] forward
     total = per_module.sum(axis=1) * (1.0 + model.backward_factor)
     groups = build_microbatches(total, dp, len(samples) // slot)
-    # Stage time of a microbatch = its slowest DP rank, per module.
-    fwd = np.array([[max(per_module[ranks_idx, m].sum() for ranks_idx in mb) for m in range(3)] for mb in groups])
+    # A module's time for a microbatch = its slowest DP rank; a stage's = its slowest module.
+    slowest = np.array([[max(per_module[ranks_idx, m].sum() for ranks_idx in mb) for m in range(per_module.shape[1])]
+                        for mb in groups])
+    fwd = model.stage_times(slowest)
     order = inter_microbatch_reorder(fwd, fwd * model.backward_factor, time_budget_s=INTER_TIME_BUDGET_S)
     return [samples[i] for j in order for rank in groups[j] for i in rank]

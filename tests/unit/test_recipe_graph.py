@@ -92,7 +92,7 @@ def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
     assert [g.name for g in Topology.from_recipe(r).modules] == ["llm", "art"]
     # Balancing costs one generated image at the DiT's forward FLOPs.
     one = SampleStats(text_tokens=128, image_patches=(), gen_images=1, gen_resolution=art.resolution, seq_len=128)
-    assert cost_model(r).generator_cost(one) == pytest.approx(forward_flops(art))
+    assert cost_model(r).model.generator_cost(one) == pytest.approx(forward_flops(art))
     # The MFU meter counts each generated image at 3 x forward (trained) plus the projector's share.
     from disttrain_ds.metrics.flops import projector_flops_per_token
     from disttrain_ds.metrics.step_flops import StepFlopsCounter
