@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from .config import ModuleParallel, Recipe
     from .graph import ModuleGraph
 
+AUDIO_SOURCES = ("synthetic", "local", "webdataset", "parquet", "folder", "hf")
+"""Values of ``data.source`` that produce audio clips."""
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 """A run name: letters, digits and ``._-``, not starting with ``.``, 1 to 100 characters."""
 
@@ -181,8 +183,8 @@ def validate(r: Recipe) -> None:
     _check(bool(audio) or d.max_audio == 0, src, "data.max_audio",
            f"must be 0: the model has no audio encoder, got {d.max_audio}")
     for name in audio:
-        _check(d.source in ("synthetic", "local"), src, "data.source",
-               f"{module_key(r, name)} reads audio clips, which data.source synthetic and local produce; got {d.source}")
+        _check(d.source in AUDIO_SOURCES, src, "data.source",
+               f"{module_key(r, name)} reads audio clips, which data.source {', '.join(AUDIO_SOURCES)} produce; got {d.source}")
         _check(d.max_audio >= 1, src, "data.max_audio",
                f"must be >= 1: {module_key(r, name)} reads up to max_audio clips per sequence")
         top = module_config(r, name).max_frames

@@ -47,7 +47,8 @@ def _graph(**modules) -> dict:
     (lambda d: d["model"]["modules"].update(ear={"family": "whisper"}),
      "'data.max_audio' must be >= 1: model.modules.ear reads up to max_audio clips per sequence"),
     (lambda d: (d["model"]["modules"].update(ear={"family": "whisper"}), d["data"].update(max_audio=1, source="laion")),
-     "'data.source' model.modules.ear reads audio clips, which data.source synthetic and local produce; got laion"),
+     "'data.source' model.modules.ear reads audio clips, which data.source synthetic, local, webdataset, parquet, "
+     "folder, hf produce; got laion"),
     (lambda d: (d["model"]["modules"].update(ear={"family": "whisper", "max_frames": 32}), d["data"].update(max_audio=1)),
      "'data.audio_frames' clips of up to 64 frames exceed model.modules.ear.max_frames 32"),
     (lambda d: d["data"].update(max_audio=1), "'data.max_audio' must be 0: the model has no audio encoder"),
