@@ -120,3 +120,44 @@ def test_stage_times_take_the_slowest_module_of_each_role():
     costs = cost_model(load_recipe("tiny_omni"))
     per = np.array([[1.0, 5.0, 2.0, 3.0], [4.0, 1.0, 2.0, 0.0]])  # vision, ear, llm, painter
     assert costs.stage_times(per).tolist() == [[5.0, 2.0, 3.0], [4.0, 2.0, 0.0]]
+
+
+def test_a_split_even_in_total_is_refined_until_each_encoder_is_even():
+    from disttrain_ds.data.module_balance import refine_split, split_objective
+
+    # vision, ear, llm: two image-heavy and two clip-heavy samples, every total the same.
+    costs = np.array([[10.0, 0.0, 5.0], [0.0, 10.0, 5.0], [10.0, 0.0, 5.0], [0.0, 10.0, 5.0]])
+    stages = [0, 0, 1]  # both encoders form the first stage
+    even_totals = [[0, 2], [1, 3]]  # vision 20 | 0, ear 0 | 20
+    refined = refine_split(costs, even_totals, stages)
+    assert {frozenset(g) for g in refined} in ({frozenset({0, 1}), frozenset({2, 3})}, {frozenset({0, 3}), frozenset({1, 2})})
+    loads = lambda groups: np.stack([costs[g].sum(axis=0) for g in groups], axis=-1)  # noqa: E731
+    assert split_objective(loads(refined), np.array(stages))[0] == 20.0  # 10 + 10, down from 20 + 10
+    assert split_objective(loads(even_totals), np.array(stages))[0] == 30.0
+    assert refine_split(costs, refined, stages) == refined  # nothing left to gain
+
+
+def test_reordering_evens_each_encoder_where_summed_costs_tie(monkeypatch):
+    from disttrain_ds.costmodel import CostModel
+    from disttrain_ds.data import module_balance
+
+    # One FLOP per patch and per frame, nothing else: an image of 16 patches costs what a 16-frame clip does.
+    unit = CostModel(enc_per_patch=1.0, enc_per_patch_sq=0.0, llm_per_token=0.0, llm_per_doc_token_sq=0.0,
+                     gen_per_latent=0.0, gen_per_latent_sq=0.0, aud_per_frame=1.0)
+    costs = GraphCosts(unit, {"vision": "encoder", "ear": "audio", "llm": "llm"})
+
+    def sample(i, image: bool) -> PackedSample:
+        s = _sample(i, () if image else (16,))
+        s.images = [torch.zeros(3, 32, 32)] if image else []
+        return s
+
+    samples = [sample(0, True), sample(1, False), sample(2, True), sample(3, False)]
+    shape = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, dp_size=2, micro_batch=2,
+                      cost_model=costs)
+    out = reorder_batch(samples, shape, SPECIAL)
+    for name in ("vision", "ear"):
+        assert _rank_loads(out, costs, name, 2).tolist() == [16.0, 16.0], name
+    # Negative control: the split by summed cost alone leaves each encoder's work on one replica.
+    monkeypatch.setattr(module_balance, "refine_split", lambda c, groups, stages, **kw: [list(g) for g in groups])
+    summed = reorder_batch(samples, shape, SPECIAL)
+    assert sorted(_rank_loads(summed, costs, "vision", 2).tolist()) == [0.0, 32.0]
