@@ -1,4 +1,4 @@
-"""Per-sample cost model of the three MLLM modules.
+"""Per-sample cost model of the MLLM modules, by kind: image encoder, audio encoder, LLM, generator.
 
 One :class:`CostModel` is shared by data reordering, the pipeline simulator, the planner and
 emulated compute. Costs are forward costs in the coefficients' unit: FLOPs for a model built
@@ -8,6 +8,9 @@ the forward.
 
 * encoder (ViT), per input image of ``n`` patches: ``enc_per_image + enc_per_patch * n +
   enc_per_patch_sq * n**2`` (linear layers grow with ``n``, self-attention with ``n**2``);
+* audio encoder (Whisper), per input clip of ``f`` log-mel frames: ``aud_per_clip +
+  aud_per_frame * f + aud_per_frame_sq * f**2`` (convolutions and linear layers grow with ``f``,
+  self-attention over its ``f / 2`` rows with ``f**2``; the family's ``cost_terms``);
 * LLM, per packed sequence: ``llm_per_sequence + llm_per_token * seq_len +
   llm_per_doc_token_sq * sum(d**2 for d in doc_lens)`` (attention stays within a document);
 * generator (diffusion U-Net), per generated image with ``t = (resolution / gen_downsample)**2``
@@ -15,6 +18,8 @@ the forward.
 
 FLOP conventions follow :mod:`disttrain_ds.metrics.flops`: a multiply-add is 2 FLOPs, only
 matmuls and convolutions count, causal attention keeps L(L+1)/2 query-key pairs.
+
+A module graph maps each of its modules to one of these kinds (``module_costs.GraphCosts``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from scipy.optimize import nnls
 
 from disttrain_ds.data.types import SampleStats
 
-Module = Literal["encoder", "llm", "generator"]
+Module = Literal["encoder", "audio", "llm", "generator"]
+"""Cost kinds: ``encoder`` (an image encoder, by input images), ``audio`` (an audio encoder, by
+input clips), ``llm``, ``generator``."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,12 @@ class CostModel:
     """LLM cost per sequence independent of its length."""
     gen_per_image: float = 0.0
     """Generator cost per generated image independent of its resolution."""
+    aud_per_clip: float = 0.0
+    """Audio encoder cost per input clip independent of its length."""
+    aud_per_frame: float = 0.0
+    """Audio encoder cost per log-mel frame of a clip (convolutions, linear layers)."""
+    aud_per_frame_sq: float = 0.0
+    """Audio encoder cost per squared frame count of a clip (self-attention over its rows)."""
     gen_downsample: int = 8
     """Pixels per latent pixel along each side (the VAE's downsampling factor)."""
     backward_factor: float = 2.0
@@ -141,6 +154,10 @@ class CostModel:
         n = np.asarray(s.image_patches, dtype=np.float64)
         per_image = self.enc_per_image + self.enc_per_patch * n + self.enc_per_patch_sq * n * n
         return float(per_image.sum())
+
+    def audio_cost(self, s: SampleStats) -> float:
+        """Forward cost of encoding all input audio clips of ``s``."""
+        return float(np.dot(_coeffs(self, "audio"), _features("audio", s, self.gen_downsample)))
 
     def llm_cost(self, s: SampleStats) -> float:
         """Forward cost of the LLM over the packed sequence of ``s`` (one document if unknown)."""
@@ -157,20 +174,21 @@ class CostModel:
         return s.gen_images * per_image
 
     def module_cost(self, module: Module, s: SampleStats) -> float:
-        """Forward cost of ``s`` in ``module`` ("encoder", "llm" or "generator")."""
+        """Forward cost of ``s`` in a module of kind ``module`` (``Module``)."""
         if module not in _FEATURES:
             raise ValueError(f"module must be one of {sorted(_FEATURES)}, got {module!r}")
-        return {"encoder": self.encoder_cost, "llm": self.llm_cost,
+        return {"encoder": self.encoder_cost, "audio": self.audio_cost, "llm": self.llm_cost,
                 "generator": self.generator_cost}[module](s)
 
     def costs(self, samples: Sequence[SampleStats]) -> np.ndarray:
-        """``[n, 3]`` forward costs (encoder, llm, generator) of each sample."""
+        """``[n, 3]`` forward costs (image encoder, llm, generator) of each sample (a graph's
+        modules by name, audio encoders included: ``module_costs.GraphCosts.costs``)."""
         return np.array([[self.encoder_cost(s), self.llm_cost(s), self.generator_cost(s)]
                          for s in samples], dtype=np.float64).reshape(-1, 3)
 
     def train_cost(self, s: SampleStats) -> float:
-        """Forward plus backward cost of ``s`` through all three modules."""
-        fwd = self.encoder_cost(s) + self.llm_cost(s) + self.generator_cost(s)
+        """Forward plus backward cost of ``s`` through every kind of module."""
+        fwd = self.encoder_cost(s) + self.audio_cost(s) + self.llm_cost(s) + self.generator_cost(s)
         return fwd * (1.0 + self.backward_factor)
 
     # ----------------------------------------------------------------- constructors
@@ -246,16 +264,22 @@ class CostModel:
 
 _FEATURES: dict[str, tuple[str, str, str]] = {
     "encoder": ("enc_per_image", "enc_per_patch", "enc_per_patch_sq"),
+    "audio": ("aud_per_clip", "aud_per_frame", "aud_per_frame_sq"),
     "llm": ("llm_per_sequence", "llm_per_token", "llm_per_doc_token_sq"),
     "generator": ("gen_per_image", "gen_per_latent", "gen_per_latent_sq"),
 }
 _COEFFS = tuple(name for names in _FEATURES.values() for name in names)
 
 
+def _coeffs(model: CostModel, module: str) -> list[float]:
+    """(per-item, linear, squared) coefficients of ``module`` in ``model``."""
+    return [getattr(model, name) for name in _FEATURES[module]]
+
+
 def _features(module: str, s: SampleStats, downsample: int) -> list[float]:
     """Values multiplying (per-item, linear, squared) coefficients of ``module`` for ``s``."""
-    if module == "encoder":
-        n = np.asarray(s.image_patches, dtype=np.float64)
+    if module in ("encoder", "audio"):
+        n = np.asarray(s.image_patches if module == "encoder" else s.audio_frames, dtype=np.float64)
         return [float(len(n)), float(n.sum()), float((n * n).sum())]
     if module == "llm":
         docs = np.asarray(s.doc_lens or (s.seq_len,), dtype=np.float64)

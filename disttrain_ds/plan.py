@@ -125,8 +125,8 @@ def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") 
 def check_recipe_graph(base: dict[str, Any], graph: ModuleGraph, src: str) -> bool:
     """Whether ``base`` is a graph-form recipe; one-line ConfigError unless its modules are
     ``graph``'s (same names, same roles) and the runtime can train that graph."""
-    check_runtime_graph(graph, src)
     recipe_graph = base_recipe_graph(base, src)
+    check_runtime_graph(graph, src, base_modalities(base, src).get if recipe_graph == graph else None)
     if recipe_graph is None:  # three-module form
         if graph != ModuleGraph.default():
             raise ConfigError(f"{src}: a three-module recipe has encoder (encoder), llm (llm), generator "
@@ -169,16 +169,26 @@ def base_recipe_graph(base: dict[str, Any], src: str) -> ModuleGraph | None:
     return ModuleGraph.from_roles(roles, src)
 
 
-def check_runtime_graph(graph: ModuleGraph, src: str) -> None:
-    """One-line ConfigError when the runtime cannot train ``graph``: it trains at most one
-    encoder and one generator so far (the same rule as ``config.validate``), so a recipe for
-    more would not load."""
-    if len(graph.encoders) > 1 or len(graph.generators) > 1:
-        raise ConfigError(f"{src}: cannot write a recipe for the module graph {', '.join(graph.names)}: "
-                          "the runtime trains at most one encoder and one generator so far (encoders: "
-                          f"{', '.join(graph.encoders) or 'none'}; generators: "
-                          f"{', '.join(graph.generators) or 'none'}), so the recipe would not load; "
-                          "plan without --write-recipe")
+def base_modalities(base: dict[str, Any], src: str) -> dict[str, str]:
+    """Encoder name -> what it reads (its family's modality) in a graph-form recipe's raw data;
+    empty for a three-module recipe."""
+    model = base.get("model")
+    if base_recipe_graph(base, src) is None or not isinstance(model, dict):
+        return {}
+    return {name: family_named(section.get("family"), src, f"model.modules.{name}.family").modality
+            for name, section in model["modules"].items()}
+
+
+def check_runtime_graph(graph: ModuleGraph, src: str, modality=None) -> None:
+    """One-line ConfigError when the runtime cannot train ``graph`` (the runtime's own rule,
+    ``validate.graph_problem``; ``modality``: encoder name -> what it reads, when a base recipe
+    says), so a recipe for it would not load."""
+    from disttrain_ds.validate import graph_problem
+
+    bad = graph_problem(graph, modality)
+    if bad is not None:
+        raise ConfigError(f"{src}: cannot write a recipe for the module graph {', '.join(graph.names)}: {bad}, "
+                          "so the recipe would not load; plan without --write-recipe")
 
 
 def write_checked(recipe: dict[str, Any], out: Path) -> None:

@@ -1,7 +1,8 @@
 """Timing a recipe's modules: forward+backward per sample, fed real upstream outputs.
 
-Any module graph the runtime trains: each encoder on the samples' images, the LLM on the
-encoder's embeddings (none in a generation-only graph), each generator on the LLM's states.
+Any module graph the runtime trains: each encoder on what it reads of the samples (images, or
+log-mel audio clips), the LLM on every encoder's embeddings (none in a generation-only graph),
+each generator on the LLM's states.
 
 Used by ``python -m disttrain_ds.profile`` (TP=1, one process) and by ``profile_tp`` (each
 tensor-parallel rank with its shards).
@@ -19,7 +20,7 @@ import torch
 from disttrain_ds.models.configs import trains
 from disttrain_ds.config import Recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.metrics.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
+from disttrain_ds.metrics.flops import llm_flops_packed, projector_flops_per_token, training_flops, unet_flops, vit_flops
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.recipe_graph import graph_of, module_config
 
@@ -216,9 +217,6 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     Modules in ``whole`` run with whole layers and no ``opts.sync`` (they only feed the next module).
     """
     graph = graph_of(recipe)
-    if len(graph.encoders) > 1:
-        raise ConfigError(f"{recipe.source_file}: 'model.modules' the profiler feeds the LLM one encoder's "
-                          f"output so far; this recipe has {', '.join(graph.encoders)}")
     # Model code pulls in transformers and diffusers (seconds): imported only once the recipe and
     # arguments are known to be good, so errors come back at once.
     from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
@@ -243,23 +241,26 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     query_tokens = max((module_config(recipe, n).query_tokens for n in gens), default=0)
 
     def encoder_pass(name: str, mb: MicroBatch) -> Pass:
-        e = module_config(recipe, name)
-        patches = [(h // e.patch_size) * (w // e.patch_size) for h, w in mb.image_hw.tolist()]
-        flops = 0.0
-        if patches:
-            m = mode[name][0]
+        e, m, fam = module_config(recipe, name), mode[name][0], spec.family(name)
+        if fam.modality == "audio":  # the family's FLOPs per clip and rows per clip
+            frames = mb.audio_shapes[:, 1].tolist()
+            rows = sum(fam.rows(e, f) for f in frames)
+            flops = training_flops(sum(fam.clip_flops(e, f) for f in frames), mode=m)
+        else:
+            patches = [(h // e.patch_size) * (w // e.patch_size) for h, w in mb.image_hw.tolist()]
+            rows = sum(patches)
             flops = vit_flops(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden,
-                              patches_per_image=patches, patch_size=e.patch_size, mode=m)
-            flops += sum(patches) * projector_flops_per_token(
-                in_dim=e.hidden_size, hidden_dim=lm.hidden_size, out_dim=lm.hidden_size, mode=m)
-        grad = torch.randn(sum(patches), lm.hidden_size, device=dev, dtype=dt)  # what the LLM sends back
-        return Pass((mb.pixels, mb.image_hw), lambda out: ([out], [grad]), lambda out: out, flops)
+                              patches_per_image=patches, patch_size=e.patch_size, mode=m) if patches else 0.0
+        flops += rows * projector_flops_per_token(in_dim=fam.width(e), hidden_dim=lm.hidden_size,
+                                                  out_dim=lm.hidden_size, mode=m)
+        grad = torch.randn(rows, lm.hidden_size, device=dev, dtype=dt)  # what the LLM sends back
+        return Pass(mb.encoder_inputs(fam.modality), lambda out: ([out], [grad]), lambda out: out, flops)
 
-    def llm_pass(mb: MicroBatch, sample: PackedSample, embeds: torch.Tensor | None) -> Pass:
+    def llm_pass(mb: MicroBatch, sample: PackedSample, embeds: list[torch.Tensor]) -> Pass:
         name = graph.llm
-        if embeds is None:  # no encoder: no image embeddings (as the reference model feeds it)
-            embeds = torch.zeros(0, lm.hidden_size, device=dev, dtype=dt)
-        embeds = embeds.detach().clone().requires_grad_(mode[name][1])
+        if not embeds:  # no encoder: no image embeddings (as the reference model feeds it)
+            embeds = [torch.zeros(0, lm.hidden_size, device=dev, dtype=dt)]
+        embeds = [x.detach().clone().requires_grad_(mode[name][1]) for x in embeds]
         n_gen = mb.sample_rows["gen_states"][0] if gens else 0
         grad = torch.randn(n_gen, query_tokens, lm.hidden_size, device=dev, dtype=dt)
         # Useful FLOPs: documents only, padding left out (as the training MFU counts them).
@@ -299,10 +300,11 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     def o(name: str) -> Options:
         return replace(opts, build=None, sync=None) if name in whole else opts
 
-    results, embeds = [], [None] * len(mbs)
+    results, embeds = [], [[] for _ in mbs]  # per microbatch, each encoder's rows in graph order
     for name in graph.encoders:
-        res, embeds = measure_module(recipe, spec, name, [encoder_pass(name, mb) for mb in mbs], o(name))
+        res, rows = measure_module(recipe, spec, name, [encoder_pass(name, mb) for mb in mbs], o(name))
         results.append(res)
+        embeds = [x + [r] for x, r in zip(embeds, rows)]
     llm_passes = [llm_pass(mb, s, x) for mb, s, x in zip(mbs, samples, embeds)]
     res, states = measure_module(recipe, spec, graph.llm, llm_passes, o(graph.llm))
     results.append(res)
@@ -313,5 +315,5 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
 
     model = cost_model(recipe)
     for r in results:
-        r.work = [sample_flops(model, r.role, s, patch_size(recipe, r.name), spec.special) for s in samples]
+        r.work = [sample_flops(model, r.name, s, patch_size(recipe, r.name), spec.special) for s in samples]
     return results

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .configtools import ConfigError
 from .models.configs import trains
@@ -16,7 +16,10 @@ from .recipe_graph import graph_of, module_config, module_family, module_key, mo
 
 if TYPE_CHECKING:
     from .config import ModuleParallel, Recipe
+    from .graph import ModuleGraph
 
+AUDIO_SOURCES = ("synthetic", "local", "webdataset", "parquet", "folder", "hf")
+"""Values of ``data.source`` that produce audio clips."""
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 """A run name: letters, digits and ``._-``, not starting with ``.``, 1 to 100 characters."""
 
@@ -49,6 +52,20 @@ def tp_shape_problem(recipe, module: str, tp: int) -> tuple[str, str] | None:
     for key, value in checks:
         if value % tp:
             return key, f"{value} does not split over the {module}'s tensor-parallel degree {tp}"
+    return None
+
+
+def graph_problem(graph: ModuleGraph, modality: Callable[[str], str] | None = None) -> str | None:
+    """Why the runtime cannot train ``graph``, or None: the one rule recipe loading and the
+    planner's ``--write-recipe`` share. ``modality``: encoder name -> what it reads (image |
+    audio); without it (a profile knows roles only) the rule on modalities is left to the recipe."""
+    if len(graph.generators) > 1:
+        return f"the runtime trains at most one generator so far; got generators {list(graph.generators)}"
+    if modality is not None:
+        modalities = [modality(n) for n in graph.encoders]
+        if len(set(modalities)) != len(modalities):
+            return ("the runtime trains one encoder per modality so far (each fills its own placeholder token); "
+                    f"got encoders {list(graph.encoders)} reading {modalities}")
     return None
 
 
@@ -160,18 +177,14 @@ def validate(r: Recipe) -> None:
            f"must be 0: the model has no image encoder, got {d.max_images}")
     _check(not images or d.max_images >= 1 or d.source != "synthetic", src, "data.max_images",
            "must be >= 1: the synthetic source draws 1..max_images images for the image encoder")
-    _check(len(graph.generators) <= 1, src, "model.modules",
-           f"the runtime trains at most one generator so far; got generators {list(graph.generators)}")
-    modalities = [module_family(r, n).modality for n in graph.encoders]
-    _check(len(set(modalities)) == len(modalities), src, "model.modules",
-           "the runtime trains one encoder per modality so far (each fills its own placeholder token); "
-           f"got encoders {list(graph.encoders)} reading {modalities}")
+    bad_graph = graph_problem(graph, lambda n: module_family(r, n).modality)
+    _check(bad_graph is None, src, "model.modules", str(bad_graph))
     audio = [n for n in graph.encoders if module_family(r, n).modality == "audio"]
     _check(bool(audio) or d.max_audio == 0, src, "data.max_audio",
            f"must be 0: the model has no audio encoder, got {d.max_audio}")
     for name in audio:
-        _check(d.source in ("synthetic", "local"), src, "data.source",
-               f"{module_key(r, name)} reads audio clips, which data.source synthetic and local produce; got {d.source}")
+        _check(d.source in AUDIO_SOURCES, src, "data.source",
+               f"{module_key(r, name)} reads audio clips, which data.source {', '.join(AUDIO_SOURCES)} produce; got {d.source}")
         _check(d.max_audio >= 1, src, "data.max_audio",
                f"must be >= 1: {module_key(r, name)} reads up to max_audio clips per sequence")
         top = module_config(r, name).max_frames

@@ -1,15 +1,16 @@
-"""Image bytes stored inside shards: where they are (a JSON key) and reading them back.
+"""Image and audio bytes stored inside shards: where they are (a JSON key) and reading them back.
 
-A document names an image held in a tar member, a parquet cell or a ``datasets`` row by a small
+A document names an image (or an audio clip) held in a tar member, a parquet cell or a ``datasets`` row by a small
 key, never by the bytes themselves, so the document cache stays small and a producer process
-reads exactly the images of the steps it prepares. Keys (JSON lists):
+reads exactly the images and clips of the steps it prepares. Keys (JSON lists):
 
 * ``["tar", path, offset, size]``: a tar member's data (read with ``os.pread``: no shared file
   position, safe after ``fork``);
 * ``["pq", path, row_group, row, column, index]``: a parquet cell (``index`` into a list cell, or null);
 * ``["hf", path, cache_dir, row, column, index]``: a ``datasets`` row's cell (the dataset opened by ``hf.open``).
 
-A cell holds encoded image bytes, or a ``{"bytes": ...}`` struct (the Hugging Face ``Image`` layout).
+A cell holds encoded bytes, or a ``{"bytes": ...}`` struct (the Hugging Face ``Image`` and ``Audio``
+layout).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def key(*parts: object) -> str:
 
 
 def cell_bytes(value: object) -> bytes | None:
-    """Encoded image bytes of a cell value (bytes, or a struct with ``bytes``), or None."""
+    """Encoded bytes (an image, an audio clip) of a cell value (bytes, or a struct with ``bytes``), or None."""
     if isinstance(value, dict):
         value = value.get("bytes")
     return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
@@ -93,8 +94,18 @@ def read(blob_key: str) -> bytes:
         value = value[index] if isinstance(value, list) and 0 <= index < len(value) else None
     data = cell_bytes(value)
     if data is None:
-        raise ValueError(f"{path}: no image bytes at {rest}")
+        raise ValueError(f"{path}: no bytes at {rest}")
     return data
+
+
+def head(blob_key: str) -> bytes:
+    """The first bytes of a blob, enough for any header (a tar member's first 64 KiB, read in
+    place; a cell whole); ``OSError`` / ``ValueError`` when they cannot be had."""
+    kind, path, *rest = json.loads(blob_key)
+    if kind == "tar":
+        offset, size = rest
+        return pread(path, offset, min(size, _HEAD))
+    return read(blob_key)
 
 
 def check_key(blob_key: str, max_pixels: int) -> str | None:

@@ -34,7 +34,8 @@ class DataConfig:
     """Record file or folder (mmc4 / laion / local), or the shards (webdataset / parquet: a file, a
     folder, globs and brace lists; folder; hf); required by those sources (nothing is read by default)."""
     fields: FieldsConfig = field(default_factory=FieldsConfig)
-    """webdataset / parquet / folder / hf: which record fields hold captions, images, interleaved lists."""
+    """webdataset / parquet / folder / hf: which record fields hold captions, images, audio clips,
+    interleaved lists."""
     shard_parts: int = 1
     """webdataset / parquet / folder / hf: the global batch is packed in this many equal parts, part j
     from its own share of the shards only (must divide train.global_batch; at most the shard count)."""
@@ -132,7 +133,7 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
             return "path", problem
     if cfg.shard_parts < 1:
         return "shard_parts", f"must be >= 1, got {cfg.shard_parts}"
-    for key in ("caption", "image"):
+    for key in ("caption", "image", "audio"):
         if not getattr(cfg.fields, key) or not all(getattr(cfg.fields, key)):
             return f"fields.{key}", "needs at least one non-empty field name"
     if cfg.tokenizer not in ("byte", "smollm2") and not Path(cfg.tokenizer).expanduser().is_dir():

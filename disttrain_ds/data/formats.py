@@ -54,13 +54,16 @@ class ImageSeg:
 
 @dataclass(frozen=True)
 class AudioSeg:
-    """One input audio clip (local records), read by the audio encoder."""
+    """One input audio clip, read by the audio encoder."""
 
     path: str
-    """Resolved .wav or .npy file."""
+    """Resolved .wav or .npy file (``kind`` file), or a ``blobs`` key of the clip's bytes inside a
+    shard (``kind`` blob)."""
     frames: int
     """Log-mel frames the clip gives (even, at most the encoder's ``max_frames``); ``frames // 2``
     audio placeholders in the sequence."""
+    kind: str = "file"
+    """file | blob: where ``path`` points."""
 
 
 Segment = Union[TextSeg, ImageSeg, AudioSeg]
@@ -82,7 +85,8 @@ class Bad:
 
     reason: str
     """missing_image | corrupt_image | image_too_large | empty_text | too_long | too_many_images |
-    not_utf8 | bad_json | bad_type | bad_image | bad_audio | no_audio_encoder | too_many_clips."""
+    not_utf8 | bad_json | bad_type | bad_image | bad_audio | missing_audio | no_audio_encoder |
+    too_many_clips."""
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,8 @@ def _check_fits(doc: Document, ctx: ParseContext) -> None:
         raise _BadRecord("too_long")
     if sum(not s.generate for s in images) > cfg.max_images or sum(s.generate for s in images) > cfg.gen_images[1]:
         raise _BadRecord("too_many_images")
+    if len(clips) > cfg.max_audio:
+        raise _BadRecord("too_many_clips")
 
 
 _BOM = b"\xef\xbb\xbf"

@@ -1,8 +1,9 @@
 """Hugging Face ``datasets`` on disk, read offline: a ``save_to_disk`` folder, ``.arrow`` files or
 ``.parquet`` files (converted once into the Arrow cache under ``data.cache_dir``).
 
-Rows are memory-mapped, so any row is read in place. ``Image`` columns are read undecoded (their
-``{"bytes", "path"}`` structs): pixels are decoded by the producer that prepares the step. The
+Rows are memory-mapped, so any row is read in place. ``Image`` and ``Audio`` columns are read
+undecoded (their ``{"bytes", "path"}`` structs): pixels and clips are decoded by the producer that
+prepares the step. The
 table's shards, for the per-part split, are runs of ``ROWS_PER_SHARD`` consecutive rows.
 """
 
@@ -12,7 +13,7 @@ import functools
 from pathlib import Path
 
 from .shards import list_shards
-from .tables import ShardTable, image_cells
+from .tables import ShardTable, blob_cells
 from . import blobs
 
 ROWS_PER_SHARD = 1024
@@ -23,10 +24,11 @@ def _undecoded(ds):
     import datasets
 
     for name, feature in ds.features.items():
-        if isinstance(feature, datasets.Image):
-            ds = ds.cast_column(name, datasets.Image(decode=False))
-        elif isinstance(feature, datasets.List) and isinstance(feature.feature, datasets.Image):
-            ds = ds.cast_column(name, datasets.List(datasets.Image(decode=False)))
+        for kind in (datasets.Image, datasets.Audio):
+            if isinstance(feature, kind):
+                ds = ds.cast_column(name, kind(decode=False))
+            elif isinstance(feature, datasets.List) and isinstance(feature.feature, kind):
+                ds = ds.cast_column(name, datasets.List(kind(decode=False)))
     return ds
 
 
@@ -78,6 +80,6 @@ class HfTable(ShardTable):
     def record(self, index: int) -> tuple[dict, str]:
         row = self._rows[index]
         values = self.ds[row]
-        out = {c: image_cells(v, lambda i, c=c: blobs.key("hf", self.path, self.cache_dir, row, c, i)) for c, v in values.items()}
+        out = {c: blob_cells(v, lambda i, c=c: blobs.key("hf", self.path, self.cache_dir, row, c, i)) for c, v in values.items()}
         return out, f"{self.path}:row {row}"
 

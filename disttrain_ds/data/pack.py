@@ -9,7 +9,8 @@ in what is left of the sequence, the sequence is closed (padded) and the pair st
 An interleaved document fills the sequence and continues in the next: it is split at an image
 boundary, or inside a text run (an image never straddles two sequences). ``eod`` follows the last
 piece of each document. Every piece is one entry of ``doc_lens``. Per sequence, at most
-``data.max_images`` input images and ``data.gen_images[1]`` generated images are placed.
+``data.max_images`` input images, ``data.gen_images[1]`` generated images and ``data.max_audio`` audio
+clips are placed.
 
 Planning needs only token counts and image sizes (no pixels), so every producer can plan all steps
 cheaply and decode the images of its own steps only.
@@ -24,7 +25,8 @@ from typing import Callable
 import torch
 
 from ..configtools import ConfigError
-from .audio import load_clip
+from . import blobs
+from .audio import load_clip, load_clip_bytes
 from .formats import AudioSeg, Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
 from .images import load_image
 from .source import labels_for
@@ -123,8 +125,9 @@ class Packer:
                 total = sum(seg_cost(s, self.ctx) for s in segs)
                 gens = sum(isinstance(s, ImageSeg) and s.generate for s in segs)
                 inputs = sum(isinstance(s, ImageSeg) for s in segs) - gens
+                clips = sum(isinstance(s, AudioSeg) for s in segs)
                 ok = total <= fill.room - 1 and fill.images + inputs <= cfg.max_images
-                ok = ok and fill.gens + gens <= cfg.gen_images[1]
+                ok = ok and fill.gens + gens <= cfg.gen_images[1] and fill.clips + clips <= cfg.max_audio
                 if not ok:
                     break
                 for s in segs:
@@ -224,7 +227,10 @@ def _clip(seg: AudioSeg, ctx: ParseContext, on_decode_error: Callable[[], None])
     """The clip's log-mel features; silence-level features where it fails to decode (the plan,
     made from its header, stays valid)."""
     try:
-        clip = load_clip(seg.path, ctx.audio_mels, ctx.audio_max_frames)
+        if seg.kind == "blob":
+            clip = load_clip_bytes(blobs.read(seg.path), ctx.audio_mels, ctx.audio_max_frames, seg.path)
+        else:
+            clip = load_clip(seg.path, ctx.audio_mels, ctx.audio_max_frames)
     except (OSError, ValueError, EOFError):
         clip = None
     if clip is None or clip.shape[1] != seg.frames:

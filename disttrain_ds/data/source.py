@@ -46,7 +46,8 @@ class ShapeSpec:
     micro_batch: int = 0
     """Samples per microbatch per DP rank (used by ``data.reorder``); 0: one microbatch per batch."""
     cost_model: Any = None
-    """``disttrain_ds.costmodel.CostModel`` for ``data.reorder``; None: the paper's MLLM in FLOPs."""
+    """``disttrain_ds.module_costs.GraphCosts`` (or a three-module ``costmodel.CostModel``) for
+    ``data.reorder``; None: the paper's MLLM in FLOPs."""
 
 
 class SampleSource:

@@ -2,8 +2,8 @@
 
 A table lists its format's shards (cheap: names only), then indexes only the shards it is given
 (``selected``), so a part of the data set never touches the other parts' files. A record is a
-mapping of field name -> value: text members as raw bytes, images as ``ImageAt`` (where the pixels
-are; nothing decoded), parquet columns as Python values. Records are numbered shard by shard in
+mapping of field name -> value: text members as raw bytes, images and audio clips as ``BlobAt``
+(where their bytes are; nothing decoded), parquet columns as Python values. Records are numbered shard by shard in
 shard order; ``blocks`` gives the record count of each reading block (a shard, a row group).
 
 Keys and members (webdataset / img2dataset layout): ``dir/000123.jpg``, ``dir/000123.txt`` and
@@ -26,11 +26,13 @@ from . import blobs
 from .shards import list_shards
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
+AUDIO_EXTS = frozenset({"wav", "npy"})
+"""Members read by their location, not their bytes, beside images: .wav clips and .npy log-mel arrays."""
 
 
 @dataclass(frozen=True)
-class ImageAt:
-    """Where a record's image is: a file (``kind`` file) or bytes inside a shard (``kind`` blob)."""
+class BlobAt:
+    """Where a record's image or audio clip is: a file (``kind`` file) or bytes inside a shard (``kind`` blob)."""
 
     kind: str
     """file | blob."""
@@ -45,8 +47,9 @@ def split_name(name: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), ext.lower() if dot else ""
 
 
-def is_image(ext: str) -> bool:
-    return ext.rpartition(".")[2] in IMAGE_EXTS
+def is_media(ext: str) -> bool:
+    """Whether a member with extension ``ext`` (``0.jpg``, ``wav``) is kept as a location (``BlobAt``)."""
+    return ext.rpartition(".")[2] in IMAGE_EXTS | AUDIO_EXTS
 
 
 class ShardTable:
@@ -127,8 +130,8 @@ class TarTable(ShardTable):
         path, key, members = self._rows[index]
         out: dict = {}
         for ext, (offset, size) in members.items():
-            if is_image(ext):
-                out[ext] = ImageAt("blob", blobs.key("tar", path, offset, size))
+            if is_media(ext):
+                out[ext] = BlobAt("blob", blobs.key("tar", path, offset, size))
             else:
                 out[ext] = blobs.pread(path, offset, size)
         return out, f"{path}:{key}"
@@ -166,8 +169,8 @@ class FolderTable(ShardTable):
         folder, key, members = self._rows[index]
         out: dict = {}
         for ext, path in members.items():
-            if is_image(ext):
-                out[ext] = ImageAt("file", path)
+            if is_media(ext):
+                out[ext] = BlobAt("file", path)
             else:
                 with open(path, "rb") as f:
                     out[ext] = f.read()
@@ -175,8 +178,9 @@ class FolderTable(ShardTable):
 
 
 class ParquetTable(ShardTable):
-    """Parquet files, a row per record; image columns hold bytes or ``{"bytes": ...}`` structs
-    (img2dataset ``output_format=parquet``, Hugging Face image columns). A row group is a block."""
+    """Parquet files, a row per record; image and audio columns hold bytes or ``{"bytes": ...}``
+    structs (img2dataset ``output_format=parquet``, Hugging Face image and audio columns). A row
+    group is a block."""
 
     SUFFIXES = (".parquet",)
 
@@ -207,7 +211,7 @@ class ParquetTable(ShardTable):
         out: dict = {}
         for column in table.column_names:
             value = table.column(column)[row].as_py()
-            out[column] = image_cells(value, lambda i, c=column: blobs.key("pq", path, group, row, c, i))
+            out[column] = blob_cells(value, lambda i, c=column: blobs.key("pq", path, group, row, c, i))
         return out, f"{path}:row {start - self._group_start(g) + row + 1}"
 
     def _group_start(self, g: int) -> int:
@@ -218,10 +222,11 @@ class ParquetTable(ShardTable):
         return self._groups[g][2]
 
 
-def image_cells(value: object, key_of) -> object:
-    """Image cells (bytes / bytes structs, alone or in a list) replaced by ``ImageAt`` blobs."""
+def blob_cells(value: object, key_of) -> object:
+    """Byte cells (images, audio clips: bytes / bytes structs, alone or in a list) replaced by
+    ``BlobAt`` locations."""
     if blobs.cell_bytes(value) is not None:
-        return ImageAt("blob", key_of(None))
+        return BlobAt("blob", key_of(None))
     if isinstance(value, list) and any(blobs.cell_bytes(v) is not None for v in value):
-        return [ImageAt("blob", key_of(i)) if blobs.cell_bytes(v) is not None else v for i, v in enumerate(value)]
+        return [BlobAt("blob", key_of(i)) if blobs.cell_bytes(v) is not None else v for i, v in enumerate(value)]
     return value

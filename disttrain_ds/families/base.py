@@ -80,8 +80,9 @@ class Family:
     vocabulary resolved); what the memory estimate reads. None: no formula yet."""
     cost_terms: Callable[[Any], dict[str, float]] | None = None
     """Generators: cfg -> the ``CostModel`` generator fields (``gen_per_image``, ``gen_per_latent``,
-    ``gen_per_latent_sq`` in forward FLOPs, ``gen_downsample``) of one generated image; what data
-    reordering and balance read."""
+    ``gen_per_latent_sq`` in forward FLOPs, ``gen_downsample``) of one generated image; audio
+    encoders: the audio fields (``aud_per_clip``, ``aud_per_frame``, ``aud_per_frame_sq``) of one
+    clip. What data reordering, balance, emulation and the profiler's draws read."""
     vocab_params: Sequence[str] = ()
     """``layer/param`` keys whose rows are the vocabulary: an imported checkpoint with fewer rows
     (a tokenizer with extra special ids) grows them (``models/checkpoint.py::grow_vocab``)."""

@@ -1,5 +1,8 @@
 """How evenly a step's encoder and generator work spreads over each module's DP replicas.
 
+Every encoder (image or audio) and every generator of the graph has its own figures, under its
+module name.
+
 This is where straggler removal shows: in each microbatch slot the replicas run in lock-step, so
 the slowest one sets the pace. Per slot, each replica's load is the cost-model estimate (forward
 FLOPs) of the samples it processes, with the runtime's contiguous-block split; the figures are the
@@ -16,16 +19,15 @@ from ..comm.routes import blocks
 COLUMNS = {"encoder": 0, "generator": 2}
 
 
-def module_columns(spec) -> dict[str, int]:
-    """Module name -> its cost column for an ``MLLMSpec``: the image encoder and the generator
-    (the cost model has no audio column yet, so an audio encoder has no balance figures)."""
-    return {n: COLUMNS[r] for n, r in spec.roles.items()
-            if r in COLUMNS and (r != "encoder" or spec.modality(n) == "image")}
+def module_columns(costs) -> dict[str, int]:
+    """Module name -> its cost column in ``costs.costs`` (a ``module_costs.GraphCosts``): every
+    module but the LLM (whose DP blocks are the microbatch slot's own split)."""
+    return {n: costs.column(n) for n in costs.names if costs.role(n) != "llm"}
 
 
 def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int],
                columns: dict[str, int] | None = None) -> dict[str, float]:
-    """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, 3]``; ``columns``:
+    """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, k]``; ``columns``:
     module name -> its cost column (default: the three-module graph's encoder and generator)."""
     out: dict[str, float] = {}
     n = costs.shape[0]

@@ -18,8 +18,9 @@ of ``pp``, TP ``tp``, and the samples of its DP block in microbatch ``g``::
 ``cost_ms[tp]`` describes the mean sample of the recipe's data (``calibration_batches`` global
 batches from step 0) -- or, without a profile, from ``emulate.tflops``. Either way it is
 multiplied by ``emulate.time_scale``. Per-sample variation is the recipe's cost model
-(``runtime.setup.cost_model``, the one reordering and the balance metrics use), by the module's
-role (an encoder costs its input images at its own patch size).
+(``runtime.setup.cost_model``, the one reordering and the balance metrics use), by module name:
+an image encoder costs its input images at its own patch size, an audio encoder its input clips,
+the LLM its packed sequence, a generator its generated images.
 
 The pure functions here are shared by the engine hook and by the simulator side
 (``runtime/emulate_sim.py``, ``bench/emulated.py``), so the simulator is fed exactly the times the
@@ -38,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..configtools import ConfigError
-from ..recipe_graph import graph_of, module_config, module_family, module_key
+from ..recipe_graph import graph_of, module_config
 from ..topology import Topology
 
 BACKWARD_FACTOR = 2.0
@@ -63,10 +64,6 @@ def check_emulate(recipe, src: str) -> None:
     if recipe.layout == "reference":
         raise ConfigError(f"{src}: 'emulate.enabled' needs layout monolithic or disaggregated "
                           "(the reference layout computes for real)")
-    for name in graph_of(recipe).encoders:
-        if module_family(recipe, name).modality != "image":
-            raise ConfigError(f"{src}: 'emulate.enabled' costs every encoder by its input images so far; "
-                              f"{module_key(recipe, name)} reads {module_family(recipe, name).modality}")
     if not e.profile:
         if not e.tflops > 0:
             raise ConfigError(f"{src}: 'emulate.tflops' must be > 0 when 'emulate.profile' is empty, "
@@ -158,9 +155,10 @@ def patch_size(recipe, name: str) -> int:
     return getattr(module_config(recipe, name), "patch_size", None) or EncoderConfig().patch_size
 
 
-def sample_flops(cost_model, role: str, sample, patch: int, special) -> float:
-    """Cost-model forward FLOPs of one ``PackedSample`` in a module of ``role``."""
-    return cost_model.module_cost(role, sample.stats(patch, special))
+def sample_flops(cost_model, name: str, sample, patch: int, special) -> float:
+    """Cost-model forward FLOPs of one ``PackedSample`` in module ``name`` (``cost_model``: a
+    ``module_costs.GraphCosts``)."""
+    return cost_model.module_cost(name, sample.stats(patch, special))
 
 
 def calibration_flops(recipe) -> dict[str, np.ndarray]:
@@ -176,7 +174,7 @@ def calibration_flops(recipe) -> dict[str, np.ndarray]:
     finally:
         source.close()
     cm, graph = cost_model(recipe), graph_of(recipe)
-    return {n: np.array([sample_flops(cm, graph.role(n), s, patch_size(recipe, n), spec.special)
+    return {n: np.array([sample_flops(cm, n, s, patch_size(recipe, n), spec.special)
                          for s in samples], dtype=np.float64) for n in graph.names}
 
 
@@ -222,7 +220,7 @@ class Emulator:
         prep = 0.0 if started is None else time.perf_counter() - started
         self.fwd_ms, self.bwd_ms = [], []
         for block in blocks:
-            flops = [sample_flops(self.cost_model, self.role, s, self.patch_size, self.special) for s in block]
+            flops = [sample_flops(self.cost_model, self.module, s, self.patch_size, self.special) for s in block]
             f, b = microbatch_ms(flops, self.ms_per_flop, self.pp)
             self.fwd_ms.append(f)
             self.bwd_ms.append(b if self.backward else 0.0)

@@ -13,15 +13,18 @@ from ..data.source import SampleSource, ShapeSpec, build_source
 from ..data.split import Split
 from ..models.configs import EncoderConfig, GeneratorConfig
 from ..models.mllm import MLLMSpec
-from ..recipe_graph import encoder_of, graph_of
+from ..module_costs import GraphCosts
+from ..recipe_graph import encoder_of, graph_of, module_family
 
 
-def cost_model(recipe: Recipe) -> CostModel:
-    """Per-sample cost model of the recipe's modules (forward FLOPs), for reordering and balance."""
+def cost_model(recipe: Recipe) -> GraphCosts:
+    """Per-sample cost of each module of the recipe's graph, by name (forward FLOPs), for
+    reordering, balance, emulation and the profiler's draws."""
     from ..families import get_family
 
-    # A graph without an encoder (generator) has no images (generation targets), so the stand-in
-    # default sizes below cost nothing for any of its samples.
+    graph = graph_of(recipe)
+    # A graph without an image encoder (or a generator) has no images (or targets) for it, so the
+    # stand-in default sizes below cost nothing for any of its samples.
     e = encoder_of(recipe, "image") or EncoderConfig()
     l, g = recipe.model.llm, recipe.model.generator or GeneratorConfig()
     model = CostModel.from_dims(
@@ -34,8 +37,15 @@ def cost_model(recipe: Recipe) -> CostModel:
         enc_patch_size=e.patch_size,
         vocab_size=l.vocab_size or 32000,  # the LM head is the same per token for every sample
     )
-    # The generator's family knows its per-image / per-latent / per-latent^2 forward FLOPs.
-    return dataclasses.replace(model, **get_family(g.family, "generator").cost_terms(g))
+    # The generator's family knows its per-image / per-latent / per-latent^2 forward FLOPs, and an
+    # audio encoder's family its per-clip / per-frame / per-frame^2 ones.
+    model = dataclasses.replace(model, **get_family(g.family, "generator").cost_terms(g))
+    audio = encoder_of(recipe, "audio")
+    if audio is not None:
+        model = dataclasses.replace(model, **get_family(audio.family, "encoder").cost_terms(audio))
+    kinds = {n: ("audio" if graph.role(n) == "encoder" and module_family(recipe, n).modality == "audio"
+                 else graph.role(n)) for n in graph.names}
+    return GraphCosts(model, kinds)
 
 
 def reorder_groups(recipe: Recipe) -> int:

@@ -41,7 +41,7 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     rates = emulate.recipe_rates(recipe, Topology.from_recipe(recipe))
     cm, special = cost_model(recipe), source.special
     llm_dp1 = next(r for r in recs[3] if r.module == "llm" and r.dp == 1)
-    expected = [rates["llm"] * cm.llm_cost(samples[2 * g + 1].stats(8, special)) for g in range(4)]
+    expected = [rates["llm"] * cm.model.llm_cost(samples[2 * g + 1].stats(8, special)) for g in range(4)]
     assert llm_dp1.fwd_ms == pytest.approx(expected)
     assert llm_dp1.bwd_ms == pytest.approx([2 * x for x in expected])
 
@@ -94,7 +94,7 @@ def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run
     rates = emulate.recipe_rates(recipe, Topology.from_recipe(recipe))
     cm, special = cost_model(recipe), source.special
     vision = next(r for r in recs[3] if r.module == "vision")
-    expected = [rates["vision"] * cm.encoder_cost(s.stats(recipe.model.modules["vision"].patch_size, special))
+    expected = [rates["vision"] * cm.model.encoder_cost(s.stats(recipe.model.modules["vision"].patch_size, special))
                 for s in samples]  # one replica: both samples of each microbatch
     assert vision.fwd_ms == pytest.approx([expected[2 * g] + expected[2 * g + 1] for g in range(4)])
     assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
@@ -133,3 +133,47 @@ def test_emulated_generation_only_graph_run_matches_the_simulator(tmp_path, refe
     ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
     simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
     assert 1e3 * rows[-1]["step_seconds"] == pytest.approx(simulated, rel=0.05)
+
+
+# Two encoders, the second an audio encoder: vision 1 + ear 1 -> llm dp 2 -> painter 1; 4 microbatches of 2
+OMNI_LAYOUT = ["layout=disaggregated", "parallel.modules.llm.dp=2", "parallel.modules.llm.pp=1",
+               "train.global_batch=8", "train.micro_batch=1", "train.steps=3", "optim.name=sgd", "optim.lr=0.05"]
+# fwd+bwd per mean sample, well above what the real tiny layers take on a busy shared CPU
+OMNI_COST_MS = {"vision": ("encoder", 300.0), "ear": ("encoder", 400.0), "llm": ("llm", 800.0),
+                "painter": ("generator", 600.0)}
+
+
+@pytest.mark.slow
+def test_emulated_image_and_audio_encoders_run_matches_the_simulator(tmp_path, reference_run):
+    from disttrain_ds.families.whisper.estimates import forward_flops_per_clip
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"gpus": 5, "global_batch": 8, "modules": {
+        m: {"role": role, "layers": 2, "cost_ms": {"1": c}} for m, (role, c) in OMNI_COST_MS.items()}}))
+    emu = ["emulate.enabled=true", f"emulate.profile={profile}", "train.peak_tflops=1"]
+    rows, _, _ = launch(tmp_path, 5, [*OMNI_LAYOUT, *emu], recipe="tiny_omni")
+    run = tmp_path / "run"
+    ref_losses, _ = reference_run([o for o in OMNI_LAYOUT if not o.startswith(("layout=", "parallel."))], "tiny_omni")
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+
+    # The audio encoder waited the cost of its clips: every sample of each microbatch (one replica).
+    recs = emulate_sim.load_records(run / "emulate")
+    assert {r.module for r in recs[3]} == {"vision", "ear", "llm", "painter"}
+    recipe = load_recipe(REPO / "recipes" / "tiny_omni.yaml", [*OMNI_LAYOUT, *emu])
+    source, _ = build_data_and_spec(recipe)
+    samples = source.global_batch(2)
+    rate = emulate.recipe_rates(recipe, Topology.from_recipe(recipe))["ear"]
+    cfg = recipe.model.modules["ear"]
+    per = [rate * sum(forward_flops_per_clip(cfg, c.shape[1]) for c in s.audio) for s in samples]
+    ear = next(r for r in recs[3] if r.module == "ear")
+    assert ear.fwd_ms == pytest.approx([per[2 * g] + per[2 * g + 1] for g in range(4)]) and min(per) > 0
+    assert "balance/ear_load_max" in rows[-1]
+    assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
+
+    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
+    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
+    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
+    compute_only, _ = emulate_sim.simulate_step(recs[3], 3)
+    measured = 1e3 * rows[-1]["step_seconds"]
+    assert measured > 0.9 * compute_only
+    assert measured == pytest.approx(simulated, rel=0.05)

@@ -394,7 +394,7 @@ def test_random_garbage_records_are_skipped_with_a_known_reason_never_raised(tmp
     """Fields of every shape in every slot: each record parses to a document or a counted skip."""
     from disttrain_ds.data.entry_parse import parse_entry
     from disttrain_ds.data.formats import Bad, Document, ParseContext
-    from disttrain_ds.data.tables import ImageAt
+    from disttrain_ds.data.tables import BlobAt
     from disttrain_ds.data.tokenizer import load_tokenizer
 
     good = tmp_path / "g.jpg"
@@ -405,11 +405,11 @@ def test_random_garbage_records_are_skipped_with_a_known_reason_never_raised(tmp
 
     with tf_mod.open(tmp_path / "b.tar") as tf:
         m = tf.getmembers()[0]
-        bomb = ImageAt("blob", json.dumps(["tar", str(tmp_path / "b.tar"), m.offset_data, m.size]))
+        bomb = BlobAt("blob", json.dumps(["tar", str(tmp_path / "b.tar"), m.offset_data, m.size]))
     values = [None, "", "  ", "text", "caf\udcff", 5, 2.5, True, [], {}, b"", b"\xff\xfe", "0.jpg", [None],
               ["a", None], [None, "0.jpg"], [1, 2], {"bytes": None}, {"caption": "x"},
-              ImageAt("file", str(good)), ImageAt("file", str(tmp_path / "bad.jpg")), ImageAt("file", str(tmp_path / "no.jpg")),
-              bomb, ImageAt("blob", json.dumps(["tar", str(tmp_path / "gone.tar"), 0, 10])), ImageAt("blob", "not json")]
+              BlobAt("file", str(good)), BlobAt("file", str(tmp_path / "bad.jpg")), BlobAt("file", str(tmp_path / "no.jpg")),
+              bomb, BlobAt("blob", json.dumps(["tar", str(tmp_path / "gone.tar"), 0, 10])), BlobAt("blob", "not json")]
     names = ["txt", "jpg", "json", "texts", "images", "generate", "0.jpg", "caption"]
     cfg = DataConfig(seq_len=64, image_sizes=[16], gen_images=[0, 2])
     ctx = ParseContext(cfg, load_tokenizer("byte", ""), 8, 4, 0)

@@ -104,9 +104,22 @@ def test_audio_encoder_flops_and_memory_come_from_its_family():
     assert rows["ear"].activations > 0 and rows["ear"].params > 0
 
 
-def test_emulating_an_audio_encoder_is_refused_in_one_line():
-    from disttrain_ds.configtools import ConfigError
+def test_emulating_the_audio_encoder_waits_the_cost_of_its_clips():
+    from disttrain_ds.families.whisper.estimates import forward_flops_per_clip
+    from disttrain_ds.runtime import emulate
+    from disttrain_ds.runtime.emulate import Emulator
+    from disttrain_ds.runtime.setup import build_data_and_spec
 
-    with pytest.raises(ConfigError) as e:
-        load_recipe("tiny_omni", ["layout=disaggregated", "emulate.enabled=true", "emulate.tflops=1"])
-    assert "model.modules.ear reads audio" in str(e.value) and "\n" not in str(e.value)
+    recipe = load_recipe("tiny_omni", ["layout=disaggregated", "emulate.enabled=true", "emulate.tflops=1"])
+    topo = Topology.from_recipe(recipe)
+    flops = emulate.calibration_flops(recipe)
+    assert set(flops) == set(emulate.recipe_rates(recipe, topo)) == {"vision", "ear", "llm", "painter"}
+    assert (flops["ear"] > 0).all()
+    source, spec = build_data_and_spec(recipe)
+    samples = source.global_batch(0)
+    ear = Emulator.for_rank(recipe, topo, 1, spec, backward=True)  # vision 0, ear 1, llm 2-3, painter 4
+    assert (ear.module, ear.role) == ("ear", "encoder")
+    ear.set_step(0, [[s] for s in samples])
+    cfg = recipe.model.modules["ear"]
+    want = [ear.ms_per_flop * sum(forward_flops_per_clip(cfg, c.shape[1]) for c in s.audio) for s in samples]
+    assert ear.fwd_ms == pytest.approx(want) and min(want) > 0

@@ -265,17 +265,46 @@ def test_write_recipe_with_mismatched_modules_names_both_lists(run, tmp_path, pr
     assert recipe in err and not out_path.exists()
 
 
-def test_write_recipe_for_two_encoders_is_refused_in_one_line(run, tmp_path):
-    path = graph_profile_file(tmp_path)
+def _omni_profile(tmp_path: Path, encoders: tuple[str, ...] = ("vision", "ear")) -> Path:
+    """Hand costs for a two-encoder graph sized like tiny_omni (one generator, ``painter``)."""
+    mods = {n: {"role": "encoder", "layers": 2, "cost_ms": {"1": 10.0 + i}} for i, n in enumerate(encoders)}
+    mods.update(llm={"layers": 2, "cost_ms": {"1": 40.0}}, painter={"role": "generator", "layers": 5, "cost_ms": {"1": 30.0}})
+    path = tmp_path / "omni.json"
+    path.write_text(json.dumps({"gpus": 6, "global_batch": 4, "microbatch": 1, "modules": mods}))
+    return path
+
+
+def test_write_recipe_for_two_encoders_writes_one_that_loads(run, tmp_path):
     out_path = tmp_path / "out.yaml"
-    err = assert_one_line_error(*run("--profile", str(path), "--recipe", "tiny_vlm",
+    code, out, err = run("--profile", str(_omni_profile(tmp_path)), "--recipe", "tiny_omni", "--write-recipe", str(out_path))
+    assert code == 0, err
+    recipe = load_recipe(out_path)
+    assert list(recipe.parallel.modules) == ["vision", "ear", "llm", "painter"] and recipe.layout == "disaggregated"
+
+
+def test_write_recipe_refuses_what_the_runtime_refuses_by_the_runtimes_own_rule(run, tmp_path, monkeypatch):
+    import disttrain_ds.validate as validate
+
+    # Two encoders of one modality: the base recipe's families say so, and the plan refuses before writing.
+    base = yaml.safe_load(find_recipe("tiny_omni").read_text())
+    base["model"]["modules"]["ear"] = {"family": "vit", "preset": "tiny"}
+    base["data"]["max_audio"] = 0
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
+    out_path = tmp_path / "out.yaml"
+    err = assert_one_line_error(*run("--profile", str(_omni_profile(tmp_path)), "--recipe", str(tmp_path / "base.yaml"),
                                      "--write-recipe", str(out_path)))
-    assert str(path) in err and "'modules'" in err
-    assert "at most one encoder and one generator" in err and "encoder, audio_encoder" in err
-    assert "plan without --write-recipe" in err
-    assert not out_path.exists() and list(tmp_path.iterdir()) == [path]
-    with pytest.raises(cli.ConfigError, match="at most one encoder"):
-        cli.recipe_with_plan({}, optimize.plan(load_profile(path)))
+    assert "one encoder per modality" in err and "plan without --write-recipe" in err and not out_path.exists()
+    with pytest.raises(cli.ConfigError) as e:
+        load_recipe(tmp_path / "base.yaml")
+    assert validate.graph_problem(load_profile(_omni_profile(tmp_path)).graph, {"vision": "image", "ear": "image"}.get) \
+        in str(e.value) and "one encoder per modality" in str(e.value)
+    # One source of truth: whatever the runtime's rule says is what the plan says.
+    monkeypatch.setattr(validate, "graph_problem", lambda graph, modality=None: "no graph today")
+    err = assert_one_line_error(*run("--profile", str(_omni_profile(tmp_path)), "--recipe", "tiny_omni",
+                                     "--write-recipe", str(out_path)))
+    assert "no graph today" in err and not out_path.exists()
+    with pytest.raises(cli.ConfigError, match="no graph today"):
+        load_recipe("tiny_omni")
 
 
 def test_graph_recipe_that_would_not_load_is_not_written(run, tmp_path):

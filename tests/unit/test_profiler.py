@@ -197,9 +197,8 @@ def test_profile_carries_a_draw_from_the_runtimes_cost_model_scaled_to_the_tp1_c
         samples = source.global_batch(0)
     finally:
         source.close()
-    roles = {"encoder": "encoder", "llm": "llm", "generator": "generator"}
     for name, draw in draws.items():
-        work = [sample_flops(cost_model(recipe), roles[name], x, patch_size(recipe, name), spec.special)
+        work = [sample_flops(cost_model(recipe), name, x, patch_size(recipe, name), spec.special)
                 for x in samples]
         assert [d / draw[0] for d in draw] == pytest.approx([w / work[0] for w in work], rel=1e-9)
 
@@ -281,3 +280,34 @@ def test_a_generation_only_graph_times_its_generator_on_the_llm_states(tmp_path)
     frozen_gen = load_recipe(recipe_path, ["model.modules.painter.frozen=true",
                                            "model.modules.painter.projector.frozen=true"])
     assert modes(frozen_gen)["painter"] == ("frozen_passthrough", True)
+
+
+def test_an_image_and_audio_graph_is_profiled_and_planned_into_a_recipe_that_loads(tmp_path, capsys):
+    import statistics
+    from dataclasses import replace
+
+    from disttrain_ds.metrics.step_flops import StepFlopsCounter
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    path, written = tmp_path / "omni.json", tmp_path / "planned.yaml"
+    code, out, err = run("--recipe", "tiny_omni", *FAST, "--out", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert list(data["modules"]) == ["vision", "ear", "llm", "painter"]
+    assert data["modules"]["ear"]["role"] == "encoder" and data["modules"]["ear"]["cost_ms"]["1"] > 0
+    profile = load_profile(path)
+    assert profile.graph.encoders == ("vision", "ear") and profile.gpus == 5
+    # The audio encoder's FLOPs are its family's for the timed clips, as the training MFU counts them.
+    recipe = load_recipe("tiny_omni")
+    source, spec = build_data_and_spec(replace(recipe, train=replace(recipe.train, global_batch=2)))
+    samples = source.global_batch(0)
+    source.close()
+    per_sample = [StepFlopsCounter(spec).audio([s])["ear"] for s in samples]
+    assert data["modules"]["ear"]["flops_per_sample"] == pytest.approx(statistics.median(per_sample), rel=1e-9)
+    for name, m in profile.modules.items():  # a draw per module, averaging to its cost
+        assert len(m.sample_cost_ms) == 2 and sum(m.sample_cost_ms) / 2 == pytest.approx(m.cost_ms[1], rel=1e-9)
+    assert plan_cli.main(["--profile", str(path), "--recipe", "tiny_omni", "--write-recipe", str(written)]) == 0
+    capsys.readouterr()
+    planned = load_recipe(written)
+    assert tuple(planned.parallel.modules) == ("vision", "ear", "llm", "painter") and planned.layout == "disaggregated"
+    assert sum(m.dp * m.tp * m.pp for m in planned.parallel.modules.values()) <= profile.gpus

@@ -47,7 +47,8 @@ def _graph(**modules) -> dict:
     (lambda d: d["model"]["modules"].update(ear={"family": "whisper"}),
      "'data.max_audio' must be >= 1: model.modules.ear reads up to max_audio clips per sequence"),
     (lambda d: (d["model"]["modules"].update(ear={"family": "whisper"}), d["data"].update(max_audio=1, source="laion")),
-     "'data.source' model.modules.ear reads audio clips, which data.source synthetic and local produce; got laion"),
+     "'data.source' model.modules.ear reads audio clips, which data.source synthetic, local, webdataset, parquet, "
+     "folder, hf produce; got laion"),
     (lambda d: (d["model"]["modules"].update(ear={"family": "whisper", "max_frames": 32}), d["data"].update(max_audio=1)),
      "'data.audio_frames' clips of up to 64 frames exceed model.modules.ear.max_frames 32"),
     (lambda d: d["data"].update(max_audio=1), "'data.max_audio' must be 0: the model has no audio encoder"),
@@ -92,7 +93,7 @@ def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
     assert [g.name for g in Topology.from_recipe(r).modules] == ["llm", "art"]
     # Balancing costs one generated image at the DiT's forward FLOPs.
     one = SampleStats(text_tokens=128, image_patches=(), gen_images=1, gen_resolution=art.resolution, seq_len=128)
-    assert cost_model(r).generator_cost(one) == pytest.approx(forward_flops(art))
+    assert cost_model(r).model.generator_cost(one) == pytest.approx(forward_flops(art))
     # The MFU meter counts each generated image at 3 x forward (trained) plus the projector's share.
     from disttrain_ds.metrics.flops import projector_flops_per_token
     from disttrain_ds.metrics.step_flops import StepFlopsCounter

@@ -7,7 +7,7 @@ of the system needs to know about the encoder's input and output.
 
 from ..base import Family
 from .config import AUDIO_ENCODER_PRESETS, AudioEncoderConfig
-from .estimates import activation_layers, forward_flops_per_clip
+from .estimates import activation_layers, cost_terms, forward_flops_per_clip
 
 modality = "audio"
 """What the encoder reads: log-mel clips [n_mels, frames], packed by ``model.pack_clips``."""
@@ -59,6 +59,7 @@ FAMILY = Family(
     clip_flops=forward_flops_per_clip,
     rows=rows,
     activation_layers=activation_layers,
+    cost_terms=cost_terms,
 )
 
 __all__ = ["AUDIO_ENCODER_PRESETS", "AudioEncoderConfig", "FAMILY", "modality", "rows", "width"]

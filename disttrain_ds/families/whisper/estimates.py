@@ -25,11 +25,20 @@ def activation_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> Layer
     return LayerBytes(saved, outputs, mels)
 
 
+def cost_terms(cfg) -> dict[str, float]:
+    """``CostModel`` audio coefficients: forward FLOPs of the encoder's own layers on one clip of
+    ``f`` log-mel frames (even: ``f / 2`` rows) are ``aud_per_clip + aud_per_frame * f +
+    aud_per_frame_sq * f**2`` (multiply-adds count 2; the input projector is counted apart)."""
+    e, f = cfg.hidden_size, cfg.ffn_hidden
+    stem = 2 * 3 * cfg.n_mels * e + 2 * 3 * e * e / 2  # two kernel-3 convolutions: all frames, then rows
+    linear = 2 * (4 * e * e + 2 * e * f) / 2  # q, k, v, out; fc1, fc2 on every row
+    attention = 2 * 2 * e / 4  # scores and weighted sum over rows x rows
+    return {"aud_per_clip": 0.0, "aud_per_frame": float(stem + cfg.layers * linear),
+            "aud_per_frame_sq": float(cfg.layers * attention)}
+
+
 def forward_flops_per_clip(cfg, frames: int) -> float:
-    """Forward FLOPs of the encoder's own layers on one clip of ``frames`` log-mel frames
-    (multiply-adds count 2; the input projector is counted apart)."""
-    e, f, rows = cfg.hidden_size, cfg.ffn_hidden, frames // 2
-    stem = 2 * 3 * cfg.n_mels * e * frames + 2 * 3 * e * e * rows  # two kernel-3 convolutions
-    linear = 2 * (4 * e * e + 2 * e * f) * rows  # q, k, v, out; fc1, fc2
-    attention = 2 * 2 * e * rows * rows  # scores and weighted sum
-    return stem + cfg.layers * (linear + attention)
+    """Forward FLOPs of the encoder's own layers on one clip of ``frames`` (even) log-mel frames
+    (``cost_terms``' formula)."""
+    t = cost_terms(cfg)
+    return t["aud_per_clip"] + t["aud_per_frame"] * frames + t["aud_per_frame_sq"] * frames * frames
