@@ -28,9 +28,9 @@ from pathlib import Path
 
 from .cli import OneLineParser, prog_name
 from .configtools import ConfigError
-from .hostfile import Host, LaunchError, parse_hostfile, plural, select_slots, slots_summary
-from .layout_fit import check_memory, check_slots, required_ranks, tp_span_problems
-from .reachability import check_reachability, local_names
+from .launcher.hostfile import Host, LaunchError, parse_hostfile, plural, select_slots, slots_summary
+from .launcher.layout_fit import check_memory, check_slots, required_ranks, tp_span_problems
+from .launcher.reachability import check_reachability, local_names
 from .supervise import check_restartable, start
 
 __all__ = ["Host", "LaunchError", "TRAIN_MODULE", "check_reachability", "launcher_command", "local_names",

@@ -13,7 +13,7 @@ def required_ranks(recipe) -> tuple[int, str]:
     """Ranks a recipe's layout needs, and the per-module breakdown that explains the number."""
     if recipe.layout == "reference":
         return 1, "reference: one process"
-    from .topology import Topology
+    from ..topology import Topology
 
     topo = Topology.from_recipe(recipe)
     return topo.world_size, " + ".join(f"{m.name} {m.size}" for m in topo.modules)
@@ -25,7 +25,7 @@ def check_memory(recipe) -> str:
     field the launching machine says nothing about the nodes: each rank checks at start-up."""
     if recipe.train.device_memory_gib <= 0:
         return "memory: checked by every rank at start-up (set train.device_memory_gib to check here)"
-    from .runtime.memory import GIB, check_fits, estimate, per_rank_totals
+    from ..runtime.memory import GIB, check_fits, estimate, per_rank_totals
 
     rows = estimate(recipe)
     check_fits(recipe, rows, recipe.train.device_memory_gib, "train.device_memory_gib")
@@ -40,7 +40,7 @@ def tp_span_problems(recipe, active: dict[str, list[int]]) -> list[str]:
     hostfile order, as DeepSpeed's runner assigns them): "module ranks a-b (host x, host y)"."""
     if recipe.layout == "reference":
         return []
-    from .topology import Topology
+    from ..topology import Topology
 
     host_of = [name for name, slots in active.items() for _ in slots]
     out = []
