@@ -55,7 +55,7 @@ def _display_path(path: Path) -> str:
         return str(path)
 
 
-def launcher_command(args, *, all_local: bool, train_script: Path | None = None) -> list[str]:
+def launcher_command(args: argparse.Namespace, *, all_local: bool, train_script: Path | None = None) -> list[str]:
     """The exact command that starts the job under the ``deepspeed`` launcher; without
     ``train_script`` every rank runs the installed ``TRAIN_MODULE``."""
     cmd = launcher_prefix() + ["--hostfile", args.hostfile]
@@ -97,7 +97,7 @@ def _parser() -> OneLineParser:
 
 
 
-def _check_options(args, train_script: Path | None) -> None:
+def _check_options(args: argparse.Namespace, train_script: Path | None) -> None:
     if not 1 <= args.ssh_port <= 65535:
         raise LaunchError(f"--ssh-port must be 1-65535, got {args.ssh_port}")
     if args.connect_timeout <= 0:
@@ -116,7 +116,7 @@ def _tp_span_warning(recipe, active: dict[str, list[int]]) -> list[str]:
             "or give every host a multiple of the TP degrees' slots"]
 
 
-def _reachability_line(args, used: list[Host], remote: list[Host], local: frozenset[str]) -> str:
+def _reachability_line(args: argparse.Namespace, used: list[Host], remote: list[Host], local: frozenset[str]) -> str:
     if not remote:
         return "reachability: every host is this machine, nothing to probe"
     if args.skip_reachability:
@@ -129,7 +129,7 @@ def _reachability_line(args, used: list[Host], remote: list[Host], local: frozen
     return f"reachability: {plural(len(remote), 'remote host')} answered on port {args.ssh_port}"
 
 
-def prepare(args, train_script: Path | None = None) -> tuple[list[str], list[str]]:
+def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple[list[str], list[str]]:
     """Run every check; return the lines reporting them and the launcher command."""
     from .config import load_recipe
 

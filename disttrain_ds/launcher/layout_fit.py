@@ -6,10 +6,15 @@ the hostfile and the recipe instead of a failure once every rank has started.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .hostfile import Host, LaunchError, plural, slots_summary
 
+if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
+    from ..config import Recipe
 
-def required_ranks(recipe) -> tuple[int, str]:
+
+def required_ranks(recipe: Recipe) -> tuple[int, str]:
     """Ranks a recipe's layout needs, and the per-module breakdown that explains the number."""
     if recipe.layout == "reference":
         return 1, "reference: one process"
@@ -19,7 +24,7 @@ def required_ranks(recipe) -> tuple[int, str]:
     return topo.world_size, " + ".join(f"{m.name} {m.size}" for m in topo.modules)
 
 
-def check_memory(recipe) -> str:
+def check_memory(recipe: Recipe) -> str:
     """Check each rank's estimated peak against ``train.device_memory_gib`` (a one-line
     ``ConfigError`` naming the rank when one does not fit); the line reporting it. Without that
     field the launching machine says nothing about the nodes: each rank checks at start-up."""
@@ -35,7 +40,7 @@ def check_memory(recipe) -> str:
             f"{recipe.train.device_memory_gib:g} GiB per device: fits")
 
 
-def tp_span_problems(recipe, active: dict[str, list[int]]) -> list[str]:
+def tp_span_problems(recipe: Recipe, active: dict[str, list[int]]) -> list[str]:
     """TP groups whose ranks the launcher puts on more than one host (ranks go host by host in
     hostfile order, as DeepSpeed's runner assigns them): "module ranks a-b (host x, host y)"."""
     if recipe.layout == "reference":
