@@ -7,7 +7,8 @@ or whose wake-up from its wait, lose the core takes longer than its emulated tim
 critical path that lengthens the step. So the step is compared with the simulator fed every op's
 measured duration (``emulate_sim.measured_costs``) and a crossing latency anywhere in the
 interquartile range of the measured ones, and the emulated times are pinned per op: no op is
-shorter than its emulated time and the typical op is not much longer.
+shorter than its emulated time, and what the ops took beyond it is what the ranks recorded as
+overruns (real layers past the deadline) plus a little wake-up and bookkeeping.
 """
 
 from __future__ import annotations
@@ -52,24 +53,41 @@ def simulated_band(recs, spans, slot: int, scale: float = 1.0) -> tuple[float, f
     return (1 - TOLERANCE) * ends[0], (1 + TOLERANCE) * ends[1]
 
 
+def beyond_overruns(run, step: int) -> tuple[float, float]:
+    """(ms of forward/backward span time beyond the emulated times and the overruns the
+    ranks recorded, ms emulated) over all ranks of ``step``: what an op takes after its wait."""
+    extra = emulated = 0.0
+    for f in (run / "emulate").glob("rank*.json"):
+        rec = json.loads(f.read_text())
+        s = next(x for x in rec["steps"] if x["step"] == step)
+        ops = [x for x in emulate_sim.read_trace(run / "trace" / f.name) if x["name"] in ("forward", "backward")]
+        beyond = sum(x["end"] - x["start"] for x in ops) - sum(s["fwd_ms"]) - sum(s["bwd_ms"]) - 1e3 * s["overrun_s"]
+        assert beyond >= -1.0, (f.name, beyond)  # an overrun recorded that the trace does not show
+        extra, emulated = extra + beyond, emulated + sum(s["fwd_ms"]) + sum(s["bwd_ms"])
+    return extra, emulated
+
+
 def check_step_time(rows, run, recs, slot: int, stages: int) -> None:
-    """The last step's time is explained by its ops as they ran (and not by ops shorter than
-    that: negative control); the ops waited their emulated times and the typical op no longer."""
+    """The ops waited their emulated times (an op ran longer only by what its real layers took
+    past the deadline, as the rank recorded it), and the last step's time is explained by its ops
+    as they ran, and not by ops shorter than that (negative control)."""
     measured, spans = 1e3 * rows[-1]["step_seconds"], _spans(run)
     ran = emulate_sim.measured_costs(spans, recs)
-    emulated = [e for r in recs for e in (*r.fwd_ms, *r.bwd_ms)]
     took = [t for r in ran for t in (*r.fwd_ms, *r.bwd_ms)]
-    ratio = [t / e for t, e in zip(took, emulated) if e > 0]
-    assert min(t - e for t, e in zip(took, emulated)) >= -0.05  # no op shorter than its emulated time
-    assert np.median(ratio) < 1.25, ratio  # ranks that waited twice their costs would read 2
+    assert min(t - e for t, e in zip(took, (e for r in recs for e in (*r.fwd_ms, *r.bwd_ms)))) >= -0.05
+    # Beyond the overruns only the wake-up from the wait and bookkeeping remain (a few ms per op
+    # even with 10 runnable processes per core); ranks that waited twice their costs would show
+    # one emulated time more.
+    extra, emulated = beyond_overruns(run, rows[-1]["step"])
+    assert extra < 0.25 * emulated, (extra, emulated)
 
     compute_only, _ = emulate_sim.simulate_step(recs, stages)
     assert measured > 0.9 * compute_only  # tiny real layers alone would take a fraction of it
     lo, hi = simulated_band(recs, spans, slot)
     ideal, _ = emulate_sim.simulate_ranks(recs, slot, emulate_sim.measure_overheads(spans, recs, slot))
     load = (f"measured {measured:.1f} ms, simulated from the ops as they ran {lo:.1f}-{hi:.1f} ms, from the "
-            f"emulated times plus the median overhead {ideal:.1f} ms; {sum(r > 1.1 for r in ratio)} of "
-            f"{len(ratio)} ops ran over their emulated time by more than 10%")
+            f"emulated times plus the median overhead {ideal:.1f} ms; "
+            f"{emulate_sim.wait_summary(run / 'emulate')['overruns']:.0f} ops overran their emulated time")
     assert lo <= measured <= hi, load
     short_lo, short_hi = simulated_band(recs, spans, slot, scale=SHORTER)
     assert not short_lo <= measured <= short_hi, load
