@@ -54,18 +54,32 @@ class TransformerDims:
     """Key/value heads (grouped-query attention); 0 means equal to ``heads``."""
     gated_mlp: bool = False
     """Three MLP matrices (SwiGLU, Llama) instead of two (GELU MLP, ViT)."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means ``hidden // heads`` with Q and O ``hidden`` wide."""
+
+    def _q_kv_dims(self) -> tuple[int, int]:
+        kv = self.kv_heads or self.heads
+        if self.head_dim:
+            return self.heads * self.head_dim, kv * self.head_dim
+        return self.hidden, kv * (self.hidden // self.heads)
 
     def linear_flops_per_token(self) -> float:
-        """Forward FLOPs per token of the Q/K/V/O projections and the MLP, all layers."""
-        kv = self.kv_heads or self.heads
-        head_dim = self.hidden // self.heads
-        attn = 2 * (2 * self.hidden * self.hidden + 2 * self.hidden * kv * head_dim)
+        """Forward FLOPs per token of the Q/K/V/O projections and the MLP, all layers (Q and O
+        are ``q_dim`` wide, K and V shrink with grouped-query attention; 2 FLOPs per weight)."""
+        q_dim, kv_dim = self._q_kv_dims()
+        attn = 2 * (2 * self.hidden * q_dim + 2 * self.hidden * kv_dim)
         mlp = 2 * (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
         return float(self.layers * (attn + mlp))
 
     def flops_per_pair(self) -> float:
-        """Forward FLOPs per attended query-key pair (QK^T and AV), all layers."""
-        return float(self.layers * 2 * 2 * self.hidden)
+        """Forward FLOPs per attended query-key pair (QK^T and AV: 2 FLOPs per element of each
+        query head), all layers."""
+        return float(self.layers * 2 * 2 * self._q_kv_dims()[0])
+
+
+def patch_embed_flops(patch_size: int, hidden: int, channels: int = 3) -> float:
+    """Forward FLOPs per patch of a ViT's patch-embedding convolution."""
+    return 2.0 * channels * patch_size * patch_size * hidden
 
 
 @dataclass(frozen=True)
@@ -209,7 +223,7 @@ class CostModel:
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         e_lin, e_pair = encoder.linear_flops_per_token(), encoder.flops_per_pair()
-        embed = 2.0 * 3 * enc_patch_size ** 2 * encoder.hidden
+        embed = patch_embed_flops(enc_patch_size, encoder.hidden)
         cls_tok = 1.0 if enc_cls_token else 0.0
         l_lin = llm.linear_flops_per_token() + 2.0 * llm.hidden * vocab_size  # + LM head
         l_pair = llm.flops_per_pair()

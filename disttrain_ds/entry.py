@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from .config import load_recipe
+from .config import Recipe, load_recipe
 from .configtools import ConfigError
 from .topology import Topology
 
@@ -72,7 +72,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
         raise
 
 
-def check_memory(recipe, ranks_per_host: int) -> list:
+def check_memory(recipe: Recipe, ranks_per_host: int) -> list:
     """Stop with one line naming the rank and module whose estimated peak memory does not fit;
     returns the estimate's rows."""
     from .runtime.memory import check_fits, device_limit_gib, estimate
@@ -83,7 +83,7 @@ def check_memory(recipe, ranks_per_host: int) -> list:
     return rows
 
 
-def check_imports(recipe) -> None:
+def check_imports(recipe: Recipe) -> None:
     """Stop with one line naming ``model.<module>.checkpoint`` when it would leave weights at random
     init or does not fit the module's shapes."""
     from .runtime.imports import check_imports as check
@@ -91,7 +91,7 @@ def check_imports(recipe) -> None:
     check(recipe)
 
 
-def check_output_dirs(recipe, rows: list) -> None:
+def check_output_dirs(recipe: Recipe, rows: list) -> None:
     """Stop with one line naming ``logging.dir`` or ``checkpoint.dir`` when it cannot be written or
     (checkpoints) has no room for one checkpoint."""
     from .runtime.guards import check_output_dirs as check

@@ -15,11 +15,14 @@ graph form the three-module keys hold a role's module when it has exactly one, e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .configtools import ConfigError, from_dict, to_dict
 from .families import DEFAULT_FAMILY, FAMILIES, Family, get_family
 from .graph import ModuleGraph
+
+if TYPE_CHECKING:  # annotations only: config imports this module
+    from .config import Recipe
 
 ROLE_KEYS = tuple(DEFAULT_FAMILY)
 """The three-module form's section names (one per role)."""
@@ -67,7 +70,7 @@ def family_named(name: object, src: str, key: str) -> Family:
     return FAMILIES[name]
 
 
-def link_sections(recipe, default_parallel: type) -> None:
+def link_sections(recipe: Recipe, default_parallel: type) -> None:
     """Make ``model.modules`` / ``parallel.modules`` hold every module in both recipe forms
     (``default_parallel()``: the degrees of a module ``parallel.modules`` does not list)."""
     m, p = recipe.model, recipe.parallel
@@ -84,7 +87,7 @@ def link_sections(recipe, default_parallel: type) -> None:
         setattr(p, role, p.modules[names[0]] if len(names) == 1 else None)
 
 
-def graph_of(recipe) -> ModuleGraph:
+def graph_of(recipe: Recipe) -> ModuleGraph:
     """The recipe's module graph (modules in data-flow order)."""
     modules = recipe.model.modules
     src = recipe.source_file or "<recipe>"
@@ -92,40 +95,40 @@ def graph_of(recipe) -> ModuleGraph:
                                    for n, c in modules.items()}, src)
 
 
-def module_config(recipe, name: str):
+def module_config(recipe: Recipe, name: str):
     """The config section of module ``name``."""
     return recipe.model.modules[name]
 
 
-def encoder_of(recipe, modality: str):
+def encoder_of(recipe: Recipe, modality: str):
     """The config of the recipe's encoder that reads ``modality`` (image | audio), or None."""
     return next((recipe.model.modules[n] for n in graph_of(recipe).encoders
                  if FAMILIES[recipe.model.modules[n].family].modality == modality), None)
 
 
-def module_parallel(recipe, name: str):
+def module_parallel(recipe: Recipe, name: str):
     """The parallel degrees of module ``name``."""
     return recipe.parallel.modules[name]
 
 
-def module_key(recipe, name: str) -> str:
+def module_key(recipe: Recipe, name: str) -> str:
     """The recipe key of module ``name``'s section, for messages."""
     return f"model.modules.{name}" if getattr(recipe.model, "_graph_form", False) else f"model.{name}"
 
 
-def parallel_key(recipe, name: str) -> str:
+def parallel_key(recipe: Recipe, name: str) -> str:
     """The recipe key of module ``name``'s parallel degrees, for messages."""
     return "parallel." + module_key(recipe, name).removeprefix("model.")
 
 
-def module_family(recipe, name: str) -> Family:
+def module_family(recipe: Recipe, name: str) -> Family:
     """The ``Family`` of module ``name``."""
     cfg = module_config(recipe, name)
     return get_family(cfg.family, graph_of(recipe).role(name), recipe.source_file or "<recipe>",
                       f"{module_key(recipe, name)}.family")
 
 
-def as_written(recipe) -> dict:
+def as_written(recipe: Recipe) -> dict:
     """The recipe as plain data in the form it was written (three-module keys, or
     ``model.modules`` / ``parallel.modules``), without the other form's mirror of it."""
     data = to_dict(recipe)

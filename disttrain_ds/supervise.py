@@ -20,10 +20,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .configtools import ConfigError
 from .runtime.preempt import EXIT_PREEMPTED
+
+if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
+    from .config import Recipe
 
 EXIT_BAD_INPUT = 2
 """A one-line recipe, override, hostfile or checkpoint error (``tools/train.py``, ``disttrain-launch``)."""
@@ -86,7 +89,7 @@ def resume_command(cmd: Sequence[str]) -> list[str]:
     return [arg for arg in cmd if not _is_resume(arg)] + [f"{RESUME_KEY}=auto"]
 
 
-def check_restartable(recipe, max_restarts: int, delay: float) -> str:
+def check_restartable(recipe: Recipe, max_restarts: int, delay: float) -> str:
     """The report line for ``--max-restarts``; a one-line ``ConfigError`` when it cannot help.
 
     A recipe whose checkpoints are off, or whose only checkpoint comes after the last step, is

@@ -7,11 +7,16 @@ graph's data-flow order (encoders -> LLM -> generators). Inside a module, ranks 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 from .configtools import ConfigError
 from .graph import ModuleGraph
 from .recipe_graph import graph_of
+
+if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
+    from .config import Recipe
 
 MODULES = ("encoder", "llm", "generator")
 """The three-module graph's module names."""
@@ -144,7 +149,7 @@ class Topology:
         return (ups[0] if ups else None), (downs[0] if downs else None)
 
     @staticmethod
-    def from_recipe(recipe) -> "Topology":
+    def from_recipe(recipe: Recipe) -> "Topology":
         """Derive the rank map from ``parallel.*`` (monolithic: encoder and generator take the LLM's DP/TP, PP 1)."""
         p = recipe.parallel
         if recipe.layout == "reference":

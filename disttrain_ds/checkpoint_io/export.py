@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -28,6 +28,9 @@ from ..models.checkpoint import map_key
 from ..recipe_graph import graph_of, module_config, module_family
 from ..runtime.ckpt_manifest import inspect_step_dir
 from .read import read_module_state, step_modules, step_recipe, verified_manifest
+
+if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
+    from ..config import Recipe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROJECTOR_FILE, PROJECTOR_INFO, TOKENS_INFO = "projector.safetensors", "projector.json", "tokens.json"
@@ -42,7 +45,7 @@ def hf_key_map(fam, module: str, hf_keys) -> dict[str, str | None]:
     return {k: map_key(module, k, fam.hf_rules) for k in hf_keys}
 
 
-def export_module(recipe, module: str, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> None:
+def export_module(recipe: Recipe, module: str, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> None:
     """Write ``module``'s trained ``state`` ({layer/param: tensor}) as its family's HF model in ``out``."""
     fam, cfg = module_family(recipe, module), module_config(recipe, module)
     if fam.role == "llm":
@@ -77,7 +80,7 @@ def export_module(recipe, module: str, state: dict[str, torch.Tensor], out: Path
         (out / PROJECTOR_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
-def export_tokenizer(recipe, out: Path, vocab: int) -> None:
+def export_tokenizer(recipe: Recipe, out: Path, vocab: int) -> None:
     """The LLM's tokenizer beside its weights: ``tokens.json`` always, the HF files when it has them."""
     from ..data.tokenizer import load_tokenizer
     from ..data.types import SpecialTokens

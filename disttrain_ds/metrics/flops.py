@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..costmodel import TransformerDims, patch_embed_flops
+
 MODE_MULTIPLIER: dict[str, int] = {
     "train": 3,  # forward + input-gradient + weight-gradient, each ~ one forward
     "frozen_passthrough": 2,  # forward + input-gradient so a trained upstream module gets grads
@@ -65,14 +67,8 @@ def _llm_forward_parts(
     _positive(head_dim=head_dim)
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    # Q and O are q_dim wide; K and V shrink with GQA.
-    attn_proj = 2 * (2 * hidden * q_dim + 2 * hidden * kv_dim)
-    mlp = 2 * (3 if gated_mlp else 2) * hidden * ffn_hidden  # SwiGLU: gate, up, down
-    linear = layers * (attn_proj + mlp) + 2 * hidden * vocab  # + LM head
-    # QK^T and AV: 2 FLOPs per head_dim element each, over all query heads.
-    per_pair = layers * 2 * 2 * q_dim
-    return float(linear), float(per_pair)
+    dims = TransformerDims(layers, hidden, ffn_hidden, heads, kv_heads, gated_mlp, head_dim)
+    return dims.linear_flops_per_token() + 2.0 * hidden * vocab, dims.flops_per_pair()  # + LM head
 
 
 def _attended_pairs(length: int, causal: bool) -> int:
@@ -147,10 +143,11 @@ def vit_flops(
         _positive(patches_per_image_item=n)
     patches = sum(int(n) for n in patches_per_image)
     tokens_per_image = [int(n) + int(include_cls) for n in patches_per_image]
-    embed = 2 * channels * patch_size * patch_size * hidden * patches
-    linear = layers * 2 * (4 * hidden * hidden + 2 * hidden * ffn_hidden) * sum(tokens_per_image)
-    attention = layers * 2 * 2 * hidden * sum(t * t for t in tokens_per_image)
-    return training_flops(float(embed + linear + attention), mode=mode)
+    dims = TransformerDims(layers, hidden, ffn_hidden, heads=1)  # without GQA the head count changes no FLOPs
+    embed = patch_embed_flops(patch_size, hidden, channels) * patches
+    linear = dims.linear_flops_per_token() * sum(tokens_per_image)
+    attention = dims.flops_per_pair() * sum(t * t for t in tokens_per_image)  # bidirectional: all pairs
+    return training_flops(embed + linear + attention, mode=mode)
 
 
 def projector_flops_per_token(

@@ -28,13 +28,13 @@ def tflops_per_gpu(flops: float, gpus: int, step_seconds: float) -> float:
 def module_mfu(flops: float, gpus: int, peak_tflops: float, step_seconds: float) -> float:
     """MFU of one module: its training FLOPs of a step over the peak of the GPUs it runs on."""
     _check(flops, gpus, peak_tflops, step_seconds, "gpus")
-    return flops / (gpus * peak_tflops * 1e12 * step_seconds)
+    return tflops_per_gpu(flops, gpus, step_seconds) / peak_tflops
 
 
 def overall_mfu(total_flops: float, world: int, peak_tflops: float, step_seconds: float) -> float:
     """MFU of the whole model: all modules' training FLOPs of a step over all ``world`` GPUs."""
     _check(total_flops, world, peak_tflops, step_seconds, "world")
-    return total_flops / (world * peak_tflops * 1e12 * step_seconds)
+    return tflops_per_gpu(total_flops, world, step_seconds) / peak_tflops
 
 
 @dataclass(frozen=True)

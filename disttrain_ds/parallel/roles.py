@@ -7,6 +7,9 @@ import torch
 from ..models.mllm import MicroBatch, MLLMSpec, generator_states, llm_inputs, lm_loss_sum
 from ..models.objectives import diffusion_loss, gen_condition
 
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+"""A last stage's outputs: one tensor, or a tuple (the LLM's logits and hidden states)."""
+
 
 class Role:
     """Defaults: no upstream input, no own loss, no output sent downstream."""
@@ -28,10 +31,12 @@ class Role:
         """The first stage's input tuple; ``received`` holds one tensor per upstream module."""
         raise NotImplementedError
 
-    def own_loss(self, outputs, mb: MicroBatch) -> torch.Tensor | None:
+    def own_loss(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
+        """The module's own loss sum of the microbatch (None: it has none)."""
         return None
 
-    def boundary_output(self, outputs, mb: MicroBatch) -> torch.Tensor | None:
+    def boundary_output(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
+        """What the last stage sends downstream (None: nothing)."""
         return None
 
     def boundary_features(self) -> tuple[int, ...]:
@@ -46,13 +51,13 @@ class EncoderRole(Role):
     def rows_key(self) -> str:
         return f"{self.spec.modality(self.module)}_embeds"
 
-    def first_inputs(self, mb, received):
+    def first_inputs(self, mb: MicroBatch, received: list[torch.Tensor]) -> tuple:
         return mb.encoder_inputs(self.spec.modality(self.module))
 
-    def boundary_output(self, outputs, mb):
+    def boundary_output(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
         return outputs
 
-    def boundary_features(self):
+    def boundary_features(self) -> tuple[int, ...]:
         return (self.spec.llm.hidden_size,)  # one projected patch / audio frame embedding per row
 
 
@@ -64,22 +69,22 @@ class LLMRole(Role):
     def boundary_input_indices(self) -> tuple[int, ...]:
         return tuple(range(1, 1 + len(self.spec.encoders)))  # after input_ids, one per encoder
 
-    def first_inputs(self, mb, received):
+    def first_inputs(self, mb: MicroBatch, received: list[torch.Tensor]) -> tuple:
         if not received:  # no encoder: no placeholders to fill
             received = [torch.zeros(0, self.spec.llm.hidden_size, dtype=mb.pixels.dtype)]
         return llm_inputs(mb, received)
 
-    def own_loss(self, outputs, mb):
+    def own_loss(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
         logits, _ = outputs
         return lm_loss_sum(logits, mb.labels, mb.lm_scale)
 
-    def boundary_output(self, outputs, mb):
+    def boundary_output(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
         if self.spec.generator is None:  # understanding only: nothing goes downstream
             return None
         _, hidden = outputs
         return gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens)
 
-    def boundary_features(self):
+    def boundary_features(self) -> tuple[int, ...]:
         return (self.spec.generator.query_tokens, self.spec.llm.hidden_size)  # one image's queries per row
 
 
@@ -87,10 +92,10 @@ class GeneratorRole(Role):
     name = "generator"
     boundary_input_indices = (0,)
 
-    def first_inputs(self, mb, received):
+    def first_inputs(self, mb: MicroBatch, received: list[torch.Tensor]) -> tuple:
         return (generator_states(received[0], mb), mb.noisy, mb.timesteps)
 
-    def own_loss(self, outputs, mb):
+    def own_loss(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
         return diffusion_loss(outputs, mb.noise, mb.gen_weights)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -147,22 +147,39 @@ def simulate_ranks(ranks: Sequence[RankCosts], slot: int,
     return max(free[r.rank] + tails[r.global_stage] for r in ranks), events
 
 
+def crossing_latencies(spans: dict[int, list[dict]], ranks: Sequence[RankCosts], slot: int) -> list[float]:
+    """Latency (ms) of every pipeline crossing in one step's trace whose receiver waited (the
+    receive was posted before its data was produced): receive end - the latest end of the
+    producing ops (:func:`links`). ``spans`` as :func:`measure_overheads` takes them."""
+    deps = links(ranks, slot)
+    ends = {(rank, x["name"], x["mb"]): x["end"] for rank, sp in spans.items() for x in sp
+            if x["name"] in ("forward", "backward")}
+    out = []
+    for rank, sp in spans.items():
+        for i, x in enumerate(sp):
+            nxt = next((y for y in sp[i + 1:] if y["name"] in ("forward", "backward") and y["mb"] == x["mb"]), None)
+            if x["name"] != "recv" or nxt is None:
+                continue
+            kind = FWD if nxt["name"] == "forward" else BWD
+            produced = [ends.get((u, nxt["name"], x["mb"])) for u in deps[(rank, kind)]]
+            if produced and None not in produced and x["start"] < max(produced):
+                out.append(x["end"] - max(produced))
+    return out
+
+
 def measure_overheads(spans: dict[int, list[dict]], ranks: Sequence[RankCosts], slot: int) -> Overheads:
     """:class:`Overheads` from one step's per-rank trace spans (``name``, ``mb``, ``start``,
     ``end`` in ms on a shared clock) and the emulated times the ranks waited for in that step.
 
     * ``op_ms``: per rank, (forward + backward + send + load span time - emulated time) per op;
       the median over ranks;
-    * ``comm_ms``: for receives posted before their data was produced (the receiver waited),
-      receive end - the latest end of the producing ops (:func:`links`); the median;
+    * ``comm_ms``: the median of :func:`crossing_latencies`;
     * ``prep``: on, so ranks start after their own recorded data preparation;
     * ``tail_ms``: per stage, the smallest (last span end - last backward end) of its ranks: the
       replica that reached the gradient all-reduce last did not wait in it.
     """
-    by_rank, deps = {r.rank: r for r in ranks}, links(ranks, slot)
-    ends = {(rank, x["name"], x["mb"]): x["end"] for rank, sp in spans.items() for x in sp
-            if x["name"] in ("forward", "backward")}
-    per_op, latency, tails = [], [], {}
+    by_rank = {r.rank: r for r in ranks}
+    per_op, tails = [], {}
     for rank, sp in spans.items():
         rc = by_rank[rank]
         ops = [x for x in sp if x["name"] in ("forward", "backward")]
@@ -172,18 +189,39 @@ def measure_overheads(spans: dict[int, list[dict]], ranks: Sequence[RankCosts], 
         emulated = sum(rc.fwd_ms) + (sum(rc.bwd_ms) if any(x["name"] == "backward" for x in ops) else 0.0)
         per_op.append((busy - emulated) / len(ops))
         tails.setdefault(rc.global_stage, []).append(max(x["end"] for x in sp) - max(x["end"] for x in ops))
-        for i, x in enumerate(sp):
-            nxt = next((y for y in sp[i + 1:] if y["name"] in ("forward", "backward") and y["mb"] == x["mb"]), None)
-            if x["name"] != "recv" or nxt is None:
-                continue
-            kind = FWD if nxt["name"] == "forward" else BWD
-            produced = [ends.get((u, nxt["name"], x["mb"])) for u in deps[(rank, kind)]]
-            if produced and None not in produced and x["start"] < max(produced):
-                latency.append(x["end"] - max(produced))
+    latency = crossing_latencies(spans, ranks, slot)
     stages = 1 + max(r.global_stage for r in ranks)
     return Overheads(float(np.median(per_op)) if per_op else 0.0,
                      max(0.0, float(np.median(latency))) if latency else 0.0,
                      tuple(float(min(tails.get(g, [0.0]))) for g in range(stages)), prep=True)
+
+
+def measured_costs(spans: dict[int, list[dict]], ranks: Sequence[RankCosts]) -> list[RankCosts]:
+    """``ranks`` with every op's time replaced by what it took in the trace: a forward with the
+    ``load`` before it, a backward, each with the ``send`` after it (the spans ``op_ms`` counts).
+    On a loaded machine an op takes longer than its emulated time (its real layers, or the wake-up
+    from its wait, lose the core); the simulator fed these times, with ``op_ms`` 0, replays the
+    ops as they ran. A rank without backward spans keeps its zero backward times."""
+    out = []
+    for r in ranks:
+        k = len(r.fwd_ms)
+        took = {"forward": [0.0] * k, "backward": [0.0] * k}
+        last = "forward"
+        for x in spans.get(r.rank, []):
+            name, mb, dur = x["name"], x["mb"], x["end"] - x["start"]
+            if name in took:
+                last = name
+            elif name == "load":
+                name = "forward"
+            elif name == "send":
+                name = last
+            else:
+                continue
+            if isinstance(mb, int) and 0 <= mb < k:
+                took[name][mb] += dur
+        bwd = tuple(t if b > 0 else 0.0 for t, b in zip(took["backward"], r.bwd_ms))
+        out.append(replace(r, fwd_ms=tuple(took["forward"]), bwd_ms=bwd))
+    return out
 
 
 def read_trace(path: str | os.PathLike) -> list[dict]:

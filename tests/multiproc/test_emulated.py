@@ -1,10 +1,22 @@
 """Emulated compute in a real 5-rank disaggregated run: the ranks really wait their modelled
-times, the iteration matches the simulator fed with those times, and the math is untouched."""
+times, the iteration is the simulator's critical path through the ops as they ran, and the math is
+untouched.
+
+The ranks share a few CPU cores (with whatever else the machine runs): an op whose real layers,
+or whose wake-up from its wait, lose the core takes longer than its emulated time, and on the
+critical path that lengthens the step. So the step is compared with the simulator fed every op's
+measured duration (``emulate_sim.measured_costs``) and a crossing latency anywhere in the
+interquartile range of the measured ones, and the emulated times are pinned per op: no op is
+shorter than its emulated time, and what the ops took beyond it is what the ranks recorded as
+overruns (real layers past the deadline) plus a little wake-up and bookkeeping.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from disttrain_ds.config import load_recipe
@@ -18,6 +30,67 @@ from .conftest import REPO, launch
 LAYOUT = ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1", "parallel.generator.dp=2",
           "train.global_batch=8", "train.steps=3", "optim.name=sgd", "optim.lr=0.05"]
 COST_MS = {"encoder": 40.0, "llm": 90.0, "generator": 75.0}  # fwd+bwd per mean sample
+TOLERANCE = 0.05
+"""Relative slack around the simulated band (bookkeeping between ops the trace does not cover)."""
+SHORTER = 0.85
+"""Negative control: ops this much shorter than they ran must leave the measured step unexplained."""
+
+
+def _spans(run) -> dict[int, list[dict]]:
+    return {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
+
+
+def simulated_band(recs, spans, slot: int, scale: float = 1.0) -> tuple[float, float]:
+    """Iteration times (ms) the rank simulator gives with every op's measured duration (times
+    ``scale``), the measured tails and data preparation, and a crossing latency from the 25th to
+    the 75th percentile of the measured ones; widened by ``TOLERANCE``."""
+    ov = emulate_sim.measure_overheads(spans, recs, slot)
+    ran = [dataclasses.replace(r, fwd_ms=tuple(scale * x for x in r.fwd_ms), bwd_ms=tuple(scale * x for x in r.bwd_ms))
+           for r in emulate_sim.measured_costs(spans, recs)]
+    lat = emulate_sim.crossing_latencies(spans, recs, slot) or [ov.comm_ms]
+    lo, hi = (max(0.0, float(np.percentile(lat, q))) for q in (25, 75))
+    ends = [emulate_sim.simulate_ranks(ran, slot, dataclasses.replace(ov, op_ms=0.0, comm_ms=c))[0] for c in (lo, hi)]
+    return (1 - TOLERANCE) * ends[0], (1 + TOLERANCE) * ends[1]
+
+
+def beyond_overruns(run, step: int) -> tuple[float, float]:
+    """(ms of forward/backward span time beyond the emulated times and the overruns the
+    ranks recorded, ms emulated) over all ranks of ``step``: what an op takes after its wait."""
+    extra = emulated = 0.0
+    for f in (run / "emulate").glob("rank*.json"):
+        rec = json.loads(f.read_text())
+        s = next(x for x in rec["steps"] if x["step"] == step)
+        ops = [x for x in emulate_sim.read_trace(run / "trace" / f.name) if x["name"] in ("forward", "backward")]
+        beyond = sum(x["end"] - x["start"] for x in ops) - sum(s["fwd_ms"]) - sum(s["bwd_ms"]) - 1e3 * s["overrun_s"]
+        assert beyond >= -1.0, (f.name, beyond)  # an overrun recorded that the trace does not show
+        extra, emulated = extra + beyond, emulated + sum(s["fwd_ms"]) + sum(s["bwd_ms"])
+    return extra, emulated
+
+
+def check_step_time(rows, run, recs, slot: int, stages: int) -> None:
+    """The ops waited their emulated times (an op ran longer only by what its real layers took
+    past the deadline, as the rank recorded it), and the last step's time is explained by its ops
+    as they ran, and not by ops shorter than that (negative control)."""
+    measured, spans = 1e3 * rows[-1]["step_seconds"], _spans(run)
+    ran = emulate_sim.measured_costs(spans, recs)
+    took = [t for r in ran for t in (*r.fwd_ms, *r.bwd_ms)]
+    assert min(t - e for t, e in zip(took, (e for r in recs for e in (*r.fwd_ms, *r.bwd_ms)))) >= -0.05
+    # Beyond the overruns only the wake-up from the wait and bookkeeping remain (a few ms per op
+    # even with 10 runnable processes per core); ranks that waited twice their costs would show
+    # one emulated time more.
+    extra, emulated = beyond_overruns(run, rows[-1]["step"])
+    assert extra < 0.25 * emulated, (extra, emulated)
+
+    compute_only, _ = emulate_sim.simulate_step(recs, stages)
+    assert measured > 0.9 * compute_only  # tiny real layers alone would take a fraction of it
+    lo, hi = simulated_band(recs, spans, slot)
+    ideal, _ = emulate_sim.simulate_ranks(recs, slot, emulate_sim.measure_overheads(spans, recs, slot))
+    load = (f"measured {measured:.1f} ms, simulated from the ops as they ran {lo:.1f}-{hi:.1f} ms, from the "
+            f"emulated times plus the median overhead {ideal:.1f} ms; "
+            f"{emulate_sim.wait_summary(run / 'emulate')['overruns']:.0f} ops overran their emulated time")
+    assert lo <= measured <= hi, load
+    short_lo, short_hi = simulated_band(recs, spans, slot, scale=SHORTER)
+    assert not short_lo <= measured <= short_hi, load
 
 
 @pytest.mark.slow
@@ -56,15 +129,8 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
         assert all(d >= e - 0.05 for d, e in zip(bwd, mine.bwd_ms)), (rank, bwd, mine.bwd_ms)
     assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
 
-    # The last step's iteration time is the simulator's, fed the recorded times and the overheads
-    # measured on the same step.
-    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
-    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
-    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
-    compute_only, _ = emulate_sim.simulate_step(recs[3], 3)
-    measured = 1e3 * rows[-1]["step_seconds"]
-    assert measured > 0.9 * compute_only  # tiny real layers alone would take a fraction of it
-    assert measured == pytest.approx(simulated, rel=0.08)
+    # The last step's iteration time is the simulator's, fed the ops of that step as they ran.
+    check_step_time(rows, run, recs[3], slot=2, stages=3)
 
 
 # The understanding-only module graph: vision (dp 1) -> llm (dp 2); 8 samples = 4 microbatches of 2
@@ -99,13 +165,7 @@ def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run
     assert vision.fwd_ms == pytest.approx([expected[2 * g] + expected[2 * g + 1] for g in range(4)])
     assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
 
-    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
-    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
-    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
-    compute_only, _ = emulate_sim.simulate_step(recs[3], 2)
-    measured = 1e3 * rows[-1]["step_seconds"]
-    assert measured > 0.9 * compute_only
-    assert measured == pytest.approx(simulated, rel=0.05)
+    check_step_time(rows, run, recs[3], slot=2, stages=2)
 
 
 @pytest.mark.slow
@@ -129,10 +189,7 @@ def test_emulated_generation_only_graph_run_matches_the_simulator(tmp_path, refe
     recs = emulate_sim.load_records(run / "emulate")
     painter = next(r for r in recs[3] if r.module == "painter")
     assert painter.global_stage == 1 and sum(painter.fwd_ms) > 0 and painter.bwd_ms == tuple(2 * x for x in painter.fwd_ms)
-    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
-    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
-    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
-    assert 1e3 * rows[-1]["step_seconds"] == pytest.approx(simulated, rel=0.05)
+    check_step_time(rows, run, recs[3], slot=2, stages=2)
 
 
 # Two encoders, the second an audio encoder: vision 1 + ear 1 -> llm dp 2 -> painter 1; 4 microbatches of 2
@@ -170,10 +227,4 @@ def test_emulated_image_and_audio_encoders_run_matches_the_simulator(tmp_path, r
     assert "balance/ear_load_max" in rows[-1]
     assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
 
-    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
-    ov = emulate_sim.measure_overheads(spans, recs[3], slot=2)
-    simulated, _ = emulate_sim.simulate_ranks(recs[3], 2, ov)
-    compute_only, _ = emulate_sim.simulate_step(recs[3], 3)
-    measured = 1e3 * rows[-1]["step_seconds"]
-    assert measured > 0.9 * compute_only
-    assert measured == pytest.approx(simulated, rel=0.05)
+    check_step_time(rows, run, recs[3], slot=2, stages=3)

@@ -3,6 +3,7 @@ with measured overheads, the wait itself, and the recipe checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -130,6 +131,33 @@ def test_measure_overheads_from_a_constructed_two_stage_trace():
     t, _ = emulate_sim.simulate_step(ranks, 2, ov)
     assert t == pytest.approx(4.0 + 67.0, abs=0.01)  # the trace's own end (67 ms) after the head
     assert emulate_sim.simulate_ranks(ranks, 1, ov)[0] == pytest.approx(t)
+
+
+def test_measured_costs_replay_a_trace_whose_ops_ran_over_their_emulated_times():
+    # The trace above, but stage 1's forward lost its core for 7 ms and its send took 0.5 ms.
+    ranks = [_rc(0, 0, 0, [10.0], [20.0], "encoder"), _rc(1, 1, 0, [10.0], [20.0])]
+    spans = {
+        0: [_span("load", 0, 0.0, 1.0), _span("forward", 0, 1.0, 11.0), _span("recv", 0, 11.0, 50.0),
+            _span("backward", 0, 50.0, 70.0), _span("optimizer", None, 70.0, 71.0)],
+        1: [_span("recv", 0, 0.0, 12.0), _span("forward", 0, 12.0, 29.0), _span("backward", 0, 29.0, 49.0),
+            _span("send", 0, 49.0, 49.5), _span("optimizer", None, 49.5, 51.0)],
+    }
+    ran = emulate_sim.measured_costs(spans, ranks)
+    assert [(r.fwd_ms, r.bwd_ms) for r in ran] == [((11.0,), (20.0,)), ((17.0,), (20.5,))]
+    assert emulate_sim.crossing_latencies(spans, ranks, slot=1) == pytest.approx([12.0 - 11.0, 50.0 - 49.0])
+    ov = dataclasses.replace(emulate_sim.measure_overheads(spans, ranks, slot=1), op_ms=0.0, prep=False)
+    replayed, _ = emulate_sim.simulate_ranks(ran, 1, ov)
+    # the trace's own end, plus the send once more: the crossing is timed from the backward's end
+    assert replayed == pytest.approx(71.0 + 0.5)
+    emulated, _ = emulate_sim.simulate_ranks(ranks, 1, ov)
+    assert emulated == pytest.approx(71.0 - 7.0 - 1.0)  # the emulated times miss the overrun and the load
+
+
+def test_measured_costs_keep_zero_backward_for_a_module_without_backward():
+    ranks = [_rc(0, 0, 0, [5.0, 5.0], [0.0, 0.0], "encoder")]
+    spans = {0: [_span("forward", 0, 0.0, 6.0), _span("send", 0, 6.0, 7.0), _span("forward", 1, 7.0, 12.0)]}
+    ran = emulate_sim.measured_costs(spans, ranks)
+    assert ran[0].fwd_ms == (7.0, 5.0) and ran[0].bwd_ms == (0.0, 0.0)
 
 
 def test_tail_is_taken_from_the_replica_that_did_not_wait_in_the_all_reduce():
