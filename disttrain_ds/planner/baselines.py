@@ -77,8 +77,8 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
     for n in graph.names:
         spec, own_pp = profile.modules[n], pp if n == lname else 1
         deg = Degrees(dp, tp if n == lname else 1, own_pp)
-        mem = memory_per_gpu(spec, deg, samples_per_microbatch=m,
-                             in_flight=min(stages - first[n], k))
+        mem = memory_per_gpu(spec, deg, samples_per_microbatch=m, stages_to_end=stages - first[n],
+                             microbatches=k)
         limit = profile.memory_limit_bytes
         if limit is not None and mem > limit:
             raise PlanError(f"megatron layout (tp={tp}, pp={pp}, dp={dp}): {n} needs "

@@ -21,13 +21,33 @@ TP rank, so per-sample bytes on a rank are ``replicated + sharded / tp`` (``tp_s
 ``min(stages from this one to the end of the chain, microbatches per step)`` microbatches in flight
 at a stage (``in_flight``): a module's own pipeline degree is not enough, every stage downstream
 (the LLM's and the generators') counts. All functions work on Python numbers and numpy arrays alike.
+
+A rank may also hold ``extra`` bytes beside its stage (a frozen model run outside the pipeline);
+the peak of a module's ranks is its most loaded stage (``worst_stage_bytes``): the first stage has
+the most microbatches in flight, a later one may hold more (the LLM's head on its last stage).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
+
+
+class StageBytes(NamedTuple):
+    """One pipeline stage as the runtime partitions its module, at one TP degree."""
+
+    params: float
+    """Parameters of the stage's layers (before TP sharding)."""
+    kept: float
+    """Per-sample bytes on one TP rank one microbatch in flight keeps (what its layers save, the
+    input it received, its output)."""
+    workspace: float
+    """Per-sample bytes on one TP rank of one backward in progress."""
+
+
+StageTable = Mapping[tuple[int, int], Sequence[StageBytes]]
+"""(tp, pp) -> the stages of a module split into pp stages at TP degree tp, in order."""
 
 
 def tp_share(replicated: Any, sharded: Any, tp: Any) -> Any:
@@ -73,3 +93,27 @@ def rank_bytes(params: Any, tp: Any, per_param: tuple[float, float, float], opt_
     """Total peak bytes of one rank: ``state_bytes`` plus ``activation_bytes``."""
     w, g, o = state_bytes(params, tp, *per_param, opt_dp)
     return w + g + o + activation_bytes(kept, workspace, samples, flight)
+
+
+def worst_stage_bytes(stages: StageTable, tp: Any, pp: Any, per_param: tuple[float, float, float],
+                      opt_dp: Any, samples: Any, to_end: Any, microbatches: Any) -> Any:
+    """Peak bytes of the most loaded rank of a module split as ``stages`` says at (``tp``, ``pp``):
+    stage s of them keeps ``in_flight(to_end - s, microbatches)`` microbatches (``to_end``: global
+    stages from the module's first stage to the end of the chain). Elementwise over numpy arrays;
+    raises ValueError for a (tp, pp) the table lacks."""
+    tp_a, pp_a = np.asarray(tp), np.asarray(pp)
+    shape = np.broadcast(tp_a, pp_a, np.asarray(opt_dp), np.asarray(samples), np.asarray(to_end)).shape
+    out, seen = np.zeros(shape), np.zeros(shape, dtype=bool)
+    for (t, p), rows in stages.items():
+        sel = (tp_a == t) & (pp_a == p)
+        if not np.any(sel):
+            continue
+        worst = np.maximum.reduce([
+            np.broadcast_to(rank_bytes(r.params, t, per_param, opt_dp, r.kept, r.workspace, samples,
+                                       in_flight(to_end - s, microbatches)), shape)
+            for s, r in enumerate(rows)])
+        out, seen = np.where(sel, worst, out), seen | sel
+    if not seen.all():
+        missing = sorted({(int(a), int(b)) for a, b, ok in np.broadcast(tp_a, pp_a, seen) if not ok})
+        raise ValueError(f"no stage table for (tp, pp) {missing}")
+    return out

@@ -128,11 +128,20 @@ def t_iter(profile: Profile, layout: Mapping[str, Degrees],
     return combine(graph, w, s, profile.global_batch // d)
 
 
-def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, in_flight: Any) -> Any:
+def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, to_end: Any,
+                 microbatches: Any) -> Any:
     """``memory_per_gpu`` for Python ints and numpy arrays alike (identical floats), by the shared
-    per-rank formula of :mod:`disttrain_ds.planner.memory_model`."""
+    per-rank formula of :mod:`disttrain_ds.planner.memory_model`; ``to_end``: global stages from
+    the module's first stage to the end of the chain (``memory_model.stages_to_end``)."""
     per_param = (spec.weight_bytes_per_param, 0.0, 0.0) if spec.frozen else (
         spec.weight_bytes_per_param, spec.grad_bytes_per_param, spec.optimizer_bytes_per_param)
+    opt_dp = dp if spec.optimizer_sharded else 1
+    refused = 0.0
+    for r_dp, r_tp, r_pp in spec.refused:  # what the runtime's check refused never fits
+        refused = np.where((dp == r_dp) & (tp == r_tp) & (pp == r_pp), np.inf, refused)
+    if spec.stages is not None:  # the runtime's own stages (``planner/recipe_memory.py``)
+        return mm.worst_stage_bytes(spec.stages, tp, pp, per_param, opt_dp, m, to_end,
+                                    microbatches) + spec.extra_bytes_per_rank + refused
     act = spec.activation_bytes_per_sample
     shard = spec.activation_tp_sharded
     every = spec.activation_checkpointing
@@ -145,39 +154,46 @@ def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, in_flig
         kept = -(-stage_layers // every) * spec.layer_output_bytes_per_sample
         block = np.minimum(every, stage_layers) * (act / spec.layers)
         workspace = mm.tp_share(block * (1 - shard), block * shard, tp)
-    opt_dp = dp if spec.optimizer_sharded else 1
-    return mm.rank_bytes(spec.params / pp, tp, per_param, opt_dp, kept, workspace, m, in_flight)
+    return mm.rank_bytes(spec.params / pp, tp, per_param, opt_dp, kept, workspace, m,
+                         mm.in_flight(to_end, microbatches)) + spec.extra_bytes_per_rank + refused
 
 
 def memory_per_gpu(spec: ModuleProfile, degrees: Degrees, *, samples_per_microbatch: int,
-                   in_flight: int) -> float:
-    """Bytes on a GPU of the first pipeline stage: weights and gradients of 1/(tp*pp) of the
-    module, optimizer states further sharded over dp, and activations of ``in_flight``
-    microbatches of ``samples_per_microbatch`` samples (1F1B over the whole chain:
-    ``memory_model.in_flight`` of ``memory_model.stages_to_end``), the TP-sharded fraction of
-    them over TP; with ``activation_checkpointing``, one layer output per block and microbatch in
-    flight plus one block's activations while it is recomputed."""
+                   stages_to_end: int, microbatches: int) -> float:
+    """Bytes on a GPU of the module's most loaded pipeline stage: weights and gradients of its
+    share of the module over tp, optimizer states further sharded over dp, and activations of the
+    microbatches 1F1B keeps in flight there (``memory_model.in_flight`` of ``stages_to_end``, less
+    one per stage further down), the TP-sharded part of them over TP; with
+    ``activation_checkpointing``, one layer output per block and microbatch in flight plus one
+    block's activations while it is recomputed; plus ``extra_bytes_per_rank``. Stages are the
+    runtime's when the profile carries them (``ModuleProfile.stages``), else even: 1/pp of the
+    parameters and activations each, the first stage (the most in flight) the most loaded."""
     return float(memory_bytes(spec, degrees.dp, degrees.tp, degrees.pp, samples_per_microbatch,
-                              in_flight))
+                              stages_to_end, microbatches))
+
+
+def module_stages_to_end(graph: ModuleGraph, name: str, layout: Mapping[str, Degrees]) -> int:
+    """Global stages from the first stage of module ``name`` to the end of the chain in ``layout``
+    (``memory_model.stages_to_end``)."""
+    gen = max((layout[g].pp for g in graph.generators), default=0)
+    return int(mm.stages_to_end(graph.role(name), layout[name].pp, layout[graph.llm].pp, gen))
 
 
 def module_in_flight(graph: ModuleGraph, name: str, layout: Mapping[str, Degrees],
                      microbatches: int) -> int:
     """Microbatches in flight at the first stage of module ``name`` in ``layout`` (1F1B over the
     whole chain, ``memory_model.stages_to_end``)."""
-    gen = max((layout[g].pp for g in graph.generators), default=0)
-    return int(mm.in_flight(mm.stages_to_end(graph.role(name), layout[name].pp,
-                                             layout[graph.llm].pp, gen), microbatches))
+    return int(mm.in_flight(module_stages_to_end(graph, name, layout), microbatches))
 
 
 def layout_memory(profile: Profile, layout: Mapping[str, Degrees]) -> dict[str, float]:
-    """Peak bytes per GPU of every module's first stage in ``layout`` (``memory_per_gpu``)."""
+    """Peak bytes per GPU of every module's most loaded stage in ``layout`` (``memory_per_gpu``)."""
     graph = profile.graph
     d = layout[graph.llm].dp * profile.microbatch
     k = profile.global_batch // d
     return {n: memory_per_gpu(profile.modules[n], layout[n],
                               samples_per_microbatch=samples_per_step(profile, n, d, layout[n].dp),
-                              in_flight=module_in_flight(graph, n, layout, k))
+                              stages_to_end=module_stages_to_end(graph, n, layout), microbatches=k)
             for n in graph.names}
 
 

@@ -23,10 +23,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disttrain_ds.configtools import ConfigError, load_json
 from disttrain_ds.graph import DEFAULT_ROLES, ROLES, ModuleGraph
+
+if TYPE_CHECKING:
+    from disttrain_ds.planner.memory_model import StageTable
 
 MODULES: tuple[str, ...] = ("encoder", "llm", "generator")
 """Module names of the classic three-module graph, in pipeline order: modality encoder -> LLM
@@ -102,6 +105,18 @@ class ModuleProfile:
     max_pp: int | None = None
     """Largest pipeline degree the runtime accepts for this module (set from a recipe by
     ``planner/legal.py``, never read from JSON); None: only "PP divides ``layers``"."""
+    stages: StageTable | None = None
+    """(tp, pp) -> each pipeline stage's parameters and per-sample activation bytes as the runtime
+    splits the module (uneven stages, each stage's received input and output, its backward
+    workspace); set from a recipe by ``planner/recipe_memory.py``, never read from JSON. With it
+    the memory check prices every stage as the runtime's estimate does (the figures above are then
+    not read); None: even stages from the per-sample figures above."""
+    extra_bytes_per_rank: float = 0.0
+    """Bytes every rank of the module holds beside its pipeline stage (a frozen model run outside
+    the pipeline); set from a recipe by ``planner/recipe_memory.py``, never read from JSON."""
+    refused: frozenset[tuple[int, int, int]] = frozenset()
+    """(dp, tp, pp) layouts the runtime's memory check refused for this module (set by
+    ``planner/recipe_memory.fit_plan``, never read from JSON): priced as not fitting."""
 
     def source(self, tp: int) -> str:
         """Where ``cost_ms[tp]`` comes from (``COST_SOURCES``)."""

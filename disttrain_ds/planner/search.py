@@ -174,10 +174,9 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     m = np.full_like(dp, profile.microbatch) if is_llm else d // dp
     warm = m * cost
     role = "llm" if is_llm else graph.role(name)
-    in_flight = mm.in_flight(mm.stages_to_end(role, pp, pp if is_llm else p_llm, g_max),
-                             profile.global_batch // d)
+    to_end = mm.stages_to_end(role, pp, pp if is_llm else p_llm, g_max)
     gpus = dp * tp * pp
-    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, in_flight), gpus.shape)
+    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, to_end, profile.global_batch // d), gpus.shape)
     ok = gpus <= cap
     if limit is not None:
         ok &= mem <= limit

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from ..models.configs import trains
 from ..recipe_graph import graph_of
 from ..configtools import ConfigError
-from ..planner.memory_model import in_flight
+from ..planner.memory_model import StageBytes, in_flight
 from .activations import LayerBytes, module_layers
 from .console import prefer_cpu_accelerator
 
@@ -52,10 +52,12 @@ class StageMemory:
     """Microbatches 1F1B keeps in flight here."""
     samples: int
     """Samples per microbatch on one replica."""
+    extra: float = 0.0
+    """Bytes held beside the stage (``extra_bytes``: a frozen model run outside the pipeline)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.extra
 
     def who(self) -> str:
         """How errors name the stage: its first rank, module and stage."""
@@ -151,6 +153,13 @@ def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:
     return ds_utils.partition_uniform(num_items=len(params), num_parts=pp)
 
 
+def extra_bytes(recipe, module: str) -> float:
+    """Bytes every rank of ``module`` holds beside its pipeline stage (none today: the hook for a
+    frozen model a module runs outside its pipeline, e.g. a generator's VAE); the planner adds the
+    same figure to the module's every layout (``planner/recipe_memory.py``)."""
+    return 0.0
+
+
 def _per_gpu(params: float, kept: float, per_param: tuple, dp: int, tp: int, samples: int, k: int,
              workspace: float = 0.0) -> list[float]:
     """(weights, grads, optimizer, activations) bytes of one rank by the shared per-rank formula
@@ -185,6 +194,19 @@ def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int
     return kept, block + grads
 
 
+def module_stages(params: list[int], lb: LayerBytes, bounds: list[int], tp: int, every: int,
+                  backward: bool) -> list[StageBytes]:
+    """Each stage of a module split at ``bounds`` (``stage_bounds``) at TP degree ``tp``: its
+    parameters and the per-sample bytes one microbatch keeps there and one backward needs
+    (``_stage_activations``; none for a module that runs no backward). What ``estimate`` prices
+    every rank by, and the planner every layout by."""
+    rows = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        kept, work = _stage_activations(lb, lo, hi, every, tp) if backward else (0.0, 0.0)
+        rows.append(StageBytes(float(sum(params[lo:hi])), kept, work))
+    return rows
+
+
 def backward_modules(recipe) -> dict[str, bool]:
     """A module runs backward if it or anything upstream of it trains."""
     graph = graph_of(recipe)
@@ -204,7 +226,8 @@ def estimate(recipe) -> list[StageMemory]:
             params, lb = layer_params(recipe, name, vocab), module_layers(recipe, name, vocab)
             act, work = _stage_activations(lb, 0, len(lb.saved)) if backward[name] else (0.0, 0.0)
             parts = _per_gpu(sum(params), act, state_bytes(recipe, name), 1, 1, micro, 1, work)
-            rows.append(StageMemory(name, 0, range(1), range(len(params)), sum(params), *parts, 1, micro))
+            rows.append(StageMemory(name, 0, range(1), range(len(params)), sum(params), *parts, 1, micro,
+                                    extra_bytes(recipe, name)))
         return rows
     from ..topology import Topology
 
@@ -212,17 +235,17 @@ def estimate(recipe) -> list[StageMemory]:
     slot = recipe.parallel.llm.dp * micro
     for grid in topo.modules:
         params, lb = layer_params(recipe, grid.name, vocab), module_layers(recipe, grid.name, vocab)
-        bounds = stage_bounds(params, grid.pp, recipe.parallel.modules[grid.name].partition)
-        samples = slot // grid.dp
-        for s in range(grid.pp):
-            lo, hi = bounds[s], bounds[s + 1]
+        par = recipe.parallel.modules[grid.name]
+        bounds = stage_bounds(params, grid.pp, par.partition)
+        samples, extra = slot // grid.dp, extra_bytes(recipe, grid.name)
+        stages = module_stages(params, lb, bounds, grid.tp, par.activation_checkpointing, backward[grid.name])
+        for s, st in enumerate(stages):
             k = int(in_flight(topo.total_stages - topo.stage_offset(grid.name) - s, gas))
-            every = recipe.parallel.modules[grid.name].activation_checkpointing
-            act, work = _stage_activations(lb, lo, hi, every, grid.tp) if backward[grid.name] else (0.0, 0.0)
-            n = sum(params[lo:hi])
-            parts = _per_gpu(n, act, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k, work)
+            parts = _per_gpu(st.params, st.kept, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k,
+                             st.workspace)
             ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)
-            rows.append(StageMemory(grid.name, s, ranks, range(lo, hi), n, *parts, k, samples))
+            rows.append(StageMemory(grid.name, s, ranks, range(bounds[s], bounds[s + 1]), int(st.params), *parts,
+                                    k, samples, extra))
     return rows
 
 

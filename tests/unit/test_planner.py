@@ -246,15 +246,15 @@ def test_binding_memory_limit_changes_the_plan_and_is_respected():
 def test_memory_counts_zero1_shards_and_in_flight_microbatches():
     spec = profile_from_dict(tiny()).module("llm")
     spec = type(spec)(layers=4, cost_ms={1: 1.0}, params=8e9, activation_bytes_per_sample=1e9)
-    got = memory_per_gpu(spec, Degrees(dp=4, tp=2, pp=2), samples_per_microbatch=3, in_flight=2)
+    got = memory_per_gpu(spec, Degrees(dp=4, tp=2, pp=2), samples_per_microbatch=3, stages_to_end=2, microbatches=2)
     # Activations are whole on every TP rank unless the profile says which part TP splits.
     assert got == pytest.approx(8e9 / 4 * (2 + 2 + 12 / 4) + 2 * 3 * 1e9 / 2)
     half = dataclasses.replace(spec, activation_tp_sharded=0.5)
-    got = memory_per_gpu(half, Degrees(dp=4, tp=2, pp=2), samples_per_microbatch=3, in_flight=2)
+    got = memory_per_gpu(half, Degrees(dp=4, tp=2, pp=2), samples_per_microbatch=3, stages_to_end=2, microbatches=2)
     assert got == pytest.approx(8e9 / 4 * (2 + 2 + 12 / 4) + 2 * 3 * (0.5e9 + 0.5e9 / 2) / 2)
     frozen = type(spec)(layers=4, cost_ms={1: 1.0}, params=8e9, frozen=True)
     assert memory_per_gpu(frozen, Degrees(1, 1, 1), samples_per_microbatch=1,
-                          in_flight=1) == pytest.approx(8e9 * 2)
+                          stages_to_end=1, microbatches=1) == pytest.approx(8e9 * 2)
 
 
 def one_line_plan_error(data: dict) -> str:
@@ -342,17 +342,17 @@ def test_checkpointed_activations_keep_one_layer_output_per_block_and_one_block(
         "generator": {"layers": 1, "cost_ms": {"1": 1.0}}}}).modules["llm"]
     # pp=2: 6 layers per stage in blocks of 4 -> 2 blocks; tp=2, 3 microbatches of 2 samples;
     # layer outputs (and here every activation) are whole on each TP rank.
-    got = memory_per_gpu(spec, Degrees(1, 2, 2), samples_per_microbatch=2, in_flight=3)
+    got = memory_per_gpu(spec, Degrees(1, 2, 2), samples_per_microbatch=2, stages_to_end=3, microbatches=3)
     assert got == 3 * 2 * (2 * 10.0) + 2 * (4 * 1200.0 / 12)
     split = dataclasses.replace(spec, activation_tp_sharded=1.0)  # the recomputed block splits
-    assert memory_per_gpu(split, Degrees(1, 2, 2), samples_per_microbatch=2, in_flight=3) \
+    assert memory_per_gpu(split, Degrees(1, 2, 2), samples_per_microbatch=2, stages_to_end=3, microbatches=3) \
         == 3 * 2 * (2 * 10.0) + 2 * (4 * 1200.0 / 12) / 2
     plain = dataclasses.replace(spec, activation_checkpointing=0)
-    assert memory_per_gpu(plain, Degrees(1, 2, 2), samples_per_microbatch=2, in_flight=3) \
+    assert memory_per_gpu(plain, Degrees(1, 2, 2), samples_per_microbatch=2, stages_to_end=3, microbatches=3) \
         == 3 * 2 * 1200.0 / 2
     # A block larger than the stage: the stage is one block.
     assert memory_per_gpu(dataclasses.replace(spec, activation_checkpointing=100), Degrees(1, 1, 4),
-                          samples_per_microbatch=1, in_flight=1) == 10.0 + 3 * 100.0
+                          samples_per_microbatch=1, stages_to_end=1, microbatches=1) == 10.0 + 3 * 100.0
 
 
 @pytest.mark.parametrize("seed", range(15))
