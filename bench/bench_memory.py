@@ -2,7 +2,7 @@
 
     python bench/bench_memory.py [--steps 3] [--layouts NAME ...] [--phases] [--glibc-default]
 
-Each layout runs twice, the tiny recipe scaled up (``SCALED``: a wider LLM, longer sequences) and
+Each layout runs twice (ZeRO-1 once, see ``WHOLE``), the tiny recipe scaled up (``SCALED``: a wider LLM, longer sequences) and
 the plain tiny recipe, each one torchrun job under the NCCL-semantics emulation with every rank
 started by ``bench/memory_probe.py``. A rank's figures are taken above its own baseline (its
 memory once every library is imported, before the recipe is read), and the plain recipe's are
@@ -49,6 +49,9 @@ LAYOUTS = {  # name: (ranks, overrides)
     "LLM PP 2, ckpt 1": (4, ["layout=disaggregated", "parallel.llm.activation_checkpointing=1"]),
     "LLM DP 2, ZeRO-1": (5, ["layout=disaggregated", *DP2, "deepspeed_config=ds_configs/zero1.json"]),
 }
+WHOLE = {"LLM DP 2, ZeRO-1"}
+"""Layouts compared above each rank's baseline without subtracting the plain recipe: ZeRO-1's
+gradient buckets do not depend on the model, so the difference would cancel them."""
 PHASES = ("construction", "engine", "forward", "backward", "reduce", "step")
 MIB = 2**20
 
@@ -112,15 +115,19 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="what raised the peak of each module's largest rank")
     ap.add_argument("--glibc-default", action="store_true", help="glibc's own mmap threshold (keeps freed tensors)")
     args = ap.parse_args()
+    print("(layouts in WHOLE: above each rank's baseline, the plain recipe not subtracted)")
     print(f"{'layout':<18} {'module':<10} {'live MiB':>9} {'rss MiB':>8} {'estimate':>9} {'vs live':>8} "
           f"{'vs rss':>7}", flush=True)
     for name in args.layouts:
         ranks, overrides = LAYOUTS[name]
+        whole = name in WHOLE
         big = measured(ranks, SCALED + overrides, args.steps, args.glibc_default)
-        small = measured(ranks, overrides, args.steps, args.glibc_default)
-        eb, es = estimated(SCALED + overrides), estimated(overrides)
+        small = None if whole else measured(ranks, overrides, args.steps, args.glibc_default)
+        eb = estimated(SCALED + overrides)
+        es = {m: 0.0 for m in eb} if whole else estimated(overrides)
         for module, where in modules_of(overrides).items():
-            diff = {r: [a - b for a, b in zip(above_baseline(big[r]), above_baseline(small[r]))] for r in where}
+            diff = {r: [a - (0.0 if whole else b) for a, b in zip(above_baseline(big[r]), above_baseline(
+                (small or big)[r]))] for r in where}
             top = max(where, key=lambda r: diff[r][0])
             live, rss = diff[top][0], max(d[1] for d in diff.values())
             e = eb[module] - es[module]

@@ -88,15 +88,23 @@ def activation_bytes(kept: Any, workspace: Any, samples: Any, flight: Any) -> An
     return flight * samples * kept + samples * workspace
 
 
+def with_buckets(activations: Any, bucket: Any) -> Any:
+    """Activations and gradient buckets at their peak: DeepSpeed's ZeRO optimizer in a pipeline
+    holds one ``bucket`` from the first backward on (beside the activations) and a second one at
+    the gradient reduce, when no microbatch's activations are left."""
+    return np.maximum(activations + bucket, 2 * bucket)
+
+
 def rank_bytes(params: Any, tp: Any, per_param: tuple[float, float, float], opt_dp: Any,
-               kept: Any, workspace: Any, samples: Any, flight: Any) -> Any:
-    """Total peak bytes of one rank: ``state_bytes`` plus ``activation_bytes``."""
+               kept: Any, workspace: Any, samples: Any, flight: Any, bucket: Any = 0.0) -> Any:
+    """Total peak bytes of one rank: ``state_bytes`` plus ``activation_bytes`` with the ZeRO
+    gradient ``bucket`` bytes (``with_buckets``; 0 without ZeRO)."""
     w, g, o = state_bytes(params, tp, *per_param, opt_dp)
-    return w + g + o + activation_bytes(kept, workspace, samples, flight)
+    return w + g + o + with_buckets(activation_bytes(kept, workspace, samples, flight), bucket)
 
 
 def worst_stage_bytes(stages: StageTable, tp: Any, pp: Any, per_param: tuple[float, float, float],
-                      opt_dp: Any, samples: Any, to_end: Any, microbatches: Any) -> Any:
+                      opt_dp: Any, samples: Any, to_end: Any, microbatches: Any, bucket: Any = 0.0) -> Any:
     """Peak bytes of the most loaded rank of a module split as ``stages`` says at (``tp``, ``pp``):
     stage s of them keeps ``in_flight(to_end - s, microbatches)`` microbatches (``to_end``: global
     stages from the module's first stage to the end of the chain). Elementwise over numpy arrays;
@@ -110,7 +118,7 @@ def worst_stage_bytes(stages: StageTable, tp: Any, pp: Any, per_param: tuple[flo
             continue
         worst = np.maximum.reduce([
             np.broadcast_to(rank_bytes(r.params, t, per_param, opt_dp, r.kept, r.workspace, samples,
-                                       in_flight(to_end - s, microbatches)), shape)
+                                       in_flight(to_end - s, microbatches), bucket), shape)
             for s, r in enumerate(rows)])
         out, seen = np.where(sel, worst, out), seen | sel
     if not seen.all():

@@ -140,8 +140,8 @@ def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, to_end:
     for r_dp, r_tp, r_pp in spec.refused:  # what the runtime's check refused never fits
         refused = np.where((dp == r_dp) & (tp == r_tp) & (pp == r_pp), np.inf, refused)
     if spec.stages is not None:  # the runtime's own stages (``planner/recipe_memory.py``)
-        return mm.worst_stage_bytes(spec.stages, tp, pp, per_param, opt_dp, m, to_end,
-                                    microbatches) + spec.extra_bytes_per_rank + refused
+        return mm.worst_stage_bytes(spec.stages, tp, pp, per_param, opt_dp, m, to_end, microbatches,
+                                    spec.reduce_bucket_bytes) + spec.extra_bytes_per_rank + refused
     act = spec.activation_bytes_per_sample
     shard = spec.activation_tp_sharded
     every = spec.activation_checkpointing
@@ -155,7 +155,8 @@ def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, to_end:
         block = np.minimum(every, stage_layers) * (act / spec.layers)
         workspace = mm.tp_share(block * (1 - shard), block * shard, tp)
     return mm.rank_bytes(spec.params / pp, tp, per_param, opt_dp, kept, workspace, m,
-                         mm.in_flight(to_end, microbatches)) + spec.extra_bytes_per_rank + refused
+                         mm.in_flight(to_end, microbatches), spec.reduce_bucket_bytes) \
+        + spec.extra_bytes_per_rank + refused
 
 
 def memory_per_gpu(spec: ModuleProfile, degrees: Degrees, *, samples_per_microbatch: int,

@@ -114,6 +114,10 @@ class ModuleProfile:
     extra_bytes_per_rank: float = 0.0
     """Bytes every rank of the module holds beside its pipeline stage (a frozen model run outside
     the pipeline); set from a recipe by ``planner/recipe_memory.py``, never read from JSON."""
+    reduce_bucket_bytes: float = 0.0
+    """Bytes of one gradient bucket DeepSpeed's ZeRO optimizer allocates (``reduce_bucket_size``
+    fp32 elements; ``memory_model.with_buckets``); set from a recipe by
+    ``planner/recipe_memory.py``, never read from JSON."""
     refused: frozenset[tuple[int, int, int]] = frozenset()
     """(dp, tp, pp) layouts the runtime's memory check refused for this module (set by
     ``planner/recipe_memory.fit_plan``, never read from JSON): priced as not fitting."""

@@ -29,7 +29,8 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
     splits; activation checkpointing; per TP and pipeline degree, the runtime's stages), replacing
     whatever the profile said."""
     from disttrain_ds.runtime.memory import (backward_modules, extra_bytes, layer_params, module_layers,
-                                             module_stages, stage_bounds, state_bytes, vocab_size)
+                                             module_stages, reduce_bucket_bytes, stage_bounds, state_bytes,
+                                             vocab_size)
 
     vocab, backward = vocab_size(recipe), backward_modules(recipe)
     modules = {}
@@ -49,7 +50,8 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
             optimizer_sharded=sharded, activation_bytes_per_sample=act, activation_tp_sharded=min(split, 1.0),
             activation_checkpointing=par.activation_checkpointing,
             layer_output_bytes_per_sample=float(max(lb.outputs, default=0.0)),
-            stages=stages, extra_bytes_per_rank=extra_bytes(recipe, name))
+            stages=stages, extra_bytes_per_rank=extra_bytes(recipe, name),
+            reduce_bucket_bytes=reduce_bucket_bytes(recipe, name))
     return replace(profile, modules=modules)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from ..models.configs import trains
 from ..recipe_graph import graph_of
 from ..configtools import ConfigError
-from ..planner.memory_model import StageBytes, in_flight
+from ..planner.memory_model import StageBytes, in_flight, with_buckets
 from .activations import LayerBytes, module_layers
 from .console import prefer_cpu_accelerator
 
@@ -54,10 +54,14 @@ class StageMemory:
     """Samples per microbatch on one replica."""
     extra: float = 0.0
     """Bytes held beside the stage (``extra_bytes``: a frozen model run outside the pipeline)."""
+    bucket: float = 0.0
+    """Bytes of one ZeRO gradient bucket (``reduce_bucket_bytes``): one beside the activations
+    during backward, two at the gradient reduce."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.extra
+        return float(self.weights + self.grads + self.optimizer + with_buckets(self.activations, self.bucket)
+                     + self.extra)
 
     def who(self) -> str:
         """How errors name the stage: its first rank, module and stage."""
@@ -65,15 +69,37 @@ class StageMemory:
         return f"rank {self.ranks.start} ({self.module} stage {self.stage}{more})"
 
 
-def zero_stage(recipe, module: str) -> int:
-    """The ZeRO stage of ``module``'s DeepSpeed config (0 in the reference layout)."""
+def _zero_config(recipe, module: str) -> dict:
+    """The ``zero_optimization`` section of ``module``'s DeepSpeed config ({} in the reference layout)."""
     if recipe.layout == "reference":
-        return 0
+        return {}
     from ..config import resolve_path
     from ..dsconfig import load_ds_config
 
     path = recipe.parallel.modules[module].ds_config or recipe.deepspeed_config
-    return int(load_ds_config(resolve_path(path, recipe.source_file)).get("zero_optimization", {}).get("stage", 0))
+    return load_ds_config(resolve_path(path, recipe.source_file)).get("zero_optimization", {})
+
+
+def zero_stage(recipe, module: str) -> int:
+    """The ZeRO stage of ``module``'s DeepSpeed config (0 in the reference layout)."""
+    return int(_zero_config(recipe, module).get("stage", 0))
+
+
+REDUCE_BUCKET_SIZE = 500_000_000
+"""DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
+
+
+def reduce_bucket_bytes(recipe, module: str) -> float:
+    """Bytes of one gradient bucket of ``module``'s ZeRO optimizer: with pipelines and contiguous
+    gradients (DeepSpeed's default) ZeRO-1 allocates ``reduce_bucket_size`` fp32 elements at the
+    first backward and as many again at the gradient reduce, whatever the model's size
+    (``deepspeed/runtime/zero/stage_1_and_2.py``; measured: 2 x 191 MiB on every rank with
+    ``ds_configs/zero1.json``). 0 without ZeRO or for a module that trains nothing."""
+    zero = _zero_config(recipe, module)
+    if int(zero.get("stage", 0)) < 1 or not zero.get("contiguous_gradients", True) \
+            or not trains(recipe.model.modules[module]):
+        return 0.0
+    return 4.0 * float(zero.get("reduce_bucket_size", REDUCE_BUCKET_SIZE))
 
 
 def state_bytes(recipe, module: str) -> tuple[float, float, float, bool]:
@@ -237,7 +263,7 @@ def estimate(recipe) -> list[StageMemory]:
         params, lb = layer_params(recipe, grid.name, vocab), module_layers(recipe, grid.name, vocab)
         par = recipe.parallel.modules[grid.name]
         bounds = stage_bounds(params, grid.pp, par.partition)
-        samples, extra = slot // grid.dp, extra_bytes(recipe, grid.name)
+        samples, extra, bucket = slot // grid.dp, extra_bytes(recipe, grid.name), reduce_bucket_bytes(recipe, grid.name)
         stages = module_stages(params, lb, bounds, grid.tp, par.activation_checkpointing, backward[grid.name])
         for s, st in enumerate(stages):
             k = int(in_flight(topo.total_stages - topo.stage_offset(grid.name) - s, gas))
@@ -245,7 +271,7 @@ def estimate(recipe) -> list[StageMemory]:
                              st.workspace)
             ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)
             rows.append(StageMemory(grid.name, s, ranks, range(bounds[s], bounds[s + 1]), int(st.params), *parts,
-                                    k, samples, extra))
+                                    k, samples, extra, bucket))
     return rows
 
 
@@ -284,7 +310,8 @@ def check_fits(recipe, rows: list[StageMemory], limit_gib: float, source: str) -
     who = big.who() if len(here) == 1 else f"rank {worst} ({big.module} {_size(big.total)} of it, with " \
         f"{' and '.join(r.module for r in here if r is not big)} in the same process)"
     parts = ", ".join(f"{k} {_size(sum(getattr(r, k) for r in here))}"
-                      for k in ("weights", "grads", "optimizer", "activations"))
+                      for k in ("weights", "grads", "optimizer", "activations", "bucket", "extra")
+                      if k in ("weights", "grads", "optimizer", "activations") or any(getattr(r, k) for r in here))
     raise ConfigError(
         f"{recipe.source_file}: {who} needs an estimated {_size(totals[worst])} ({parts}) but has "
         f"{_size(limit_gib * GIB)} ({source}); more ranks (parallel.*) or a smaller train.micro_batch or "

@@ -154,3 +154,23 @@ def test_nothing_left_after_refusals_is_one_line_naming_the_refused_plan():
                        r"on a rank, limit 0.002 GiB\) and no other layout fits \(.*\)$"):
         # A planner limit far above the runtime's: every plan it finds is refused until none is left.
         fit_plan(dataclasses.replace(profile, gpu_memory_gb=1.0), plan, recipe_for, 0.002)
+
+
+def test_zero1_gradient_buckets_add_one_beside_the_activations_or_two_at_the_reduce():
+    # Measured with bench/memory_probe.py: every ZeRO-1 rank holds one 191 MiB bucket
+    # (ds_configs/zero1.json's 5e7 fp32 elements) during backward and two at the gradient reduce.
+    assert mm.with_buckets(100.0, 0.0) == 100.0
+    assert mm.with_buckets(300.0, 200.0) == 500.0  # activations + one bucket
+    assert mm.with_buckets(100.0, 200.0) == 400.0  # two buckets, the activations gone
+    from disttrain_ds.runtime.memory import estimate, reduce_bucket_bytes
+
+    zero1 = load_recipe("tiny_cpu", ["layout=disaggregated", "deepspeed_config=ds_configs/zero1.json"])
+    assert reduce_bucket_bytes(zero1, "llm") == 4 * 50_000_000
+    zero0 = load_recipe("tiny_cpu", ["layout=disaggregated"])
+    assert reduce_bucket_bytes(zero0, "llm") == 0.0
+    frozen = load_recipe("tiny_cpu", ["layout=disaggregated", "deepspeed_config=ds_configs/zero1.json",
+                                      "model.encoder.frozen=true", "model.encoder.projector.frozen=true"])
+    assert reduce_bucket_bytes(frozen, "encoder") == 0.0  # no optimizer, no buckets
+    llm = next(r for r in estimate(zero1) if r.module == "llm")
+    assert llm.bucket == 4 * 50_000_000 > llm.activations  # the tiny model: the reduce is the peak
+    assert llm.total == llm.weights + llm.grads + llm.optimizer + 2 * llm.bucket
