@@ -23,6 +23,7 @@ from dataclasses import replace
 from disttrain_ds.planner.objective import (Degrees, memory_per_gpu, module_terms,
                                             straggler_table, t_iter)
 from disttrain_ds.planner.optimize import ModulePlan, Plan, PlanError, plan, predicted_mfu
+from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.profile import GIB, Profile
 
 
@@ -88,9 +89,11 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
                              mem / GIB if spec.has_memory_figures else None, h,
                              cost_source=spec.source(tp if n == lname else 1))
     total = dp * per_replica
+    pred = predict(graph, {n: layout[n].pp for n in graph.names}, it.total_ms,
+                   {n: mods[n].stage_ms for n in graph.names}, k)
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
-                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, total),
-                layout="megatron")
+                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, pred, total),
+                layout="megatron", t_pred_ms=pred)
 
 
 def ratio_split(profile: Profile) -> dict[str, int]:

@@ -23,6 +23,7 @@ from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors,  # noqa: F401
                                             layout_key, layout_memory, memory_per_gpu, samples_per_step,
                                             module_terms, straggler_table, t_iter)
+from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
 from disttrain_ds.planner.profile import GIB, Profile
 from disttrain_ds.planner.search import batch_splits, options, search
@@ -76,9 +77,13 @@ class Plan:
     t_iter_ms: float
     """t_warmup_ms + t_steady_ms."""
     mfu: float | None = None
-    """Predicted model FLOPs utilisation of the GPUs used (0..1); None without FLOPs and peak."""
+    """Predicted model FLOPs utilisation of the GPUs used (0..1) over ``t_pred_ms``; None
+    without FLOPs and peak."""
     layout: str = "disaggregated"
     """How modules share GPUs: ``disaggregated``, ``ratio-based`` or ``megatron``."""
+    t_pred_ms: float | None = None
+    """Predicted iteration time under the runtime's 1F1B schedule (``pipeline.predict``):
+    t_iter_ms less what the schedule overlaps; <= t_iter_ms. None: not computed."""
 
     @property
     def gpus(self) -> int:
@@ -138,9 +143,11 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
                              stage, mem / GIB if spec.has_memory_figures else None, h,
                              spec.source(deg.tp))
     gpus = sum(p.gpus for p in mods.values())
+    pred = predict(graph, {n: layout[n].pp for n in graph.names}, it.total_ms,
+                   {n: mods[n].stage_ms for n in graph.names}, k)
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
-                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, gpus),
-                layout=layout_name)
+                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, pred, gpus),
+                layout=layout_name, t_pred_ms=pred)
 
 
 def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
