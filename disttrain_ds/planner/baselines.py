@@ -85,9 +85,10 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
             raise PlanError(f"megatron layout (tp={tp}, pp={pp}, dp={dp}): {n} needs "
                             f"{mem / GIB:.1f} GiB per GPU, more than {profile.gpu_memory_gb:g}")
         h = 1.0 if table is None else table.factor(n, dp, m)
+        g = 1.0 if table is None else table.factor(n, dp, m, own_pp)
         mods[n] = ModulePlan(dp * tp * own_pp, dp, tp, own_pp, m, *terms[n],
                              mem / GIB if spec.has_memory_figures else None, h,
-                             cost_source=spec.source(tp if n == lname else 1))
+                             cost_source=spec.source(tp if n == lname else 1), pace=g)
     total = dp * per_replica
     pred = predict(graph, {n: layout[n].pp for n in graph.names}, it.total_ms,
                    {n: mods[n].stage_ms for n in graph.names}, k)
