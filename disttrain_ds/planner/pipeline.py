@@ -12,8 +12,8 @@ forward, 7 % of T_iter).
 
 :func:`predict` prices that exactly for deterministic stage times: every stage of module i runs
 its stage time s_i per microbatch, forward : backward = 1 : ``BACKWARD_FACTOR``, and the
-schedule's makespan M (``simulate.makespan_graph``: the stage chain, or the stage DAG of
-parallel encoders / generators, op for op in ``TrainSchedule``'s order) is compared with the
+schedule's makespan M (``sweep.makespans`` over ``simulate.graph_stages``: the stage chain,
+or the stage DAG of parallel encoders / generators, in ``TrainSchedule``'s op order) is compared with the
 closed form over the same stage times, U_s = sum of pp_i * s_i along the critical path +
 max s * (K - 1). The hidden part U_s - M >= 0 is taken off T_iter:
 
@@ -39,7 +39,8 @@ import numpy as np
 
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.objective import combine
-from disttrain_ds.planner.simulate import makespan_graph
+from disttrain_ds.planner.simulate import graph_stages
+from disttrain_ds.planner.sweep import makespans
 # Backward time as a multiple of forward, as the runtime's emulated compute charges it.
 from disttrain_ds.runtime.emulate import BACKWARD_FACTOR
 
@@ -61,7 +62,7 @@ def schedule_ms(graph: ModuleGraph, pp: Mapping[str, int], stage: Mapping[str, f
     """1F1B makespan of ``microbatches`` steps with every stage of module n at ``stage[n]``."""
     row = stage_columns(graph, pp, stage)
     fwd, bwd = split_fwd_bwd(np.broadcast_to(row, (microbatches, len(row))))
-    return makespan_graph(fwd, bwd, graph, pp)
+    return float(makespans(fwd, bwd, graph_stages(graph, pp)[1]))
 
 
 def hidden_ms(graph: ModuleGraph, pp: Mapping[str, int], stage: Mapping[str, float],

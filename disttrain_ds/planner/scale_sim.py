@@ -14,8 +14,8 @@ the gradient all-reduce after the last microbatch. So the replicas split into
 ``gcd(dp of every module)`` groups that never wait for each other within an iteration
 (:func:`replica_groups`), and inside a group a replica waits only for the replicas it exchanges
 samples with. :func:`simulate_iteration` runs each group's 1F1B over its replica-stage DAG
-(``simulate.makespan_dag``; every replica-stage keeps its module stage's ``TrainSchedule``
-order) and takes the slowest group: a replica slow in one microbatch and fast in the next evens
+(``sweep.makespans``, all groups at once; every replica-stage keeps its module stage's
+``TrainSchedule`` order) and takes the slowest group: a replica slow in one microbatch and fast in the next evens
 out unless a boundary partner makes it wait. ``lock_step=True`` gives the coarser model in which
 every stage waits for its slowest replica at every microbatch (an upper bound, kept for
 comparison).
@@ -39,6 +39,7 @@ from disttrain_ds.planner.pipeline import split_fwd_bwd
 from disttrain_ds.comm.routes import routes
 from disttrain_ds.planner.simulate import (Preds, graph_stages, is_chain, longest_path_view,
                                            makespan_1f1b, makespan_dag)
+from disttrain_ds.planner.sweep import makespans
 
 VARIANTS: dict[str, tuple[bool, bool]] = {"none": (False, False), "intra": (True, False),
                                            "inter": (False, True), "both": (True, True)}
@@ -197,8 +198,8 @@ def _span(times: np.ndarray, plan_: Plan, arrangement: np.ndarray, order: list[i
     preds = _group_preds(graph.names, tuple(graph.upstream(n) for n in graph.names),
                          tuple(m.dp // g for m in plan_.modules.values()),
                          tuple(m.pp for m in plan_.modules.values()), _step_size(plan_) // g)
-    return max(makespan_dag(*split_fwd_bwd(group[order]), preds)
-               for group in group_stage_times(times, plan_, arrangement))
+    groups = group_stage_times(times, plan_, arrangement)[:, order]
+    return float(makespans(*split_fwd_bwd(groups), preds).max())
 
 
 def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,

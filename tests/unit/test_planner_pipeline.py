@@ -80,3 +80,20 @@ def test_hidden_part_is_zero_when_the_last_stage_is_slowest_and_bounded_by_what_
     assert 0 < hidden <= (2 * 10.0 + 7.0) * (1 + 1e-12)  # at most the stages after the bottleneck
     assert predict(graph, pp, 500.0, slow_first, 6) == pytest.approx(500.0 - hidden)
     assert schedule_ms(graph, pp, slow_first, 1) == pytest.approx(40 + 20 + 7)
+
+
+def test_sweeps_give_the_op_by_op_simulators_makespan_on_random_dags():
+    from disttrain_ds.planner.simulate import chain_preds, makespan_dag
+    from disttrain_ds.planner.sweep import makespans
+    rng = np.random.default_rng(5)
+    for t in range(60):
+        p, k = int(rng.integers(1, 8)), int(rng.integers(1, 10))
+        preds = chain_preds(p) if t % 2 else tuple(
+            tuple(sorted({int(u) for u in rng.integers(0, s, 2)})) if s and rng.random() < 0.8
+            else () for s in range(p))
+        f = rng.lognormal(0, 1, (3, k, p))
+        b = f * rng.uniform(0.5, 3, (3, k, p))
+        got = makespans(f, b, preds)
+        assert got.shape == (3,)
+        for g in range(3):
+            assert got[g] == pytest.approx(makespan_dag(f[g], b[g], preds), rel=1e-12)
