@@ -10,8 +10,8 @@ doubling), then planned twice by ``optimize.plan``: from mean costs only, and wi
 reordering) on ``--iterations`` global batches of fresh samples from the same distribution
 (another seed than the draw). Printed per distribution: the gain T_sim(mean plan) /
 T_sim(draw plan) (median, min, max, share of cases where the draw plan is slower) and how far
-each plan's simulated time is from its planned one. Costs of one sample in different modules are
-drawn independently, except in ``paper``, which prices LAION-400M-like packed sequences with the
+each plan's simulated time is from its predicted one (``Plan.t_pred_ms``). Costs of one sample
+in different modules are drawn independently, except in ``paper``, which prices LAION-400M-like packed sequences with the
 cost model (``planner/scale.py``, MLLM-9B's modules).
 """
 
@@ -114,7 +114,7 @@ def run_case(sampler: Sampler, seed: int, iterations: int, budget: float) -> dic
     fresh = sampler(np.random.default_rng([seed, 2]), batch * iterations)
     sim = {k: simulate(p, fresh, batch, iterations, budget) for k, p in plans.items()}
     return {"gain": sim["mean"] / sim["draw"], "same": plans["mean"].degrees() == plans["draw"].degrees(),
-            **{f"err_{k}": sim[k] / p.t_iter_ms - 1 for k, p in plans.items()}}
+            **{f"err_{k}": sim[k] / p.t_pred_ms - 1 for k, p in plans.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

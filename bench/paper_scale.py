@@ -58,8 +58,9 @@ class Setting:
     """Plan key (``PLANS``) -> simulated figures."""
     stragglers: dict[str, np.ndarray]
     """Plan key -> ``scale.straggler_factors`` in loader order."""
-    independent: float
-    """MFU of Megatron-LM's plan with its DP replicas simulated as independent pipelines."""
+    lock_step: float
+    """MFU of Megatron-LM's plan (no reordering) with every stage waiting for its slowest
+    replica at every microbatch (``scale_sim``'s coarser replica model)."""
 
 
 def run_setting(paper: dict, spec: scale.ModelSpec, costs: scale.SampleCosts, gpus: int,
@@ -78,13 +79,10 @@ def run_setting(paper: dict, spec: scale.ModelSpec, costs: scale.SampleCosts, gp
                                            seq_len=paper["sequence_length"], variants=VARIANTS,
                                            budget_s=budget)
         strag[key] = scale.straggler_factors(scale.sample_times(used.flops, p), p)
-    mega = results["megatron"].plan
-    times = scale.sample_times(used.flops, mega)
-    total = sum(scale.independent_replicas_ms(times[i * batch:(i + 1) * batch], mega)
-                for i in range(iterations))
-    work = float(used.flops.sum()) * (1.0 + scale.BACKWARD_FACTOR)
-    indep = scale.mfu(work, mega.gpus, total, prof.peak_tflops)
-    return Setting(spec, prof, prof_draw, results, strag, indep)
+    lock = scale.evaluate_plan(results["megatron"].plan, prof, used, iterations=iterations,
+                               seq_len=paper["sequence_length"], variants=("none",),
+                               lock_step=True)
+    return Setting(spec, prof, prof_draw, results, strag, lock.mfu["none"])
 
 
 def layout(p: Plan) -> str:
@@ -97,7 +95,7 @@ def layout(p: Plan) -> str:
 def scale_table(settings: dict[str, Setting], paper_rows: dict, unit: float, unit_name: str,
                 paper_value: Callable[[dict, str], str]) -> list[str]:
     """Markdown rows: layout, times, MFU and throughput of every plan, next to the paper's."""
-    out = [f"| model | plan | GPUs | layout enc / llm / gen (dp x tp x pp) | T_plan s "
+    out = [f"| model | plan | GPUs | layout enc / llm / gen (dp x tp x pp) | T_pred s "
            f"| T_sim s none / reord. | MFU % plan / none / reord. | {unit_name} none / reord. "
            f"| paper GPUs / MFU % / {unit_name} |", "|" + "---|" * 9]
     for name, st in settings.items():
@@ -105,7 +103,7 @@ def scale_table(settings: dict[str, Setting], paper_rows: dict, unit: float, uni
             p = r.plan
             ref = paper_value(paper_rows.get(name, {}), PAPER_KEYS[key])
             out.append(
-                f"| {name} | {PLANS[key]} | {p.gpus} | {layout(p)} | {p.t_iter_ms / 1e3:.2f} "
+                f"| {name} | {PLANS[key]} | {p.gpus} | {layout(p)} | {p.t_pred_ms / 1e3:.2f} "
                 f"| {r.t_ms['none'] / 1e3:.2f} / {r.t_ms['both'] / 1e3:.2f} "
                 f"| {p.mfu * 100:.1f} / {r.mfu['none'] * 100:.1f} / {r.mfu['both'] * 100:.1f} "
                 f"| {r.tokens_per_s['none'] / unit:.2f} / {r.tokens_per_s['both'] / unit:.2f} "
@@ -116,15 +114,16 @@ def scale_table(settings: dict[str, Setting], paper_rows: dict, unit: float, uni
 def hetero_table(groups: dict[str, dict[str, Setting]]) -> list[str]:
     """Markdown rows: our plan from mean costs vs from the per-sample draw, planned against
     simulated (intra + inter reordering)."""
-    out = ["| scale | model | costs | layout enc / llm / gen | T_plan s | T_sim s reord. "
-           "| T_sim / T_plan | MFU % reord. |", "|" + "---|" * 8]
+    out = ["| scale | model | costs | layout enc / llm / gen | T_iter s | T_pred s "
+           "| T_sim s reord. | T_sim / T_pred | MFU % reord. |", "|" + "---|" * 9]
     for label, settings in groups.items():
         for name, st in settings.items():
             for key, what in (("ours", "mean"), ("draw", "draw")):
                 r = st.results[key]
                 out.append(f"| {label} | {name} | {what} | {layout(r.plan)} "
-                           f"| {r.plan.t_iter_ms / 1e3:.2f} | {r.t_ms['both'] / 1e3:.2f} "
-                           f"| {r.t_ms['both'] / r.plan.t_iter_ms:.3f} "
+                           f"| {r.plan.t_iter_ms / 1e3:.2f} | {r.plan.t_pred_ms / 1e3:.2f} "
+                           f"| {r.t_ms['both'] / 1e3:.2f} "
+                           f"| {r.t_ms['both'] / r.plan.t_pred_ms:.3f} "
                            f"| {r.mfu['both'] * 100:.1f} |")
     return out
 
@@ -235,33 +234,32 @@ def disagreements(paper: dict, big: dict[str, Setting], small: dict[str, Setting
         for k, r in st.results.items():
             f = st.stragglers[k]
             j = int(np.argmax(f))
-            slow.append(f"{n} {PLANS[k]} x{r.t_ms['none'] / r.plan.t_iter_ms:.2f} "
+            slow.append(f"{n} {PLANS[k]} x{r.t_ms['none'] / r.plan.t_pred_ms:.2f} "
                         f"({MODULES[j]} {f[j]:.2f})")
     out.append("* **Data heterogeneity.** Simulated / planned iteration time without "
                "reordering, with the worst module's slowest-replica / mean-replica load per "
                f"step in parentheses: {'; '.join(slow)}. From mean costs the planner sizes "
-               "modules as if every replica were average while a lock-step stage waits for its "
-               "slowest replica, which hurts most where a replica takes one sample per step; "
-               "ours + draw prices that (and the pp microbatches in flight per module). "
-               "Where the slowest stage is not the "
-               "last one the planner's formula is an upper bound on 1F1B, so a ratio below 1 "
-               "can occur.")
+               "modules as if every replica were average while a stage's replicas wait for "
+               "their slowest boundary partner, which hurts most where a replica takes one "
+               "sample per step; ours + draw prices that (as if every stage waited for its "
+               "slowest replica, an upper bound, and with the pp microbatches in flight per "
+               "module), so its ratio can fall below 1.")
     mega = []
     for n, st in big.items():
         r = st.results["megatron"]
         p = r.plan
         mega.append(f"{n}: stages {p.module('encoder').stage_ms:.0f} / {p.llm.stage_ms:.0f} / "
                     f"{p.module('generator').stage_ms:.0f} ms; MFU planned {p.mfu * 100:.1f}, "
-                    "lock-step "
-                    f"{r.mfu['none'] * 100:.1f}, independent replicas "
-                    f"{st.independent * 100:.1f}, paper {overall[n]['megatron']['mfu']:.1f}")
+                    "independent replicas "
+                    f"{r.mfu['none'] * 100:.1f}, lock-step {st.lock_step * 100:.1f}, paper "
+                    f"{overall[n]['megatron']['mfu']:.1f}")
     out.append("* **Megatron-LM.** Its encoder and generator stages run the whole module at "
                "TP=1 speed (replicated over the TP group), so with Fig. 3's times they can set "
-               "the pace (encoder / LLM / generator stage per sample). The simulator runs DP "
-               "replicas in lock-step; Megatron-LM's replicas are independent pipelines until "
-               "the gradient all-reduce, and simulating them so (the slowest replica's own "
-               "makespan, no reordering) bounds the lock-step penalty: "
-               f"{'; '.join(mega)}.")
+               "the pace (encoder / LLM / generator stage per sample). With every module at the "
+               "same DP its replicas are independent pipelines until the gradient all-reduce "
+               "(what the simulator runs); making every stage wait for its slowest replica at "
+               "every microbatch instead (lock-step, no reordering) shows what that "
+               f"independence is worth: {'; '.join(mega)}.")
     fig17 = {r["model"]: r for r in paper["orchestration_ablation_fig17"] if "model" in r}
     ratio = [f"{n}: GPU-time {st.results['ratio'].mfu['both'] * 100:.1f}, FLOPs "
              f"{st.results['flops'].mfu['both'] * 100:.1f}, paper "
@@ -356,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = ", ".join(f"{n} {s.ablation_batch}" for n, s in specs.items())
     print(f"\n### Fig. 17 scale: GPU budget {budgets}; global batch {batches}\n")
     print("\n".join(scale_table(small, fig17, 1e3, "Ktok/s", _fig17)))
-    print("\nT_plan: the planner's closed-form T_iter (ours + draw: priced with the per-sample "
+    print("\nT_pred: the planner's predicted time, 1F1B over its priced stage times "
+          "(ours + draw: priced with the per-sample "
           "draw, the others with mean costs); T_sim: simulated 1F1B "
           "iteration on drawn samples, mean over iterations; reord.: intra- + inter-microbatch "
           "reordering; * = stage replicated over the TP group (runs at TP=1 speed).\n")

@@ -71,9 +71,17 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
         lines.append("module graph: " + ", ".join(f"{u} -> {v}" for u, v in result.graph.edges))
     mfu = f"{result.mfu * 100:.1f} %" if result.mfu is not None else \
         "n/a (needs flops_per_sample and peak_tflops)"
+    if profile.has_draw:
+        lines += ["", "straggler factors from the sample_cost_ms draw (expected slowest replica"
+                  " / mean replica load): h per microbatch crossing the module, g per step"
+                  " with PP microbatches in flight"]
+        lines += [f"  {n:<{width}} h {m.straggler:6.3f}   g {m.pace:6.3f}"
+                  for n, m in result.modules.items()]
     lines += ["", f"T_warmup  {result.t_warmup_ms:12.1f} ms",
               f"T_steady  {result.t_steady_ms:12.1f} ms",
-              f"T_iter    {result.t_iter_ms:12.1f} ms", f"predicted MFU  {mfu}"]
+              f"T_iter    {result.t_iter_ms:12.1f} ms   (closed form the search minimises)",
+              f"T_pred    {result.t_pred_ms:12.1f} ms   (the runtime's 1F1B schedule over these"
+              " stage times)", f"predicted MFU  {mfu}"]
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 from disttrain_ds.planner.objective import (Degrees, memory_per_gpu, module_terms,
                                             straggler_table, t_iter)
 from disttrain_ds.planner.optimize import ModulePlan, Plan, PlanError, plan, predicted_mfu
+from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.profile import GIB, Profile
 
 
@@ -84,13 +85,16 @@ def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:
             raise PlanError(f"megatron layout (tp={tp}, pp={pp}, dp={dp}): {n} needs "
                             f"{mem / GIB:.1f} GiB per GPU, more than {profile.gpu_memory_gb:g}")
         h = 1.0 if table is None else table.factor(n, dp, m)
+        g = 1.0 if table is None else table.factor(n, dp, m, own_pp)
         mods[n] = ModulePlan(dp * tp * own_pp, dp, tp, own_pp, m, *terms[n],
                              mem / GIB if spec.has_memory_figures else None, h,
-                             cost_source=spec.source(tp if n == lname else 1))
+                             cost_source=spec.source(tp if n == lname else 1), pace=g)
     total = dp * per_replica
+    pred = predict(graph, {n: layout[n].pp for n in graph.names}, it.total_ms,
+                   {n: mods[n].stage_ms for n in graph.names}, k)
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
-                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, total),
-                layout="megatron")
+                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, pred, total),
+                layout="megatron", t_pred_ms=pred)
 
 
 def ratio_split(profile: Profile) -> dict[str, int]:

@@ -23,6 +23,7 @@ from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors,  # noqa: F401
                                             layout_key, layout_memory, memory_per_gpu, samples_per_step,
                                             module_terms, straggler_table, t_iter)
+from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
 from disttrain_ds.planner.profile import GIB, Profile
 from disttrain_ds.planner.search import batch_splits, options, search
@@ -57,6 +58,9 @@ class ModulePlan:
     (1.0 without per-sample draws)."""
     cost_source: str = "assumed"
     """Where the cost at this TP degree comes from: measured | interpolated | assumed."""
+    pace: float = 1.0
+    """Expected slowest of PP steps' slowest replicas over the mean replica load, g(dp, m, pp),
+    already in ``stage_ms`` (1.0 without per-sample draws)."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,13 @@ class Plan:
     t_iter_ms: float
     """t_warmup_ms + t_steady_ms."""
     mfu: float | None = None
-    """Predicted model FLOPs utilisation of the GPUs used (0..1); None without FLOPs and peak."""
+    """Predicted model FLOPs utilisation of the GPUs used (0..1) over ``t_pred_ms``; None
+    without FLOPs and peak."""
     layout: str = "disaggregated"
     """How modules share GPUs: ``disaggregated``, ``ratio-based`` or ``megatron``."""
+    t_pred_ms: float | None = None
+    """Predicted iteration time under the runtime's 1F1B schedule (``pipeline.predict``):
+    t_iter_ms less what the schedule overlaps; <= t_iter_ms. None: not computed."""
 
     @property
     def gpus(self) -> int:
@@ -99,12 +107,12 @@ class Plan:
         return {n: Degrees(m.dp, m.tp, m.pp) for n, m in self.modules.items()}
 
     def to_json(self) -> dict[str, Any]:
-        """The plan as plain data: per-module gpus/dp/tp/pp, the three times, and where each
-        module's cost at its TP degree comes from."""
+        """The plan as plain data: per-module gpus/dp/tp/pp, the closed form's three times, the
+        predicted time under 1F1B, and where each module's cost at its TP degree comes from."""
         out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp}
                                for n, m in self.modules.items()}
         out.update(t_iter_ms=self.t_iter_ms, t_warmup_ms=self.t_warmup_ms,
-                   t_steady_ms=self.t_steady_ms,
+                   t_steady_ms=self.t_steady_ms, t_pred_ms=self.t_pred_ms,
                    cost_source={n: m.cost_source for n, m in self.modules.items()})
         return out
 
@@ -134,13 +142,16 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
         warm, stage = module_terms(profile, n, deg, m, table)
         mem = memory[n]
         h = 1.0 if table is None else table.factor(n, deg.dp, m)
+        g = 1.0 if table is None else table.factor(n, deg.dp, m, deg.pp)
         mods[n] = ModulePlan(deg.dp * deg.tp * deg.pp, deg.dp, deg.tp, deg.pp, m, warm,
                              stage, mem / GIB if spec.has_memory_figures else None, h,
-                             spec.source(deg.tp))
+                             spec.source(deg.tp), g)
     gpus = sum(p.gpus for p in mods.values())
+    pred = predict(graph, {n: layout[n].pp for n in graph.names}, it.total_ms,
+                   {n: mods[n].stage_ms for n in graph.names}, k)
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
-                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, it.total_ms, gpus),
-                layout=layout_name)
+                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, pred, gpus),
+                layout=layout_name, t_pred_ms=pred)
 
 
 def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,

@@ -16,13 +16,14 @@ Pipeline of this module (every step a small pure function):
 3. **Plans** (:func:`paper_plans`): ours (``optimize.plan``), Megatron-LM's rigid layout at the
    paper's TP/PP, and two ratio-based splits (by profiled GPU-time, ``baselines.ratio_plan``, and
    by FLOPs), all on the same GPU budget.
-4. **Simulation** (:func:`simulate_iteration`): per-sample module times are the cost model's
-   FLOPs rescaled so each module's mean equals the plan's per-sample profile cost (so profile and
-   variation agree); samples fill pipeline steps of D = DP_llm x M in order; within a step a
-   module's replica r takes the r-th contiguous chunk of D / DP samples (DP fan-out/fan-in between
-   modules of different DP); a stage's time is the slowest replica's load / PP (replicas run in
-   lock-step, layers split evenly); one 1F1B iteration is simulated with no communication time.
-5. **Reordering**: intra (:func:`balance_steps`) balances each step's replicas with
+4. **Simulation** (:mod:`disttrain_ds.planner.scale_sim`, ``simulate_iteration``): per-sample
+   module times are the cost model's FLOPs rescaled so each module's mean equals the plan's
+   per-sample profile cost (so profile and variation agree); samples fill pipeline steps of
+   D = DP_llm x M in order; within a step a module's replica r takes the r-th contiguous chunk of
+   D / DP samples (DP fan-out/fan-in between modules of different DP); each replica's stages run
+   its load / PP, and replicas wait for each other only where the runtime makes them (sample
+   exchange at module boundaries, the all-reduce at the end); no communication time.
+5. **Reordering** (``scale_sim``): intra (``balance_steps``) balances each step's replicas with
    ``intra_microbatch_reorder``; inter reorders the steps with ``inter_microbatch_reorder``.
 6. **Scores**: MFU = cost-model training FLOPs of the iteration / (GPUs x peak x time);
    throughput = sequences x sequence length / time.
@@ -44,19 +45,20 @@ import numpy as np
 
 from disttrain_ds.costmodel import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel
 from disttrain_ds.data.paper_stats import Subsequence, layout_to_stats
-from disttrain_ds.data.reorder import inter_microbatch_reorder, intra_microbatch_reorder
 from disttrain_ds.data.types import SampleStats
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 from disttrain_ds.planner.optimize import Plan, plan
+from disttrain_ds.planner.pipeline import BACKWARD_FACTOR
 # MODULES: the paper models' modules, the columns of SampleCosts.flops.
 from disttrain_ds.planner.profile import MODULES, Profile, profile_from_dict  # noqa: F401
-from disttrain_ds.planner.simulate import (graph_stages, is_chain, longest_path_view,
-                                           makespan_1f1b, makespan_dag, makespan_graph)
+# Steps 4-5 live in scale_sim; their names stay reachable from here.
+from disttrain_ds.planner.scale_sim import (VARIANTS, IterationSim, balance_step,  # noqa: F401
+                                            balance_steps, group_stage_times, replica_groups,
+                                            replica_max, sample_times, simulate_iteration,
+                                            split_fwd_bwd, stage_times, straggler_factors)
 
 TP_EFFICIENCY = 0.9
 """Assumed speed-up efficiency per doubling of TP (the paper publishes one TP degree only)."""
-BACKWARD_FACTOR = 2.0
-"""Backward time and FLOPs as a multiple of forward (trained modules, no recomputation)."""
 ENCODER_PATCH = 14
 """Pixel side of a ViT-H/14 patch (the paper counts 16x16 tokens; images are re-cut to 14)."""
 VOCAB = 128256
@@ -65,9 +67,6 @@ GENERATOR_LAYERS = 12
 """Pipeline-divisible blocks assumed for SD 2.1's U-Net (as ``bench/bench_planner.py``)."""
 REFERENCE_BACKBONE = "llama3-70b"
 """Backbone whose pipeline stage Fig. 3 profiles."""
-VARIANTS: dict[str, tuple[bool, bool]] = {"none": (False, False), "intra": (True, False),
-                                           "inter": (False, True), "both": (True, True)}
-"""Reordering variants: name -> (intra-microbatch, inter-microbatch)."""
 
 
 @dataclass(frozen=True)
@@ -102,21 +101,6 @@ class SampleCosts:
     """``[n, 3]`` forward FLOPs of each sample in (encoder, llm, generator)."""
     images: np.ndarray
     """``[n]`` input images per sample."""
-
-
-@dataclass(frozen=True)
-class IterationSim:
-    """One simulated 1F1B iteration."""
-
-    makespan_ms: float
-    """Simulated iteration time."""
-    stage_ms: np.ndarray
-    """``[K, P]`` fwd+bwd time of each step on each pipeline stage, in execution order."""
-    arrangement: np.ndarray
-    """Sample index (into the iteration's samples) of every slot; step j holds slots
-    ``j*D .. (j+1)*D - 1``, replica r of a module the r-th contiguous chunk of them."""
-    order: tuple[int, ...]
-    """Execution order of the steps (indices of the arrangement's steps)."""
 
 
 @dataclass(frozen=True)
@@ -262,151 +246,6 @@ def paper_plans(profile: Profile, spec: ModelSpec) -> dict[str, Plan]:
                              layout="flop-ratio")}
 
 
-def sample_times(flops: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[n, modules]`` per-sample fwd+bwd ms of each module under ``plan_`` (columns in the
-    plan's module order, as ``flops``'): the FLOPs rescaled so each column's mean is the plan's
-    per-sample mean cost (warm-up term / samples per replica / the straggler factor priced into
-    it), i.e. time proportional to FLOPs within
-    a module, at the profile's efficiency."""
-    f = np.asarray(flops, dtype=np.float64)
-    per = np.array([m.warmup_ms / m.samples_per_microbatch / m.straggler
-                    for m in plan_.modules.values()])
-    mean = f.mean(axis=0)
-    return np.where(mean > 0, f / np.where(mean > 0, mean, 1.0), 1.0) * per
-
-
-def _step_size(plan_: Plan) -> int:
-    return plan_.llm.dp * plan_.llm.samples_per_microbatch
-
-
-def replica_max(steps: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[K, modules]`` slowest replica's load per module for ``steps`` = ``[K, D, modules]`` ms,
-    where replica r of a module with DP = dp takes slots ``r*D/dp .. (r+1)*D/dp - 1``."""
-    k, d, _ = steps.shape
-    return np.stack([steps[:, :, j].reshape(k, m.dp, -1).sum(axis=2).max(axis=1)
-                     for j, m in enumerate(plan_.modules.values())], axis=1)
-
-
-def _stages(loads: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[K, modules]`` loads per step -> ``[K, P]`` stage times (load / PP on each stage), in
-    ``simulate.graph_stages`` numbering."""
-    return np.concatenate([np.repeat(loads[:, [j]] / m.pp, m.pp, axis=1)
-                           for j, m in enumerate(plan_.modules.values())], axis=1)
-
-
-def _pp(plan_: Plan) -> dict[str, int]:
-    return {n: m.pp for n, m in plan_.modules.items()}
-
-
-def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
-    """``[K, P]`` fwd+bwd time per step and pipeline stage (each module's stages in the plan's
-    data-flow order): a module's slowest replica load split evenly over its PP stages."""
-    steps = times[arrangement].reshape(-1, _step_size(plan_), len(plan_.modules))
-    return _stages(replica_max(steps, plan_), plan_)
-
-
-def balance_step(step: np.ndarray, plan_: Plan) -> np.ndarray:
-    """Slot order of one step's ``[D, modules]`` sample times that balances module replicas.
-
-    Modules are taken by replica size D/DP, smallest first (size 1 needs nothing): the current
-    units (single samples, then the previous level's replicas) are grouped into this level's
-    replicas by ``intra_microbatch_reorder`` on their stage-time contribution (load / PP, summed
-    over modules of the same size), so finer replicas stay intact inside coarser ones. When a
-    size is not a multiple of the previous one, chunks stop nesting and coarser modules keep
-    contiguous chunks of the finer level's order."""
-    d = len(step)
-    sizes: dict[int, np.ndarray] = {}
-    for j, mod in enumerate(plan_.modules.values()):
-        m = d // mod.dp
-        if m > 1:
-            sizes[m] = sizes.get(m, 0.0) + step[:, j] / mod.pp
-    units, prev = [[i] for i in range(d)], 1
-    for m in sorted(sizes):
-        if m % prev:
-            break
-        weight = [float(sizes[m][u].sum()) for u in units]
-        groups = intra_microbatch_reorder(weight, d // m)
-        units, prev = [[i for g in grp for i in units[g]] for grp in groups], m
-    return np.array([i for u in units for i in u], dtype=np.int64)
-
-
-def balance_steps(times: np.ndarray, plan_: Plan) -> np.ndarray:
-    """Intra-microbatch reordering of a whole iteration: each step's slots reordered by
-    :func:`balance_step`, kept only if no module's slowest replica gets slower (so stage times
-    never grow, and the 1F1B makespan, monotone in op times, never does either)."""
-    d = _step_size(plan_)
-    out = np.arange(len(times))
-    for lo in range(0, len(times), d):
-        step = times[lo:lo + d]
-        perm = balance_step(step, plan_)
-        before, after = replica_max(np.stack([step, step[perm]]), plan_)
-        if (after <= before).all():
-            out[lo:lo + d] = lo + perm
-    return out
-
-
-def split_fwd_bwd(stage_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Forward and backward parts of fwd+bwd stage times (backward = BACKWARD_FACTOR x fwd)."""
-    fwd = stage_ms / (1.0 + BACKWARD_FACTOR)
-    return fwd, stage_ms - fwd
-
-
-def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
-                       inter: bool = False, budget_s: float = 0.5, seed: int = 0) -> IterationSim:
-    """Simulate one iteration of ``plan_`` on ``times`` (``[global_batch, modules]`` ms from
-    :func:`sample_times`, in loader order), optionally with intra- and inter-microbatch
-    reordering (the latter searches up to ``budget_s`` seconds). With parallel encoders or
-    generators the order search runs on ``simulate.longest_path_view`` and its order is kept
-    only when the stage DAG's makespan does not grow."""
-    times = np.asarray(times, dtype=np.float64)
-    shape = (plan_.microbatches * _step_size(plan_), len(plan_.modules))
-    if times.shape != shape:
-        raise ValueError(f"times must be {list(shape)}, got {list(times.shape)}")
-    arrangement = balance_steps(times, plan_) if intra else np.arange(len(times))
-    stages = stage_times(times, plan_, arrangement)
-    fwd, bwd = split_fwd_bwd(stages)
-    order = list(range(len(stages)))
-    _, preds = graph_stages(plan_.graph, _pp(plan_))
-    if is_chain(preds):
-        if inter:
-            order = inter_microbatch_reorder(fwd, bwd, time_budget_s=budget_s, seed=seed)
-        span = makespan_1f1b(fwd[order], bwd[order])
-    else:
-        span = makespan_dag(fwd, bwd, preds)
-        if inter:
-            view = longest_path_view(stages, plan_.graph, _pp(plan_))
-            found = inter_microbatch_reorder(*split_fwd_bwd(view), time_budget_s=budget_s,
-                                             seed=seed)
-            reordered = makespan_dag(fwd[found], bwd[found], preds)
-            if reordered < span:
-                order, span = found, reordered
-    return IterationSim(float(span), stages[order], arrangement, tuple(order))
-
-
-def independent_replicas_ms(times: np.ndarray, plan_: Plan) -> float:
-    """Iteration time if DP replicas ran as independent pipelines that meet only at the end of
-    the iteration (gradient all-reduce, not timed): the slowest replica's own 1F1B makespan,
-    samples in loader order. Defined only when every module has the LLM's DP (Megatron-LM's
-    layout), so that replica r of every module handles the same samples."""
-    dp = plan_.llm.dp
-    if any(m.dp != dp for m in plan_.modules.values()):
-        raise ValueError("independent replicas need the same DP in every module")
-    d = _step_size(plan_)
-    per = np.asarray(times, dtype=np.float64).reshape(-1, dp, d // dp, len(plan_.modules))
-    per = per.sum(axis=2)
-    return max(makespan_graph(*split_fwd_bwd(_stages(per[:, r], plan_)), plan_.graph, _pp(plan_))
-               for r in range(dp))
-
-
-def straggler_factors(times: np.ndarray, plan_: Plan) -> np.ndarray:
-    """``[modules]`` mean over the steps of (slowest replica's load / mean replica load) per
-    module, samples in loader order: how much data heterogeneity stretches each module's stage."""
-    d = _step_size(plan_)
-    steps = np.asarray(times, dtype=np.float64).reshape(-1, d, len(plan_.modules))
-    dp = np.array([m.dp for m in plan_.modules.values()])
-    return (replica_max(steps, plan_) / (steps.sum(axis=1) / dp)).mean(axis=0)
-
-
 def module_efficiency(profile: Profile, name: str, tp: int) -> float:
     """Share of peak a module's profile implies at TP ``tp``: its mean training FLOPs per
     sample over (tp GPUs x C(tp) x peak). Above 1 means the profile is faster than the FLOPs
@@ -435,9 +274,10 @@ def tokens_per_s(sequences: int, seq_len: int, t_ms: float) -> float:
 
 def evaluate_plan(plan_: Plan, profile: Profile, costs: SampleCosts, *, iterations: int,
                   seq_len: int, variants: Sequence[str] = tuple(VARIANTS),
-                  budget_s: float = 0.5) -> PlanResult:
+                  budget_s: float = 0.5, lock_step: bool = False) -> PlanResult:
     """Simulate ``iterations`` consecutive global batches of ``costs`` under ``plan_`` for each
-    reordering variant; MFU and throughput aggregate all iterations (total work / total time)."""
+    reordering variant (``lock_step``: the coarser replica model, ``scale_sim``); MFU and
+    throughput aggregate all iterations (total work / total time)."""
     bs = profile.global_batch
     if profile.peak_tflops is None:
         raise ValueError("the profile needs peak_tflops for MFU")
@@ -450,7 +290,8 @@ def evaluate_plan(plan_: Plan, profile: Profile, costs: SampleCosts, *, iteratio
     for v in variants:
         intra, inter = VARIANTS[v]
         total = sum(simulate_iteration(times[i * bs:(i + 1) * bs], plan_, intra=intra,
-                                       inter=inter, budget_s=budget_s, seed=i).makespan_ms
+                                       inter=inter, budget_s=budget_s, seed=i,
+                                       lock_step=lock_step).makespan_ms
                     for i in range(iterations))
         t[v] = total / iterations
         m[v] = mfu(work, plan_.gpus, total, profile.peak_tflops)

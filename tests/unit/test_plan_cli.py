@@ -39,7 +39,7 @@ def test_json_output_is_one_object_with_exactly_the_plan_keys(run):
     assert code == 0
     data = json.loads(out)
     assert set(data) == {"encoder", "llm", "generator", "t_iter_ms", "t_warmup_ms",
-                         "t_steady_ms", "cost_source"}
+                         "t_steady_ms", "t_pred_ms", "cost_source"}
     assert data["cost_source"] == {"encoder": "assumed", "llm": "assumed", "generator": "assumed"}
     for name in ("encoder", "llm", "generator"):
         assert set(data[name]) == MODULE_KEYS
@@ -327,3 +327,23 @@ def test_three_module_base_that_does_not_load_is_refused_and_nothing_written(run
                                      "--write-recipe", str(tmp_path / "out.yaml")))
     assert "must load" in err and "'model.llm'" in err
     assert not (tmp_path / "out.yaml").exists()
+
+
+def test_human_output_prints_straggler_factors_only_with_a_draw(run, tmp_path):
+    code, out, _ = run("--profile", str(TINY))
+    assert code == 0 and "straggler factors" not in out and "T_pred" in out
+    data = json.loads(TINY.read_text())
+    for i, mod in enumerate(data["modules"].values()):  # a skewed draw, same sample per entry
+        mod["sample_cost_ms"] = [1.0, 1.0, 1.0, 9.0 + i]
+    drawn = tmp_path / "drawn.json"
+    drawn.write_text(json.dumps(data))
+    code, out, _ = run("--profile", str(drawn))
+    assert code == 0
+    result = optimize.plan(load_profile(drawn))
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("straggler factors"))
+    for name in ("encoder", "llm", "generator"):
+        row = next(line.split() for line in lines[at:] if line.split()[:1] == [name])
+        m = result.module(name)
+        assert row[1:] == ["h", f"{m.straggler:.3f}", "g", f"{m.pace:.3f}"]
+    assert f"{result.t_pred_ms:.1f} ms" in out

@@ -13,6 +13,7 @@ from disttrain_ds.planner import scale
 from disttrain_ds.planner.baselines import ratio_plan
 from disttrain_ds.planner.optimize import Degrees, PlanError, build_plan, plan, t_iter
 from disttrain_ds.planner.profile import Profile, profile_from_dict
+from disttrain_ds.planner.simulate import makespan_1f1b
 
 MODELS = ("MLLM-9B", "MLLM-15B", "MLLM-72B")
 
@@ -222,23 +223,70 @@ def test_intra_reordering_balances_a_step_and_keeps_samples_in_their_step():
     before = scale.replica_max(times.reshape(2, 4, 3), p)[:, 0]
     after = scale.replica_max(times[arr].reshape(2, 4, 3), p)[:, 0]
     assert np.allclose(after, before * 10 / 18)  # {9, 9} | {1, 1} -> {9, 1} | {9, 1}
-    none = scale.simulate_iteration(times, p).makespan_ms
-    assert scale.simulate_iteration(times, p, intra=True).makespan_ms < 0.7 * none
+    none = scale.simulate_iteration(times, p, lock_step=True).makespan_ms
+    assert scale.simulate_iteration(times, p, intra=True, lock_step=True).makespan_ms < 0.7 * none
+    # The runtime's two replica groups (encoder replica r with its LLM and generator replicas)
+    # never wait for each other: each takes one heavy and one light step, as balanced.
+    assert scale.simulate_iteration(times, p).makespan_ms == pytest.approx(
+        scale.simulate_iteration(times, p, intra=True).makespan_ms, rel=1e-12)
 
 
-def test_lock_step_replicas_are_never_faster_than_independent_ones(cases):
-    _, costs, _, plans = cases["MLLM-9B"]
-    p = plans["megatron"]
-    times = scale.sample_times(costs.flops, p)
-    indep = scale.independent_replicas_ms(times, p)
-    assert indep <= scale.simulate_iteration(times, p).makespan_ms
-    with pytest.raises(ValueError, match="same DP"):
-        scale.independent_replicas_ms(scale.sample_times(costs.flops, plans["ratio"]),
-                                      plans["ratio"])
+def test_lock_step_replicas_are_never_faster_than_the_runtimes_coupling(cases):
+    for key in ("megatron", "ratio", "ours"):
+        _, costs, _, plans = cases["MLLM-9B"]
+        p = plans[key]
+        times = scale.sample_times(costs.flops, p)
+        coupled = scale.simulate_iteration(times, p).makespan_ms
+        assert coupled <= scale.simulate_iteration(times, p, lock_step=True).makespan_ms
     one = build_plan(tiny_profile(30.0, 60.0, 90.0, batch=4),
                      {n: Degrees(1, 1, 1) for n in scale.MODULES})
     t1 = scale.sample_times(np.arange(1.0, 13.0).reshape(4, 3), one)
-    assert scale.independent_replicas_ms(t1, one) == scale.simulate_iteration(t1, one).makespan_ms
+    assert scale.simulate_iteration(t1, one).makespan_ms == \
+        scale.simulate_iteration(t1, one, lock_step=True).makespan_ms  # one replica: the same
+
+
+def _two_replica_plan(enc_dp: int, gen_dp: int):
+    """LLM DP 2, one sample per replica per step, two steps; every module one stage."""
+    layout = {"encoder": Degrees(enc_dp, 1, 1), "llm": Degrees(2, 1, 1),
+              "generator": Degrees(gen_dp, 1, 1)}
+    return build_plan(tiny_profile(3.0, 30.0, 3.0, batch=4), layout)
+
+
+def test_replicas_meet_only_at_boundaries_so_a_slow_microbatch_evens_out():
+    # The runtime's DP replicas of a module share no per-microbatch collective (gradients are
+    # all-reduced after the last microbatch) and exchange samples only with the boundary
+    # replicas that own them (comm.routes). With every module at DP 2 the two replicas never
+    # meet: replica 0 slow in step 0 and fast in step 1, replica 1 the reverse, takes the
+    # slowest replica's own pipeline, not a pipeline paced by the slowest of each step.
+    p = _two_replica_plan(2, 2)
+    assert scale.replica_groups(p) == 2
+    llm = np.array([90.0, 10.0, 10.0, 90.0])  # slots: step 0 (replica 0, 1), step 1 (0, 1)
+    times = np.stack([np.full(4, 3.0), llm, np.full(4, 3.0)], axis=1)
+    coupled = scale.simulate_iteration(times, p).makespan_ms
+    own = [makespan_1f1b(*scale.split_fwd_bwd(np.array([[3.0, a, 3.0], [3.0, b, 3.0]])))
+           for a, b in ((90.0, 10.0), (10.0, 90.0))]
+    assert coupled == pytest.approx(max(own), rel=1e-12)
+    lock = scale.simulate_iteration(times, p, lock_step=True).makespan_ms
+    assert lock == pytest.approx(makespan_1f1b(*scale.split_fwd_bwd(
+        np.array([[3.0, 90.0, 3.0], [3.0, 90.0, 3.0]]))), rel=1e-12)
+    assert coupled < lock * 0.7
+
+
+def test_a_shared_boundary_replica_couples_the_replicas_it_feeds():
+    # One encoder replica feeds both LLM replicas (fan-out): one group; the encoder's backward
+    # waits for both LLM replicas' gradients, so the slow replica holds the fast one back.
+    p = _two_replica_plan(1, 2)
+    assert scale.replica_groups(p) == 1
+    llm = np.array([90.0, 10.0, 10.0, 90.0])
+    times = np.stack([np.full(4, 3.0), llm, np.full(4, 3.0)], axis=1)
+    coupled = scale.simulate_iteration(times, p).makespan_ms
+    apart = scale.simulate_iteration(times, _two_replica_plan(2, 2)).makespan_ms
+    lock = scale.simulate_iteration(times, p, lock_step=True).makespan_ms
+    assert apart < coupled <= lock
+    # the group's replica-stage DAG: encoder -> both LLM replicas -> their own generator
+    stages = scale.group_stage_times(times, p, np.arange(4))
+    assert stages.shape == (1, 2, 5)
+    assert stages[0, 0].tolist() == [6.0, 90.0, 10.0, 3.0, 3.0]
 
 
 # ----------------------------------------------------------------------- MFU
@@ -306,8 +354,10 @@ def test_reordering_never_slows_random_star_plans():
     assert checked >= 5
 
 
-def test_independent_replicas_on_a_star_are_never_slower_than_lock_step():
+def test_coupled_replicas_on_a_star_are_never_slower_than_lock_step():
     prof = star_profile({"a": 30.0, "b": 20.0, "llm": 60.0, "x": 90.0, "y": 10.0}, batch=4)
-    p = build_plan(prof, {n: Degrees(2, 1, 1) for n in STAR})
-    times = scale.sample_times(np.arange(1.0, 21.0).reshape(4, 5), p)
-    assert scale.independent_replicas_ms(times, p) <= scale.simulate_iteration(times, p).makespan_ms
+    for dps in ({n: 2 for n in STAR}, {"a": 1, "b": 2, "llm": 2, "x": 2, "y": 1}):
+        p = build_plan(prof, {n: Degrees(dps[n], 1, 1) for n in STAR})
+        times = scale.sample_times(np.arange(1.0, 21.0).reshape(4, 5), p)
+        assert scale.simulate_iteration(times, p).makespan_ms <= \
+            scale.simulate_iteration(times, p, lock_step=True).makespan_ms
