@@ -243,15 +243,15 @@ def check_vae(r: Recipe, name: str, gen, src: str) -> None:
     from .models.vae_config import vae_problem
 
     key, vae, d = f"{module_key(r, name)}.vae", gen.vae, r.data
-    bad = vae_problem(vae, gen.in_channels)
-    if bad:
-        raise ConfigError(f"{src}: '{key}.{bad[0]}' {bad[1]}")
-    if vae.checkpoint:
+    if vae.checkpoint:  # its config.json is the VAE's shape: read (and checked) first
         from .models.vae_config import checkpoint_config
 
         got = checkpoint_config(vae.checkpoint, f"{src}: '{key}.checkpoint'").get("latent_channels", 4)
         _check(got == gen.in_channels, src, f"{key}.checkpoint",
                f"{vae.checkpoint} has {got} latent channels, the generator's in_channels is {gen.in_channels}")
+    bad = vae_problem(vae, gen.in_channels)
+    if bad:
+        raise ConfigError(f"{src}: '{key}.{bad[0]}' {bad[1]}")
     real = d.source in RECORD_SOURCES or d.source in SHARD_PATHS
     _check(not real or gen.in_channels == 3 or vae.enabled, src, f"{module_key(r, name)}.in_channels",
            f"data.source {d.source} produces RGB generation targets (3 channels), got {gen.in_channels}; "

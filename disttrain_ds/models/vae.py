@@ -92,3 +92,16 @@ def generator_vae(spec) -> LatentEncoder | None:
     if vae is None or not vae.enabled or vae.placement != "generator":
         return None
     return LatentEncoder(vae, spec.seed, f"model.{spec.name_of('generator')}.vae")
+
+
+def vae_memory_bytes(cfg: VaeConfig, side: int) -> tuple[float, float]:
+    """(weight bytes, peak activation bytes) of the frozen fp32 encoder encoding one ``side`` px
+    image under no_grad: the encoder's parameters (counted on the meta device), and three
+    full-resolution maps of the first level's width alive at once (a ResNet block's input,
+    normalised copy and output)."""
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        vae = AutoencoderKL(**vae_kwargs(cfg))
+    params = sum(p.numel() for m in (vae.encoder, vae.quant_conv) if m is not None for p in m.parameters())
+    return 4.0 * params, 3 * 4.0 * cfg.resolved().block_out_channels[0] * side * side

@@ -41,7 +41,7 @@ class VaeConfig:
     checkpoint: str = ""
     """Local diffusers ``AutoencoderKL.save_pretrained`` directory (config.json + weights); its
     config is the VAE's shape. Never downloaded. Empty: seeded random init of the preset's shape."""
-    placement: str = "producer"
+    placement: str = "generator"
     """Where images are encoded: producer (in the data producers on CPU; latents travel in the
     batches) | generator (on the generator's first pipeline stage, forward only; pixels travel)."""
     block_out_channels: list[int] = field(default_factory=list)

@@ -52,10 +52,13 @@ class StageMemory:
     """Microbatches 1F1B keeps in flight here."""
     samples: int
     """Samples per microbatch on one replica."""
+    vae: float = 0.0
+    """The generator's frozen VAE on this stage (``vae.placement: generator``, first stage):
+    fp32 encoder weights plus one image's encoding activations."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.vae
 
     def who(self) -> str:
         """How errors name the stage: its first rank, module and stage."""
@@ -204,7 +207,8 @@ def estimate(recipe) -> list[StageMemory]:
             params, lb = layer_params(recipe, name, vocab), module_layers(recipe, name, vocab)
             act, work = _stage_activations(lb, 0, len(lb.saved)) if backward[name] else (0.0, 0.0)
             parts = _per_gpu(sum(params), act, state_bytes(recipe, name), 1, 1, micro, 1, work)
-            rows.append(StageMemory(name, 0, range(1), range(len(params)), sum(params), *parts, 1, micro))
+            rows.append(StageMemory(name, 0, range(1), range(len(params)), sum(params), *parts, 1, micro,
+                                    _vae_bytes(recipe, name)))
         return rows
     from ..topology import Topology
 
@@ -222,8 +226,20 @@ def estimate(recipe) -> list[StageMemory]:
             n = sum(params[lo:hi])
             parts = _per_gpu(n, act, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k, work)
             ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)
-            rows.append(StageMemory(grid.name, s, ranks, range(lo, hi), n, *parts, k, samples))
+            rows.append(StageMemory(grid.name, s, ranks, range(lo, hi), n, *parts, k, samples,
+                                    _vae_bytes(recipe, grid.name) if s == 0 else 0.0))
     return rows
+
+
+def _vae_bytes(recipe, module: str) -> float:
+    """The VAE's bytes on ``module``'s first stage: only a generator that encodes its own targets."""
+    cfg = recipe.model.modules[module]
+    vae = getattr(cfg, "vae", None)
+    if vae is None or not vae.enabled or vae.placement != "generator":
+        return 0.0
+    from ..models.vae import vae_memory_bytes
+
+    return sum(vae_memory_bytes(vae, cfg.resolution * vae.downsample))
 
 
 def device_limit_gib(recipe, ranks_per_host: int) -> tuple[float, str]:
@@ -251,6 +267,8 @@ def per_rank_totals(rows: list[StageMemory]) -> dict[int, float]:
 
 def check_fits(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> None:
     """Raise a one-line ``ConfigError`` naming the rank and module whose estimate exceeds the limit."""
+    lines += [f"  {r.who()} also holds the frozen VAE (placement generator): {_size(r.vae)}, in its total"
+              for r in rows if r.vae]
     totals = per_rank_totals(rows)
     worst = max(totals, key=totals.get)
     need = totals[worst] / GIB
@@ -293,6 +311,8 @@ def describe(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> 
             f"{_size(r.optimizer, True):>8} {_size(r.activations, True):>8} {flight:>10} "
             f"{_size(r.total, True):>8} {f'{100 * r.total / GIB / limit_gib:.0f}%' if limit_gib > 0 else '-':>5}"
         )
+    lines += [f"  {r.who()} also holds the frozen VAE (placement generator): {_size(r.vae)}, in its total"
+              for r in rows if r.vae]
     totals = per_rank_totals(rows)
     worst = max(totals, key=totals.get)
     lines.append(f"largest: rank {worst}, {_size(totals[worst])} of {_size(limit_gib * GIB)} "
