@@ -54,15 +54,16 @@ def jpegs(side: int) -> list[bytes]:
 
 
 def per_item_ms(fn, items: list, reps: int) -> float:
-    """Median milliseconds of ``fn(item)`` over ``reps`` passes of ``items`` (one warm-up pass)."""
+    """Median CPU milliseconds of ``fn(item)`` over ``reps`` passes of ``items`` (one warm-up pass).
+    CPU time of this single-threaded process, so other load on the host does not count."""
     for it in items:
         fn(it)
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for it in items:
             fn(it)
-        times.append((time.perf_counter() - t0) * 1e3 / len(items))
+        times.append((time.process_time() - t0) * 1e3 / len(items))
     return statistics.median(times)
 
 
@@ -111,16 +112,18 @@ def vae_ms(device: str, reps: int) -> dict[str, float]:
     x = torch.rand(16 if device == "cuda" else 1, 3, GEN_SIDE, GEN_SIDE, device=device) * 2 - 1
     out = {}
 
+    clock = time.perf_counter if device == "cuda" else time.process_time  # CPU: this process's CPU time
+
     def timed(fn, n: int) -> float:
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(reps):
             fn()
         if device == "cuda":
             torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3 / reps / n
+        return (clock() - t0) * 1e3 / reps / n
 
     out["fp32 batch 1"] = timed(lambda: encode(vae, x[:1]), 1)
     if device == "cuda":
@@ -148,6 +151,7 @@ def mllm9b() -> dict[str, float]:
     res = scale.evaluate_plan(p, prof, costs, iterations=1, seq_len=seq, variants=("both",), budget_s=0.1)
     sides = [int(round(math.sqrt(n))) * scale.ENCODER_PATCH for s in costs.stats for n in s.image_patches]
     return {"step_s": res.t_ms["both"] / 1e3, "gpus": p.gpus, "gen_gpus": p.module("generator").gpus,
+            "peak_tflops": prof.peak_tflops,
             "batch": batch, "images": float(costs.images.mean()), "gen_side": spec.resolution,
             "sides": sides}
 
@@ -188,9 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in per_seq.items():
         cores = samples_per_gpu * ms / 1e3 / ((1 - WAIT_SHARE) * m["step_s"])
         print(f"| {name} | {ms:.0f} | {1e3 * m['images'] / ms:.2f} | {1e3 / ms:.3f} | {math.ceil(cores)} ({cores:.1f}) |")
+    from disttrain_ds.metrics.flops import vae_encode_flops
+    from disttrain_ds.models.vae_config import VaeConfig
+
+    per_gpu = m["batch"] * m["images"] / m["gen_gpus"]
+    tflop = vae_encode_flops(VaeConfig(preset="sd21"), GEN_SIDE) / 1e12
+    print(f"\nVAE on the generator's GPUs instead: each of the {m['gen_gpus']} generator GPUs encodes "
+          f"{per_gpu:.0f} images per step, {tflop:.3f} TFLOP each (measured count, metrics/flops.py):")
+    print("| VAE efficiency on the GPU (of the planner's peak "
+          f"{m['peak_tflops']:.0f} TFLOP/s) | ms per image | generator-GPU seconds per step | share of the step |")
+    print("|---|---|---|---|")
+    for eff in (0.2, 0.4):
+        ms = tflop / (eff * m["peak_tflops"]) * 1e3
+        print(f"| {eff:.0%} (assumed) | {ms:.1f} | {per_gpu * ms / 1e3:.2f} | {per_gpu * ms / 1e3 / m['step_s']:.1%} |")
     if args.vae_device == "cpu":
-        print("\nVAE on the generator's GPUs instead: time it with --vae-device cuda --only-vae on a GPU host; each "
-              f"generator GPU encodes {m['batch'] * m['images'] / m['gen_gpus']:.0f} images per step")
+        print("(measure the GPU row with --vae-device cuda --only-vae on a GPU host)")
     return 0
 
 

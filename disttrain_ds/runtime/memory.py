@@ -267,8 +267,6 @@ def per_rank_totals(rows: list[StageMemory]) -> dict[int, float]:
 
 def check_fits(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> None:
     """Raise a one-line ``ConfigError`` naming the rank and module whose estimate exceeds the limit."""
-    lines += [f"  {r.who()} also holds the frozen VAE (placement generator): {_size(r.vae)}, in its total"
-              for r in rows if r.vae]
     totals = per_rank_totals(rows)
     worst = max(totals, key=totals.get)
     need = totals[worst] / GIB
