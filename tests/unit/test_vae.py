@@ -157,8 +157,8 @@ def test_bad_vae_sections_are_refused_naming_the_field(override, key):
 def test_cost_model_sees_latent_sides_in_both_placements():
     from disttrain_ds.runtime.setup import cost_model
 
-    assert cost_model(_latent_recipe("model.generator.vae.placement=producer")).gen_downsample == 1  # latents travel
-    assert cost_model(_latent_recipe("model.generator.vae.placement=generator")).gen_downsample == 2  # pixels travel
+    assert cost_model(_latent_recipe("model.generator.vae.placement=producer")).model.gen_downsample == 1  # latents travel
+    assert cost_model(_latent_recipe("model.generator.vae.placement=generator")).model.gen_downsample == 2  # pixels travel
 
 
 def test_vae_flops_are_reported_apart_from_mfu():
