@@ -20,6 +20,7 @@ import torch
 from disttrain_ds.models.configs import trains
 from disttrain_ds.config import Recipe
 from disttrain_ds.configtools import ConfigError
+from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.metrics.flops import llm_flops_packed, projector_flops_per_token, training_flops, unet_flops, vit_flops
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.recipe_graph import graph_of, module_config
@@ -235,7 +236,8 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
         samples = source.global_batch(0)
     finally:
         source.close()  # stops producer processes, if any
-    mbs = [_to(collate([s], BatchNorms.of([s], 1), spec, dtype=opts.dtype), opts.device) for s in samples]
+    vae = generator_vae(spec)  # vae.placement generator: targets come as pixels (the VAE is not timed)
+    mbs = [_to(collate([s], BatchNorms.of([s], 1), spec, dtype=opts.dtype, vae=vae), opts.device) for s in samples]
     lm, mode, dev, dt = spec.llm, modes(recipe), opts.device, opts.dtype
     gens = graph.generators
     query_tokens = max((module_config(recipe, n).query_tokens for n in gens), default=0)

@@ -198,13 +198,8 @@ def validate(r: Recipe) -> None:
     bad = data_problem(d, gen.query_tokens if gen is not None else 1)
     if bad:
         raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]}")
-    # Real images give RGB generation targets; a latent-space generator (e.g. the sd21 preset's 4
-    # channels) would need a VAE in the data pipeline, which there is not.
     if gen is not None:
-        _check(d.source not in ("mmc4", "laion", "local") or gen.in_channels == 3, src,
-               f"{module_key(r, graph.generators[0])}.in_channels",
-               f"data.source {d.source} produces RGB generation targets (3 channels), got {gen.in_channels}; "
-               "use data.source=paper_stats or synthetic for a latent-space generator")
+        check_vae(r, graph.generators[0], gen, src)
     for name in graph.names:
         ckpt = module_config(r, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"{module_key(r, name)}.checkpoint", f"{ckpt} does not exist")
@@ -239,3 +234,27 @@ def check_eval(r: Recipe, src: str) -> None:
            f"applies to record sources only; data.source {r.data.source} holds out a separate seed space (set it to 0)")
     _check(not records or v.every == 0 or v.holdout_fraction > 0, src, "eval.holdout_fraction",
            f"must be > 0 to evaluate on data.source {r.data.source} (e.g. 0.01 holds out 1% of the records)")
+
+
+def check_vae(r: Recipe, name: str, gen, src: str) -> None:
+    """A generator's ``vae``: a sane section, a readable checkpoint directory, and real images only
+    for a pixel-space generator or one with a VAE (real sources make RGB targets)."""
+    from .data.config import RECORD_SOURCES, SHARD_PATHS
+    from .models.vae_config import vae_problem
+
+    key, vae, d = f"{module_key(r, name)}.vae", gen.vae, r.data
+    if vae.checkpoint:  # its config.json is the VAE's shape: read (and checked) first
+        from .models.vae_config import checkpoint_config
+
+        got = checkpoint_config(vae.checkpoint, f"{src}: '{key}.checkpoint'").get("latent_channels", 4)
+        _check(got == gen.in_channels, src, f"{key}.checkpoint",
+               f"{vae.checkpoint} has {got} latent channels, the generator's in_channels is {gen.in_channels}")
+    bad = vae_problem(vae, gen.in_channels)
+    if bad:
+        raise ConfigError(f"{src}: '{key}.{bad[0]}' {bad[1]}")
+    real = d.source in RECORD_SOURCES or d.source in SHARD_PATHS
+    _check(not real or gen.in_channels == 3 or vae.enabled, src, f"{module_key(r, name)}.in_channels",
+           f"data.source {d.source} produces RGB generation targets (3 channels), got {gen.in_channels}; "
+           f"set {key}.preset (e.g. sd21) to encode them to latents, or use data.source=paper_stats or synthetic")
+    _check(not vae.enabled or gen.in_channels != 3 or vae.checkpoint, src, f"{key}.preset",
+           "a VAE needs a latent-space generator (in_channels = the VAE's latent channels), got in_channels 3")

@@ -144,10 +144,10 @@ def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int =
         # Otherwise exit flushes what was put (the error message above) while the trainer reads.
 
 
-def _context():
+def _context(extra: tuple[str, ...] = ()):
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)  # producers fork from a server with torch imported
+        ctx.set_forkserver_preload(_PRELOAD + list(extra))  # producers fork from a server with torch imported
         return ctx
     return mp.get_context("spawn")
 
@@ -211,7 +211,9 @@ class ProducedSource(SampleSource):
     # ----------------------------------------------------------------- producers
 
     def _start(self, step: int) -> None:
-        ctx, n = _context(), self.cfg.producers
+        # A VAE in the producers: diffusers is imported once in the server (tens of seconds on a
+        # loaded host), not by each producer while its heartbeat is watched.
+        ctx, n = _context(("disttrain_ds.models.vae",) if self.shape.vae is not None else ()), self.cfg.producers
         self._stop = ctx.Event()
         writer = None
         if self.share is not None:

@@ -25,6 +25,12 @@ def resolve(cfg: DataConfig) -> DataConfig:
 
 def open_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN) -> SampleSource:
     """The in-process source for a resolved ``cfg`` (see :func:`resolve`), reading ``split``."""
+    if shape.vae is not None:  # RGB targets from the source below, latents out
+        from dataclasses import replace
+
+        from .latent_source import LatentSource
+
+        return LatentSource(open_source(cfg, replace(shape, vae=None), global_batch, seed, split), shape.vae, seed)
     if cfg.source == "synthetic":
         return SyntheticSource(cfg, shape, global_batch, seed, split)
     if cfg.source == "paper_stats":

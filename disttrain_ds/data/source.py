@@ -48,6 +48,9 @@ class ShapeSpec:
     cost_model: Any = None
     """``disttrain_ds.module_costs.GraphCosts`` (or a three-module ``costmodel.CostModel``) for
     ``data.reorder``; None: the paper's MLLM in FLOPs."""
+    vae: Any = None
+    """``VaeConfig`` the source's batches go through (``data/latent_source.py``): ``gen_resolution``
+    and ``gen_channels`` are then the RGB images it encodes; None: targets as made."""
 
 
 class SampleSource:

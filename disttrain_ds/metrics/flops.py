@@ -335,3 +335,25 @@ def unet_flops(
         return _count(unet, inputs, mode)
 
     return _cached(key, f"UNet2DConditionModel {mode} {shapes}", compute, cache_path)
+
+
+def vae_encode_flops(cfg, side: int, cache_path: str | os.PathLike | None = None) -> float:
+    """Measured forward FLOPs of the frozen VAE (``models/vae_config.py::VaeConfig``) encoding one
+    ``side`` x ``side`` RGB image to its posterior (encoder and quant conv; no backward: it is
+    frozen and nothing upstream trains). Reported apart from the model FLOPs that MFU counts."""
+    from ..models.vae import vae_kwargs
+
+    _positive(side=side)
+    kwargs = vae_kwargs(cfg)
+    key = _stable_key({"class": "AutoencoderKL.encode", "config": kwargs, "side": side})
+
+    def compute() -> float:
+        from diffusers import AutoencoderKL
+
+        with torch.device("meta"):
+            vae = AutoencoderKL(**kwargs)
+            encode = nn.Sequential(vae.encoder, vae.quant_conv) if vae.quant_conv is not None else vae.encoder
+            image = torch.empty(1, 3, side, side)
+        return _count(encode, (image,), "frozen")
+
+    return _cached(key, f"AutoencoderKL.encode {side}px", compute, cache_path)

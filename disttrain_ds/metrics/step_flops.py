@@ -2,7 +2,8 @@
 
 The image encoder's cost follows each image's patch count, an audio encoder's each clip's frame
 count (its family's ``clip_flops``), the LLM's each packed sequence's document lengths, the generator's the number of images it generates (times its family's ``image_flops``),
-so MFU reflects the data the step saw.
+so MFU reflects the data the step saw. The frozen VAE that encodes generation targets is counted
+apart (``perf/vae_tflop``): it prepares data, and MFU's numerator holds model FLOPs only.
 Frozen modules count forward only, or forward plus input gradient when a trainable module
 upstream needs gradients through them.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from ..data.types import PackedSample
 from ..models.mllm import MLLMSpec
 from ..families import get_family
-from .flops import llm_flops_packed, projector_flops_per_token, training_flops, vit_flops
+from .flops import llm_flops_packed, projector_flops_per_token, training_flops, vae_encode_flops, vit_flops
 from .mfu import StepFlops, module_mfu, overall_mfu, tflops_per_gpu
 
 
@@ -58,6 +59,7 @@ class StepFlopsCounter:
         # much (a closed form, or one image counted once and cached).
         self._gen_family = None if g is None else get_family(g.family, "generator")
         self._gen_per_image = 0.0 if g is None else self._gen_family.image_flops(g, self.modes["generator"])
+        self._vae_per_image: float | None = None
 
     def __call__(self, samples: list[PackedSample]) -> StepFlops:
         e, l, g, sp = self.spec.encoder, self.spec.llm, self.spec.generator, self.spec
@@ -89,6 +91,17 @@ class StepFlopsCounter:
             )
         )
         return StepFlops(encoder=enc, llm=llm, generator=gen)
+
+    def vae(self, samples: list[PackedSample]) -> float:
+        """FLOPs the generator's frozen VAE spends encoding the step's generation targets (none
+        without a VAE): work done for the data, not the model's, so MFU leaves it out."""
+        g = self.spec.generator
+        vae = getattr(g, "vae", None)
+        if vae is None or not vae.enabled:
+            return 0.0
+        if self._vae_per_image is None:
+            self._vae_per_image = vae_encode_flops(vae, g.resolution * vae.downsample)
+        return sum(int(s.gen_targets.shape[0]) for s in samples) * self._vae_per_image
 
     def audio(self, samples: list[PackedSample]) -> dict[str, float]:
         """Training FLOPs of each audio encoder (its projector included) over the step's clips."""
@@ -132,6 +145,12 @@ class MfuMeter:
         for name, f in audio.items():  # modules beside the three roles' figures
             renamed[f"perf/mfu/{name}"] = module_mfu(f, self.gpus[name], self.peak, step_seconds)
             renamed[f"perf/tflops_per_gpu/{name}"] = tflops_per_gpu(f, self.gpus[name], step_seconds)
+        vae = self.count.vae(samples)
+        if vae:  # apart from MFU: where it runs (producer CPUs or generator GPUs) is a recipe choice
+            renamed["perf/vae_tflop"] = vae / 1e12
+            g = spec.generator
+            if g.vae.placement == "generator":
+                renamed["perf/tflops_per_gpu/vae"] = tflops_per_gpu(vae, self.gpus[names["generator"]], step_seconds)
         if audio:
             total = flops.total + sum(audio.values())
             renamed["perf/mfu/overall"] = overall_mfu(total, self.world, self.peak, step_seconds)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .vae_config import VaeConfig
+
 
 @dataclass
 class ProjectorConfig:
@@ -108,9 +110,9 @@ class GeneratorConfig:
     use_linear_projection: bool = False
     """Linear instead of 1x1-conv projections in transformer blocks (SD 2.x uses linear)."""
     in_channels: int = 3
-    """Channels of the generated sample: 3 = pixel space (the runtime's data path)."""
+    """Channels of the generated sample: 3 = pixel space; a latent space needs ``vae`` for real images."""
     resolution: int = 16
-    """Side of the generated sample in pixels."""
+    """Side of the generated sample in pixels (latent pixels with a ``vae``)."""
     query_tokens: int = 4
     """LLM positions (``gen`` tokens) whose hidden states condition one generated image."""
     train_timesteps: int = 1000
@@ -121,6 +123,9 @@ class GeneratorConfig:
     """The output projector (LLM width -> ``cross_attention_dim``) before the generator's first layer."""
     checkpoint: str = ""
     """Local U-Net weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
+    vae: VaeConfig = field(default_factory=VaeConfig)
+    """Frozen VAE that encodes RGB targets to this generator's latents (``models/vae_config.py``);
+    unset: targets reach the generator as the data source makes them."""
 
 
 ENCODER_PRESETS: dict[str, dict] = {

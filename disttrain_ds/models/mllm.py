@@ -20,7 +20,7 @@ from ..families.whisper import rows as audio_rows
 from .checkpoint import with_checkpoint
 from .configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
 from .layers import LayerDef, Sequential, seeded
-from .objectives import diffusion_loss, gen_condition, noise_sample
+from .objectives import add_noise, diffusion_loss, gen_condition, noise_draw
 from .packed import pack_clips
 from .pixels import pack_images
 from .projectors import ConditionProjector, InputProjector
@@ -171,25 +171,34 @@ def collate(
     spec: MLLMSpec,
     gen_dp_scale: float = 1.0,
     dtype: torch.dtype = torch.float32,
+    vae=None,
 ) -> MicroBatch:
     """Stack samples into module inputs; ``gen_dp_scale`` is DP_generator / DP_llm.
 
     Model inputs (pixels, noisy samples, target noise) take the compute ``dtype``; loss scales
-    and weights stay float32. Without a generator the generation fields are empty."""
+    and weights stay float32. Without a generator the generation fields are empty. With the
+    generator's VAE on its ranks (``vae.placement: generator``) targets arrive as RGB images:
+    ``vae`` (a ``LatentEncoder``, given where the generator's first stage runs) encodes them to
+    the latents that are noised; without it ``noisy`` stays empty and only the noise and
+    timesteps (which depend on the latent shape alone) are drawn, for the loss stage."""
     images = [im for s in samples for im in s.images]
     pixels, hw = pack_images(images)
     noisy, ts, noise, weights = [], [], [], []
     g = spec.generator
     if g is not None:
+        pixel_targets = getattr(g, "vae", None) is not None and g.vae.enabled and g.vae.placement == "generator"
         for s in samples:
-            for j, target in enumerate(s.gen_targets):
-                n, t, e = noise_sample(target, s.sample_id, j, spec.seed, g.train_timesteps)
-                noisy.append(n)
+            latents = vae(s.gen_targets) if pixel_targets and vae is not None else s.gen_targets
+            for j, target in enumerate(latents):
+                shape = (g.in_channels, g.resolution, g.resolution) if pixel_targets else tuple(target.shape)
+                t, e = noise_draw(shape, s.sample_id, j, spec.seed, g.train_timesteps)
+                if not pixel_targets or vae is not None:
+                    noisy.append(add_noise(target, t, e, g.train_timesteps))
                 ts.append(t)
                 noise.append(e)
         w = spec.gen_loss_weight * gen_dp_scale * norms.chunks / norms.gen_images
-        weights = [w] * len(noisy)
-        if not noisy:
+        weights = [w] * len(noise)
+        if not noise:
             # Nothing to generate in these samples: the generator still runs (its pipeline stages
             # and DP all-reduce must), on one all-zero stand-in whose loss weight is 0.
             c, r = g.in_channels, g.resolution

@@ -39,10 +39,21 @@ def scheduler(train_timesteps: int) -> DDPMScheduler:
     return DDPMScheduler(num_train_timesteps=train_timesteps)
 
 
+def noise_draw(shape: tuple[int, ...], sample_id: int, image_index: int, seed: int, train_timesteps: int):
+    """Deterministic (timestep, noise) for one target of ``shape``: they depend on its shape only, so
+    a stage that never sees the target (the loss stage behind a VAE) draws the same ones."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + sample_id * 101 + image_index) & 0x7FFFFFFFFFFFFFFF)
+    noise = torch.randn(shape, generator=g)
+    t = torch.randint(0, train_timesteps, (1,), generator=g)
+    return t[0], noise
+
+
+def add_noise(target: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, train_timesteps: int) -> torch.Tensor:
+    """The DDPM forward process at timestep ``t``."""
+    return scheduler(train_timesteps).add_noise(target.unsqueeze(0), noise.unsqueeze(0), t.view(1))[0]
+
+
 def noise_sample(target: torch.Tensor, sample_id: int, image_index: int, seed: int, train_timesteps: int):
     """Deterministic (noisy, timestep, noise) for one target image, the same in every layout."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + sample_id * 101 + image_index) & 0x7FFFFFFFFFFFFFFF)
-    noise = torch.randn(target.shape, generator=g)
-    t = torch.randint(0, train_timesteps, (1,), generator=g)
-    noisy = scheduler(train_timesteps).add_noise(target.unsqueeze(0), noise.unsqueeze(0), t)[0]
-    return noisy, t[0], noise
+    t, noise = noise_draw(tuple(target.shape), sample_id, image_index, seed, train_timesteps)
+    return add_noise(target, t, noise, train_timesteps), t, noise

@@ -180,10 +180,11 @@ def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:
 
 
 def extra_bytes(recipe, module: str) -> float:
-    """Bytes every rank of ``module`` holds beside its pipeline stage (none today: the hook for a
-    frozen model a module runs outside its pipeline, e.g. a generator's VAE); the planner adds the
-    same figure to the module's every layout (``planner/recipe_memory.py``)."""
-    return 0.0
+    """Bytes ``module``'s first stage holds beside its pipeline layers: a frozen model it runs
+    outside its pipeline (a generator's VAE with ``vae.placement: generator``). The planner adds the
+    same figure to the module's most loaded stage in every layout (``planner/recipe_memory.py``),
+    an upper bound when that stage is not the first."""
+    return _vae_bytes(recipe, module)
 
 
 def _per_gpu(params: float, kept: float, per_param: tuple, dp: int, tp: int, samples: int, k: int,
@@ -271,8 +272,19 @@ def estimate(recipe) -> list[StageMemory]:
                              st.workspace)
             ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)
             rows.append(StageMemory(grid.name, s, ranks, range(bounds[s], bounds[s + 1]), int(st.params), *parts,
-                                    k, samples, extra, bucket))
+                                    k, samples, extra if s == 0 else 0.0, bucket))
     return rows
+
+
+def _vae_bytes(recipe, module: str) -> float:
+    """The VAE's bytes on ``module``'s first stage: only a generator that encodes its own targets."""
+    cfg = recipe.model.modules[module]
+    vae = getattr(cfg, "vae", None)
+    if vae is None or not vae.enabled or vae.placement != "generator":
+        return 0.0
+    from ..models.vae import vae_memory_bytes
+
+    return sum(vae_memory_bytes(vae, cfg.resolution * vae.downsample))
 
 
 def device_limit_gib(recipe, ranks_per_host: int) -> tuple[float, str]:
@@ -343,6 +355,8 @@ def describe(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> 
             f"{_size(r.optimizer, True):>8} {_size(r.activations, True):>8} {flight:>10} "
             f"{_size(r.total, True):>8} {f'{100 * r.total / GIB / limit_gib:.0f}%' if limit_gib > 0 else '-':>5}"
         )
+    lines += [f"  {r.who()} also holds the frozen VAE (placement generator): {_size(r.extra)}, in its total"
+              for r in rows if r.extra]
     totals = per_rank_totals(rows)
     worst = max(totals, key=totals.get)
     lines.append(f"largest: rank {worst}, {_size(totals[worst])} of {_size(limit_gib * GIB)} "

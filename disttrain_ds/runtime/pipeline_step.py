@@ -9,6 +9,7 @@ import torch
 
 from ..comm.routes import blocks
 from ..models.mllm import BatchNorms, collate
+from ..models.vae import generator_vae
 from .callbacks.evaluation import eval_figures
 from .setup import grad_accum_steps
 from .step_record import gather_losses, gather_step_record
@@ -29,6 +30,8 @@ class PipelineExecutor:
         self.dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
         gen = spec.name_of("generator")
         self.gen_dp_scale = topo.module(gen).dp / topo.module(spec.name_of("llm")).dp if gen else 1.0
+        # vae.placement generator: the generator's first stage encodes its targets (forward only, frozen).
+        self.vae = generator_vae(spec) if grid.name == gen and place.first_of_engine else None
 
     def _mine(self, samples: list) -> list[list]:
         """This rank's samples of each microbatch slot."""
@@ -36,7 +39,7 @@ class PipelineExecutor:
 
     def _batches(self, samples: list) -> list:
         norms = BatchNorms.of(samples, self.chunks)  # global-batch totals: losses independent of the split
-        return [collate(mine, norms, self.spec, gen_dp_scale=self.gen_dp_scale, dtype=self.dtype)
+        return [collate(mine, norms, self.spec, gen_dp_scale=self.gen_dp_scale, dtype=self.dtype, vae=self.vae)
                 for mine in self._mine(samples)]
 
     def train_step(self, step: int, samples: list, data_wait: float, t0: float) -> tuple[dict, bool]:

@@ -15,6 +15,7 @@ import torch
 
 from ..config import Recipe
 from ..models.mllm import BatchNorms, ReferenceMLLM, collate
+from ..models.vae import generator_vae
 from ..metrics.logger import RunLogger
 from ..metrics.step_flops import MfuMeter
 from .callbacks.evaluation import Evaluation, eval_figures
@@ -31,6 +32,7 @@ class ReferenceExecutor:
         self.recipe, self.spec, self.model = recipe, spec, model
         self.dtype = compute_dtype(recipe)
         self.chunks = grad_accum_steps(recipe) * recipe.parallel.llm.dp
+        self.vae = generator_vae(spec)  # targets travel as pixels: encoded here, ahead of the generator
         self.optimizers = {
             name: build_optimizer(recipe, param_groups(
                 recipe, name, [(d.name, layer) for d, layer in zip(spec.layers(name), getattr(model, name).layers)]))
@@ -45,7 +47,7 @@ class ReferenceExecutor:
         norms = BatchNorms.of(samples, self.chunks)
         totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
         for c in range(self.chunks):
-            mb = collate(samples[c * m : (c + 1) * m], norms, self.spec, dtype=self.dtype)
+            mb = collate(samples[c * m : (c + 1) * m], norms, self.spec, dtype=self.dtype, vae=self.vae)
             out = self.model(mb)
             if backward:
                 (out["loss"] / self.chunks).backward()

@@ -37,15 +37,26 @@ def cost_model(recipe: Recipe) -> GraphCosts:
         enc_patch_size=e.patch_size,
         vocab_size=l.vocab_size or 32000,  # the LM head is the same per token for every sample
     )
-    # The generator's family knows its per-image / per-latent / per-latent^2 forward FLOPs, and an
-    # audio encoder's family its per-clip / per-frame / per-frame^2 ones.
-    model = dataclasses.replace(model, **get_family(g.family, "generator").cost_terms(g))
+    # The generator's family knows its per-image / per-latent / per-latent^2 forward FLOPs (targets
+    # that travel as pixels, a VAE on the generator's ranks, are that many pixels per latent pixel),
+    # and an audio encoder's family its per-clip / per-frame / per-frame^2 ones.
+    terms = get_family(g.family, "generator").cost_terms(g)
+    vae = gen_vae(recipe)
+    if vae is not None and vae.placement == "generator":
+        terms = {**terms, "gen_downsample": terms["gen_downsample"] * vae.downsample}
+    model = dataclasses.replace(model, **terms)
     audio = encoder_of(recipe, "audio")
     if audio is not None:
         model = dataclasses.replace(model, **get_family(audio.family, "encoder").cost_terms(audio))
     kinds = {n: ("audio" if graph.role(n) == "encoder" and module_family(recipe, n).modality == "audio"
                  else graph.role(n)) for n in graph.names}
     return GraphCosts(model, kinds)
+
+
+def gen_vae(recipe: Recipe):
+    """The generator's VAE config (``VaeConfig``), or None without a generator or a VAE."""
+    vae = getattr(recipe.model.generator, "vae", None)
+    return vae if vae is not None and vae.enabled else None
 
 
 def reorder_groups(recipe: Recipe) -> int:
@@ -64,12 +75,14 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
     groups = reorder_groups(recipe)
     e, g = encoder_of(recipe, "image") or EncoderConfig(), m.generator or GeneratorConfig()  # stand-ins: no images / targets
     audio = encoder_of(recipe, "audio")
+    vae = gen_vae(recipe)
     return ShapeSpec(
         audio_mels=audio.n_mels if audio is not None else 0,
         audio_max_frames=audio.max_frames if audio is not None else 0,
         patch_size=e.patch_size,
-        gen_resolution=g.resolution,
-        gen_channels=g.in_channels,
+        gen_resolution=g.resolution * (vae.downsample if vae else 1),  # a VAE reads RGB images f times larger
+        gen_channels=3 if vae else g.in_channels,
+        vae=vae if vae is not None and vae.placement == "producer" else None,
         query_tokens=g.query_tokens,
         dp_size=groups,
         micro_batch=recipe.parallel.llm.dp * recipe.train.micro_batch // groups,

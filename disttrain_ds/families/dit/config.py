@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...models.configs import ProjectorConfig
+from ...models.vae_config import VaeConfig
 
 
 @dataclass
@@ -45,6 +46,9 @@ class DiTConfig:
     """The output projector (LLM width -> ``cross_attention_dim``) before the generator's first layer."""
     checkpoint: str = ""
     """Local PixArt weights (.safetensors file or diffusers save_pretrained directory); empty: seeded random init."""
+    vae: VaeConfig = field(default_factory=VaeConfig)
+    """Frozen VAE that encodes RGB targets to this generator's latents (``models/vae_config.py``);
+    unset: targets reach the generator as the data source makes them."""
 
 
 DIT_PRESETS: dict[str, dict] = {

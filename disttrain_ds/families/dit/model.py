@@ -79,7 +79,7 @@ def _full_pixart(cfg_json: str, seed: int, device: str) -> PixArtTransformer2DMo
 
 def _pixart(cfg: DiTConfig, seed: int) -> PixArtTransformer2DModel:
     """The cached initial model. Never train it: layers take private copies via ``_part``."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "projector"}
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("projector", "vae")}
     return _full_pixart(json.dumps(fields, sort_keys=True), seed, str(torch.get_default_device()))
 
 
