@@ -59,8 +59,7 @@ def graph_problem(graph: ModuleGraph, modality: Callable[[str], str] | None = No
     """Why the runtime cannot train ``graph``, or None: the one rule recipe loading and the
     planner's ``--write-recipe`` share. ``modality``: encoder name -> what it reads (image |
     audio); without it (a profile knows roles only) the rule on modalities is left to the recipe."""
-    if len(graph.generators) > 1:
-        return f"the runtime trains at most one generator so far; got generators {list(graph.generators)}"
+    # Any number of generators train: each has its own generation-query token and targets.
     if modality is not None:
         modalities = [modality(n) for n in graph.encoders]
         if len(set(modalities)) != len(modalities):
@@ -200,11 +199,20 @@ def validate(r: Recipe) -> None:
         raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]}")
     # Real images give RGB generation targets; a latent-space generator (e.g. the sd21 preset's 4
     # channels) would need a VAE in the data pipeline, which there is not.
-    if gen is not None:
-        _check(d.source not in ("mmc4", "laion", "local") or gen.in_channels == 3, src,
-               f"{module_key(r, graph.generators[0])}.in_channels",
-               f"data.source {d.source} produces RGB generation targets (3 channels), got {gen.in_channels}; "
+    for name in graph.generators:
+        cfg = module_config(r, name)
+        _check(d.source not in ("mmc4", "laion", "local") or cfg.in_channels == 3, src,
+               f"{module_key(r, name)}.in_channels",
+               f"data.source {d.source} produces RGB generation targets (3 channels), got {cfg.in_channels}; "
                "use data.source=paper_stats or synthetic for a latent-space generator")
+        bad = data_problem(d, cfg.query_tokens)
+        if bad:
+            raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]} ({module_key(r, name)}.query_tokens)")
+    # Each generator has its own query token and targets (SpecialTokens.query, PackedSample.targets);
+    # the synthetic source draws targets for every generator, the others fill the first one's only.
+    _check(len(graph.generators) <= 1 or d.source == "synthetic", src, "data.source",
+           f"{d.source} gives generation targets to one generator only; the generators "
+           f"{', '.join(graph.generators)} need data.source=synthetic")
     for name in graph.names:
         ckpt = module_config(r, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"{module_key(r, name)}.checkpoint", f"{ckpt} does not exist")
