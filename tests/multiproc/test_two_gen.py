@@ -46,10 +46,12 @@ def test_llm_fanning_out_to_two_generators_matches_reference(tmp_path, reference
 
 @pytest.mark.slow
 def test_one_generator_getting_another_targets_states_is_caught(tmp_path, reference_run):
+    """Each sketcher target conditioned on another target's queries: its weights and the LLM's drift
+    from the reference (the loss itself moves little on these tiny models in three steps)."""
     rows, params, ref_losses, ref_params = _run(tmp_path, reference_run, FAN_OUT, 7, fault="flip_rows_to_sketcher")
-    assert [r["loss"] for r in rows] != pytest.approx(ref_losses, rel=1e-5)
-    sketcher = _part(params, "sketcher")
-    assert max_param_mismatch(sketcher, _part(ref_params, "sketcher"))[0] > 1e-4
+    assert rows[0]["loss"] != ref_losses[0]
+    for module in ("sketcher", "llm"):
+        assert max_param_mismatch(_part(params, module), _part(ref_params, module))[0] > 1e-4, module
 
 
 @pytest.mark.slow
