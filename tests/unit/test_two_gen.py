@@ -125,3 +125,24 @@ def test_write_recipe_for_two_generators_writes_one_that_loads(run_main, tmp_pat
     for name in ("vision", "llm", "painter", "sketcher"):
         mp = recipe.parallel.modules[name]
         assert (mp.dp, mp.tp, mp.pp) == tuple(plan[name][k] for k in ("dp", "tp", "pp"))
+
+
+def test_both_generators_export_by_module_name_and_the_tokens_name_both_queries(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from export_checks import output_diff, perturbed_states, write_step_dir
+
+    from disttrain_ds.checkpoint_io.export import export_checkpoint
+    from disttrain_ds.runtime.memory import meta_spec, vocab_size
+
+    recipe = load_recipe("tiny_two_gen", ["layout=disaggregated", "parallel.modules.sketcher.tp=2"])
+    spec = meta_spec(recipe, vocab_size(recipe))
+    states = perturbed_states(spec, spec.names)
+    out = export_checkpoint(write_step_dir(tmp_path / "ck", recipe, spec, states), tmp_path / "exported",
+                            log=lambda line: None)
+    for m in ("painter", "sketcher"):
+        assert output_diff(spec, m, states[m], out / m) <= 1e-5, m
+        assert json.loads((out / m / "projector.json").read_text())["connects"] == f"llm -> {m}"
+    tokens = json.loads((out / "llm" / "tokens.json").read_text())
+    assert tokens["special_tokens"]["more_gens"] == [262] and tokens["vocab_size"] == 263
