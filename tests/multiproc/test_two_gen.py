@@ -46,12 +46,12 @@ def test_llm_fanning_out_to_two_generators_matches_reference(tmp_path, reference
 
 @pytest.mark.slow
 def test_one_generator_getting_another_targets_states_is_caught(tmp_path, reference_run):
-    """Each sketcher target conditioned on another target's queries: its weights and the LLM's drift
-    from the reference (the loss itself moves little on these tiny models in three steps)."""
+    """Each sketcher target conditioned on another target's queries: the fidelity check (1e-5) fails
+    on the sketcher's weights (the tiny DiT's conditioning moves them by a few 1e-5 in three steps)."""
     rows, params, ref_losses, ref_params = _run(tmp_path, reference_run, FAN_OUT, 7, fault="flip_rows_to_sketcher")
     assert rows[0]["loss"] != ref_losses[0]
-    for module in ("sketcher", "llm"):
-        assert max_param_mismatch(_part(params, module), _part(ref_params, module))[0] > 1e-4, module
+    assert max_param_mismatch(_part(params, "sketcher"), _part(ref_params, "sketcher"))[0] > 2e-5
+    assert max_param_mismatch(_part(params, "painter"), _part(ref_params, "painter"))[0] < 1e-5  # the other route is intact
 
 
 @pytest.mark.slow
@@ -66,7 +66,7 @@ def test_one_generators_dropped_gradient_is_caught(tmp_path, reference_run):
     # Two LLM replicas fan in to one painter replica; the painter has two stages, the sketcher one
     # (the sketcher's last stage is not the global last stage).
     (["parallel.modules.llm.dp=2", "parallel.modules.llm.pp=1", "parallel.modules.vision.dp=2",
-      "parallel.modules.painter.pp=2"], 6),
+      "parallel.modules.painter.pp=2"], 7),
     # Tensor parallelism in the LLM and the sketcher: TP index 0 sends and receives each boundary.
     (["parallel.modules.llm.tp=2", "parallel.modules.llm.pp=1", "parallel.modules.sketcher.tp=2"], 6),
     # The sketcher split over two stages, fed by the PP=2 LLM.
