@@ -59,8 +59,7 @@ def graph_problem(graph: ModuleGraph, modality: Callable[[str], str] | None = No
     """Why the runtime cannot train ``graph``, or None: the one rule recipe loading and the
     planner's ``--write-recipe`` share. ``modality``: encoder name -> what it reads (image |
     audio); without it (a profile knows roles only) the rule on modalities is left to the recipe."""
-    if len(graph.generators) > 1:
-        return f"the runtime trains at most one generator so far; got generators {list(graph.generators)}"
+    # Any number of generators train: each has its own generation-query token and targets.
     if modality is not None:
         modalities = [modality(n) for n in graph.encoders]
         if len(set(modalities)) != len(modalities):
@@ -198,8 +197,20 @@ def validate(r: Recipe) -> None:
     bad = data_problem(d, gen.query_tokens if gen is not None else 1)
     if bad:
         raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]}")
-    if gen is not None:
-        check_vae(r, graph.generators[0], gen, src)
+    # Real images give RGB generation targets: a latent-space generator needs its VAE (check_vae).
+    for i, name in enumerate(graph.generators):
+        cfg = module_config(r, name)
+        check_vae(r, name, cfg, src)
+        _check(i == 0 or not cfg.vae.enabled, src, f"{module_key(r, name)}.vae.preset",
+               f"a frozen VAE encodes the first generator's targets only ({graph.generators[0]}), not {name}'s")
+        bad = data_problem(d, cfg.query_tokens)
+        if bad:
+            raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]} ({module_key(r, name)}.query_tokens)")
+    # Each generator has its own query token and targets (SpecialTokens.query, PackedSample.targets);
+    # the synthetic source draws targets for every generator, the others fill the first one's only.
+    _check(len(graph.generators) <= 1 or d.source == "synthetic", src, "data.source",
+           f"{d.source} gives generation targets to one generator only; the generators "
+           f"{', '.join(graph.generators)} need data.source=synthetic")
     for name in graph.names:
         ckpt = module_config(r, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"{module_key(r, name)}.checkpoint", f"{ckpt} does not exist")

@@ -89,7 +89,8 @@ def export_tokenizer(recipe: Recipe, out: Path, vocab: int) -> None:
     tok = load_tokenizer(name, recipe.data.cache_dir)
     from ..recipe_graph import encoder_of
 
-    special = SpecialTokens.after(tok.vocab_size, audio=encoder_of(recipe, "audio") is not None)  # as the run built it
+    special = SpecialTokens.after(tok.vocab_size, audio=encoder_of(recipe, "audio") is not None,
+                                  generators=len(graph_of(recipe).generators))  # as the run built it
     if special.vocab_size != vocab:
         raise ExportError(f"export: data.tokenizer {name} gives a vocabulary of {special.vocab_size} ids, the checkpoint's "
                           f"LLM has {vocab} rows; is this the tokenizer the run used?")

@@ -65,7 +65,7 @@ def _encode(samples: list[PackedSample]) -> list[tuple]:
     """Tensors as numpy arrays: plain pickling, no shared-memory file descriptors to leak."""
     return [
         (s.input_ids.numpy(), s.labels.numpy(), [im.numpy() for im in s.images], s.gen_targets.numpy(),
-         s.sample_id, s.doc_lens, s.meta, [c.numpy() for c in s.audio])
+         s.sample_id, s.doc_lens, s.meta, [c.numpy() for c in s.audio], [t.numpy() for t in s.more_targets])
         for s in samples
     ]
 
@@ -73,8 +73,9 @@ def _encode(samples: list[PackedSample]) -> list[tuple]:
 def _decode(payload: list[tuple]) -> list[PackedSample]:
     return [
         PackedSample(torch.from_numpy(ids), torch.from_numpy(lab), [torch.from_numpy(im) for im in ims],
-                     torch.from_numpy(gen), sid, tuple(docs), meta, [torch.from_numpy(c) for c in clips])
-        for ids, lab, ims, gen, sid, docs, meta, clips in payload
+                     torch.from_numpy(gen), sid, tuple(docs), meta, [torch.from_numpy(c) for c in clips],
+                     [torch.from_numpy(t) for t in more])
+        for ids, lab, ims, gen, sid, docs, meta, clips, more in payload
     ]
 
 

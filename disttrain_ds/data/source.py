@@ -25,6 +25,18 @@ _WORDS = (
 
 
 @dataclass(frozen=True)
+class GenShape:
+    """What one generator's targets look like."""
+
+    resolution: int
+    """Side of each image to generate."""
+    channels: int
+    """Channels of each image to generate."""
+    query_tokens: int
+    """Generation-query tokens per generated image."""
+
+
+@dataclass(frozen=True)
 class ShapeSpec:
     """Model facts a source needs to lay out samples."""
 
@@ -51,6 +63,13 @@ class ShapeSpec:
     vae: Any = None
     """``VaeConfig`` the source's batches go through (``data/latent_source.py``): ``gen_resolution``
     and ``gen_channels`` are then the RGB images it encodes; None: targets as made."""
+    more_gens: tuple[GenShape, ...] = ()
+    """The second, third, ... generator's targets (graph order; the first one's are the ``gen_*``
+    fields above); each has its own query token (``SpecialTokens.query``)."""
+
+    def gen_shapes(self) -> tuple[GenShape, ...]:
+        """Every generator's target shape, in graph order."""
+        return (GenShape(self.gen_resolution, self.gen_channels, self.query_tokens), *self.more_gens)
 
 
 class SampleSource:
@@ -95,7 +114,7 @@ def labels_for(ids: torch.Tensor, special: SpecialTokens) -> torch.Tensor:
     """label[i] = ids[i+1] when that next token is text (or a marker); IGNORE elsewhere."""
     labels = torch.full_like(ids, IGNORE_INDEX)
     nxt = ids[1:]
-    keep = (nxt != special.image) & (nxt != special.gen) & (nxt != special.pad) & (nxt != special.audio)
+    keep = ~special.no_label(nxt)
     labels[:-1] = torch.where(keep, nxt, torch.full_like(nxt, IGNORE_INDEX))
     return labels
 
@@ -117,7 +136,8 @@ class SyntheticSource(SampleSource):
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
         self.base_vocab = 256
-        self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0)
+        self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0,
+                                           generators=1 + len(shape.more_gens))
 
     def describe(self) -> str:
         audio = f", audio 1..{self.cfg.max_audio} clips of {self.cfg.audio_frames} frames" if self._audio() else ""
@@ -153,7 +173,10 @@ class SyntheticSource(SampleSource):
         cfg, sh, sp = self.cfg, self.shape, self.special
         rng = np.random.default_rng(self.split.seed(self.seed, step, index))
         n_gen = int(rng.integers(cfg.gen_images[0], cfg.gen_images[1] + 1))
-        budget = cfg.seq_len - n_gen * (sh.query_tokens + 2) - 1  # the last document's eod
+        shapes = sh.gen_shapes()
+        # Which generator each target is for (drawn only when there is a choice: one generator's stream is unchanged).
+        which = [int(rng.integers(len(shapes))) if len(shapes) > 1 else 0 for _ in range(n_gen)]
+        budget = cfg.seq_len - sum(shapes[k].query_tokens + 2 for k in which) - 1  # the last document's eod
         ids: list[int] = []
         images: list[torch.Tensor] = []
         doc_lens: list[int] = []
@@ -181,17 +204,21 @@ class SyntheticSource(SampleSource):
                 close()
                 ids += self._text(rng, n_text - cut)
         clips = self._clips(rng, ids, budget) if self._audio() else []
-        for _ in range(n_gen):
-            ids += [sp.boi] + [sp.gen] * sh.query_tokens + [sp.eoi]
+        for k in which:
+            ids += [sp.boi] + [sp.query(k)] * shapes[k].query_tokens + [sp.eoi]
         if len(ids) > sum(doc_lens) or not doc_lens:
             close()
         ids += [sp.pad] * (cfg.seq_len - len(ids))
         t = torch.tensor(ids, dtype=torch.long)
-        r = sh.gen_resolution
-        targets = [smooth_image(rng, sh.gen_channels, r, r) for _ in range(n_gen)]
-        targets = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
+        per_gen: list[list[torch.Tensor]] = [[] for _ in shapes]
+        for k in which:
+            g = shapes[k]
+            per_gen[k].append(smooth_image(rng, g.channels, g.resolution, g.resolution))
+        targets = [torch.stack(ts) if ts else torch.zeros(0, g.channels, g.resolution, g.resolution)
+                   for ts, g in zip(per_gen, shapes)]
         sample_id = self.split.sample_id(step * self.batch + index)
-        return PackedSample(t, labels_for(t, sp), images, targets, sample_id, tuple(doc_lens), audio=clips)
+        return PackedSample(t, labels_for(t, sp), images, targets[0], sample_id, tuple(doc_lens), audio=clips,
+                            more_targets=targets[1:])
 
     def global_batch(self, step: int) -> list[PackedSample]:
         return [self.sample(step, i) for i in range(self.batch)]

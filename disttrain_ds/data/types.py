@@ -35,17 +35,41 @@ class SpecialTokens:
     audio: int = -1
     """One placeholder per audio-encoder output row of an input clip; replaced by projected audio
     rows. -1 (no id, the vocabulary stays as it was) when the model has no audio encoder."""
+    more_gens: tuple[int, ...] = ()
+    """Generation queries of the second, third, ... generator (graph order): each generator has its
+    own query token, as each encoder has its own placeholder; ``gen`` is the first generator's.
+    Empty with at most one generator (the vocabulary stays as it was)."""
 
     @staticmethod
-    def after(base_vocab: int, audio: bool = False) -> "SpecialTokens":
+    def after(base_vocab: int, audio: bool = False, generators: int = 1) -> "SpecialTokens":
         """Special ids placed right after a base vocabulary of ``base_vocab`` ids (plus an audio
-        placeholder id after them when ``audio``)."""
-        return SpecialTokens(*range(base_vocab, base_vocab + 6), audio=base_vocab + 6 if audio else -1)
+        placeholder id after them when ``audio``, then one query id per generator past the first)."""
+        nxt = base_vocab + 6 + bool(audio)
+        return SpecialTokens(*range(base_vocab, base_vocab + 6), audio=base_vocab + 6 if audio else -1,
+                             more_gens=tuple(range(nxt, nxt + max(0, generators - 1))))
 
     @property
     def vocab_size(self) -> int:
         """Smallest LLM vocabulary that holds the base vocabulary and these ids."""
-        return max(self.pad, self.image, self.boi, self.eoi, self.gen, self.eod, self.audio) + 1
+        return max(self.pad, self.image, self.boi, self.eoi, self.gen, self.eod, self.audio, *self.more_gens) + 1
+
+    @property
+    def queries(self) -> tuple[int, ...]:
+        """The generation-query id of each generator, in graph order."""
+        return (self.gen, *self.more_gens)
+
+    def query(self, k: int) -> int:
+        """The generation-query id of the ``k``-th generator (graph order)."""
+        if not 0 <= k < len(self.queries):
+            raise ValueError(f"no generation-query token for generator {k} (the vocabulary has {len(self.queries)})")
+        return self.queries[k]
+
+    def no_label(self, ids: torch.Tensor) -> torch.Tensor:
+        """bool mask of the ids that are never a next-token target: placeholders, queries, padding."""
+        out = (ids == self.image) | (ids == self.pad) | (ids == self.audio)
+        for q in self.queries:
+            out |= ids == q
+        return out
 
     def placeholder(self, modality: str) -> int:
         """The placeholder id an encoder reading ``modality`` (image | audio) fills."""
@@ -88,7 +112,8 @@ class PackedSample:
     """Input images for the encoder, float32 [3, H, W] in [-1, 1], H and W multiples of the patch
     size; their patch counts equal the runs of ``image`` placeholders, in order."""
     gen_targets: torch.Tensor
-    """float32 [n_gen, 3, R, R] in [-1, 1]: images the generator must produce (pixel space)."""
+    """float32 [n_gen, 3, R, R] in [-1, 1]: images the (first) generator must produce (pixel space);
+    target j belongs to the j-th run of ``gen`` queries."""
     sample_id: int
     """Stable id of this sample within the dataset order; seeds its diffusion noise and timesteps."""
     doc_lens: tuple[int, ...] = ()
@@ -100,14 +125,23 @@ class PackedSample:
     audio: list[torch.Tensor] = field(default_factory=list)
     """Input audio clips for the audio encoder, float32 log-mel features [n_mels, frames] (frames
     even); clip i fills the i-th run of ``audio`` placeholders, ``frames // 2`` of them."""
+    more_targets: list[torch.Tensor] = field(default_factory=list)
+    """Targets of the second, third, ... generator (graph order): ``more_targets[k - 1]`` is float32
+    [n, C_k, R_k, R_k], its j-th image belongs to the j-th run of ``SpecialTokens.query(k)``; missing
+    entries mean none. Empty in a model with one generator."""
+
+    def targets(self, k: int) -> torch.Tensor | None:
+        """The ``k``-th generator's targets (graph order); None where the sample holds none for it."""
+        if k == 0:
+            return self.gen_targets
+        return self.more_targets[k - 1] if k - 1 < len(self.more_targets) else None
 
     def stats(self, patch_size: int, special: SpecialTokens) -> SampleStats:
         """Cost-model view of this sample."""
         patches = tuple((im.shape[1] // patch_size) * (im.shape[2] // patch_size) for im in self.images)
         ids = self.input_ids
-        non_text = (ids == special.image) | (ids == special.gen) | (ids == special.pad) | (ids == special.audio)
         return SampleStats(
-            text_tokens=int((~non_text).sum()),
+            text_tokens=int((~special.no_label(ids)).sum()),
             image_patches=patches,
             gen_images=int(self.gen_targets.shape[0]),
             gen_resolution=int(self.gen_targets.shape[-1]) if self.gen_targets.numel() else 0,
@@ -128,19 +162,21 @@ class PackedSample:
                "meta": self.meta}
         if self.audio:
             out["audio"] = list(self.audio)
+        if self.more_targets:
+            out["more_targets"] = list(self.more_targets)
         return out
 
     @staticmethod
     def from_plain(d: object) -> "PackedSample":
         """Inverse of ``to_plain``; ValueError naming the first field that does not fit."""
-        if not isinstance(d, dict) or set(d) - {"audio"} != _PLAIN_FIELDS:
+        if not isinstance(d, dict) or set(d) - {"audio", "more_targets"} != _PLAIN_FIELDS:
             got = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"a sample must have the fields {sorted(_PLAIN_FIELDS)}, got {got}")
         for key in ("input_ids", "labels", "gen_targets"):
             if not isinstance(d[key], torch.Tensor):
                 raise ValueError(f"sample field {key} is a {type(d[key]).__name__}, not a tensor")
-        images, docs, audio = d["images"], d["doc_lens"], d.get("audio", [])
-        for key, seq in (("images", images), ("audio", audio)):
+        images, docs, audio, more = d["images"], d["doc_lens"], d.get("audio", []), d.get("more_targets", [])
+        for key, seq in (("images", images), ("audio", audio), ("more_targets", more)):
             if not isinstance(seq, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in seq):
                 raise ValueError(f"sample field {key} is not a list of tensors")
         if not isinstance(docs, (list, tuple)) or not all(_is_int(n) for n in docs):
@@ -148,7 +184,7 @@ class PackedSample:
         if not _is_int(d["sample_id"]) or not isinstance(d["meta"], dict):
             raise ValueError("sample field sample_id is not an int, or meta is not a dict")
         return PackedSample(d["input_ids"], d["labels"], list(images), d["gen_targets"], d["sample_id"],
-                            tuple(docs), d["meta"], list(audio))
+                            tuple(docs), d["meta"], list(audio), list(more))
 
 
 _PLAIN_FIELDS = {"input_ids", "labels", "images", "gen_targets", "sample_id", "doc_lens", "meta"}
@@ -178,6 +214,6 @@ def batch_bytes(samples: list[PackedSample]) -> int:
     """Bytes of the tensors of a global batch (what a producer writes and a host's spool holds per step)."""
     total = 0
     for s in samples:
-        for t in (s.input_ids, s.labels, s.gen_targets, *s.images, *s.audio):
+        for t in (s.input_ids, s.labels, s.gen_targets, *s.images, *s.audio, *s.more_targets):
             total += t.numel() * t.element_size()
     return total

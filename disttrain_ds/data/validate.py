@@ -24,9 +24,11 @@ def _starts(mask: torch.Tensor) -> list[int]:
 
 
 def sample_problems(
-    s: PackedSample, special: SpecialTokens, patch_size: int, seq_len: int, query_tokens: int, gen_resolution: int
+    s: PackedSample, special: SpecialTokens, patch_size: int, seq_len: int, query_tokens: int, gen_resolution: int,
+    more_gens: tuple = (),
 ) -> list[str]:
-    """Every way ``s`` breaks the contract; empty when it is valid."""
+    """Every way ``s`` breaks the contract; empty when it is valid. ``more_gens``: ``GenShape`` of
+    the second, third, ... generator (their targets in ``more_targets``, their own query tokens)."""
     bad: list[str] = []
     ids, labels = s.input_ids, s.labels
     if ids.dtype != torch.long or labels.dtype != torch.long or ids.shape != (seq_len,) or labels.shape != (seq_len,):
@@ -53,17 +55,23 @@ def sample_problems(
         rows.append(c.shape[1] // 2)
     if _runs(ids == special.audio) != rows:
         bad.append(f"audio placeholder runs {_runs(ids == special.audio)} do not match clip rows {rows}")
-    gens = _runs(ids == special.gen)
-    g = s.gen_targets
-    if g.dim() != 4 or g.shape[0] != len(gens) or g.shape[-1] != gen_resolution or g.shape[-2] != gen_resolution:
-        bad.append(f"gen_targets {tuple(g.shape)} do not match {len(gens)} query runs at resolution {gen_resolution}")
-    if any(n != query_tokens for n in gens):
-        bad.append(f"generation query runs {gens} are not {query_tokens} long")
-    if g.numel() and (float(g.min()) < -1.0 or float(g.max()) > 1.0):
-        bad.append("gen_targets outside [-1, 1]")
+    if len(s.more_targets) > len(more_gens):
+        bad.append(f"{len(s.more_targets)} more_targets entries for {len(more_gens)} more generators")
+    for k, (res, q) in enumerate([(gen_resolution, query_tokens), *((g.resolution, g.query_tokens) for g in more_gens)]):
+        name = "gen_targets" if k == 0 else f"more_targets[{k - 1}]"
+        gens = _runs(ids == special.query(k))
+        g = s.targets(k)
+        if g is None:
+            g = torch.zeros(0, 1, res, res)
+        if g.dim() != 4 or g.shape[0] != len(gens) or g.shape[-1] != res or g.shape[-2] != res:
+            bad.append(f"{name} {tuple(g.shape)} do not match {len(gens)} query runs at resolution {res}")
+        if any(n != q for n in gens):
+            bad.append(f"generation query runs {gens} are not {q} long")
+        if g.numel() and (float(g.min()) < -1.0 or float(g.max()) > 1.0):
+            bad.append(f"{name} outside [-1, 1]")
     nxt = ids[1:]
     expect = torch.full_like(ids, IGNORE_INDEX)
-    keep = (nxt != special.image) & (nxt != special.gen) & (nxt != special.pad) & (nxt != special.audio)
+    keep = ~special.no_label(nxt)
     expect[:-1] = torch.where(keep, nxt, torch.full_like(nxt, IGNORE_INDEX))
     if not torch.equal(labels, expect):
         bad.append("labels are not the next text/marker token with placeholders, queries and padding ignored")

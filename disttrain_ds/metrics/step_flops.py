@@ -36,7 +36,18 @@ def flops_modes(spec: MLLMSpec) -> dict[str, str]:
             modes[name] = "train" if not frozen else "frozen_passthrough" if trainable_upstream else "frozen"
             trainable_upstream = trainable_upstream or not frozen
         any_upstream = any_upstream or trainable_upstream
+    through_llm = not spec.llm.frozen or any(not frozen for parts in chains for _, frozen in parts)
+    for n in _more_generators(spec):  # each further generator hangs off the LLM on its own
+        upstream = through_llm
+        for name, frozen in ((f"{n}/projector", spec.config(n).projector.frozen), (n, spec.config(n).frozen)):
+            modes[name] = "train" if not frozen else "frozen_passthrough" if upstream else "frozen"
+            upstream = upstream or not frozen
     return modes
+
+
+def _more_generators(spec: MLLMSpec) -> tuple[str, ...]:
+    """Generators past the first (whose figures are the ``generator`` role's)."""
+    return spec.generators[1:]
 
 
 def _audio_encoders(spec: MLLMSpec) -> tuple[str, ...]:
@@ -103,6 +114,18 @@ class StepFlopsCounter:
             self._vae_per_image = vae_encode_flops(vae, g.resolution * vae.downsample)
         return sum(int(s.gen_targets.shape[0]) for s in samples) * self._vae_per_image
 
+    def more_generators(self, samples: list[PackedSample]) -> dict[str, float]:
+        """Training FLOPs of each generator past the first (its projector included) over the step's
+        targets for it."""
+        out, l = {}, self.spec.llm
+        for name in _more_generators(self.spec):
+            cfg, fam, k = self.spec.config(name), self.spec.family(name), self.spec.gen_index(name)
+            n = sum(int(t.shape[0]) for s in samples if (t := s.targets(k)) is not None)
+            proj = projector_flops_per_token(in_dim=l.hidden_size, hidden_dim=fam.width(cfg), out_dim=fam.width(cfg),
+                                             mode=self.modes[f"{name}/projector"])
+            out[name] = n * (fam.image_flops(cfg, self.modes[name]) + cfg.query_tokens * proj)
+        return out
+
     def audio(self, samples: list[PackedSample]) -> dict[str, float]:
         """Training FLOPs of each audio encoder (its projector included) over the step's clips."""
         out, l = {}, self.spec.llm
@@ -141,7 +164,7 @@ class MfuMeter:
         for key, value in out.items():
             head, _, role = key.rpartition("/")
             renamed[f"{head}/{names.get(role) or role}"] = value
-        audio = self.count.audio(samples)
+        audio = {**self.count.audio(samples), **self.count.more_generators(samples)}
         for name, f in audio.items():  # modules beside the three roles' figures
             renamed[f"perf/mfu/{name}"] = module_mfu(f, self.gpus[name], self.peak, step_seconds)
             renamed[f"perf/tflops_per_gpu/{name}"] = tflops_per_gpu(f, self.gpus[name], step_seconds)

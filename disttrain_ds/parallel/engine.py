@@ -6,8 +6,9 @@ gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. Wha
 - the instruction stream comes from the one global 1F1B schedule (``schedule.engine_schedule``);
 - the engine's first stage takes its input from the upstream engines (one boundary per graph
   edge: the LLM reads every encoder) and returns each one its input gradient; its last stage
-  computes its own loss (if any), sends its output downstream and, in backward, adds the
-  downstream gradient through the surrogate ``<output, grad>``;
+  computes its own loss (if any), sends each downstream engine its output (the LLM: each generator
+  the states at its own query positions) and, in backward, adds the downstream gradients through
+  the surrogate ``sum_k <output_k, grad_k>``;
 - losses are kept per pipe buffer, since a last stage that is not the global last stage runs
   several forwards before the matching backwards.
 """
@@ -15,7 +16,7 @@ gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. Wha
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import is_dataclass, replace
 from types import MethodType
 
 import torch
@@ -106,12 +107,15 @@ class ModuleEngine(PipelineEngine):
         role: Role,
         place: StagePlace,
         upstreams: list[BoundaryComm],
-        downstream: BoundaryComm | None,
+        downstreams: list[BoundaryComm],
         frozen: bool,
     ) -> None:
         """``upstreams``: this stage's boundaries to the engines feeding it, in the order their
-        tensors enter the first stage (``role.boundary_input_indices``); empty elsewhere."""
-        self.role, self.place, self.upstreams, self.downstream, self.frozen = role, place, upstreams, downstream, frozen
+        tensors enter the first stage (``role.boundary_input_indices``); ``downstreams``: the last
+        stage's boundaries to the engines it feeds, in the order of ``role.boundary_outputs``;
+        empty elsewhere."""
+        self.role, self.place, self.upstreams, self.downstreams = role, place, upstreams, downstreams
+        self.frozen = frozen
         self._steps = engine_schedule(self.micro_batches, place)
         self._reserve_pipe_buffers(num_buffers(self.micro_batches, place))
         self.extra = {k: [None] * self.num_pipe_buffers for k in ("mb", "loss", "out", "out_grad", "recv")}
@@ -171,7 +175,7 @@ class ModuleEngine(PipelineEngine):
         return self.batches[mb].sample_rows[comm.rows_key]
 
     def _comms(self) -> list[BoundaryComm]:
-        return [*self.upstreams, *([self.downstream] if self.downstream is not None else [])]
+        return [*self.upstreams, *self.downstreams]
 
     def p2p_flush(self) -> None:
         for comm in self._comms()[:1]:  # one P2P serves every boundary of the rank
@@ -219,22 +223,24 @@ class ModuleEngine(PipelineEngine):
         if self.place.last_of_engine:
             batch = _to_device_mb(self.batches[mb], self.device)
             loss = self.role.own_loss(outputs, batch)
-            out = self.role.boundary_output(outputs, batch)
+            out = self.role.boundary_outputs(outputs, batch)
             if loss is not None:
                 self.stats["own_loss"] += float(loss.detach())
-            if out is not None:
-                rows = self._rows(self.downstream, mb)
-                self.downstream.send_activation(mb, out.detach(), rows)
+            if len(out) != len(self.downstreams):
+                raise RuntimeError(f"{len(out)} boundary outputs for {len(self.downstreams)} downstream engines")
+            for comm, tensor in zip(self.downstreams, out):  # disjoint ranks: each pair keeps microbatch order
+                rows = self._rows(comm, mb)
+                comm.send_activation(mb, tensor.detach(), rows)
                 if self.place.backward:
-                    self.downstream.prefetch_grad(mb, rows)
+                    comm.prefetch_grad(mb, rows)
             self.extra["loss"][buffer_id] = loss
             self.extra["out"][buffer_id] = out
         self.stats["compute_s"] += time.perf_counter() - t0
 
     def _exec_boundary_recv_grad(self, buffer_id: int) -> None:
         mb = self.extra["mb"][buffer_id]
-        grad = self.downstream.recv_grad(mb, self._rows(self.downstream, mb))
-        self.extra["out_grad"][buffer_id] = grad * self.downstream.grad_scale
+        self.extra["out_grad"][buffer_id] = [comm.recv_grad(mb, self._rows(comm, mb)) * comm.grad_scale
+                                             for comm in self.downstreams]
 
     def _exec_backward(self, buffer_id: int) -> None:
         t0 = time.perf_counter()
@@ -250,14 +256,14 @@ class ModuleEngine(PipelineEngine):
         self.stats["compute_s"] += time.perf_counter() - t0
 
     def _backward_last(self, buffer_id: int) -> None:
-        loss, out, g = (self.extra[k][buffer_id] for k in ("loss", "out", "out_grad"))
-        # Target: d/dθ of (own loss / accumulation steps + <out, g>); g (from downstream) is
-        # already per-step. d<out, g>/d out = g puts the downstream gradient into this graph.
+        loss, outs, grads = (self.extra[k][buffer_id] for k in ("loss", "out", "out_grad"))
+        # Target: d/dθ of (own loss / accumulation steps + sum_k <out_k, g_k>); each g_k (from
+        # downstream engine k) is already per-step. d<out_k, g_k>/d out_k = g_k puts it into this graph.
         gas = float(self.micro_batches)
         terms = []
         if loss is not None:
             terms.append(loss if self.optimizer is not None else loss / gas)
-        if out is not None and g is not None:
+        for out, g in zip(outs or [], grads or []):
             # DeepSpeed's backward divides everything by the accumulation steps: pre-multiply.
             scale = gas if self.optimizer is not None else 1.0
             terms.append((out * g.to(out.dtype)).sum() * scale)
@@ -352,8 +358,16 @@ def write_trace(spans: list[dict], path: str, rank: int, label: str, origin: flo
 def _to_device_mb(mb: MicroBatch, device) -> MicroBatch:
     if str(device) == "cpu":
         return mb
-    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.__dict__.items()}
-    return MicroBatch(**fields)
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, dict):  # the generators' inputs
+            return {k: move(x) for k, x in v.items()}
+        if is_dataclass(v):
+            return type(v)(**{k: move(x) for k, x in vars(v).items()})
+        return v
+
+    return MicroBatch(**{k: move(v) for k, v in mb.__dict__.items()})
 
 
 def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> ModuleEngine:

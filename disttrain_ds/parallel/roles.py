@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.mllm import MicroBatch, MLLMSpec, generator_states, llm_inputs, lm_loss_sum
-from ..models.objectives import diffusion_loss, gen_condition
+from ..models.mllm import MicroBatch, MLLMSpec, gen_states, generator_states, llm_inputs, lm_loss_sum
+from ..models.objectives import diffusion_loss
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 """A last stage's outputs: one tensor, or a tuple (the LLM's logits and hidden states)."""
@@ -16,7 +16,6 @@ class Role:
 
     name = ""
     boundary_input_indices: tuple[int, ...] = ()  # positions of the upstream tensors in the first stage's input tuple
-    rows_key: str = ""  # MicroBatch.sample_rows key of the tensor sent downstream
 
     def __init__(self, spec: MLLMSpec, module: str | None = None):
         self.spec = spec
@@ -35,35 +34,39 @@ class Role:
         """The module's own loss sum of the microbatch (None: it has none)."""
         return None
 
-    def boundary_output(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
-        """What the last stage sends downstream (None: nothing)."""
-        return None
+    def boundary_outputs(self, outputs: Outputs, mb: MicroBatch) -> list[torch.Tensor]:
+        """One tensor per downstream module, in graph order (empty: nothing goes downstream)."""
+        return []
 
-    def boundary_features(self) -> tuple[int, ...]:
-        """Trailing dims of one row of ``boundary_output`` (its rows vary per sample)."""
+    def rows_key(self, down: str) -> str:
+        """``MicroBatch.sample_rows`` key of the tensor sent to downstream module ``down``."""
+        raise NotImplementedError(f"{self.name} sends nothing downstream")
+
+    def boundary_features(self, down: str) -> tuple[int, ...]:
+        """Trailing dims of one row of the tensor sent to ``down`` (its rows vary per sample)."""
         raise NotImplementedError(f"{self.name} sends nothing downstream")
 
 
 class EncoderRole(Role):
     name = "encoder"
 
-    @property
-    def rows_key(self) -> str:
+    def rows_key(self, down: str) -> str:
         return f"{self.spec.modality(self.module)}_embeds"
 
     def first_inputs(self, mb: MicroBatch, received: list[torch.Tensor]) -> tuple:
         return mb.encoder_inputs(self.spec.modality(self.module))
 
-    def boundary_output(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
-        return outputs
+    def boundary_outputs(self, outputs: Outputs, mb: MicroBatch) -> list[torch.Tensor]:
+        return [outputs]
 
-    def boundary_features(self) -> tuple[int, ...]:
+    def boundary_features(self, down: str) -> tuple[int, ...]:
         return (self.spec.llm.hidden_size,)  # one projected patch / audio frame embedding per row
 
 
 class LLMRole(Role):
+    """Each generator is sent the hidden states at its own query token's positions only."""
+
     name = "llm"
-    rows_key = "gen_states"
 
     @property
     def boundary_input_indices(self) -> tuple[int, ...]:
@@ -78,14 +81,15 @@ class LLMRole(Role):
         logits, _ = outputs
         return lm_loss_sum(logits, mb.labels, mb.lm_scale)
 
-    def boundary_output(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
-        if self.spec.generator is None:  # understanding only: nothing goes downstream
-            return None
-        _, hidden = outputs
-        return gen_condition(hidden, mb.gen_mask, self.spec.generator.query_tokens)
+    def boundary_outputs(self, outputs: Outputs, mb: MicroBatch) -> list[torch.Tensor]:
+        _, hidden = outputs  # understanding only: no generator, nothing goes downstream
+        return gen_states(hidden, mb, self.spec)
 
-    def boundary_features(self) -> tuple[int, ...]:
-        return (self.spec.generator.query_tokens, self.spec.llm.hidden_size)  # one image's queries per row
+    def rows_key(self, down: str) -> str:
+        return self.spec.gen_rows_key(down)
+
+    def boundary_features(self, down: str) -> tuple[int, ...]:
+        return (self.spec.config(down).query_tokens, self.spec.llm.hidden_size)  # one image's queries per row
 
 
 class GeneratorRole(Role):
@@ -93,10 +97,12 @@ class GeneratorRole(Role):
     boundary_input_indices = (0,)
 
     def first_inputs(self, mb: MicroBatch, received: list[torch.Tensor]) -> tuple:
-        return (generator_states(received[0], mb), mb.noisy, mb.timesteps)
+        g = mb.gens[self.module]
+        return (generator_states(received[0], mb, self.module), g.noisy, g.timesteps)
 
     def own_loss(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
-        return diffusion_loss(outputs, mb.noise, mb.gen_weights)
+        g = mb.gens[self.module]
+        return diffusion_loss(outputs, g.noise, g.weights)
 
 
 ROLES = {"encoder": EncoderRole, "llm": LLMRole, "generator": GeneratorRole}

@@ -41,7 +41,11 @@ def sample_shape(recipe) -> SampleShape:
     """The worst-case sample of ``recipe``'s ``data`` section."""
     from ..recipe_graph import encoder_of
 
-    d, enc, gen = recipe.data, encoder_of(recipe, "image"), recipe.model.generator
+    from ..recipe_graph import graph_of
+
+    d, enc = recipe.data, encoder_of(recipe, "image")
+    # Several generators: the shortest query run lets the most images into one sequence.
+    gen = min((recipe.model.modules[n] for n in graph_of(recipe).generators), key=lambda c: c.query_tokens, default=None)
     per_image = (max(d.image_sizes) // enc.patch_size) ** 2 if d.image_sizes and enc is not None else 0
     patches = min(d.seq_len, d.max_images * per_image)
     images = min(d.max_images, -(-patches // per_image)) if per_image else 0

@@ -104,11 +104,11 @@ def tp_context(grid, stage: int, dp: int, tp_index: int) -> TPContext:
     return TPContext(group, tp_index, grid.tp, ranks[0])
 
 
-def boundary_tensor(spec, module: str, recipe: Recipe) -> tuple[str, tuple[int, ...], torch.dtype]:
-    """What ``module`` sends downstream: its rows key, the trailing dims of a row, and dtype."""
+def boundary_tensor(spec, module: str, down: str, recipe: Recipe) -> tuple[str, tuple[int, ...], torch.dtype]:
+    """What ``module`` sends to ``down``: its rows key, the trailing dims of a row, and dtype."""
     role = ROLES[spec.roles[module]](spec, module)
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
-    return role.rows_key, role.boundary_features(), dtype
+    return role.rows_key(down), role.boundary_features(down), dtype
 
 
 def share_batches(recipe: Recipe, source, rank: int, world: int, group) -> None:
@@ -191,12 +191,11 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     share_batches(recipe, source, rank, world, meta_group)
     tp = tp_context(grid, stage, dp_index, tp_index)
-    up_grids, (down_grid,) = topo.upstreams(grid.name), topo.downstreams(grid.name) or (None,)
-    upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, recipe), tp, backward[up.name])
-                 for up in up_grids] if stage == 0 else []  # one boundary per graph edge
-    downstream = None
-    if down_grid and stage == grid.pp - 1:
-        downstream = BoundaryComm(p2p, grid, down_grid, slot, *boundary_tensor(spec, grid.name, recipe), tp)
+    up_grids, down_grids = topo.upstreams(grid.name), topo.downstreams(grid.name)
+    upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, grid.name, recipe), tp,
+                              backward[up.name]) for up in up_grids] if stage == 0 else []  # one per graph edge
+    downstreams = [BoundaryComm(p2p, grid, down, slot, *boundary_tensor(spec, grid.name, down.name, recipe), tp)
+                   for down in down_grids] if stage == grid.pp - 1 else []  # the LLM: one per generator
     p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges))
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, mp.activation_checkpointing)
@@ -209,12 +208,12 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         first_of_engine=stage == 0,
         last_of_engine=stage == grid.pp - 1,
         has_upstream=bool(up_grids),
-        has_downstream=down_grid is not None,
+        has_downstream=bool(down_grids),
         backward=backward[grid.name],
         upstream_backward=any(backward[up.name] for up in up_grids),
     )
 
-    engine = _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstream, frozen)
+    engine = _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstreams, frozen)
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
     start = 0
@@ -248,7 +247,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     return EXIT_PREEMPTED if trainer.preempted else 0
 
 
-def _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstream, frozen: bool):
+def _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstreams, frozen: bool):
     """This stage's ``ModuleEngine``: optimizer and LR schedule unless frozen, the module's DeepSpeed
     config completed for its DP and accumulation, boundary links, emulated compute if asked."""
     optimizer = scheduler = None
@@ -265,7 +264,7 @@ def _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstream, fr
         grad_clip=recipe.optim.grad_clip, frozen=frozen,
     )
     engine = make_engine(pm, optimizer, scheduler, cfg)
-    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name), place, upstreams, downstream, frozen)
+    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name), place, upstreams, downstreams, frozen)
     if recipe.emulate.enabled:
         engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
     return engine

@@ -130,7 +130,8 @@ def vocab_size(recipe) -> int:
         base = load_tokenizer(name, recipe.data.cache_dir).vocab_size
     from ..recipe_graph import encoder_of
 
-    return SpecialTokens.after(base, audio=encoder_of(recipe, "audio") is not None).vocab_size
+    return SpecialTokens.after(base, audio=encoder_of(recipe, "audio") is not None,
+                               generators=len(graph_of(recipe).generators)).vocab_size
 
 
 def meta_spec(recipe, vocab: int):
@@ -148,7 +149,7 @@ def meta_spec(recipe, vocab: int):
     gen = graph.generators[0] if graph.generators else None
     return MLLMSpec(by_name.get(image), by_name[graph.llm], by_name.get(gen),
                     SpecialTokens.after(0, audio="audio" in modality.values()), recipe.seed, roles=roles,
-                    configs={n: by_name[n] for n in graph.encoders if n != image})
+                    configs={n: by_name[n] for n in (*graph.encoders, *graph.generators) if n not in (image, gen)})
 
 
 def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> list:

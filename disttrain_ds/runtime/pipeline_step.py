@@ -28,9 +28,10 @@ class PipelineExecutor:
         self.chunks = self.gas * recipe.parallel.llm.dp
         self.block = blocks(self.slot, grid.dp)[dp_index]
         self.dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
+        llm_dp = topo.module(spec.name_of("llm")).dp
+        self.gen_dp_scale = {g: topo.module(g).dp / llm_dp for g in spec.generators}  # each generator's DP / the LLM's
+        # vae.placement generator: the first generator's first stage encodes its targets (forward only, frozen).
         gen = spec.name_of("generator")
-        self.gen_dp_scale = topo.module(gen).dp / topo.module(spec.name_of("llm")).dp if gen else 1.0
-        # vae.placement generator: the generator's first stage encodes its targets (forward only, frozen).
         self.vae = generator_vae(spec) if grid.name == gen and place.first_of_engine else None
 
     def _mine(self, samples: list) -> list[list]:
@@ -38,7 +39,7 @@ class PipelineExecutor:
         return [samples[g * self.slot : (g + 1) * self.slot][self.block.start : self.block.stop] for g in range(self.gas)]
 
     def _batches(self, samples: list) -> list:
-        norms = BatchNorms.of(samples, self.chunks)  # global-batch totals: losses independent of the split
+        norms = BatchNorms.of(samples, self.chunks, len(self.spec.generators))  # global-batch totals: losses independent of the split
         return [collate(mine, norms, self.spec, gen_dp_scale=self.gen_dp_scale, dtype=self.dtype, vae=self.vae)
                 for mine in self._mine(samples)]
 
@@ -56,9 +57,9 @@ class PipelineExecutor:
     def evaluate(self, batches: list[list]) -> dict[str, float]:
         # Forward only through the same engines and boundary links as training (ModuleEngine.run_eval).
         own = sum(self.engine.run_eval(self._batches(samples))["own_loss"] for samples in batches)
-        lm, gen = gather_losses(self.topo, self.grid, self.place, self.tp_index, own / len(batches), self.chunks,
+        lm, gens = gather_losses(self.topo, self.grid, self.place, self.tp_index, own / len(batches), self.chunks,
                                 self.gen_dp_scale, self.group, self.spec.roles)
-        return eval_figures(lm, gen, self.spec)
+        return eval_figures(lm, gens, self.spec)
 
     def finish(self) -> None:
         self.p2p.flush_sends()

@@ -42,10 +42,10 @@ class ReferenceExecutor:
         self.schedulers = {n: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(recipe)) for n, o in self.optimizers.items()}
 
     def _losses(self, samples: list, backward: bool) -> dict[str, float]:
-        """The global batch's losses (``loss``, ``lm``, ``gen``), summed over its chunks."""
+        """The global batch's losses (``loss``, ``lm``, ``gen``, ``gen/<generator>``), summed over its chunks."""
         m = self.recipe.train.micro_batch
-        norms = BatchNorms.of(samples, self.chunks)
-        totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0}
+        norms = BatchNorms.of(samples, self.chunks, len(self.spec.generators))
+        totals = {"loss": 0.0, "lm": 0.0, "gen": 0.0, **{f"gen/{n}": 0.0 for n in self.spec.generators}}
         for c in range(self.chunks):
             mb = collate(samples[c * m : (c + 1) * m], norms, self.spec, dtype=self.dtype, vae=self.vae)
             out = self.model(mb)
@@ -65,13 +65,14 @@ class ReferenceExecutor:
             self.schedulers[name].step()
         dt = time.perf_counter() - t0
         return {"loss": totals["loss"], "loss/lm": totals["lm"], "loss/gen": totals["gen"], "step_seconds": dt,
-                "time/step": dt, "time/data_wait": data_wait}, False
+                "time/step": dt, "time/data_wait": data_wait,
+                **{f"loss/gen/{n}": totals[f"gen/{n}"] for n in self.spec.generators}}, False
 
     def evaluate(self, batches: list[list]) -> dict[str, float]:
         with torch.no_grad():
             per_batch = [self._losses(samples, backward=False) for samples in batches]
-        return eval_figures(sum(t["lm"] for t in per_batch) / len(batches),
-                            sum(t["gen"] for t in per_batch) / len(batches), self.spec)
+        mean = {k: sum(t[k] for t in per_batch) / len(batches) for k in per_batch[0]}
+        return eval_figures(mean["lm"], {n: mean[f"gen/{n}"] for n in self.spec.generators}, self.spec)
 
     def finish(self) -> None:
         pass

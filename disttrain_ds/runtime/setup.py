@@ -9,7 +9,7 @@ import torch
 
 from ..config import Recipe
 from ..costmodel import CostModel, TransformerDims, UNetDims
-from ..data.source import SampleSource, ShapeSpec, build_source
+from ..data.source import GenShape, SampleSource, ShapeSpec, build_source
 from ..data.split import Split
 from ..models.configs import EncoderConfig, GeneratorConfig
 from ..models.mllm import MLLMSpec
@@ -26,7 +26,7 @@ def cost_model(recipe: Recipe) -> GraphCosts:
     # A graph without an image encoder (or a generator) has no images (or targets) for it, so the
     # stand-in default sizes below cost nothing for any of its samples.
     e = encoder_of(recipe, "image") or EncoderConfig()
-    l, g = recipe.model.llm, recipe.model.generator or GeneratorConfig()
+    l, g = recipe.model.llm, first_generator(recipe) or GeneratorConfig()
     model = CostModel.from_dims(
         TransformerDims(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, heads=e.heads),
         TransformerDims(
@@ -53,9 +53,19 @@ def cost_model(recipe: Recipe) -> GraphCosts:
     return GraphCosts(model, kinds)
 
 
+def generator_configs(recipe: Recipe) -> list:
+    """Every generator's config section, in graph order."""
+    return [recipe.model.modules[n] for n in graph_of(recipe).generators]
+
+
+def first_generator(recipe: Recipe):
+    """The first generator's section (its targets are ``gen_targets``, its queries ``gen``), or None."""
+    return next(iter(generator_configs(recipe)), None)
+
+
 def gen_vae(recipe: Recipe):
-    """The generator's VAE config (``VaeConfig``), or None without a generator or a VAE."""
-    vae = getattr(recipe.model.generator, "vae", None)
+    """The first generator's VAE config (``VaeConfig``), or None without a generator or a VAE."""
+    vae = getattr(first_generator(recipe), "vae", None)
     return vae if vae is not None and vae.enabled else None
 
 
@@ -73,10 +83,11 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
     """The model facts the recipe's sample source lays samples out by."""
     m = recipe.model
     groups = reorder_groups(recipe)
-    e, g = encoder_of(recipe, "image") or EncoderConfig(), m.generator or GeneratorConfig()  # stand-ins: no images / targets
+    e, g = encoder_of(recipe, "image") or EncoderConfig(), first_generator(recipe) or GeneratorConfig()  # stand-ins: no images / targets
     audio = encoder_of(recipe, "audio")
     vae = gen_vae(recipe)
     return ShapeSpec(
+        more_gens=tuple(GenShape(c.resolution, c.in_channels, c.query_tokens) for c in generator_configs(recipe)[1:]),
         audio_mels=audio.n_mels if audio is not None else 0,
         audio_max_frames=audio.max_frames if audio is not None else 0,
         patch_size=e.patch_size,
@@ -104,9 +115,11 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
         raise ValueError(f"model.llm.vocab_size {llm.vocab_size} is smaller than the tokenizer's {need} ids")
     graph = graph_of(recipe)
     image = encoder_of(recipe, "image")
-    spec = MLLMSpec(image, llm, m.generator, source.special, recipe.seed, m.gen_loss_weight,
+    first = first_generator(recipe)
+    spec = MLLMSpec(image, llm, first, source.special, recipe.seed, m.gen_loss_weight,
                     roles={n: graph.role(n) for n in graph.names},
-                    configs={n: m.modules[n] for n in graph.encoders if m.modules[n] is not image})
+                    configs={n: m.modules[n] for n in (*graph.encoders, *graph.generators)
+                             if m.modules[n] is not image and m.modules[n] is not first})
     return source, spec
 
 

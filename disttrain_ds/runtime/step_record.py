@@ -30,7 +30,8 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
         dtype=torch.float64,
     )
     table = _gather_rows(mine, topo.world_size, group)
-    lm, gen = _role_losses(table, roles, chunks, gen_dp_scale)
+    lm, gens = _module_losses(table, roles, chunks, gen_dp_scale)
+    gen = sum(gens.values(), 0.0)
     step = float(table[:, 3].max())
     # Idle time per rank that is neither its compute nor a boundary/data wait: pipeline bubbles
     # (including waits on DeepSpeed's intra-engine P2P) and bookkeeping.
@@ -45,6 +46,7 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
         "time/comm_wait": float(table[:, 5].mean()),
         "time/bubble": float(idle.clamp(min=0).mean()),
         "preempt": bool(table[:, 8].max() > 0),
+        **{f"loss/gen/{name}": value for name, value in gens.items()},
     }
     for i, name in enumerate(names):
         sel = table[table[:, 0] == i]
@@ -54,13 +56,13 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
     return rec
 
 
-def gather_losses(topo, grid, place, tp_index, own_loss: float, chunks: int, gen_dp_scale: float, group,
-                  roles: dict[str, str]) -> tuple[float, float]:
-    """(LM loss, diffusion loss) of one global batch from every rank's ``own_loss``, normalised as
-    in the step record (evaluation; every rank calls it and gets the same figures)."""
+def gather_losses(topo, grid, place, tp_index, own_loss: float, chunks: int, gen_dp_scale, group,
+                  roles: dict[str, str]) -> tuple[float, dict[str, float]]:
+    """(LM loss, diffusion loss per generator) of one global batch from every rank's ``own_loss``,
+    normalised as in the step record (evaluation; every rank calls it and gets the same figures)."""
     holder = 1.0 if place.last_of_engine and tp_index == 0 else 0.0
     mine = torch.tensor([list(roles).index(grid.name), holder, own_loss], dtype=torch.float64)
-    return _role_losses(_gather_rows(mine, topo.world_size, group), roles, chunks, gen_dp_scale)
+    return _module_losses(_gather_rows(mine, topo.world_size, group), roles, chunks, gen_dp_scale)
 
 
 def _gather_rows(mine: torch.Tensor, world: int, group) -> torch.Tensor:
@@ -69,16 +71,20 @@ def _gather_rows(mine: torch.Tensor, world: int, group) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _role_losses(table: torch.Tensor, roles: dict[str, str], chunks: int, gen_dp_scale: float) -> tuple[float, float]:
+def _module_losses(table: torch.Tensor, roles: dict[str, str], chunks: int,
+                   gen_dp_scale: float | dict[str, float]) -> tuple[float, dict[str, float]]:
     """Columns: module index, whether the rank holds its module's loss (last stage, TP index 0), own loss.
-    The diffusion loss's weights carry DP_generator / DP_llm (``collate``): divided out here."""
+    Each generator's loss weights carry its DP_generator / DP_llm (``collate``): divided out here.
+    Returns the LM loss and each generator's diffusion loss by module name."""
     names = list(roles)
 
-    def loss_of(role: str) -> float:
-        picked = [names.index(n) for n, r in roles.items() if r == role]
-        return sum(float(table[(table[:, 0] == i) & (table[:, 1] == 1), 2].sum()) for i in picked)
+    def loss_of(name: str) -> float:
+        return float(table[(table[:, 0] == names.index(name)) & (table[:, 1] == 1), 2].sum())
 
-    return loss_of("llm") / chunks, loss_of("generator") / chunks / gen_dp_scale
+    scale = gen_dp_scale if isinstance(gen_dp_scale, dict) else {n: gen_dp_scale for n in names}
+    llm = next(n for n, r in roles.items() if r == "llm")
+    gens = {n: loss_of(n) / chunks / scale[n] for n, r in roles.items() if r == "generator"}
+    return loss_of(llm) / chunks, gens
 
 
 def peak_memory_gib() -> float:

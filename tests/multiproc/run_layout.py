@@ -7,7 +7,10 @@ export every rank's final parameters and what crossed the communicator.
 ``--fault drop_encoder_grad`` zeroes the gradient the LLM returns to the encoder: the negative
 control that the fidelity check must catch (``drop_ear_grad``: to the module named ``ear``).
 ``--fault swap_audio_rows`` reverses the audio rows the LLM receives, so they fill the wrong
-audio placeholders. ``--fault one_channel`` sends activations and gradients
+audio placeholders. ``--fault drop_grad_from_<name>`` zeroes the gradient generator ``<name>`` returns to the LLM, and
+``--fault flip_rows_to_<name>`` reverses the rows of LLM states ``<name>`` receives, so each of its
+targets is conditioned on another target's queries: the negative controls for several generators.
+``--fault one_channel`` sends activations and gradients
 over one process group, as before the channel split: the negative control for NCCL's one stream per
 pair (a gradient receive posted ahead then holds up the next activation send).
 ``--fault perturb_recompute`` makes activation checkpointing's backward rerun of a block differ
@@ -58,6 +61,23 @@ def main() -> int:
             return original(self, mb, torch.zeros_like(grad) if self.up.name == victim else grad, rows_per_sample)
 
         BoundaryComm.send_grad = send_zero_to_encoder
+    elif fault and fault.startswith("drop_grad_from_"):
+        original = BoundaryComm.send_grad
+        victim = fault.removeprefix("drop_grad_from_")
+
+        def send_zero_from_generator(self, mb, grad, rows_per_sample):
+            return original(self, mb, torch.zeros_like(grad) if self.down.name == victim else grad, rows_per_sample)
+
+        BoundaryComm.send_grad = send_zero_from_generator
+    elif fault and fault.startswith("flip_rows_to_"):
+        original_recv = BoundaryComm.recv_activation
+        victim = fault.removeprefix("flip_rows_to_")
+
+        def recv_flipped(self, mb, rows_per_sample):
+            out = original_recv(self, mb, rows_per_sample)
+            return out.flip(0) if self.down.name == victim else out
+
+        BoundaryComm.recv_activation = recv_flipped
     elif fault == "swap_audio_rows":
         original_recv = BoundaryComm.recv_activation
 

@@ -60,3 +60,33 @@ def test_pipeline_eval_that_loses_the_encoder_output_is_caught(tmp_path, referen
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     ours, theirs = _evals(rows), _evals(ref)
     assert all(abs(ours[s][1] - theirs[s][1]) > 1e-3 * abs(theirs[s][1]) for s in ours)
+
+
+def _ref_evals(recipe: str, overrides: list[str], keys: tuple[str, ...]) -> dict[int, list[float]]:
+    rows, _ = train_reference(load_recipe(recipe, [*RUN, *overrides]), None, log=None)
+    return {r["step"]: [r[k] for k in keys] for r in rows if "eval/loss" in r}
+
+
+def test_eval_loss_without_a_generator_equals_the_reference(tmp_path):
+    """tiny_vlm (vision -> llm, no generator): the LLM's last stage sends nothing downstream and the
+    evaluation record has no generator loss."""
+    keys = ("eval/loss", "eval/loss/llm")
+    rows, _, _ = launch(tmp_path, 3, [*RUN, "layout=disaggregated"], recipe="tiny_vlm")
+    ours = {r["step"]: [r[k] for k in keys] for r in rows if "eval/loss" in r}
+    theirs = _ref_evals("tiny_vlm", [], keys)
+    assert sorted(ours) == sorted(theirs) == [2, 3]
+    assert all(not any(k.startswith("eval/loss/") and k != "eval/loss/llm" for k in r) for r in rows)
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_eval_loss_with_tensor_parallel_modules_equals_the_reference(tmp_path, reference_eval):
+    """TP=2 in the LLM and the generator: TP index 0 talks across both boundaries and broadcasts to
+    its TP partner during evaluation as in training."""
+    ref, ref_losses = reference_eval
+    rows, _, _ = launch(tmp_path, 5, [*RUN, *LAYOUT, "parallel.llm.tp=2", "parallel.llm.pp=1",
+                                      "parallel.generator.tp=2"])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    ours, theirs = _evals(rows), _evals(ref)
+    assert sorted(ours) == [2, 3] and all(ours[s] == pytest.approx(theirs[s], rel=1e-5) for s in ours)

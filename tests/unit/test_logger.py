@@ -297,8 +297,8 @@ def test_graph_dashboard_plots_the_validation_loss_keys_the_runtime_logs(name):
     from disttrain_ds.runtime.callbacks.evaluation import eval_figures
 
     graph = graph_of(load_recipe(name))
-    roles = {"llm": graph.llm, "generator": graph.generators[0] if graph.generators else None}
-    logged = set(wandb_payload(eval_figures(4.0, 0.5, SimpleNamespace(name_of=roles.get))))
+    spec = SimpleNamespace(name_of={"llm": graph.llm}.get, generators=graph.generators)
+    logged = set(wandb_payload(eval_figures(4.0, dict.fromkeys(graph.generators, 0.5), spec)))
     (panel,) = [p for s in graph_dashboard(graph) for p in s.panels if p.title == "validation loss"]
     assert set(panel.keys) == logged and panel.keys[0] == "eval/loss"
     assert len(logged) == (3 if graph.generators else 2)

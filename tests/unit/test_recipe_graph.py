@@ -56,7 +56,8 @@ def _graph(**modules) -> dict:
      "one encoder per modality so far (each fills its own placeholder token); got encoders ['eye', 'eye2']"),
     (lambda d: (d["model"]["modules"].pop("painter"), d["model"]["modules"].update(eye={"family": "vit"}),
                 d["data"].update(max_images=1)), "'data.gen_prob' must be 0: the model has no generator"),
-    (lambda d: d["model"]["modules"].update(other={"family": "unet"}), "the runtime trains at most one generator so far; got generators ['other', 'painter']"),
+    (lambda d: (d["model"]["modules"].update(other={"family": "dit"}), d["data"].update(source="paper_stats")),
+     "'data.source' paper_stats gives generation targets to one generator only; the generators other, painter need"),
     (lambda d: d["data"].update(max_images=2), "'data.max_images' must be 0: the model has no image encoder"),
 ])
 def test_bad_graph_recipes_are_one_line_errors(tmp_path, change, needle):

@@ -32,9 +32,9 @@ class Evaluation(Callback):
         self.source.close()
 
 
-def eval_figures(lm: float, gen: float, spec) -> dict[str, float]:
-    """The evaluation record of mean held-out LM and diffusion losses (same sum as the step's ``loss``)."""
-    out = {"eval/loss": lm + gen, f"eval/loss/{spec.name_of('llm')}": lm}
-    if spec.name_of("generator") is not None:
-        out[f"eval/loss/{spec.name_of('generator')}"] = gen
+def eval_figures(lm: float, gens: dict[str, float], spec) -> dict[str, float]:
+    """The evaluation record of mean held-out LM and diffusion losses, per module by name (their sum
+    is ``eval/loss``, the same sum as the step's ``loss``); ``gens``: each generator's loss."""
+    out = {"eval/loss": lm + sum(gens.values(), 0.0), f"eval/loss/{spec.name_of('llm')}": lm}
+    out.update({f"eval/loss/{name}": gens[name] for name in spec.generators})
     return out
