@@ -59,28 +59,37 @@ class _Job:
     stride: int
     state: dict | None
     split: Split = TRAIN
+    units: tuple[int, ...] | None = None
+    """The units of each batch this host reads (``data/host_read.py``); None: whole batches."""
 
 
-def _encode(samples: list[PackedSample]) -> list[tuple]:
+def _encode(samples: list[PackedSample | None]) -> list[tuple | None]:
     """Tensors as numpy arrays: plain pickling, no shared-memory file descriptors to leak."""
     return [
         (s.input_ids.numpy(), s.labels.numpy(), [im.numpy() for im in s.images], s.gen_targets.numpy(),
          s.sample_id, s.doc_lens, s.meta, [c.numpy() for c in s.audio], [t.numpy() for t in s.more_targets])
+        if s is not None else None
         for s in samples
     ]
 
 
-def _decode(payload: list[tuple]) -> list[PackedSample]:
+def _decode(payload: list[tuple | None]) -> list[PackedSample | None]:
     return [
-        PackedSample(torch.from_numpy(ids), torch.from_numpy(lab), [torch.from_numpy(im) for im in ims],
-                     torch.from_numpy(gen), sid, tuple(docs), meta, [torch.from_numpy(c) for c in clips],
-                     [torch.from_numpy(t) for t in more])
-        for ids, lab, ims, gen, sid, docs, meta, clips, more in payload
+        PackedSample(torch.from_numpy(p[0]), torch.from_numpy(p[1]), [torch.from_numpy(im) for im in p[2]],
+                     torch.from_numpy(p[3]), p[4], tuple(p[5]), p[6], [torch.from_numpy(c) for c in p[7]],
+                     [torch.from_numpy(t) for t in p[8]])
+        if p is not None else None
+        for p in payload
     ]
 
 
-def prepare(source: SampleSource, step: int, cfg: DataConfig, shape: ShapeSpec) -> list[PackedSample]:
-    """One global batch, reordered when ``data.reorder`` is set."""
+def prepare(source: SampleSource, step: int, cfg: DataConfig, shape: ShapeSpec,
+            units: tuple[int, ...] | None = None) -> list[PackedSample | None]:
+    """One global batch, reordered when ``data.reorder`` is set; with ``units``, only the samples
+    of those units (None at every other position)."""
+    if units is not None:
+        got = source.read_units(step, list(units))
+        return [got.get(p) for p in range(source.batch)]
     samples = source.global_batch(step)
     if cfg.reorder:
         from .batch_order import reorder_batch
@@ -122,7 +131,7 @@ def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int =
         if job.state:
             source.load_state_dict(job.state)
         while not stop.is_set():
-            samples = prepare(source, step, job.cfg, job.shape)
+            samples = prepare(source, step, job.cfg, job.shape, job.units)
             plan, extra = source.step_skips(step)
             if writer is not None:
                 batch = SpoolBatch(step, samples, plan, extra, source.state_dict())
@@ -168,6 +177,8 @@ class ProducedSource(SampleSource):
         self.stall_timeout_s = STALL_TIMEOUT_S
         """A producer whose heartbeat stops this long while its batch is due has failed."""
         self.share: NodeShare | None = None
+        self.host_units: tuple[int, ...] | None = None
+        """The units this host reads (``read_only``); None: whole batches."""
         self._procs: list[Any] = []
         self._queues: list[Any] = []
         self._beats: list[Any] = []
@@ -189,7 +200,19 @@ class ProducedSource(SampleSource):
             where = f"by {procs} per host, shared by its {n} ranks through {self.share.directory}"
         else:
             where = f"by {procs}"
-        return f"{self.inner.describe()}, prepared {where}" + (", reordered" if self.cfg.reorder else "")
+        read = ""
+        if self.host_units is not None:
+            units = self.inner.units() or []
+            n = sum(len(units[j]) for j in self.host_units)
+            read = f", each host reading only its ranks' samples (this host: {n} of {self.batch})"
+        return f"{self.inner.describe()}, prepared {where}" + (", reordered" if self.cfg.reorder else "") + read
+
+    def read_only(self, units: tuple[int, ...]) -> None:
+        """Read only these units of every batch (``data.read: host``); other positions are None."""
+        if self.cfg.reorder:
+            raise ValueError("data.reorder: reordering moves samples between hosts; it needs data.read: all")
+        self.close()
+        self.host_units = tuple(units)
 
     def share_with(self, share: NodeShare) -> None:
         """Read batches from the host's spool; the host's leader rank runs the producers for all."""
@@ -226,7 +249,8 @@ class ProducedSource(SampleSource):
             self._queues = [ctx.Queue(maxsize=depth) for _ in range(n)]
         self._beats = [ctx.RawValue("Q", 0) for _ in range(n)]
         for k in range(n):
-            job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state, self.split)
+            job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state, self.split,
+                       self.host_units)
             proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop, writer, k, self._beats[k]),
                                daemon=True, name=f"data-producer-{k}")
             proc.start()
@@ -302,7 +326,7 @@ class ProducedSource(SampleSource):
     def global_batch(self, step: int) -> list[PackedSample]:
         t0 = time.perf_counter()
         if self.cfg.producers == 0:
-            samples = prepare(self.inner, step, self.cfg, self.shape)
+            samples = prepare(self.inner, step, self.cfg, self.shape, self.host_units)
             plan, extra, state = *self.inner.step_skips(step), None
         else:
             runs_producers = self.share is None or self.share.leader

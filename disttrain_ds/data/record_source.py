@@ -176,8 +176,9 @@ class RecordSource(SampleSource):
 
     def _fingerprint(self, legacy: bool = False) -> str:
         facts = [self.fmt, str(self.path), len(self.table), self.seed, self.batch, asdict(self.cfg), asdict(self.shape)]
-        for drop in ("producers", "queue_depth", "reorder", "cache_dir", *self._unused_keys):  # do not change the samples
+        for drop in ("producers", "queue_depth", "reorder", "cache_dir", "read", *self._unused_keys):  # do not change the samples
             facts[5].pop(drop, None)
+        facts[6].pop("columns", None)  # where parts' samples sit in the global batch, not what they are
         if self.split.fraction > 0 or self.split.held_out:  # runs without a hold-out keep their fingerprint
             facts.append(asdict(self.split))
         if not legacy:  # the layout's DP split only regroups a batch (data.reorder): resuming may change it

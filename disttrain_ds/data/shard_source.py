@@ -24,6 +24,7 @@ from .entry_parse import parse_entry
 from .fields import expected
 from .formats import Bad, Document
 from .record_source import RecordSource
+from .host_read import column_positions
 from .shards import assign_shards, block_order
 from .source import SampleSource, ShapeSpec
 from .split import TRAIN, Split
@@ -86,7 +87,9 @@ class ShardSource(RecordSource):
 
 
 class PartedSource(SampleSource):
-    """``data.shard_parts`` parts side by side: part j fills global positions j*B/P .. (j+1)*B/P - 1."""
+    """``data.shard_parts`` parts side by side: concatenated, part j holds indices j*B/P ..
+    (j+1)*B/P - 1, which take the global positions ``column_positions`` gives them (part-major
+    with one column per slot: positions j*B/P .. in order)."""
 
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN):
         parts = cfg.shard_parts
@@ -96,9 +99,13 @@ class PartedSource(SampleSource):
         if n_shards < parts:
             raise ValueError(f"data.shard_parts: {parts} parts but {cfg.path} has only {n_shards} shards")
         self.batch, self.per_part, self.cfg = global_batch, global_batch // parts, cfg
+        self.positions = column_positions(global_batch, shape.slot(global_batch), shape.columns)
         self.parts: list[ShardSource | None] = [None] * parts
         self._args = (cfg, shape, self.per_part, n_shards)
         self.seed, self.split = seed, split  # each part holds out its share of its own records
+        self._used: set[int] = set()  # parts read (part 0 is opened for its vocabulary alone)
+        self._pending: dict[int, dict] = {}  # restored states of parts not opened yet (loaded when first read)
+        self._restored: set[int] = set()  # opened parts given a restored state
         first = self.part(0)
         self.special, self.base_vocab = first.special, first.base_vocab
 
@@ -126,30 +133,61 @@ class PartedSource(SampleSource):
         return out
 
     def global_batch(self, step: int) -> list[PackedSample]:
-        return [s for j in range(len(self.parts)) for s in self.part_batch(step, j)]
+        got = self.read_units(step, list(range(len(self.parts))))
+        return [got[p] for p in range(self.batch)]
+
+    def units(self) -> list[list[int]]:
+        n = self.per_part
+        return [self.positions[j * n:(j + 1) * n] for j in range(len(self.parts))]
+
+    def read_units(self, step: int, units: list[int]) -> dict[int, PackedSample]:
+        out = {}
+        for j in units:
+            if j in self._pending:
+                self.part(j).load_state_dict(self._pending.pop(j))
+            self._used.add(j)
+            for i, s in enumerate(self.part_batch(step, j)):
+                out[self.positions[j * self.per_part + i]] = s
+        return out
+
+    def _opened(self) -> list[ShardSource]:
+        """Parts read so far (a host reading some parts never plans the others)."""
+        return [self.part(j) for j in sorted(self._used)]
 
     def step_skips(self, step: int) -> tuple[dict[str, int], dict[str, int]]:
         plan, extra = Counter(), Counter()
-        for j in range(len(self.parts)):
-            p, e = self.part(j).step_skips(step)
+        for part in self._opened():
+            p, e = part.step_skips(step)
             plan.update(p)
             extra.update(e)
         return dict(plan), dict(extra)
 
     def skip_counts(self) -> dict[str, int]:
         total = Counter()
-        for j in range(len(self.parts)):
-            total.update(self.part(j).skip_counts())
+        for part in self._opened():
+            total.update(part.skip_counts())
         return dict(sorted(total.items()))
 
     def state_dict(self) -> dict:
-        return {"kind": "parts", "parts": [self.part(j).state_dict() for j in range(len(self.parts))]}
+        # A part this process never read is saved as unread: another host's state holds it.
+        parts = [self.part(j).state_dict() if j in self._used | self._restored
+                 else self._pending.get(j, {"kind": "unread", "next_step": 0}) for j in range(len(self.parts))]
+        return {"kind": "parts", "parts": parts}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "parts" or len(state.get("parts", [])) != len(self.parts):
             raise ValueError("data: the checkpoint's data state was written for a different data setup (source, path, seed or packing)")
+        if any(sub.get("kind") not in ("records", "unread") for sub in state["parts"]):
+            raise ValueError("data: the checkpoint's data state was written for a different data setup (source, path, seed or packing)")
+        self._used, self._pending, self._restored = set(), {}, set()
         for j, sub in enumerate(state["parts"]):
-            self.part(j).load_state_dict(sub)
+            if sub.get("kind") == "unread":
+                continue
+            if self.parts[j] is not None:  # part 0 at least: a state of another data setup is refused here
+                self.parts[j].load_state_dict(sub)
+                self._restored.add(j)
+            else:
+                self._pending[j] = sub  # checked against this setup when the part is first read
 
 
 def open_shard_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int,

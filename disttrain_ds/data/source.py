@@ -70,6 +70,14 @@ class ShapeSpec:
     def gen_shapes(self) -> tuple[GenShape, ...]:
         """Every generator's target shape, in graph order."""
         return (GenShape(self.gen_resolution, self.gen_channels, self.query_tokens), *self.more_gens)
+    columns: int = 1
+    """Equal blocks each microbatch slot (``dp_size * micro_batch`` samples) is cut into, the lcm of
+    the modules' DP degrees: ``data.shard_parts`` parts fill whole blocks (``data/host_read.py``),
+    so a host reading its ranks' blocks reads whole parts."""
+
+    def slot(self, batch: int) -> int:
+        """Samples per microbatch slot of a global batch of ``batch``."""
+        return self.dp_size * self.micro_batch if self.micro_batch else batch
 
 
 class SampleSource:
@@ -82,6 +90,15 @@ class SampleSource:
 
     def global_batch(self, step: int) -> list[PackedSample]:
         raise NotImplementedError
+
+    def units(self) -> list[list[int]] | None:
+        """Global positions of each unit of a batch that can be read on its own (``read_units``);
+        None: the batch is one stream, read whole."""
+        return None
+
+    def read_units(self, step: int, units: list[int]) -> dict[int, PackedSample]:
+        """Global position -> sample of the given units of ``step`` (reading nothing else)."""
+        raise NotImplementedError(f"{type(self).__name__} reads whole batches only")
 
     def state_dict(self) -> dict:
         return {}
@@ -222,6 +239,12 @@ class SyntheticSource(SampleSource):
 
     def global_batch(self, step: int) -> list[PackedSample]:
         return [self.sample(step, i) for i in range(self.batch)]
+
+    def units(self) -> list[list[int]]:
+        return [[i] for i in range(self.batch)]  # every sample is drawn from its own seed
+
+    def read_units(self, step: int, units: list[int]) -> dict[int, PackedSample]:
+        return {i: self.sample(step, i) for i in units}
 
 
 def build_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN) -> SampleSource:

@@ -151,7 +151,8 @@ class SpoolBatch:
     """One step as the producers write it and every rank reads it."""
 
     step: int
-    samples: list[PackedSample]
+    samples: list[PackedSample | None]
+    """The global batch; None where this host reads nothing (``data.read: host``)."""
     plan: dict[str, int]
     """Skip counts of the packing plan up to this step."""
     extra: dict[str, int]
@@ -186,7 +187,7 @@ def plain_problem(value: object, where: str) -> str | None:
 
 def encode_batch(batch: SpoolBatch) -> dict:
     """The file's content: tensors and plain values (``SpoolError`` naming anything else)."""
-    out = {"format": FORMAT, "step": batch.step, "samples": [s.to_plain() for s in batch.samples],
+    out = {"format": FORMAT, "step": batch.step, "samples": [s.to_plain() if s is not None else None for s in batch.samples],
            "plan": batch.plan, "extra": batch.extra, "state": batch.state}
     problem = plain_problem(out, "batch")
     if problem:
@@ -215,7 +216,7 @@ def load_batch(path: Path) -> SpoolBatch:
             raise ValueError("its step, skip counts or source state are of the wrong type")
         if not isinstance(raw["samples"], list):
             raise ValueError("its samples are not a list")
-        samples = [PackedSample.from_plain(s) for s in raw["samples"]]
+        samples = [PackedSample.from_plain(s) if s is not None else None for s in raw["samples"]]
     except (KeyError, ValueError) as exc:
         raise SpoolError(f"{KEY}: refused {path}: {exc}") from None
     return SpoolBatch(step, samples, plan, extra, state)

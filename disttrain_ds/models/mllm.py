@@ -137,13 +137,24 @@ class BatchNorms:
     loss is a mean over its own images."""
 
     @staticmethod
+    def counts(samples: list[PackedSample], generators: int) -> tuple[int, ...]:
+        """(labelled text positions, then images to generate per generator) of ``samples``: summed
+        over a whole global batch (here, or over the hosts that each read part of it) they give the norms."""
+        tokens = sum(int((s.labels != IGNORE_INDEX).sum()) for s in samples)
+        gens = [sum(_count(s.targets(k)) for s in samples) for k in range(max(generators, 1))]
+        return (tokens, *gens)
+
+    @staticmethod
+    def of_counts(counts: Sequence[int], chunks: int) -> "BatchNorms":
+        tokens, *gens = counts
+        return BatchNorms(max(tokens, 1), max(gens[0], 1), chunks, tuple(max(n, 1) for n in gens[1:]))
+
+    @staticmethod
     def of(samples: list[PackedSample], chunks: int, generators: int | None = None) -> "BatchNorms":
         """``generators``: how many the model has (None: as many as the samples hold targets for)."""
         if generators is None:
             generators = 1 + max((len(s.more_targets) for s in samples), default=0)
-        tokens = sum(int((s.labels != IGNORE_INDEX).sum()) for s in samples)
-        gens = [sum(_count(s.targets(k)) for s in samples) for k in range(max(generators, 1))]
-        return BatchNorms(max(tokens, 1), max(gens[0], 1), chunks, tuple(max(n, 1) for n in gens[1:]))
+        return BatchNorms.of_counts(BatchNorms.counts(samples, generators), chunks)
 
     def images(self, k: int) -> int:
         """Images the ``k``-th generator produces in the global batch (at least 1)."""
@@ -168,6 +179,10 @@ class GenInputs:
     """[n_gen, C, R, R] the noise to predict."""
     weights: torch.Tensor
     """float [n_gen]: per-image weights of the diffusion loss."""
+
+    @staticmethod
+    def of(samples: list[PackedSample], chunks: int) -> "BatchNorms":
+        return BatchNorms.of_counts(*BatchNorms.counts(samples), chunks)
 
 
 @dataclass

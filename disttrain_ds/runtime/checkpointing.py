@@ -35,6 +35,7 @@ import torch.distributed as tdist
 
 from ..config import Recipe
 from ..configtools import ConfigError
+from ..data.host_read import merge_states
 from ..topology import Topology
 from .ckpt_reshard import load_resharded, must_reshard, resume_line
 from .reshard import describe_rank
@@ -169,8 +170,11 @@ class Checkpointer:
         record["module"] = self.module
         save_rng(partial / rng_file(self.rank))
         written.append(str(partial / rng_file(self.rank)))
+        state = source.state_dict()
+        if getattr(source, "host_units", None) is not None:  # each host advanced only the parts it reads
+            state = merge_states(self._gather(state))
         if self.rank == 0:
-            save_data_state(source.state_dict(), partial / DATA_STATE)
+            save_data_state(state, partial / DATA_STATE)
             written.append(str(partial / DATA_STATE))
         # Checksummed by the rank that wrote them (still in its page cache), all ranks in parallel.
         base, entries = os.path.abspath(partial), {}

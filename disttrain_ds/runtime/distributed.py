@@ -8,6 +8,7 @@ gathered from every rank) and the callbacks (``runtime/callbacks/``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -22,6 +23,7 @@ from ..comm.boundary import BoundaryComm, boundary_links
 from ..comm.p2p import P2P, PeerInfo, new_channel_groups
 from ..config import Recipe, resolve_path
 from ..configtools import ConfigError
+from ..data.host_read import EMULATED_HOSTS_ENV, aligned_parts, host_names, plan_reading, rank_positions
 from ..data.spool import default_base, host_key, plan_shares
 from ..dsconfig import engine_config, load_ds_config
 from ..models.configs import trains
@@ -111,14 +113,53 @@ def boundary_tensor(spec, module: str, down: str, recipe: Recipe) -> tuple[str, 
     return role.rows_key(down), role.boundary_features(down), dtype
 
 
-def share_batches(recipe: Recipe, source, rank: int, world: int, group) -> None:
+def gather_hosts(world: int, group) -> tuple[list[str], list[int], str]:
+    """Every rank's host name (its machine, or ``DISTTRAIN_EMULATED_HOSTS``' name for it) and pid,
+    and one token for this launch."""
+    hosts: list = [None] * world
+    tdist.all_gather_object(hosts, (host_key(), os.getpid(), secrets.token_hex(8)), group=group)
+    names = host_names([h for h, _, _ in hosts], os.environ.get(EMULATED_HOSTS_ENV))
+    return names, [pid for _, pid, _ in hosts], hosts[0][2]
+
+
+def share_batches(recipe: Recipe, source, rank: int, world: int, hosts: tuple[list[str], list[int], str]) -> None:
     """``data.share: node``: ranks on one host read the batches its leader's producers write once."""
     if not recipe.data.producers or recipe.data.share != "node" or world == 1:
         return
-    hosts: list = [None] * world
-    tdist.all_gather_object(hosts, (host_key(), os.getpid(), secrets.token_hex(8)), group=group)
+    names, pids, token = hosts
     base = Path(recipe.data.spool_dir).expanduser() if recipe.data.spool_dir else default_base()
-    source.share_with(plan_shares([(h, pid) for h, pid, _ in hosts], hosts[0][2], base)[rank])
+    share = plan_shares(list(zip(names, pids)), token, base)[rank]
+    if os.environ.get(EMULATED_HOSTS_ENV):  # emulated hosts share one machine: a spool each
+        share = dataclasses.replace(share, directory=share.directory.with_name(
+            f"{share.directory.name}-{sorted(set(names)).index(names[rank])}"))
+    source.share_with(share)
+
+
+def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[str]) -> list[int] | None:
+    """``data.read: host`` on several hosts: this host reads only its ranks' samples; returns the
+    positions this rank counts in batch-wide sums (None: every host reads whole batches)."""
+    d = recipe.data
+    if d.read != "host" or len(set(names)) == 1:
+        return None
+    where = recipe.source_file
+    if d.reorder:
+        raise ConfigError(f"{where}: 'data.read' host: data.reorder moves samples between hosts; set data.read=all to reorder")
+    units = source.inner.units()
+    if units is None:
+        raise ConfigError(f"{where}: 'data.read' host: data.source {d.source} reads each global batch as one stream, "
+                          "so every host would read all of it; set data.read=all, or use webdataset / parquet / "
+                          "folder / hf with data.shard_parts")
+    batch, slot = recipe.train.global_batch, recipe.parallel.llm.dp * recipe.train.micro_batch
+    consumed = rank_positions(topo.modules, slot, batch)
+    try:
+        plan = plan_reading(units, names, consumed, batch)
+    except ValueError as exc:
+        fits = aligned_parts(batch, slot, source.shape.columns, names, consumed)
+        hint = f"; {fits} parts would" if fits else ""
+        raise ConfigError(f"{where}: 'data.shard_parts' {d.shard_parts} parts do not fall on whole hosts "
+                          f"({exc}){hint}, or set data.read=all") from None
+    source.read_only(plan.units[names[rank]])
+    return plan.positions_of(rank)
 
 
 def layer_state(pm, module: str, layer_defs, tp: TPContext) -> dict[str, torch.Tensor]:
@@ -189,7 +230,9 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     # Step figures and timeline bookkeeping are small CPU tensors: keep them on gloo even with NCCL.
     meta_group = tdist.new_group(list(range(world)), backend="gloo")
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
-    share_batches(recipe, source, rank, world, meta_group)
+    hosts = gather_hosts(world, meta_group)
+    share_batches(recipe, source, rank, world, hosts)
+    counted = read_by_host(recipe, topo, source, rank, hosts[0])
     tp = tp_context(grid, stage, dp_index, tp_index)
     up_grids, down_grids = topo.upstreams(grid.name), topo.downstreams(grid.name)
     upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, grid.name, recipe), tp,
@@ -231,7 +274,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     watchdog.failure_dir = dirs[0]
     console.move_to(dirs[0])
 
-    executor = PipelineExecutor(recipe, topo, grid, place, tp_index, dp_index, spec, engine, p2p, meta_group, preempt)
+    executor = PipelineExecutor(recipe, topo, grid, place, tp_index, dp_index, spec, engine, p2p, meta_group, preempt,
+                                counted)
     callbacks = _callbacks(recipe, topo, rank, spec, engine, ckpt, watchdog, preempt, writer, mfu, meta_group,
                            dirs[0], names[rank])
     trainer = Trainer(recipe, source, executor, callbacks, start, echo=writer.echo if writer else None)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as tdist
 
 from ..comm.routes import blocks
+from ..data.outline import outline, stand_in
 from ..models.mllm import BatchNorms, collate
 from ..models.vae import generator_vae
 from .callbacks.evaluation import eval_figures
@@ -16,11 +18,15 @@ from .step_record import gather_losses, gather_step_record
 
 
 class PipelineExecutor:
-    """Every rank asks the source for the whole global batch and keeps its own samples: microbatch
+    """Every rank asks the source for the global batch and keeps its own samples: microbatch
     slot g holds ``DP_llm x micro_batch`` samples, split into contiguous blocks over this module's
-    DP replicas."""
+    DP replicas. With ``counted`` (``data.read: host``) this host holds only the samples of its
+    own ranks (None elsewhere): the batch-wide counts are summed over the ranks, each position
+    counted by one rank (``counted`` lists this rank's)."""
 
-    def __init__(self, recipe, topo, grid, place, tp_index: int, dp_index: int, spec, engine, p2p, group, preempt):
+    def __init__(self, recipe, topo, grid, place, tp_index: int, dp_index: int, spec, engine, p2p, group, preempt,
+                 counted: list[int] | None = None):
+        self.counted = counted
         self.topo, self.grid, self.place, self.tp_index, self.spec = topo, grid, place, tp_index, spec
         self.engine, self.p2p, self.group, self.preempt = engine, p2p, group, preempt
         self.gas = grad_accum_steps(recipe)
@@ -38,13 +44,49 @@ class PipelineExecutor:
         """This rank's samples of each microbatch slot."""
         return [samples[g * self.slot : (g + 1) * self.slot][self.block.start : self.block.stop] for g in range(self.gas)]
 
-    def _batches(self, samples: list) -> list:
-        norms = BatchNorms.of(samples, self.chunks, len(self.spec.generators))  # global-batch totals: losses independent of the split
+    def _check_read(self, samples: list) -> None:
+        """Every sample this rank consumes or counts was read on this host (one line if not)."""
+        mine = {g * self.slot + p for g in range(self.gas) for p in self.block} | set(self.counted or ())
+        missing = sorted(p for p in mine if samples[p] is None)
+        if missing:
+            raise RuntimeError(f"data.read: this host did not read samples {missing[:4]} of the global batch that "
+                               f"this rank ({self.grid.name}, dp block {self.block.start}..{self.block.stop - 1} "
+                               "of each slot) consumes or counts")
+
+    def _norms(self, samples: list) -> BatchNorms:
+        """Global-batch totals (losses independent of the split), summed over the hosts when each read a share."""
+        if self.counted is None:
+            return BatchNorms.of(samples, self.chunks, len(self.spec.generators))
+        mine = [samples[p] for p in self.counted]
+        counts = torch.tensor(BatchNorms.counts(mine, len(self.spec.generators)), dtype=torch.long)
+        tdist.all_reduce(counts, group=self.group)
+        return BatchNorms.of_counts(counts.tolist(), self.chunks)
+
+    def _batches(self, samples: list, norms: BatchNorms) -> list:
         return [collate(mine, norms, self.spec, gen_dp_scale=self.gen_dp_scale, dtype=self.dtype, vae=self.vae)
                 for mine in self._mine(samples)]
 
+    def batch_view(self, samples: list) -> list:
+        """The global batch for the step's figures: on the logging rank (0), the samples it read
+        and stand-ins (counts and shapes, ``data/outline.py``) of those other hosts read."""
+        if self.counted is None:
+            return samples
+        mine = [(p, outline(samples[p], self.spec.special)) for p in self.counted]
+        rank = tdist.get_rank()
+        got = [None] * tdist.get_world_size() if rank == 0 else None
+        tdist.gather_object(mine, got, dst=0, group=self.group)
+        if rank != 0:
+            return samples
+        view = list(samples)
+        for p, o in (item for part in got for item in part):
+            if view[p] is None:
+                view[p] = stand_in(o, self.spec.special)
+        return view
+
     def train_step(self, step: int, samples: list, data_wait: float, t0: float) -> tuple[dict, bool]:
-        batches = self._batches(samples)
+        if self.counted is not None:
+            self._check_read(samples)
+        batches = self._batches(samples, self._norms(samples))
         if self.engine.emulator is not None:
             self.engine.emulator.set_step(step, self._mine(samples), t0)
         stats = self.engine.run_step(batches)
@@ -56,7 +98,9 @@ class PipelineExecutor:
 
     def evaluate(self, batches: list[list]) -> dict[str, float]:
         # Forward only through the same engines and boundary links as training (ModuleEngine.run_eval).
-        own = sum(self.engine.run_eval(self._batches(samples))["own_loss"] for samples in batches)
+        # Held-out batches are read whole by every rank (``build_eval_source``).
+        norms = [BatchNorms.of(samples, self.chunks, len(self.spec.generators)) for samples in batches]
+        own = sum(self.engine.run_eval(self._batches(samples, n))["own_loss"] for samples, n in zip(batches, norms))
         lm, gens = gather_losses(self.topo, self.grid, self.place, self.tp_index, own / len(batches), self.chunks,
                                 self.gen_dp_scale, self.group, self.spec.roles)
         return eval_figures(lm, gens, self.spec)

@@ -74,6 +74,9 @@ class ReferenceExecutor:
         mean = {k: sum(t[k] for t in per_batch) / len(batches) for k in per_batch[0]}
         return eval_figures(mean["lm"], {n: mean[f"gen/{n}"] for n in self.spec.generators}, self.spec)
 
+    def batch_view(self, samples: list) -> list:
+        return samples  # one process reads the whole batch
+
     def finish(self) -> None:
         pass
 

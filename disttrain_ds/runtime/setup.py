@@ -10,6 +10,7 @@ import torch
 from ..config import Recipe
 from ..costmodel import CostModel, TransformerDims, UNetDims
 from ..data.source import GenShape, SampleSource, ShapeSpec, build_source
+from ..data.host_read import slot_columns
 from ..data.split import Split
 from ..models.configs import EncoderConfig, GeneratorConfig
 from ..models.mllm import MLLMSpec
@@ -98,6 +99,7 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
         dp_size=groups,
         micro_batch=recipe.parallel.llm.dp * recipe.train.micro_batch // groups,
         cost_model=cost_model(recipe),
+        columns=slot_columns([m.dp for m in recipe.parallel.modules.values()]),
     )
 
 

@@ -28,6 +28,11 @@ class StepExecutor(Protocol):
     def finish(self) -> None:
         """After the last step: complete outstanding communication."""
 
+    def batch_view(self, samples: list) -> list:
+        """The global batch the callbacks see after a step: ``samples``, or where this host read
+        only its own share, stand-ins of the others' samples on the logging rank (a collective:
+        every rank calls it)."""
+
 
 class Callback:
     """One concern of the training loop; every hook is optional."""
@@ -77,6 +82,7 @@ class Trainer:
                 figures, stop = self.executor.train_step(step, samples, self.source.last_wait_seconds, t0)
                 self.stop_requested = stop and self.step < self.recipe.train.steps
                 rec = {"step": self.step, **figures}
+                samples = self.executor.batch_view(samples)
                 self._call("on_step_end", samples, rec)
                 if self._keep:
                     self.records.append(rec)

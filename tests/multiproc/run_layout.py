@@ -20,6 +20,9 @@ many checkpointed blocks ran and how often their layers ran (``recompute_rank<r>
 the negative control of the evaluation check.
 ``--fault drop_adam_moments`` zeroes the optimizer's per-element state (Adam's moments) read back
 when a checkpoint is re-sharded for another layout: the negative control for resuming under a new layout.
+``--fault wrong_host_units`` makes every host read the next units of each batch instead of its own
+(``data.read: host``): the negative control that a host missing its ranks' samples is caught.
+Every rank writes the sample ids it read per step (``reads_rank<r>.json``).
 ``--fault drop_fp32_masters`` drops the fp32 master weights read back that way, so a bf16 engine's
 masters restart from its bf16 weights: the negative control for resuming bf16 under a new layout.
 """
@@ -134,6 +137,16 @@ def main() -> int:
             return full
 
         ckpt_reshard.read_module = read_without_masters
+    elif fault == "wrong_host_units":
+        from disttrain_ds.data.producers import ProducedSource
+
+        original_read_only = ProducedSource.read_only
+
+        def read_next_units(self, units):
+            n = len(self.inner.units())
+            return original_read_only(self, tuple(sorted((u + 1) % n for u in units)))
+
+        ProducedSource.read_only = read_next_units
     elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
     from disttrain_ds.parallel import engine
@@ -173,12 +186,24 @@ def main() -> int:
         return original_isend(self, tensor, dst, channel, what)
 
     P2P.isend = counting_isend
+    from disttrain_ds.data import producers
+
+    reads: list[list[int]] = []  # [step, sample id] of every sample this process read (in-process data)
+    original_prepare = producers.prepare
+
+    def recording_prepare(source, step, *a, **kw):
+        samples = original_prepare(source, step, *a, **kw)
+        reads.extend([step, s.sample_id] for s in samples if s is not None)
+        return samples
+
+    producers.prepare = recording_prepare
     rc = distributed.train_distributed(recipe, log=print, export_dir=str(out))
     rank = int(os.environ["RANK"])
     (out / f"sends_rank{rank}.json").write_text(json.dumps(sends))
     shapes = sorted({s for c in seen if c.side == "down" for s in c.shapes_seen})
     (out / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))
     (out / f"recompute_rank{rank}.json").write_text(json.dumps(recomputed))
+    (out / f"reads_rank{rank}.json").write_text(json.dumps(reads))
     return rc
 
 

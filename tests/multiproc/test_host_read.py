@@ -1,0 +1,70 @@
+"""Two emulated hosts (``DISTTRAIN_EMULATED_HOSTS``), each holding one DP replica of every module,
+read disjoint halves of every global batch (``data.read: host``) and still train the reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from disttrain_ds.data.host_read import EMULATED_HOSTS_ENV
+
+from .conftest import launch, max_param_mismatch
+from .test_data_formats_job import write_shards
+from .test_fidelity import SGD, STEPS
+
+# Ranks: encoder dp 0, 1; LLM dp 0, 1; generator dp 0, 1. Host a holds every replica 0.
+HOSTS = {EMULATED_HOSTS_ENV: "a,b,a,b,a,b"}
+LAYOUT = ["layout=disaggregated", "parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.pp=1",
+          "parallel.generator.dp=2", "parallel.heartbeat_timeout_s=120"]
+
+
+def reads_by_host(out: Path) -> dict[str, set[tuple[int, int]]]:
+    """(step, sample id) of every sample each host's ranks read."""
+    names = HOSTS[EMULATED_HOSTS_ENV].split(",")
+    got: dict[str, set] = {}
+    for rank, host in enumerate(names):
+        got.setdefault(host, set()).update(map(tuple, json.loads((out / f"reads_rank{rank}.json").read_text())))
+    return got
+
+
+def check_disjoint_halves(out: Path, steps: int, batch: int) -> None:
+    reads = reads_by_host(out)
+    assert not reads["a"] & reads["b"], "a sample was read on both hosts"
+    assert len(reads["a"]) == len(reads["b"]) == steps * batch // 2
+    assert {s for s, _ in reads["a"] | reads["b"]} == set(range(steps))
+
+
+def test_two_hosts_read_disjoint_samples_and_train_the_reference(tmp_path, reference_run):
+    out = tmp_path / "job"
+    rows, params, _ = launch(out, 6, [STEPS, *SGD, *LAYOUT], env_extra=HOSTS)
+    ref_losses, ref_params = reference_run([STEPS, *SGD])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e}"
+    check_disjoint_halves(out, 3, 4)
+    log = (out / "launch.log").read_text()
+    assert "each host reading only its ranks' samples (this host: 2 of 4)" in log
+    # The logging rank read half the batch; its figures still cover the whole of it.
+    assert all(r["samples_per_s"] * r["step_seconds"] == pytest.approx(4) for r in rows)
+
+
+def test_a_host_that_reads_another_hosts_samples_is_caught(tmp_path):
+    proc = launch(tmp_path / "job", 6, ["train.steps=1", *SGD, *LAYOUT], fault="wrong_host_units", env_extra=HOSTS,
+                  check=False)
+    assert proc.returncode != 0
+    assert "data.read: this host did not read samples" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_two_hosts_read_disjoint_shard_parts_and_train_the_reference(tmp_path, reference_run):
+    path = write_shards(tmp_path / "shards")
+    data = ["data.source=webdataset", f"data.path={path}", "data.shard_parts=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    out = tmp_path / "job"
+    rows, params, _ = launch(out, 6, [STEPS, *SGD, *LAYOUT, *data], env_extra=HOSTS)
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *data])  # one process reads both parts
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e}"
+    check_disjoint_halves(out, 3, 4)
