@@ -68,3 +68,24 @@ def test_two_hosts_read_disjoint_shard_parts_and_train_the_reference(tmp_path, r
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e}"
     check_disjoint_halves(out, 3, 4)
+
+
+@pytest.mark.slow
+def test_hosts_reading_their_parts_through_producers_resume_exactly(tmp_path, reference_run):
+    path = write_shards(tmp_path / "shards")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    data = ["data.source=webdataset", f"data.path={path}", "data.shard_parts=2", f"data.cache_dir={tmp_path / 'cache'}"]
+    job = [*SGD, *LAYOUT, *data, "data.producers=1", "data.queue_depth=2", f"data.spool_dir={spool}",
+           "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}"]
+    out = tmp_path / "job"
+    launch(out, 6, ["train.steps=2", *job], env_extra=HOSTS)
+    # The checkpoint's data state holds each part as the host reading it left it.
+    rows, params, _ = launch(out, 6, ["train.steps=4", *job], env_extra=HOSTS)  # resumes at step 2
+    ref_losses, ref_params = reference_run(["train.steps=4", *SGD, *data])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e}"
+    assert "resumed from" in (out / "launch.log").read_text()
+    assert list(spool.iterdir()) == []
