@@ -220,7 +220,7 @@ def materialise(
     t = torch.tensor(ids, dtype=torch.long)
     gen = torch.stack(targets) if targets else torch.zeros(0, 3, r, r)
     meta = {"source": source, "records": [(int(pc.epoch), int(pc.record)) for pc in pieces]}
-    return PackedSample(t, labels_for(t, special), images, gen, sample_id, tuple(doc_lens), meta, audio=clips)
+    return PackedSample(t, labels_for(t, special, doc_lens), images, gen, sample_id, tuple(doc_lens), meta, audio=clips)
 
 
 def _clip(seg: AudioSeg, ctx: ParseContext, on_decode_error: Callable[[], None]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``paper_stats`` source: synthetic sequences shaped like the paper's LAION-400M statistics.
 
 Layouts (caption lengths, image token counts, images per sequence) come from
-:func:`disttrain_ds.data.paper_stats.draw_sequence_layouts`, drawn jointly for each global batch
+:func:`disttrain_ds.data.paper_stats.packed_layouts` (drawn jointly at 8K, packed pair by pair below), for each global batch
 from a seed per step, so any step can be built directly. One image token is one encoder patch:
 an image of ``t`` tokens becomes an ``a x b`` patch grid with ``a * b <= t`` as close to ``t`` as
 a near-square grid allows. Each (image, caption) pair is one document; with probability
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .config import DataConfig
-from .paper_stats import draw_sequence_layouts
+from .paper_stats import packed_layouts
 from .source import _WORDS, SampleSource, ShapeSpec, labels_for, smooth_image
 from .split import TRAIN, Split
 from .tokenizer import Tokenizer, load_tokenizer
@@ -87,10 +87,10 @@ class PaperStatsSource(SampleSource):
         t = torch.tensor(ids, dtype=torch.long)
         r = sh.gen_resolution
         gen = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
-        return PackedSample(t, labels_for(t, sp), images, gen, sample_id, tuple(doc_lens), {"source": "paper_stats"})
+        return PackedSample(t, labels_for(t, sp, doc_lens), images, gen, sample_id, tuple(doc_lens), {"source": "paper_stats"})
 
     def global_batch(self, step: int) -> list[PackedSample]:
         rng = np.random.default_rng(self.split.seed(self.seed, step, 5))
-        layouts = draw_sequence_layouts(self.batch, self.cfg.seq_len, rng)
+        layouts = packed_layouts(self.batch, self.cfg.seq_len, rng, markers=3)  # boi, eoi, eod
         return [self.sample(lay, rng, self.split.sample_id(step * self.batch + i)) for i, lay in enumerate(layouts)]
 

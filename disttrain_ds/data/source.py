@@ -7,7 +7,7 @@ order, which is what makes the reference, monolithic and disaggregated runs comp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -127,12 +127,16 @@ class SampleSource:
         self.close()
 
 
-def labels_for(ids: torch.Tensor, special: SpecialTokens) -> torch.Tensor:
-    """label[i] = ids[i+1] when that next token is text (or a marker); IGNORE elsewhere."""
+def labels_for(ids: torch.Tensor, special: SpecialTokens, doc_lens: Sequence[int] = ()) -> torch.Tensor:
+    """label[i] = ids[i+1] when that next token is text (or a marker) of the same document;
+    IGNORE elsewhere: before a placeholder, a query or padding, and at each document's last
+    position (``doc_lens``), whose next token starts another document it cannot see."""
     labels = torch.full_like(ids, IGNORE_INDEX)
     nxt = ids[1:]
     keep = ~special.no_label(nxt)
     labels[:-1] = torch.where(keep, nxt, torch.full_like(nxt, IGNORE_INDEX))
+    ends = torch.tensor(list(doc_lens), dtype=torch.long).cumsum(0) - 1
+    labels[ends[ends < len(ids)]] = IGNORE_INDEX
     return labels
 
 
@@ -234,7 +238,7 @@ class SyntheticSource(SampleSource):
         targets = [torch.stack(ts) if ts else torch.zeros(0, g.channels, g.resolution, g.resolution)
                    for ts, g in zip(per_gen, shapes)]
         sample_id = self.split.sample_id(step * self.batch + index)
-        return PackedSample(t, labels_for(t, sp), images, targets[0], sample_id, tuple(doc_lens), audio=clips,
+        return PackedSample(t, labels_for(t, sp, doc_lens), images, targets[0], sample_id, tuple(doc_lens), audio=clips,
                             more_targets=targets[1:])
 
     def global_batch(self, step: int) -> list[PackedSample]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .types import IGNORE_INDEX, PackedSample, SpecialTokens
+from .source import labels_for
+from .types import PackedSample, SpecialTokens
 
 
 def _runs(mask: torch.Tensor) -> list[int]:
@@ -69,12 +70,9 @@ def sample_problems(
             bad.append(f"generation query runs {gens} are not {q} long")
         if g.numel() and (float(g.min()) < -1.0 or float(g.max()) > 1.0):
             bad.append(f"{name} outside [-1, 1]")
-    nxt = ids[1:]
-    expect = torch.full_like(ids, IGNORE_INDEX)
-    keep = ~special.no_label(nxt)
-    expect[:-1] = torch.where(keep, nxt, torch.full_like(nxt, IGNORE_INDEX))
-    if not torch.equal(labels, expect):
-        bad.append("labels are not the next text/marker token with placeholders, queries and padding ignored")
+    if not torch.equal(labels, labels_for(ids, special, s.doc_lens)):
+        bad.append("labels are not the next text/marker token of the same document, with placeholders, queries, "
+                   "padding and each document's last position ignored")
     used = int((ids != special.pad).sum())
     if not s.doc_lens or any(n <= 0 for n in s.doc_lens):
         bad.append(f"doc_lens {tuple(s.doc_lens)} must list each document's positive length")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.source import ShapeSpec, SyntheticSource, build_source
-from disttrain_ds.data.types import NO_DOC, doc_ids
+from disttrain_ds.data.source import ShapeSpec, SyntheticSource, build_source, labels_for
+from disttrain_ds.data.types import IGNORE_INDEX, NO_DOC, SpecialTokens, doc_ids
 from disttrain_ds.data.validate import sample_problems
 from disttrain_ds.models.doc_mask import doc_attention, doc_causal_mask, doc_positions, doc_spans
 from disttrain_ds.models.layers import Sequential
@@ -177,3 +177,30 @@ def test_validation_refuses_an_image_split_across_documents():
     bad = dataclasses.replace(s, doc_lens=(cut, sum(s.doc_lens) - cut))
     assert any("straddles two documents" in p for p in sample_problems(bad, src.special, 8, 128, 4, 16))
     assert sample_problems(s, src.special, 8, 128, 4, 16) == []
+
+
+def test_a_documents_last_token_is_not_trained_to_predict_the_next_documents_first():
+    sp = SpecialTokens.after(256)
+    ids = torch.tensor([5, 6, sp.eod, 7, 8, sp.eod, sp.pad])
+    labels = labels_for(ids, sp, (3, 3))
+    # Inside a document: the next token. At each eod: nothing (the next document starts, or padding).
+    assert labels.tolist() == [6, sp.eod, IGNORE_INDEX, 8, sp.eod, IGNORE_INDEX, IGNORE_INDEX]
+    assert labels_for(ids, sp)[2] == 7  # without document lengths the stream's next token would be its label
+
+
+@pytest.mark.parametrize("source", ["synthetic", "paper_stats", "mmc4"])
+def test_no_label_crosses_a_document_boundary_and_the_norms_count_what_is_labelled(source, request):
+    if source == "mmc4":
+        path = request.getfixturevalue("fixtures_dir") / "mmc4_sample.jsonl"
+        cfg = DataConfig(source="mmc4", path=str(path), seq_len=256, image_sizes=[16])
+    else:
+        cfg = DataConfig(source=source, seq_len=512 if source == "paper_stats" else 128, max_images=8)
+    src = build_source(cfg, SHAPE, 4, seed=1)
+    samples = [s for step in range(2) for s in src.global_batch(step)]
+    assert max(len(s.doc_lens) for s in samples) > 1
+    for s in samples:
+        ends = torch.tensor(s.doc_lens).cumsum(0) - 1
+        assert (s.labels[ends] == IGNORE_INDEX).all()
+        assert sample_problems(s, src.special, 8, cfg.seq_len, 4, 16) == []
+    labelled = sum(int((s.labels != IGNORE_INDEX).sum()) for s in samples)
+    assert BatchNorms.of(samples, 1).text_tokens == labelled

@@ -114,3 +114,34 @@ def test_draw_sample_stats_is_consistent_with_layouts():
         assert s.seq_len == 8192 and sum(s.doc_lens) <= 8192
         assert sum(s.doc_lens) == s.text_tokens + sum(s.image_patches)
         assert s.gen_images == len(s.image_patches)
+
+
+def _fill(layouts, seq_len: int, markers: int = 0) -> float:
+    return float(np.mean([(sum(s.tokens for s in lay) + markers * len(lay) // 2) / seq_len for lay in layouts]))
+
+
+def test_short_sequences_are_packed_as_densely_as_the_papers_8k_ones():
+    from disttrain_ds.data.paper_stats import packed_layouts
+
+    paper = _fill(draw_sequence_layouts(1500, 8192, np.random.default_rng(0)), 8192)  # about 0.74
+    packed = packed_layouts(1500, 1024, np.random.default_rng(0), markers=3)
+    assert all(sum(s.tokens for s in lay) + 3 * len(lay) // 2 <= 1024 for lay in packed)
+    assert abs(_fill(packed, 1024, 3) - paper) < 0.1
+    assert np.median([len(lay) // 2 for lay in packed]) >= 2
+    # Scaling the 8K image counts instead leaves one pair and mostly padding.
+    assert _fill(draw_sequence_layouts(1500, 1024, np.random.default_rng(0)), 1024) < paper - 0.25
+    assert packed_layouts(3, 8192, np.random.default_rng(4)) == draw_sequence_layouts(3, 8192, np.random.default_rng(4))
+
+
+def test_paper_stats_source_fills_1024_token_sequences_with_several_documents():
+    from disttrain_ds.data.config import DataConfig
+    from disttrain_ds.data.source import ShapeSpec, build_source
+
+    # Image-to-text pairs only: a text-to-image pair puts its caption and queries in the sequence,
+    # not its image, so it takes less room than the layout gave it.
+    cfg = DataConfig(source="paper_stats", seq_len=1024, max_images=30, gen_images=[0, 0], gen_prob=0.0)
+    src = build_source(cfg, ShapeSpec(patch_size=16, gen_resolution=16, gen_channels=3, query_tokens=4), 16, seed=2)
+    samples = [s for step in range(3) for s in src.global_batch(step)]
+    used = [int((s.input_ids != src.special.pad).sum()) / 1024 for s in samples]
+    assert np.mean(used) > 0.65
+    assert np.mean([len(s.doc_lens) > 1 for s in samples]) > 0.5
