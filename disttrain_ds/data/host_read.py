@@ -45,7 +45,7 @@ def rank_positions(modules, slot: int, batch: int) -> dict[int, set[int]]:
         width = slot // m.dp
         for r in m.ranks:
             d = m.coords(r)[1]
-            out[r] = {g + d * width + i for g in range(0, batch, slot) for i in range(width)}
+            out.setdefault(r, set()).update(g + d * width + i for g in range(0, batch, slot) for i in range(width))
     return out
 
 
