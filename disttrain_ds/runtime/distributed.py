@@ -23,6 +23,7 @@ from ..comm.boundary import BoundaryComm, boundary_links
 from ..comm.p2p import P2P, PeerInfo, new_channel_groups
 from ..config import Recipe, resolve_path
 from ..configtools import ConfigError
+from ..data.config import SHARD_PATHS
 from ..data.host_read import EMULATED_HOSTS_ENV, aligned_parts, host_names, plan_reading, rank_positions
 from ..data.spool import default_base, host_key, plan_shares
 from ..dsconfig import engine_config, load_ds_config
@@ -144,20 +145,20 @@ def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[
     where = recipe.source_file
     if d.reorder:
         raise ConfigError(f"{where}: 'data.read' host: data.reorder moves samples between hosts; set data.read=all to reorder")
-    units = source.inner.units()
-    if units is None:
-        raise ConfigError(f"{where}: 'data.read' host: data.source {d.source} reads each global batch as one stream, "
-                          "so every host would read all of it; set data.read=all, or use webdataset / parquet / "
-                          "folder / hf with data.shard_parts")
     batch, slot = recipe.train.global_batch, recipe.parallel.llm.dp * recipe.train.micro_batch
     consumed = rank_positions(topo.modules, slot, batch)
+    units = source.inner.units()
+    if units is None and d.source not in SHARD_PATHS:
+        raise ConfigError(f"{where}: 'data.read' host: data.source {d.source} reads each global batch as one "
+                          "stream, so every host would read all of it; set data.read=all, or use webdataset / "
+                          "parquet / folder / hf with data.shard_parts")
     try:
-        plan = plan_reading(units, names, consumed, batch)
+        plan = plan_reading(units or [list(range(batch))], names, consumed, batch)
     except ValueError as exc:
         fits = aligned_parts(batch, slot, source.shape.columns, names, consumed)
         hint = f"; {fits} parts would" if fits else ""
-        raise ConfigError(f"{where}: 'data.shard_parts' {d.shard_parts} parts do not fall on whole hosts "
-                          f"({exc}){hint}, or set data.read=all") from None
+        raise ConfigError(f"{where}: 'data.shard_parts' {d.shard_parts} part{'s' if d.shard_parts > 1 else ''} "
+                          f"do not fall on whole hosts ({exc}){hint}, or set data.read=all") from None
     source.read_only(plan.units[names[rank]])
     return plan.positions_of(rank)
 

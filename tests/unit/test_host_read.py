@@ -135,3 +135,61 @@ def test_step_flops_of_stand_ins_equal_those_of_the_samples():
     count = StepFlopsCounter(spec)
     stand = [stand_in(outline(s, spec.special), spec.special) for s in batch]
     assert count(stand) == count(batch)
+
+
+def _two_hosts_recipe(tmp_path, *overrides):
+    from disttrain_ds.config import load_recipe
+
+    layout = ["layout=disaggregated", "parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.pp=1",
+              "parallel.generator.dp=2", f"logging.dir={tmp_path}"]
+    return load_recipe("tiny_cpu", [*layout, *overrides])
+
+
+def _read_by_host(recipe):
+    from disttrain_ds.runtime.distributed import read_by_host
+    from disttrain_ds.runtime.setup import build_data_and_spec
+    from disttrain_ds.topology import Topology
+
+    source, _ = build_data_and_spec(recipe)
+    with source:
+        return read_by_host(recipe, Topology.from_recipe(recipe), source, 0, ["a", "b"] * 3), source.host_units
+
+
+def _tar_shards(root, shards: int = 2):
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    root.mkdir()
+    for s in range(shards):
+        with tarfile.open(root / f"{s}.tar", "w") as tf:
+            for i in range(4):
+                buf = io.BytesIO()
+                Image.new("RGB", (32, 32), (60 * s, 40 * i, 90)).save(buf, "JPEG")
+                for ext, data in (("jpg", buf.getvalue()), ("txt", f"image {i} of shard {s}".encode())):
+                    info = tarfile.TarInfo(f"{s}{i:03d}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+    return str(root)
+
+
+def test_each_host_gets_its_units_and_counts_once(tmp_path):
+    counted, units = _read_by_host(_two_hosts_recipe(tmp_path))
+    assert counted == [0, 2] and units == (0, 2)  # rank 0 (host a) reads and counts its DP block of both slots
+
+
+def test_per_host_reading_refuses_what_would_read_other_hosts_samples(tmp_path):
+    from disttrain_ds.configtools import ConfigError
+
+    with pytest.raises(ConfigError, match="'data.read' host: data.reorder moves samples between hosts"):
+        _read_by_host(_two_hosts_recipe(tmp_path, "data.reorder=true"))
+    with pytest.raises(ConfigError, match="'data.read' host: data.source paper_stats reads each global batch as one stream"):
+        _read_by_host(_two_hosts_recipe(tmp_path, "data.source=paper_stats"))
+    shards = [f"data.path={_tar_shards(tmp_path / 'shards')}", "data.source=webdataset",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(ConfigError, match=r"'data.shard_parts' 1 part do not fall on whole hosts .*; 2 parts would"):
+        _read_by_host(_two_hosts_recipe(tmp_path, *shards))
+    counted, units = _read_by_host(_two_hosts_recipe(tmp_path, *shards, "data.shard_parts=2"))
+    assert counted == [0, 2] and units == (0,)
+    assert _read_by_host(_two_hosts_recipe(tmp_path, "data.reorder=true", "data.read=all")) == (None, None)
