@@ -79,10 +79,10 @@ def test_emulated_host_names_are_one_per_rank():
 def test_norm_counts_summed_over_hosts_equal_the_whole_batch_norms():
     source = build_source(DataConfig(), SHAPE, 6, 5)
     batch = source.global_batch(0)
-    halves = [BatchNorms.counts(batch[:2]), BatchNorms.counts(batch[2:])]
-    summed = BatchNorms.of_counts(sum(h[0] for h in halves), sum(h[1] for h in halves), 3)
+    halves = [BatchNorms.counts(batch[:2], 1), BatchNorms.counts(batch[2:], 1)]
+    summed = BatchNorms.of_counts([a + b for a, b in zip(*halves)], 3)
     assert summed == BatchNorms.of(batch, 3)
-    assert BatchNorms.of_counts(*halves[0], 3) != BatchNorms.of(batch, 3)  # one host's share alone is not
+    assert BatchNorms.of_counts(halves[0], 3) != BatchNorms.of(batch, 3)  # one host's share alone is not
 
 
 def test_stand_ins_give_the_figures_of_the_samples_they_outline():
