@@ -79,11 +79,12 @@ class DataConfig:
     """Multi-rank layouts with producers > 0. node: one rank per host runs the producers and every
     rank of the host reads the batches they write once to a shared-memory spool; rank: every rank
     runs its own producers over the whole global batch (preprocessing repeated per rank)."""
-    read: Literal["host", "all"] = "host"
+    read: Literal["auto", "host", "all"] = "auto"
     """Jobs on several hosts. host: each host reads and decodes only the samples its own ranks
     consume (a source read in units: synthetic, or webdataset / parquet / folder / hf with
     shard_parts parts that fall on whole hosts), and batch-wide totals are summed over the hosts;
-    all: every host reads whole global batches (needed by data.reorder and by one-stream sources)."""
+    all: every host reads whole global batches (needed by data.reorder and by one-stream sources);
+    auto: host where the job allows it, else all, said in one start-up line with the reason."""
     spool_dir: str = ""
     """Directory for the node-shared batches (an existing, node-local one); empty: /dev/shm, or the
     system temp directory where there is no /dev/shm. A spool takes about queue_depth + 2 batches."""
@@ -145,8 +146,8 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
         return "tokenizer", f"{cfg.tokenizer!r} is not byte, smollm2 or an existing tokenizer directory"
     if cfg.share not in ("node", "rank"):
         return "share", f"must be node or rank, got {cfg.share!r}"
-    if cfg.read not in ("host", "all"):
-        return "read", f"must be host or all, got {cfg.read!r}"
+    if cfg.read not in ("auto", "host", "all"):
+        return "read", f"must be auto, host or all, got {cfg.read!r}"
     if cfg.spool_dir and not Path(cfg.spool_dir).expanduser().is_dir():
         return "spool_dir", f"{cfg.spool_dir} is not an existing directory"
     if not cfg.image_sizes:

@@ -136,29 +136,41 @@ def share_batches(recipe: Recipe, source, rank: int, world: int, hosts: tuple[li
     source.share_with(share)
 
 
-def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[str]) -> list[int] | None:
-    """``data.read: host`` on several hosts: this host reads only its ranks' samples; returns the
-    positions this rank counts in batch-wide sums (None: every host reads whole batches)."""
+def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[str],
+                 log=print) -> list[int] | None:
+    """``data.read: host`` (or ``auto``) on several hosts: this host reads only its ranks' samples;
+    returns the positions this rank counts in batch-wide sums (None: every host reads whole
+    batches). Under ``auto`` a job that cannot read per host reads whole batches, and rank 0 says why."""
     d = recipe.data
-    if d.read != "host" or len(set(names)) == 1:
+    if d.read == "all" or len(set(names)) == 1:
         return None
     where = recipe.source_file
-    if d.reorder:
-        raise ConfigError(f"{where}: 'data.read' host: data.reorder moves samples between hosts; set data.read=all to reorder")
     batch, slot = recipe.train.global_batch, recipe.parallel.llm.dp * recipe.train.micro_batch
     consumed = rank_positions(topo.modules, slot, batch)
     units = source.inner.units()
-    if units is None and d.source not in SHARD_PATHS:
-        raise ConfigError(f"{where}: 'data.read' host: data.source {d.source} reads each global batch as one "
-                          "stream, so every host would read all of it; set data.read=all, or use webdataset / "
-                          "parquet / folder / hf with data.shard_parts")
-    try:
-        plan = plan_reading(units or [list(range(batch))], names, consumed, batch)
-    except ValueError as exc:
-        fits = aligned_parts(batch, slot, source.shape.columns, names, consumed)
-        hint = f"; {fits} parts would" if fits else ""
-        raise ConfigError(f"{where}: 'data.shard_parts' {d.shard_parts} part{'s' if d.shard_parts > 1 else ''} "
-                          f"do not fall on whole hosts ({exc}){hint}, or set data.read=all") from None
+    why = None
+    if d.reorder:
+        why = "data.reorder moves samples between hosts", "set data.read=all to reorder"
+    elif units is None and d.source not in SHARD_PATHS:
+        why = (f"data.source {d.source} reads each global batch as one stream, so every host would read all of it",
+               "set data.read=all, or use webdataset / parquet / folder / hf with data.shard_parts")
+    plan = None
+    if why is None:
+        try:
+            plan = plan_reading(units or [list(range(batch))], names, consumed, batch)
+        except ValueError as exc:
+            fits = aligned_parts(batch, slot, source.shape.columns, names, consumed)
+            hint = f"; {fits} parts would" if fits else ""
+            why = (f"data.shard_parts {d.shard_parts} part{'s' if d.shard_parts > 1 else ''} do not fall on whole "
+                   f"hosts ({exc}){hint}", "or set data.read=all")
+    if why is not None:
+        if d.read == "host" and why[0].startswith("data.shard_parts"):
+            raise ConfigError(f"{where}: 'data.shard_parts' {why[0].removeprefix('data.shard_parts ')}, {why[1]}")
+        if d.read == "host":
+            raise ConfigError(f"{where}: 'data.read' host: {why[0]}; {why[1]}")
+        if rank == 0:
+            log(f"data.read auto: every host reads whole global batches ({why[0]})")
+        return None
     source.read_only(plan.units[names[rank]])
     return plan.positions_of(rank)
 
@@ -233,7 +245,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     hosts = gather_hosts(world, meta_group)
     share_batches(recipe, source, rank, world, hosts)
-    counted = read_by_host(recipe, topo, source, rank, hosts[0])
+    counted = read_by_host(recipe, topo, source, rank, hosts[0], log)
     tp = tp_context(grid, stage, dp_index, tp_index)
     up_grids, down_grids = topo.upstreams(grid.name), topo.downstreams(grid.name)
     upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, grid.name, recipe), tp,

@@ -145,14 +145,14 @@ def _two_hosts_recipe(tmp_path, *overrides):
     return load_recipe("tiny_cpu", [*layout, *overrides])
 
 
-def _read_by_host(recipe):
+def _read_by_host(recipe, log=print):
     from disttrain_ds.runtime.distributed import read_by_host
     from disttrain_ds.runtime.setup import build_data_and_spec
     from disttrain_ds.topology import Topology
 
     source, _ = build_data_and_spec(recipe)
     with source:
-        return read_by_host(recipe, Topology.from_recipe(recipe), source, 0, ["a", "b"] * 3), source.host_units
+        return read_by_host(recipe, Topology.from_recipe(recipe), source, 0, ["a", "b"] * 3, log), source.host_units
 
 
 def _tar_shards(root, shards: int = 2):
@@ -183,13 +183,24 @@ def test_per_host_reading_refuses_what_would_read_other_hosts_samples(tmp_path):
     from disttrain_ds.configtools import ConfigError
 
     with pytest.raises(ConfigError, match="'data.read' host: data.reorder moves samples between hosts"):
-        _read_by_host(_two_hosts_recipe(tmp_path, "data.reorder=true"))
+        _read_by_host(_two_hosts_recipe(tmp_path, "data.read=host", "data.reorder=true"))
     with pytest.raises(ConfigError, match="'data.read' host: data.source paper_stats reads each global batch as one stream"):
-        _read_by_host(_two_hosts_recipe(tmp_path, "data.source=paper_stats"))
+        _read_by_host(_two_hosts_recipe(tmp_path, "data.read=host", "data.source=paper_stats"))
     shards = [f"data.path={_tar_shards(tmp_path / 'shards')}", "data.source=webdataset",
               f"data.cache_dir={tmp_path / 'cache'}"]
     with pytest.raises(ConfigError, match=r"'data.shard_parts' 1 part do not fall on whole hosts .*; 2 parts would"):
-        _read_by_host(_two_hosts_recipe(tmp_path, *shards))
+        _read_by_host(_two_hosts_recipe(tmp_path, "data.read=host", *shards))
     counted, units = _read_by_host(_two_hosts_recipe(tmp_path, *shards, "data.shard_parts=2"))
     assert counted == [0, 2] and units == (0,)
     assert _read_by_host(_two_hosts_recipe(tmp_path, "data.reorder=true", "data.read=all")) == (None, None)
+
+
+def test_auto_reads_per_host_where_it_can_and_says_why_every_host_reads_whole_batches_elsewhere(tmp_path):
+    lines = []
+    assert _read_by_host(_two_hosts_recipe(tmp_path), lines.append) == ([0, 2], (0, 2)) and lines == []
+    for override, why in (("data.reorder=true", "data.reorder moves samples between hosts"),
+                          ("data.source=paper_stats", "data.source paper_stats reads each global batch as one stream")):
+        lines.clear()
+        assert _read_by_host(_two_hosts_recipe(tmp_path, override), lines.append) == (None, None)
+        assert lines == [f"data.read auto: every host reads whole global batches ({why}, so every host would read all "
+                         "of it)" if "stream" in why else f"data.read auto: every host reads whole global batches ({why})"]
