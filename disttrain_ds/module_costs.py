@@ -5,13 +5,15 @@ costed by its kind in the shared :class:`~disttrain_ds.costmodel.CostModel`: an 
 its input images, an audio encoder by its input clips, the LLM by its packed sequence, a
 generator by its generated images. Reordering, the ``balance/<module>_*`` figures, emulated
 compute and the profiler's per-sample draws all read one ``GraphCosts``, so every module of the
-graph, a second encoder included, is priced the same way everywhere.
+graph, a second encoder included, is priced the same way everywhere. Each generator is priced by
+its own targets (the k-th generator in graph order by ``SampleStats.for_generator(k)``: its image
+count and side) with its own family's cost terms (``gen_models``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,11 +36,17 @@ class GraphCosts:
     kinds: dict[str, str]
     """Module name -> its cost kind (``costmodel.Module``: encoder | audio | llm | generator), in
     the graph's data-flow order."""
+    gen_models: dict[str, CostModel] = field(default_factory=dict)
+    """Generator name -> the model whose generator terms (``gen_per_*``, ``gen_downsample``)
+    price it, its own family's; a generator not named here uses ``model``'s."""
 
     def __post_init__(self) -> None:
         bad = {n: k for n, k in self.kinds.items() if k not in ROLE_OF_KIND}
         if bad:
             raise ValueError(f"cost kinds must be among {sorted(ROLE_OF_KIND)}, got {bad}")
+        stray = sorted(set(self.gen_models) - {n for n, k in self.kinds.items() if k == "generator"})
+        if stray:
+            raise ValueError(f"gen_models names modules that are not generators: {stray}")
 
     @classmethod
     def three_module(cls, model: CostModel) -> "GraphCosts":
@@ -64,19 +72,23 @@ class GraphCosts:
         return self.names.index(name)
 
     def module_cost(self, name: str, s: SampleStats) -> float:
-        """Forward cost of ``s`` in module ``name``."""
+        """Forward cost of ``s`` in module ``name`` (a generator: of its own targets, by its own terms)."""
         if name not in self.kinds:
             raise ValueError(f"no module {name!r} in the cost model (modules: {', '.join(self.names)})")
-        return self.model.module_cost(self.kinds[name], s)
+        kind = self.kinds[name]
+        if kind != "generator":
+            return self.model.module_cost(kind, s)
+        k = [n for n, kd in self.kinds.items() if kd == "generator"].index(name)
+        return self.gen_models.get(name, self.model).generator_cost(s.for_generator(k))
 
     def costs(self, samples: Sequence[SampleStats]) -> np.ndarray:
         """``[n, len(names)]`` forward costs of each sample in each module."""
-        return np.array([[self.model.module_cost(k, s) for k in self.kinds.values()] for s in samples],
+        return np.array([[self.module_cost(n, s) for n in self.kinds] for s in samples],
                         dtype=np.float64).reshape(-1, len(self.kinds))
 
     def train_cost(self, s: SampleStats) -> float:
         """Forward plus backward cost of ``s`` through every module of the graph."""
-        return sum(self.model.module_cost(k, s) for k in self.kinds.values()) * (1.0 + self.backward_factor)
+        return sum(self.module_cost(n, s) for n in self.kinds) * (1.0 + self.backward_factor)
 
     def stage_times(self, per_module: np.ndarray) -> np.ndarray:
         """``[..., 3]`` encoder, LLM and generator stage times from ``[..., len(names)]`` per-module

@@ -8,7 +8,7 @@ and tokenised, so trainer ranks never touch raw data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -97,6 +97,17 @@ class SampleStats:
     """Lengths of the documents packed into the sequence (for attention FLOPs); empty if unknown."""
     audio_frames: tuple[int, ...] = ()
     """Log-mel frames of each input audio clip, in sequence order."""
+    more_gens: tuple[tuple[int, int], ...] = ()
+    """(images, side) of the second, third, ... generator's targets (graph order; the first one's
+    are ``gen_images`` and ``gen_resolution``); missing entries mean none."""
+
+    def for_generator(self, k: int) -> "SampleStats":
+        """This sample as the ``k``-th generator (graph order) sees it: ``gen_images`` and
+        ``gen_resolution`` are its own targets'."""
+        if k == 0:
+            return self
+        n, side = self.more_gens[k - 1] if k - 1 < len(self.more_gens) else (0, 0)
+        return replace(self, gen_images=n, gen_resolution=side)
 
 
 @dataclass
@@ -148,6 +159,7 @@ class PackedSample:
             seq_len=int(self.input_ids.shape[0]),
             doc_lens=self.doc_lens,
             audio_frames=tuple(int(c.shape[1]) for c in self.audio),
+            more_gens=tuple((int(t.shape[0]), int(t.shape[-1]) if t.numel() else 0) for t in self.more_targets),
         )
 
     def doc_ids(self) -> torch.Tensor:

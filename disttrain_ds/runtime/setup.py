@@ -51,7 +51,10 @@ def cost_model(recipe: Recipe) -> GraphCosts:
         model = dataclasses.replace(model, **get_family(audio.family, "encoder").cost_terms(audio))
     kinds = {n: ("audio" if graph.role(n) == "encoder" and module_family(recipe, n).modality == "audio"
                  else graph.role(n)) for n in graph.names}
-    return GraphCosts(model, kinds)
+    # Every further generator by its own family's terms (the VAE encodes the first one's targets only).
+    more = {n: dataclasses.replace(model, **get_family(c.family, "generator").cost_terms(c))
+            for n, c in zip(graph.generators[1:], generator_configs(recipe)[1:])}
+    return GraphCosts(model, kinds, more)
 
 
 def generator_configs(recipe: Recipe) -> list:
