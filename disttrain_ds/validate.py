@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from .graph import ModuleGraph
 
 AUDIO_SOURCES = ("synthetic", "local", "webdataset", "parquet", "folder", "hf")
+MULTI_GEN_SOURCES = ("synthetic", "local", "webdataset", "parquet", "folder", "hf")
+"""Sources that give targets to several generators (records name a target's generator)."""
 """Values of ``data.source`` that produce audio clips."""
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 """A run name: letters, digits and ``._-``, not starting with ``.``, 1 to 100 characters."""
@@ -206,11 +208,12 @@ def validate(r: Recipe) -> None:
         bad = data_problem(d, cfg.query_tokens)
         if bad:
             raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]} ({module_key(r, name)}.query_tokens)")
-    # Each generator has its own query token and targets (SpecialTokens.query, PackedSample.targets);
-    # the synthetic source draws targets for every generator, the others fill the first one's only.
-    _check(len(graph.generators) <= 1 or d.source == "synthetic", src, "data.source",
+    # Each generator has its own query token and targets (SpecialTokens.query, PackedSample.targets):
+    # the synthetic source draws targets for every generator, records name theirs (``generate``).
+    _check(len(graph.generators) <= 1 or d.source in MULTI_GEN_SOURCES, src, "data.source",
            f"{d.source} gives generation targets to one generator only; the generators "
-           f"{', '.join(graph.generators)} need data.source=synthetic")
+           f"{', '.join(graph.generators)} need data.source {' | '.join(MULTI_GEN_SOURCES)} "
+           f"(records name a target's generator in their generate field, docs/data.md)")
     for name in graph.names:
         ckpt = module_config(r, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"{module_key(r, name)}.checkpoint", f"{ckpt} does not exist")

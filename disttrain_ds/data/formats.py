@@ -5,12 +5,18 @@ which are read (the encoder sees them):
 
 * caption pairs (LAION, local ``image``+``caption``): with probability ``data.gen_prob`` the pair is
   text-to-image (caption, then the generated image); otherwise image-to-text (image, then caption).
-  A local record may force the choice with ``"generate": true|false``.
+  A local record may force the choice with ``"generate": true|false``, or name the generator that
+  produces the image (``"generate": "sketcher"``, a module name; true is the first generator).
 * interleaved documents (MMC4, local ``segments``): the last image of the document is generated;
   the others are read. An input image goes before its matched sentence (as MMC4 readers do); the
   generated image goes right after its matched sentence, so that sentence conditions it. A local
-  document that marks any image with ``generate`` uses those marks instead.
+  document that marks any image with ``generate`` uses those marks instead (a mark may name the
+  generator, as in pairs).
 
+Without a name, a generated image is the first generator's (graph order). A name the model has no
+generator for skips the record (``unknown_generator``): records are parsed lazily, as training
+reads them, so a data set made for another model shows in the skip counts (and, when no record
+is usable, in the no-usable-records error that lists them) rather than stopping a run midway.
 Nothing is generated when ``data.gen_images`` allows 0 images per sequence. A record that cannot
 be used becomes a ``Bad(reason)``; the reasons are the keys of ``skip_counts()``.
 """
@@ -50,6 +56,9 @@ class ImageSeg:
     """Input width in pixels (multiple of the patch size); unused when generated."""
     generate: bool
     """True: a generation target (query tokens in the sequence); False: an encoder input."""
+    gen: int = 0
+    """Generated images: the generator (graph order) that produces it, whose query token, query
+    count and resolution it takes."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ class Bad:
     reason: str
     """missing_image | corrupt_image | image_too_large | empty_text | too_long | too_many_images |
     not_utf8 | bad_json | bad_type | bad_image | bad_audio | missing_audio | no_audio_encoder |
-    too_many_clips."""
+    too_many_clips | unknown_generator."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,16 @@ class ParseContext:
     """Log-mel bins of the audio encoder's input; 0: the model has no audio encoder."""
     audio_max_frames: int = 0
     """Longest clip the audio encoder reads, in log-mel frames (longer clips are cut)."""
+    generators: tuple[str, ...] = ()
+    """Module names of the generators, in graph order (records name a target's generator by
+    them); empty: only the first generator, unnamed."""
+    more_queries: tuple[int, ...] = ()
+    """Generation-query tokens per image of the second, third, ... generator (``query_tokens`` is
+    the first one's)."""
+
+    def queries(self, gen: int) -> int:
+        """Query tokens per image of generator ``gen`` (graph order)."""
+        return self.query_tokens if gen == 0 else self.more_queries[gen - 1]
 
 
 class _BadRecord(Exception):
@@ -133,13 +152,32 @@ def _text(ctx: ParseContext, value: object, first: bool) -> TextSeg | None:
     return TextSeg(tuple(ids)) if ids else None
 
 
-def _image(ctx: ParseContext, rng: np.random.Generator, ref: ImageRef, generate: bool) -> ImageSeg:
+def _image(ctx: ParseContext, rng: np.random.Generator, ref: ImageRef, generate: bool, gen: int = 0) -> ImageSeg:
     if ref.kind == "file":
         reason = check_file(ref.key, ref.max_pixels)
         if reason:
             raise _BadRecord(reason)
     h, w = _draw_size(rng, ctx.cfg)
-    return ImageSeg(ref, h, w, generate)
+    return ImageSeg(ref, h, w, generate, gen if generate else 0)
+
+
+def is_mark(value: object) -> bool:
+    """A valid ``generate`` value: absent, true / false, or a generator's name."""
+    return value is None or isinstance(value, (bool, str))
+
+
+def generator_of(ctx: ParseContext, mark: object) -> int | None:
+    """The generator a ``generate`` mark asks for (graph order), None for false: true is the first
+    generator, a string names one (``unknown_generator`` when the model has none by that name)."""
+    if mark is False:
+        return None
+    if mark is True:
+        return 0
+    if not isinstance(mark, str):
+        raise _BadRecord("bad_type")
+    if mark not in ctx.generators:
+        raise _BadRecord("unknown_generator")
+    return ctx.generators.index(mark)
 
 
 def _url(value: object) -> str:
@@ -212,12 +250,9 @@ def _pair(ctx: ParseContext, rng: np.random.Generator, ref: ImageRef, caption: o
     if text is None:
         raise _BadRecord("empty_text")
     draw = rng.random() < ctx.cfg.gen_prob  # drawn even when forced, so later draws do not shift
-    if generate is None:
-        generate = draw
-    elif not isinstance(generate, bool):
-        raise _BadRecord("bad_type")
-    generate = generate and _generating(ctx)
-    image = _image(ctx, rng, ref, generate)
+    gen = generator_of(ctx, draw if generate is None else generate)
+    generate = gen is not None and _generating(ctx)
+    image = _image(ctx, rng, ref, generate, gen or 0)
     return Document((text, image) if generate else (image, text), splittable=False)
 
 
@@ -238,7 +273,7 @@ def parse_local(obj: dict, rec: RawRecord, ctx: ParseContext, rng: np.random.Gen
         # Parquet structs carry every field, unset ones as null: keep only the set ones.
         items = [{k: v for k, v in it.items() if v is not None} if isinstance(it, dict) else it for it in items]
         marks = [it.get("generate") for it in items if isinstance(it, dict) and "image" in it]
-        if any(m is not None and not isinstance(m, bool) for m in marks):
+        if not all(is_mark(m) for m in marks):
             raise _BadRecord("bad_type")
         explicit = any(m is not None for m in marks)
         n_images, seen = len(marks), 0
@@ -254,8 +289,8 @@ def parse_local(obj: dict, rec: RawRecord, ctx: ParseContext, rng: np.random.Gen
                 if text:
                     segs.append(text)
                 continue
-            generate = bool(it.get("generate")) if explicit else seen == n_images - 1
-            segs.append(_image(ctx, rng, _file_ref(it["image"], base, ctx), generate and _generating(ctx)))
+            gen = generator_of(ctx, it.get("generate", False) if explicit else seen == n_images - 1)
+            segs.append(_image(ctx, rng, _file_ref(it["image"], base, ctx), gen is not None and _generating(ctx), gen or 0))
             seen += 1
         return Document(tuple(segs), splittable=True)
     if "image" in obj and "caption" in obj:
@@ -277,7 +312,7 @@ def seg_cost(seg: Segment, ctx: ParseContext) -> int:
     if isinstance(seg, AudioSeg):
         return seg.frames // 2 + 2
     if seg.generate:
-        return ctx.query_tokens + 2
+        return ctx.queries(seg.gen) + 2
     return (seg.height // ctx.patch_size) * (seg.width // ctx.patch_size) + 2
 
 

@@ -173,18 +173,21 @@ def materialise(
     get_doc: DocGetter,
     ctx: ParseContext,
     special: SpecialTokens,
-    gen_resolution: int,
+    gen_resolution: int | tuple[int, ...],
     sample_id: int,
     source: str,
     on_decode_error: Callable[[], None],
 ) -> PackedSample:
-    """Tokens, labels and decoded pixels of one planned sequence."""
+    """Tokens, labels and decoded pixels of one planned sequence; ``gen_resolution``: the side of
+    each generator's targets (graph order; an int for one generator). With several generators,
+    ``more_targets`` holds an entry for each one past the first."""
     ids: list[int] = []
     images: list[torch.Tensor] = []
-    targets: list[torch.Tensor] = []
+    sides = (gen_resolution,) if isinstance(gen_resolution, int) else tuple(gen_resolution)
+    targets: list[list[torch.Tensor]] = [[] for _ in sides]
     clips: list[torch.Tensor] = []
     doc_lens: list[int] = []
-    p, q, r = ctx.patch_size, ctx.query_tokens, gen_resolution
+    p = ctx.patch_size
     for piece in pieces:
         doc = get_doc(piece.epoch, piece.record)
         assert isinstance(doc, Document)
@@ -198,7 +201,7 @@ def materialise(
                 clips.append(_clip(s, ctx, on_decode_error))
                 ids += [special.boi] + [special.audio] * (s.frames // 2) + [special.eoi]
                 continue
-            size = (r, r) if s.generate else (s.height, s.width)
+            size = (sides[s.gen],) * 2 if s.generate else (s.height, s.width)
             try:
                 pixels = load_image(s.ref, *size, square_crop=s.generate)
             except (OSError, ValueError):
@@ -206,8 +209,8 @@ def materialise(
                 on_decode_error()
                 pixels = torch.zeros(3, *size)
             if s.generate:
-                ids += [special.boi] + [special.gen] * q + [special.eoi]
-                targets.append(pixels)
+                ids += [special.boi] + [special.query(s.gen)] * ctx.queries(s.gen) + [special.eoi]
+                targets[s.gen].append(pixels)
             else:
                 ids += [special.boi] + [special.image] * ((s.height // p) * (s.width // p)) + [special.eoi]
                 images.append(pixels)
@@ -218,9 +221,10 @@ def materialise(
         raise AssertionError(f"packed {len(ids)} tokens into seq_len {ctx.cfg.seq_len}")
     ids += [special.pad] * (ctx.cfg.seq_len - len(ids))
     t = torch.tensor(ids, dtype=torch.long)
-    gen = torch.stack(targets) if targets else torch.zeros(0, 3, r, r)
+    gen = [torch.stack(ts) if ts else torch.zeros(0, 3, r, r) for ts, r in zip(targets, sides)]
     meta = {"source": source, "records": [(int(pc.epoch), int(pc.record)) for pc in pieces]}
-    return PackedSample(t, labels_for(t, special, doc_lens), images, gen, sample_id, tuple(doc_lens), meta, audio=clips)
+    return PackedSample(t, labels_for(t, special, doc_lens), images, gen[0], sample_id, tuple(doc_lens), meta, audio=clips,
+                        more_targets=gen[1:])
 
 
 def _clip(seg: AudioSeg, ctx: ParseContext, on_decode_error: Callable[[], None]) -> torch.Tensor:

@@ -53,12 +53,15 @@ class RecordSource(SampleSource):
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, fmt: str, path: Path,
                  split: Split = TRAIN):
         check_shapes(cfg, shape)
-        if shape.gen_channels != 3:
-            raise ValueError(f"model.generator.in_channels: real data sources produce RGB targets (3), got {shape.gen_channels}")
+        for g in shape.gen_shapes():
+            if g.channels != 3:
+                raise ValueError(f"model.modules.{g.name or 'generator'}.in_channels: real data sources produce RGB targets (3), "
+                                 f"got {g.channels}")
         self.cfg, self.shape, self.batch, self.seed, self.fmt, self.path = cfg, shape, global_batch, seed, fmt, path
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
         self.base_vocab = tokenizer.vocab_size
-        self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0)
+        gens = shape.gen_shapes()
+        self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0, generators=len(gens))
         self.table = self._open_table()
         if len(self.table) == 0:
             raise ValueError(f"data.path: no records in {path}")
@@ -66,8 +69,9 @@ class RecordSource(SampleSource):
         self.records = split_records(len(self.table), split)  # the records this split reads
         self._in_split = np.zeros(len(self.table), dtype=bool)
         self._in_split[self.records] = True
+        names = tuple(g.name for g in gens) if all(g.name for g in gens) else ()
         self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed, shape.audio_mels,
-                                shape.audio_max_frames)
+                                shape.audio_max_frames, names, tuple(g.query_tokens for g in gens[1:]))
         self.packer = Packer(self.ctx, len(self.records), self._doc, self._order, self._where())
         self._cursors: dict[int, Cursor] = {0: Cursor()}
         self._plans: OrderedDict[int, list[list[Piece]]] = OrderedDict()
@@ -150,7 +154,7 @@ class RecordSource(SampleSource):
             failures += 1
 
         out = [
-            materialise(pieces, self._doc, self.ctx, self.special, self.shape.gen_resolution,
+            materialise(pieces, self._doc, self.ctx, self.special, tuple(g.resolution for g in self.shape.gen_shapes()),
                         self.split.sample_id(step * self.batch + i), self.fmt, failed)
             for i, pieces in enumerate(seqs)
         ]
@@ -179,6 +183,8 @@ class RecordSource(SampleSource):
         for drop in ("producers", "queue_depth", "reorder", "cache_dir", "read", *self._unused_keys):  # do not change the samples
             facts[5].pop(drop, None)
         facts[6].pop("columns", None)  # where parts' samples sit in the global batch, not what they are
+        if not facts[6].get("more_gens"):  # one generator: runs from before generators were named keep their fingerprint
+            facts[6].pop("gen_name", None)
         if self.split.fraction > 0 or self.split.held_out:  # runs without a hold-out keep their fingerprint
             facts.append(asdict(self.split))
         if not legacy:  # the layout's DP split only regroups a batch (data.reorder): resuming may change it

@@ -34,6 +34,8 @@ class GenShape:
     """Channels of each image to generate."""
     query_tokens: int
     """Generation-query tokens per generated image."""
+    name: str = ""
+    """The generator's module name (records name the generator a target is for by it)."""
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,17 @@ class ShapeSpec:
     more_gens: tuple[GenShape, ...] = ()
     """The second, third, ... generator's targets (graph order; the first one's are the ``gen_*``
     fields above); each has its own query token (``SpecialTokens.query``)."""
+    gen_name: str = ""
+    """The first generator's module name (records name the generator a target is for by it)."""
 
-    def gen_shapes(self) -> tuple[GenShape, ...]:
-        """Every generator's target shape, in graph order."""
-        return (GenShape(self.gen_resolution, self.gen_channels, self.query_tokens), *self.more_gens)
     columns: int = 1
     """Equal blocks each microbatch slot (``dp_size * micro_batch`` samples) is cut into, the lcm of
     the modules' DP degrees: ``data.shard_parts`` parts fill whole blocks (``data/host_read.py``),
     so a host reading its ranks' blocks reads whole parts."""
+
+    def gen_shapes(self) -> tuple[GenShape, ...]:
+        """Every generator's target shape, in graph order."""
+        return (GenShape(self.gen_resolution, self.gen_channels, self.query_tokens, self.gen_name), *self.more_gens)
 
     def slot(self, batch: int) -> int:
         """Samples per microbatch slot of a global batch of ``batch``."""

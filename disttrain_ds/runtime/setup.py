@@ -91,7 +91,9 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
     audio = encoder_of(recipe, "audio")
     vae = gen_vae(recipe)
     return ShapeSpec(
-        more_gens=tuple(GenShape(c.resolution, c.in_channels, c.query_tokens) for c in generator_configs(recipe)[1:]),
+        more_gens=tuple(GenShape(c.resolution, c.in_channels, c.query_tokens, n)
+                        for n, c in zip(graph_of(recipe).generators[1:], generator_configs(recipe)[1:])),
+        gen_name=next(iter(graph_of(recipe).generators), ""),
         audio_mels=audio.n_mels if audio is not None else 0,
         audio_max_frames=audio.max_frames if audio is not None else 0,
         patch_size=e.patch_size,
