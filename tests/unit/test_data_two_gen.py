@@ -181,3 +181,30 @@ def test_record_sources_may_feed_several_generators_url_sources_may_not(tmp_path
         load_recipe("tiny_two_gen", ["data.source=local", f"data.path={path}"])
     with pytest.raises(ConfigError, match="'data.source' laion gives generation targets to one generator only"):
         load_recipe("tiny_two_gen", ["data.source=laion", f"data.path={path}", rgb])
+
+
+def _reference_losses(tmp_path: Path, marks: list) -> list[dict]:
+    """Per-generator losses of a one-step reference run of tiny_two_gen on local captioned pairs whose
+    ``generate`` cycles through ``marks``."""
+    from disttrain_ds.runtime.reference import train_reference
+
+    colours = [RED, BLUE, GREEN, (255, 255, 0), (0, 255, 255), (255, 0, 255)]
+    for i, rgb in enumerate(colours):
+        solid(tmp_path / "images" / f"{i}.png", rgb)
+    lines = [{"image": f"images/{i % 6}.png", "caption": f"square number {i}", "generate": marks[i % len(marks)]}
+             for i in range(12)]
+    path = write_jsonl(tmp_path / "pairs.jsonl", lines)
+    recipe = load_recipe("tiny_two_gen", ["layout=reference", "data.source=local", f"data.path={path}",
+                                          "model.modules.sketcher.in_channels=3", "train.steps=1"])
+    records, _ = train_reference(recipe, None, log=None)
+    return [{k: v for k, v in r.items() if k.startswith("loss/gen/")} for r in records]
+
+
+def test_a_reference_run_on_local_records_trains_each_generator_on_the_targets_named_for_it(tmp_path):
+    both = _reference_losses(tmp_path / "both", ["painter", "sketcher", False])
+    assert all(np.isfinite(r[f"loss/gen/{g}"]) and r[f"loss/gen/{g}"] > 0 for r in both for g in ("painter", "sketcher"))
+    # Every target named for the sketcher: only its loss moves; named true: only the first generator's.
+    sketcher = _reference_losses(tmp_path / "sketcher", ["sketcher", False])
+    assert all(r["loss/gen/painter"] == 0 and r["loss/gen/sketcher"] > 0 for r in sketcher)
+    first = _reference_losses(tmp_path / "first", [True, False])
+    assert all(r["loss/gen/painter"] > 0 and r["loss/gen/sketcher"] == 0 for r in first)
