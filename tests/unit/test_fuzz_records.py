@@ -34,7 +34,7 @@ SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=
 SEQ = 64
 SEED = 20240811
 REASONS = {"not_utf8", "bad_json", "bad_type", "bad_image", "missing_image", "corrupt_image", "image_too_large",
-           "empty_text", "too_long"}
+           "empty_text", "too_long", "unknown_generator"}
 
 
 # ----------------------------------------------------------------------------- images
@@ -244,14 +244,17 @@ def local_corpus(root: Path, py: random.Random, rng: np.random.Generator) -> Cor
     c.add({"segments": [{"text": "ok \ud800"}, {"image": "images/rgb.png"}]}, "not_utf8")
     for caption in [5, 2.5, ["a"], {"t": "a"}, True, None, float("nan")]:
         c.add({"image": "images/rgb.png", "caption": caption}, "bad_type")
-    for gen in ["yes", 1, "true", [True], 0]:
+    for gen in [1, [True], 0]:
         c.add({"image": "images/rgb.png", "caption": text(py), "generate": gen}, "bad_type")
+    for gen in ["yes", "true", ""]:  # a string names a generator: this model has none by these names
+        c.add({"image": "images/rgb.png", "caption": text(py), "generate": gen}, "unknown_generator")
+    c.add({"segments": [{"text": "x"}, {"image": "images/rgb.png", "generate": "no"}]}, "unknown_generator")
     for record in [
         {"caption": "no image"}, {"image": "images/rgb.png"}, {"segments": {"text": "x"}}, {"segments": "x"},
         {"segments": 5}, {"segments": None}, {"segments": ["text"]}, {"segments": [5]}, {"segments": [[{"text": "x"}]]},
         {"segments": [{"text": "x", "image": "images/rgb.png"}]}, {"segments": [{"caption": "x"}]},
         {"segments": [{"text": 5}]}, {"segments": [{"text": ["x"]}]},
-        {"segments": [{"text": "x"}, {"image": "images/rgb.png", "generate": "no"}]},
+        {"segments": [{"text": "x"}, {"image": "images/rgb.png", "generate": 1}]},
     ]:
         c.add(record, "bad_type")
     for record in [
