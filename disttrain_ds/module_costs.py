@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -78,8 +79,12 @@ class GraphCosts:
         kind = self.kinds[name]
         if kind != "generator":
             return self.model.module_cost(kind, s)
-        k = [n for n, kd in self.kinds.items() if kd == "generator"].index(name)
-        return self.gen_models.get(name, self.model).generator_cost(s.for_generator(k))
+        return self.gen_models.get(name, self.model).generator_cost(s.for_generator(self._gen_index[name]))
+
+    @cached_property
+    def _gen_index(self) -> dict[str, int]:
+        """Generator name -> its place among the generators (graph order): whose targets it reads."""
+        return {n: k for k, n in enumerate(n for n, kd in self.kinds.items() if kd == "generator")}
 
     def costs(self, samples: Sequence[SampleStats]) -> np.ndarray:
         """``[n, len(names)]`` forward costs of each sample in each module."""
