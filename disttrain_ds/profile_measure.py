@@ -236,7 +236,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
         samples = source.global_batch(0)
     finally:
         source.close()  # stops producer processes, if any
-    vae = generator_vae(spec)  # vae.placement generator: targets come as pixels (the VAE is not timed)
+    vae = generator_vae(spec, opts.device, opts.dtype)  # vae.placement generator: pixels come (the VAE is not timed)
     mbs = [_to(collate([s], BatchNorms.of([s], 1), spec, dtype=opts.dtype, vae=vae), opts.device) for s in samples]
     lm, mode, dev, dt = spec.llm, modes(recipe), opts.device, opts.dtype
     gens = graph.generators

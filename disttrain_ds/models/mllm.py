@@ -238,11 +238,14 @@ def gen_inputs(samples: list[PackedSample], norms: BatchNorms, spec: MLLMSpec, m
     k, g = spec.gen_index(module), spec.config(module)
     pixel_targets = getattr(g, "vae", None) is not None and g.vae.enabled and g.vae.placement == "generator"
     noisy, ts, noise = [], [], []
+    present = [t for s in samples if (t := s.targets(k)) is not None]
+    # Every sample's images in one call: equal-size images of different samples share encoder batches.
+    encoded = iter(vae.many(present) if pixel_targets and vae is not None else present)
     for s in samples:
         targets = s.targets(k)
         if targets is None:
             continue
-        latents = vae(targets) if pixel_targets and vae is not None else targets
+        latents = next(encoded)
         for j, target in enumerate(latents):
             shape = (g.in_channels, g.resolution, g.resolution) if pixel_targets else tuple(target.shape)
             # The first generator keeps its historical noise index; the others get their own stream.

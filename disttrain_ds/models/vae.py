@@ -3,7 +3,9 @@ local ``save_pretrained`` directory, and the one function that turns RGB targets
 
 from __future__ import annotations
 
+import copy
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -53,55 +55,102 @@ def build_vae(cfg: VaeConfig, seed: int, key: str = "vae"):
     return vae
 
 
+def size_batches(shapes: Sequence[tuple], batch: int) -> list[list[int]]:
+    """Indices of images to encode together: equal shapes only, at most ``batch`` per group, each
+    group in input order, groups in the order of their first image (a pure function of shapes)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    by_shape: dict[tuple, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        by_shape.setdefault(tuple(shape), []).append(i)
+    return [idx[j : j + batch] for idx in by_shape.values() for j in range(0, len(idx), batch)]
+
+
+def _latents(vae, x: torch.Tensor) -> torch.Tensor:
+    """[n, 3, H, W] -> [n, C, H / f, W / f]: the posterior mean times the scaling factor."""
+    h = vae.encoder(x)
+    if vae.quant_conv is not None:
+        h = vae.quant_conv(h)
+    return h[:, : h.shape[1] // 2] * vae.config.scaling_factor
+
+
+def _empty(vae, images: torch.Tensor) -> torch.Tensor:
+    c, f = vae.config.latent_channels, 2 ** (len(vae.config.block_out_channels) - 1)
+    return images.new_zeros((0, c, images.shape[-2] // f, images.shape[-1] // f))
+
+
 @torch.no_grad()
-def encode(vae, images: torch.Tensor) -> torch.Tensor:
-    """float32 [n, 3, H, W] in [-1, 1] -> latents [n, C, H / f, W / f]: the posterior mean times the
-    scaling factor. One image at a time, so an image's latent does not depend on what it is
-    batched with (convolution kernels may sum in another order for another batch size)."""
-    out = []
-    for img in images:
-        h = vae.encoder(img.unsqueeze(0).float())
-        if vae.quant_conv is not None:
-            h = vae.quant_conv(h)
-        mean = h[:, : h.shape[1] // 2]
-        out.append(mean[0] * vae.config.scaling_factor)
-    if not out:
-        c = vae.config.latent_channels
-        f = 2 ** (len(vae.config.block_out_channels) - 1)
-        return images.new_zeros((0, c, images.shape[-2] // f, images.shape[-1] // f))
-    return torch.stack(out)
+def encode_images(vae, images: Sequence[torch.Tensor], batch: int = 1) -> list[torch.Tensor]:
+    """[3, H, W] images in [-1, 1] (any sizes, any device) -> their float32 latents, in order, on
+    each image's device. Images of equal size go through the encoder ``batch`` at a time, on the
+    VAE's device and in its dtype. ``batch`` 1 makes each latent independent of the others bit for
+    bit (another batch size may sum convolutions in another order)."""
+    p = next(vae.parameters())
+    out: list[torch.Tensor | None] = [None] * len(images)
+    for group in size_batches([im.shape for im in images], batch):
+        x = torch.stack([images[i] for i in group]).to(p.device, p.dtype)
+        lat = _latents(vae, x).float().to(images[group[0]].device)  # one copy back per batch
+        for i, z in zip(group, lat):
+            out[i] = z
+    return out  # type: ignore[return-value]
+
+
+def encode(vae, images: torch.Tensor, batch: int = 1) -> torch.Tensor:
+    """float32 [n, 3, H, W] in [-1, 1] -> latents [n, C, H / f, W / f] (``encode_images``)."""
+    if len(images) == 0:
+        return _empty(vae, images)
+    return torch.stack(encode_images(vae, list(images), batch))
 
 
 class LatentEncoder:
-    """A VAE built once per process, encoding one sample's targets at a time."""
+    """A VAE built once per process on ``device``: fp32 on CPU; on CUDA in ``dtype`` (the run's
+    compute dtype), ``cfg.batch_on(device)`` images of equal size per encoder call."""
 
-    def __init__(self, cfg: VaeConfig, seed: int, key: str = "vae"):
+    def __init__(self, cfg: VaeConfig, seed: int, key: str = "vae", device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
         self.cfg = cfg.resolved()
-        self.vae = build_vae(cfg, seed, key)
+        self.device = torch.device(device)
+        self.dtype = dtype if self.device.type == "cuda" else torch.float32
+        self.batch = cfg.batch_on(self.device.type)
+        vae = build_vae(cfg, seed, key)
+        if (self.device.type, self.dtype) != ("cpu", torch.float32):
+            # A checkpoint's VAE is cached and shared: move a copy. nn.Module.to: diffusers' own
+            # ``to`` warns on any dtype, though this VAE keeps no module in fp32.
+            vae = torch.nn.Module.to(copy.deepcopy(vae), self.device, self.dtype)
+        self.vae = vae
         self.channels = int(self.vae.config.latent_channels)
         self.downsample = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return encode(self.vae, images)
+        """[n, 3, H, W] -> float32 latents [n, C, H / f, W / f] on the images' device."""
+        return encode(self.vae, images, self.batch)
+
+    def many(self, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Several [n_i, 3, H, W] stacks (one per sample) encoded together: equal-size images of
+        different stacks share encoder calls. One float32 latent stack per input stack."""
+        images = [im for st in stacks for im in st]
+        flat = iter(encode_images(self.vae, images, self.batch))
+        return [torch.stack([next(flat) for _ in range(len(st))]) if len(st) else _empty(self.vae, st)
+                for st in stacks]
 
 
-def generator_vae(spec) -> LatentEncoder | None:
-    """The VAE the generator's first stage runs (``vae.placement: generator``), or None."""
+def generator_vae(spec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LatentEncoder | None:
+    """The VAE the generator's first stage runs (``vae.placement: generator``) on ``device``, or None."""
     g = spec.generator
     vae = getattr(g, "vae", None)
     if vae is None or not vae.enabled or vae.placement != "generator":
         return None
-    return LatentEncoder(vae, spec.seed, f"model.{spec.name_of('generator')}.vae")
+    return LatentEncoder(vae, spec.seed, f"model.{spec.name_of('generator')}.vae", device, dtype)
 
 
-def vae_memory_bytes(cfg: VaeConfig, side: int) -> tuple[float, float]:
-    """(weight bytes, peak activation bytes) of the frozen fp32 encoder encoding one ``side`` px
-    image under no_grad: the encoder's parameters (counted on the meta device), and three
-    full-resolution maps of the first level's width alive at once (a ResNet block's input,
-    normalised copy and output)."""
+def vae_memory_bytes(cfg: VaeConfig, side: int, batch: int = 1, elem_bytes: int = 4) -> tuple[float, float]:
+    """(weight bytes, peak activation bytes) of the frozen encoder in ``elem_bytes`` per value
+    encoding ``batch`` ``side`` px images under no_grad: the encoder's parameters (counted on the
+    meta device), and three full-resolution maps of the first level's width per image alive at
+    once (a ResNet block's input, normalised copy and output)."""
     from diffusers import AutoencoderKL
 
     with torch.device("meta"):
         vae = AutoencoderKL(**vae_kwargs(cfg))
     params = sum(p.numel() for m in (vae.encoder, vae.quant_conv) if m is not None for p in m.parameters())
-    return 4.0 * params, 3 * 4.0 * cfg.resolved().block_out_channels[0] * side * side
+    return elem_bytes * params, 3 * elem_bytes * batch * cfg.resolved().block_out_channels[0] * side * side

@@ -24,6 +24,8 @@ VAE_PRESETS: dict[str, dict] = {
 }
 
 PLACEMENTS = ("producer", "generator")
+CUDA_BATCH = 8
+"""Images per encoder call on CUDA when ``batch`` is 0 (the batch of the H200 figure in docs/vae.md)."""
 
 
 @dataclass
@@ -44,6 +46,11 @@ class VaeConfig:
     placement: str = "generator"
     """Where images are encoded: producer (in the data producers on CPU; latents travel in the
     batches) | generator (on the generator's first pipeline stage, forward only; pixels travel)."""
+    batch: int = 0
+    """Images encoded together, at most (only images of equal size share a batch); 0: per device,
+    1 on CPU (every latent bit for bit that of its image alone, whatever it is collated with) and
+    8 on CUDA (batched, in the run's compute dtype: bf16 under ``train.dtype: bf16``). Any other
+    value applies on both; on CPU in fp32 a batch changes latents by ~1e-7 (kernel summation order)."""
     block_out_channels: list[int] = field(default_factory=list)
     """Channels of each encoder level (empty: the preset's); ``2 ** (levels - 1)`` is the downsampling."""
     layers_per_block: int = 0
@@ -73,6 +80,10 @@ class VaeConfig:
                                    ("scaling_factor", self.scaling_factor)) if v}
         return replace(self, **{**base, **given})
 
+    def batch_on(self, device_type: str) -> int:
+        """Images per encoder call on a ``device_type`` ("cpu", "cuda") device."""
+        return self.batch or (CUDA_BATCH if device_type == "cuda" else 1)
+
     @property
     def downsample(self) -> int:
         """Pixels per latent pixel along each side."""
@@ -85,6 +96,8 @@ def vae_problem(cfg: VaeConfig, gen_channels: int) -> tuple[str, str] | None:
         return None
     if cfg.preset and cfg.preset not in VAE_PRESETS:
         return "preset", f"must be one of {' | '.join(VAE_PRESETS)} (or empty), got {cfg.preset!r}"
+    if cfg.batch < 0:
+        return "batch", f"must be >= 0 (0: 1 on CPU, {CUDA_BATCH} on CUDA), got {cfg.batch}"
     if cfg.placement not in PLACEMENTS:
         return "placement", f"must be one of {' | '.join(PLACEMENTS)}, got {cfg.placement!r}"
     r = cfg.resolved()

@@ -278,14 +278,16 @@ def estimate(recipe) -> list[StageMemory]:
 
 
 def _vae_bytes(recipe, module: str) -> float:
-    """The VAE's bytes on ``module``'s first stage: only a generator that encodes its own targets."""
+    """The VAE's bytes on ``module``'s first stage: only a generator that encodes its own targets
+    (on a GPU: in the compute dtype, ``vae.batch_on("cuda")`` images at a time)."""
     cfg = recipe.model.modules[module]
     vae = getattr(cfg, "vae", None)
     if vae is None or not vae.enabled or vae.placement != "generator":
         return 0.0
     from ..models.vae import vae_memory_bytes
 
-    return sum(vae_memory_bytes(vae, cfg.resolution * vae.downsample))
+    elem = 2 if recipe.train.dtype == "bf16" else 4
+    return sum(vae_memory_bytes(vae, cfg.resolution * vae.downsample, vae.batch_on("cuda"), elem))
 
 
 def device_limit_gib(recipe, ranks_per_host: int) -> tuple[float, str]:

@@ -36,9 +36,11 @@ class PipelineExecutor:
         self.dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
         llm_dp = topo.module(spec.name_of("llm")).dp
         self.gen_dp_scale = {g: topo.module(g).dp / llm_dp for g in spec.generators}  # each generator's DP / the LLM's
-        # vae.placement generator: the first generator's first stage encodes its targets (forward only, frozen).
+        # vae.placement generator: the first generator's first stage encodes its targets (forward
+        # only, frozen) on its own device: batched in the compute dtype on a GPU, per image in fp32 on CPU.
         gen = spec.name_of("generator")
-        self.vae = generator_vae(spec) if grid.name == gen and place.first_of_engine else None
+        on_gen = grid.name == gen and place.first_of_engine
+        self.vae = generator_vae(spec, str(getattr(engine, "device", "cpu")), self.dtype) if on_gen else None
 
     def _mine(self, samples: list) -> list[list]:
         """This rank's samples of each microbatch slot."""
