@@ -178,13 +178,18 @@ class RecordSource(SampleSource):
         total["image_decode_failed"] += sum(n for s, n in self._decode_failures.items() if s <= self._served)
         return {k: v for k, v in sorted(total.items()) if v}
 
-    def _fingerprint(self, legacy: bool = False) -> str:
+    def _fingerprint(self, legacy: bool = False, later_keys: bool = False) -> str:
+        """``legacy``: as written before the DP split was left out; ``later_keys``: with the shape's
+        ``vae`` and ``more_gens`` even when unused (as written by the versions that added them)."""
         facts = [self.fmt, str(self.path), len(self.table), self.seed, self.batch, asdict(self.cfg), asdict(self.shape)]
         for drop in ("producers", "queue_depth", "reorder", "cache_dir", "read", *self._unused_keys):  # do not change the samples
             facts[5].pop(drop, None)
         facts[6].pop("columns", None)  # where parts' samples sit in the global batch, not what they are
         if not facts[6].get("more_gens"):  # one generator: runs from before generators were named keep their fingerprint
             facts[6].pop("gen_name", None)
+        for key in ("vae", "more_gens"):  # unused (None, no other generator): the fingerprint of the versions before them
+            if not later_keys and not facts[6].get(key):
+                facts[6].pop(key, None)
         if self.split.fraction > 0 or self.split.held_out:  # runs without a hold-out keep their fingerprint
             facts.append(asdict(self.split))
         if not legacy:  # the layout's DP split only regroups a batch (data.reorder): resuming may change it
@@ -204,8 +209,10 @@ class RecordSource(SampleSource):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        # A state saved before the fingerprint left out the DP split still loads in its own layout.
-        if state.get("kind") != "records" or state.get("fingerprint") not in (self._fingerprint(), self._fingerprint(legacy=True)):
+        # States saved before the fingerprint left out the DP split (in their own layout) or while it
+        # held the unused vae / more_gens shape keys still load.
+        known = {self._fingerprint(legacy, later) for legacy in (False, True) for later in (False, True)}
+        if state.get("kind") != "records" or state.get("fingerprint") not in known:
             raise ValueError("data: the checkpoint's data state was written for a different data setup (source, path, seed or packing)")
         nxt = int(state["next_step"])
         c = state["cursor"]

@@ -6,6 +6,7 @@ the chosen checkpoint are checked afterwards, in parallel (``checkpointing.Check
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -93,6 +94,65 @@ def fingerprint(recipe: Recipe, world: int) -> dict:
     }
 
 
+MODULE_KEYS_IGNORED = ("doc_attention",)
+"""Module fields that never change what a run computes (the LLM's attention path: the same
+function either way): left out of every fingerprint comparison."""
+DATA_KEYS_LATER = ("max_audio", "audio_frames", "fields.audio", "fields.audios")
+"""``data`` fields added after checkpoints were first written: at their defaults they read the data
+as before, so a checkpoint without them compares as if it held the defaults."""
+
+
+_MISSING = object()
+
+
+def _data_defaults() -> dict:
+    from ..data.config import DataConfig
+
+    return to_dict(DataConfig())
+
+
+def _get_path(d, path: str):
+    for p in path.split("."):
+        if not isinstance(d, dict) or p not in d:
+            return _MISSING
+        d = d[p]
+    return d
+
+
+def _pop_path(d: dict, path: str) -> None:
+    *parents, leaf = path.split(".")
+    parent = _get_path(d, ".".join(parents)) if parents else d
+    if isinstance(parent, dict):
+        parent.pop(leaf, None)
+
+
+def comparable(fp: dict) -> dict:
+    """A fingerprint as compared on resume: without fields that do not change the run's math
+    (``MODULE_KEYS_IGNORED``, a VAE's encode ``batch``), without a disabled VAE (no ``preset`` or
+    ``checkpoint``: what a generator before VAEs existed ran), and without later ``data`` fields at
+    their defaults; both sides go through it, so checkpoints written before those fields resume."""
+    fp = copy.deepcopy(fp)
+    model = fp.get("model") if isinstance(fp.get("model"), dict) else {}
+    nested = model.get("modules") if isinstance(model.get("modules"), dict) else {}
+    for m in [*(v for k, v in model.items() if k != "modules"), *nested.values()]:
+        if not isinstance(m, dict):
+            continue
+        for key in MODULE_KEYS_IGNORED:
+            m.pop(key, None)
+        vae = m.get("vae")
+        if isinstance(vae, dict):
+            vae.pop("batch", None)
+            if not vae.get("preset") and not vae.get("checkpoint"):
+                m.pop("vae")
+    data = fp.get("data")
+    if isinstance(data, dict):
+        defaults = _data_defaults()
+        for path in DATA_KEYS_LATER:
+            if _get_path(data, path) == _get_path(defaults, path):
+                _pop_path(data, path)
+    return fp
+
+
 LAYOUT_KEYS = ("world_size", "layout", "parallel", "train.micro_batch")
 """Fingerprint entries a run may change on resume: the module engines are re-sharded
 (``reshard.py``). Every other entry (model, data, seed, global batch, dtype, optimizer) must match."""
@@ -122,7 +182,7 @@ def _rank0_print(line: str) -> None:
 
 def _check_usable(recipe: Recipe, world: int, path: Path, manifest: dict) -> None:
     src = recipe.source_file
-    old, new = manifest["fingerprint"], fingerprint(recipe, world)
+    old, new = comparable(manifest["fingerprint"]), comparable(fingerprint(recipe, world))
     fixed = differences({k: v for k, v in old.items() if k not in LAYOUT_KEYS},
                         {k: v for k, v in new.items() if k not in LAYOUT_KEYS})
     if fixed:
