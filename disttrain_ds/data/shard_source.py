@@ -82,8 +82,8 @@ class ShardSource(RecordSource):
         return (f"{self.fmt} ({self.cfg.path}, {len(self.table.shards)} shards, {len(self.table)} records, "
                 f"tokenizer {self.cfg.tokenizer}, seq_len {self.cfg.seq_len})")
 
-    def _fingerprint(self, legacy: bool = False) -> str:
-        return super()._fingerprint(legacy) + (f"/{self._selected}" if self._selected is not None else "")
+    def _fingerprint(self, legacy: bool = False, later_keys: bool = False) -> str:
+        return super()._fingerprint(legacy, later_keys) + (f"/{self._selected}" if self._selected is not None else "")
 
 
 class PartedSource(SampleSource):
