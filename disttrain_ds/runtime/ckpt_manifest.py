@@ -97,6 +97,9 @@ def fingerprint(recipe: Recipe, world: int) -> dict:
 MODULE_KEYS_IGNORED = ("doc_attention",)
 """Module fields that never change what a run computes (the LLM's attention path: the same
 function either way): left out of every fingerprint comparison."""
+DATA_KEYS_IGNORED = ("read",)
+"""``data`` fields that do not change the samples (which host reads what; the data state's own
+fingerprint leaves them out too): left out of every fingerprint comparison."""
 DATA_KEYS_LATER = ("max_audio", "audio_frames", "fields.audio", "fields.audios")
 """``data`` fields added after checkpoints were first written: at their defaults they read the data
 as before, so a checkpoint without them compares as if it held the defaults."""
@@ -128,9 +131,10 @@ def _pop_path(d: dict, path: str) -> None:
 
 def comparable(fp: dict) -> dict:
     """A fingerprint as compared on resume: without fields that do not change the run's math
-    (``MODULE_KEYS_IGNORED``, a VAE's encode ``batch``), without a disabled VAE (no ``preset`` or
-    ``checkpoint``: what a generator before VAEs existed ran), and without later ``data`` fields at
-    their defaults; both sides go through it, so checkpoints written before those fields resume."""
+    (``MODULE_KEYS_IGNORED``, a VAE's encode ``batch``, ``DATA_KEYS_IGNORED``), without a disabled
+    VAE (no ``preset`` or ``checkpoint``: what a generator before VAEs existed ran), and without
+    later ``data`` fields at their defaults; both sides go through it, so checkpoints written
+    before those fields resume."""
     fp = copy.deepcopy(fp)
     model = fp.get("model") if isinstance(fp.get("model"), dict) else {}
     nested = model.get("modules") if isinstance(model.get("modules"), dict) else {}
@@ -146,6 +150,8 @@ def comparable(fp: dict) -> dict:
                 m.pop("vae")
     data = fp.get("data")
     if isinstance(data, dict):
+        for key in DATA_KEYS_IGNORED:
+            data.pop(key, None)
         defaults = _data_defaults()
         for path in DATA_KEYS_LATER:
             if _get_path(data, path) == _get_path(defaults, path):

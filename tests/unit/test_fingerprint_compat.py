@@ -18,14 +18,15 @@ from disttrain_ds.runtime.ckpt_manifest import FORMAT, MANIFEST, fingerprint, re
 
 
 def _written_before_vae(fp: dict, audio_keys: bool = True) -> dict:
-    """The fingerprint as versions before the VAE and ``doc_attention`` wrote it (``audio_keys``:
-    and before the audio data fields)."""
+    """The fingerprint as versions before the VAE, ``doc_attention`` and ``data.read`` wrote it
+    (``audio_keys``: and before the audio data fields)."""
     old = copy.deepcopy(fp)
     model = old["model"]
     for m in [*(v for k, v in model.items() if k != "modules"), *model.get("modules", {}).values()]:
         if isinstance(m, dict):
             m.pop("vae", None)
             m.pop("doc_attention", None)
+    old["data"].pop("read")
     if audio_keys:
         for key in ("max_audio", "audio_frames"):
             old["data"].pop(key)
@@ -58,6 +59,7 @@ def test_a_checkpoint_from_before_the_vae_and_doc_attention_resumes(tmp_path, na
     # The attention path does not change the math: changing it resumes too.
     llm = "llm" if name == "tiny_cpu" else "modules.llm"
     assert _resume(name, path, f"model.{llm}.doc_attention=spans")[0] == path
+    assert _resume(name, path, "data.read=all")[0] == path  # nor does which host reads which samples
 
 
 def test_a_checkpoint_with_the_vae_section_written_out_resumes_with_another_encode_batch(tmp_path):
@@ -84,9 +86,9 @@ def test_a_vae_turned_on_or_another_vae_is_still_refused_on_resume(tmp_path):
 def _pre_vae_data_fingerprint(src) -> str:
     """``RecordSource._fingerprint`` as written before ``ShapeSpec`` had ``vae`` and ``more_gens``."""
     facts = [src.fmt, str(src.path), len(src.table), src.seed, src.batch, asdict(src.cfg), asdict(src.shape)]
-    for drop in ("producers", "queue_depth", "reorder", "cache_dir", *src._unused_keys):
+    for drop in ("producers", "queue_depth", "reorder", "cache_dir", *src._unused_keys, "read"):  # read: later
         facts[5].pop(drop, None)
-    for drop in ("dp_size", "micro_batch", "vae", "more_gens"):
+    for drop in ("dp_size", "micro_batch", "vae", "more_gens", "columns"):  # the last three: later
         facts[6].pop(drop, None)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
