@@ -88,7 +88,7 @@ def _pre_vae_data_fingerprint(src) -> str:
     facts = [src.fmt, str(src.path), len(src.table), src.seed, src.batch, asdict(src.cfg), asdict(src.shape)]
     for drop in ("producers", "queue_depth", "reorder", "cache_dir", *src._unused_keys, "read"):  # read: later
         facts[5].pop(drop, None)
-    for drop in ("dp_size", "micro_batch", "vae", "more_gens", "columns"):  # the last three: later
+    for drop in ("dp_size", "micro_batch", "vae", "more_gens", "columns", "gen_name"):  # all but the first two: later
         facts[6].pop(drop, None)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
