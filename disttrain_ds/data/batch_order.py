@@ -18,9 +18,11 @@ the loss (normalised by global-batch totals) is unchanged.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
+from .host_reorder import check_classes, class_lpt, host_microbatches, place
 from .source import ShapeSpec
 from .types import PackedSample, SpecialTokens
 
@@ -36,37 +38,82 @@ def _cost_model(shape: ShapeSpec):
     return as_graph_costs(shape.cost_model)
 
 
-def _per_module(per_module: np.ndarray, mb: list[list[int]], stages: list[int], deadline: float) -> list[list[int]]:
+def _per_module(per_module: np.ndarray, mb: list[list[int]], stages: list[int], deadline: float,
+                labels: np.ndarray | None = None) -> list[list[int]]:
     """One microbatch's DP groups (global sample indices) refined module by module."""
     from .module_balance import refine_split
 
     flat = [i for group in mb for i in group]
     at = {i: p for p, i in enumerate(flat)}
-    refined = refine_split(per_module[flat], [[at[i] for i in group] for group in mb], stages, deadline=deadline)
+    classes = None if labels is None else labels[flat]
+    refined = refine_split(per_module[flat], [[at[i] for i in group] for group in mb], stages, deadline=deadline,
+                           classes=classes)
     return [[flat[p] for p in group] for group in refined]
 
 
 def reorder_batch(samples: list[PackedSample], shape: ShapeSpec, special: SpecialTokens) -> list[PackedSample]:
     """``samples`` regrouped by DP rank and reordered by microbatch (see the module docstring)."""
-    from .reorder import build_microbatches, inter_microbatch_reorder
-
-    dp = shape.dp_size
-    per_rank = shape.micro_batch or len(samples) // dp
-    slot = dp * per_rank
-    if slot < 1 or len(samples) % slot:
-        raise ValueError(f"data.reorder: global batch {len(samples)} is not a multiple of dp_size * micro_batch = {slot}")
     model = _cost_model(shape)
     per_module = model.costs([s.stats(shape.patch_size, special) for s in samples])  # [n, modules] forward
-    total = per_module.sum(axis=1) * (1.0 + model.backward_factor)
-    groups = build_microbatches(total, dp, len(samples) // slot)
+    return [samples[i] for i in batch_order(per_module, model, shape.dp_size, shape.micro_batch)]
+
+
+def batch_order(per_module: np.ndarray, model, groups: int, per_group: int, labels: Sequence[int] | None = None,
+                budget_s: float = INTER_TIME_BUDGET_S) -> list[int]:
+    """The reordered batch as positions (position ``q`` takes sample ``order[q]``) from each
+    sample's forward cost per module (``[n, modules]``, ``model``: its ``GraphCosts``), ``groups``
+    blocks of ``per_group`` samples per microbatch (0: one microbatch). With ``labels`` (a class
+    per position, ``host_reorder.py``) every sample stays on positions of its class, and the
+    order is never slower (simulated 1F1B) than no reordering. ``budget_s`` bounds each search
+    (``math.inf``: iteration limits only, the same result on every machine)."""
     from disttrain_ds.module_costs import STAGE_ROLES
 
-    stages = [STAGE_ROLES.index(model.role(n)) for n in model.names]
-    deadline = time.perf_counter() + REFINE_TIME_BUDGET_S
-    groups = [_per_module(per_module, mb, stages, deadline) for mb in groups]
-    # A module's time for a microbatch = its slowest DP rank; a stage's = its slowest module.
-    slowest = np.array([[max(per_module[ranks_idx, m].sum() for ranks_idx in mb) for m in range(per_module.shape[1])]
-                        for mb in groups])
-    fwd = model.stage_times(slowest)
-    order = inter_microbatch_reorder(fwd, fwd * model.backward_factor, time_budget_s=INTER_TIME_BUDGET_S)
-    return [samples[i] for j in order for rank in groups[j] for i in rank]
+    from .reorder import build_microbatches
+
+    n = per_module.shape[0]
+    slot = groups * (per_group or n // groups)
+    if slot < 1 or n % slot:
+        raise ValueError(f"data.reorder: global batch {n} is not a multiple of dp_size * micro_batch = {slot}")
+    total = per_module.sum(axis=1) * (1.0 + model.backward_factor)
+    stages = [STAGE_ROLES.index(model.role(name)) for name in model.names]
+    deadline = time.perf_counter() + min(budget_s, REFINE_TIME_BUDGET_S)
+    if labels is None:
+        split = build_microbatches(total, groups, n // slot)
+        split = [_per_module(per_module, mb, stages, deadline) for mb in split]
+        return place(_in_order(per_module, model, split, budget_s), None, slot)
+    lab = check_classes(labels, slot)
+    identity = [[list(range(j * slot + r * (slot // groups), j * slot + (r + 1) * (slot // groups)))
+                 for r in range(groups)] for j in range(n // slot)]
+    best, best_span = identity, _span(per_module, model, identity)
+    for sort in (False, True):
+        split = []
+        for mb in host_microbatches(total, lab, slot, sort):
+            local = class_lpt(total[mb], lab[:slot], groups)
+            split.append(_per_module(per_module, [[mb[t] for t in g] for g in local], stages, deadline, lab))
+        ordered = _in_order(per_module, model, split, budget_s)
+        span = _span(per_module, model, ordered)
+        if span < best_span - 1e-12 * max(1.0, best_span):
+            best, best_span = ordered, span
+    return place(best, lab, slot)
+
+
+def _slowest(per_module: np.ndarray, split: list[list[list[int]]]) -> np.ndarray:
+    """A module's time for a microbatch = its slowest DP group ``[microbatches, modules]``."""
+    return np.array([[max(per_module[g, m].sum() for g in mb) for m in range(per_module.shape[1])] for mb in split])
+
+
+def _in_order(per_module: np.ndarray, model, split: list, budget_s: float) -> list:
+    """Microbatches in the order minimising the simulated 1F1B makespan (a stage's time = its slowest module)."""
+    from .reorder import inter_microbatch_reorder
+
+    fwd = model.stage_times(_slowest(per_module, split))
+    order = inter_microbatch_reorder(fwd, fwd * model.backward_factor, time_budget_s=budget_s)
+    return [split[j] for j in order]
+
+
+def _span(per_module: np.ndarray, model, split: list) -> float:
+    """Simulated 1F1B makespan of the microbatches in the given order."""
+    from disttrain_ds.planner.simulate import makespan_batch
+
+    fwd = model.stage_times(_slowest(per_module, split))
+    return float(makespan_batch(fwd, fwd * model.backward_factor, np.arange(len(split))[None, :])[0])

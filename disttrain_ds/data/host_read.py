@@ -63,13 +63,27 @@ class HostReading:
         return [p for p, r in enumerate(self.contributor) if r == rank]
 
 
-def plan_reading(units: list[list[int]], hosts: list[str], consumed: dict[int, set[int]], batch: int) -> HostReading:
-    """Each host's units from the ranks' hosts (``hosts[rank]``) and positions; ``ValueError``
-    naming the first unit whose positions belong to different hosts."""
+def position_readers(hosts: list[str], consumed: dict[int, set[int]], batch: int) -> list[frozenset[str]]:
+    """The hosts whose ranks consume each position (``hosts[rank]``)."""
     readers: list[set[str]] = [set() for _ in range(batch)]
     for rank, positions in consumed.items():
         for p in positions:
             readers[p].add(hosts[rank])
+    return [frozenset(r) for r in readers]
+
+
+def reader_classes(hosts: list[str], consumed: dict[int, set[int]], batch: int) -> list[int]:
+    """Per position, a label shared by exactly the positions read by the same hosts: reordering
+    that keeps every sample on a position of its label moves no sample across hosts."""
+    readers = position_readers(hosts, consumed, batch)
+    names = sorted(set(readers), key=sorted)
+    return [names.index(r) for r in readers]
+
+
+def plan_reading(units: list[list[int]], hosts: list[str], consumed: dict[int, set[int]], batch: int) -> HostReading:
+    """Each host's units from the ranks' hosts (``hosts[rank]``) and positions; ``ValueError``
+    naming the first unit whose positions belong to different hosts."""
+    readers = position_readers(hosts, consumed, batch)
     if any(not r for r in readers):
         raise ValueError(f"positions {[p for p, r in enumerate(readers) if not r][:4]} are consumed by no rank")
     out: dict[str, list[int]] = {h: [] for h in hosts}

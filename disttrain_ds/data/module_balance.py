@@ -33,11 +33,13 @@ def split_objective(loads: np.ndarray, stages: np.ndarray) -> tuple[np.ndarray, 
 
 
 def refine_split(costs: np.ndarray, groups: Sequence[Sequence[int]], stages: Sequence[int],
-                 max_swaps: int | None = None, deadline: float = math.inf) -> list[list[int]]:
+                 max_swaps: int | None = None, deadline: float = math.inf,
+                 classes: Sequence[int] | None = None) -> list[list[int]]:
     """``groups`` (sample indices per DP group) after steepest pairwise swaps between groups that
     lower :func:`split_objective` (at most ``max_swaps``, default one per sample, and none after
     ``time.perf_counter()`` passes ``deadline``); ``costs[i, m]``: sample ``i``'s cost in module
-    ``m``. Each group's indices come back ascending."""
+    ``m``. With ``classes`` (a label per sample), only samples of one label swap (they stay on
+their hosts, ``data/host_reorder.py``). Each group's indices come back ascending."""
     c = np.asarray(costs, dtype=np.float64)
     out = [sorted(int(i) for i in g) for g in groups]
     if len(out) < 2 or c.size == 0:
@@ -49,6 +51,9 @@ def refine_split(costs: np.ndarray, groups: Sequence[Sequence[int]], stages: Seq
     loads = np.stack([c[members].sum(axis=0) for members in out], axis=-1)  # [k, G]
     best = split_objective(loads, st)
     a, b = np.triu_indices(c.shape[0], k=1)
+    if classes is not None:
+        label = np.asarray(classes)
+        same = label[a] == label[b]
     for _ in range(max_swaps if max_swaps is not None else c.shape[0]):
         if time.perf_counter() >= deadline:
             break
@@ -56,6 +61,8 @@ def refine_split(costs: np.ndarray, groups: Sequence[Sequence[int]], stages: Seq
         hot = np.zeros(len(out), dtype=bool)
         hot[loads.argmax(axis=1)] = True
         keep = (owner[a] != owner[b]) & (hot[owner[a]] | hot[owner[b]])
+        if classes is not None:
+            keep &= same
         pa, pb = a[keep], b[keep]
         if len(pa) == 0:
             break

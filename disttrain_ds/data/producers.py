@@ -86,7 +86,7 @@ def _decode(payload: list[tuple | None]) -> list[PackedSample | None]:
 def prepare(source: SampleSource, step: int, cfg: DataConfig, shape: ShapeSpec,
             units: tuple[int, ...] | None = None) -> list[PackedSample | None]:
     """One global batch, reordered when ``data.reorder`` is set; with ``units``, only the samples
-    of those units (None at every other position)."""
+    of those units (None at every other position), unreordered (``order_with`` reorders them)."""
     if units is not None:
         got = source.read_units(step, list(units))
         return [got.get(p) for p in range(source.batch)]
@@ -179,6 +179,7 @@ class ProducedSource(SampleSource):
         self.share: NodeShare | None = None
         self.host_units: tuple[int, ...] | None = None
         """The units this host reads (``read_only``); None: whole batches."""
+        self._order = None
         self._procs: list[Any] = []
         self._queues: list[Any] = []
         self._beats: list[Any] = []
@@ -208,11 +209,15 @@ class ProducedSource(SampleSource):
         return f"{self.inner.describe()}, prepared {where}" + (", reordered" if self.cfg.reorder else "") + read
 
     def read_only(self, units: tuple[int, ...]) -> None:
-        """Read only these units of every batch (``data.read: host``); other positions are None."""
-        if self.cfg.reorder:
-            raise ValueError("data.reorder: reordering moves samples between hosts; it needs data.read: all")
+        """Read only these units of every batch (``data.read: host``); other positions are None.
+        Producers then leave the batch in read order; ``order_with`` reorders it here."""
         self.close()
         self.host_units = tuple(units)
+
+    def order_with(self, order) -> None:
+        """Pass every batch through ``order`` (samples -> samples) before handing it out: the
+        host-constrained reordering, which exchanges costs with the other hosts."""
+        self._order = order
 
     def share_with(self, share: NodeShare) -> None:
         """Read batches from the host's spool; the host's leader rank runs the producers for all."""
@@ -341,6 +346,8 @@ class ProducedSource(SampleSource):
             else:
                 _, _, payload, plan, extra, state = self._receive(step)
                 samples = _decode(payload)
+        if self._order is not None:
+            samples = self._order(samples)
         self._next = step + 1
         self._inner_state = state
         self._plan_skips = plan

@@ -24,7 +24,8 @@ from ..comm.p2p import P2P, PeerInfo, new_channel_groups
 from ..config import Recipe, resolve_path
 from ..configtools import ConfigError
 from ..data.config import SHARD_PATHS
-from ..data.host_read import EMULATED_HOSTS_ENV, aligned_parts, host_names, plan_reading, rank_positions
+from ..data.host_read import (
+    EMULATED_HOSTS_ENV, aligned_parts, host_names, plan_reading, rank_positions, reader_classes)
 from ..data.spool import default_base, host_key, plan_shares
 from ..dsconfig import engine_config, load_ds_config
 from ..models.configs import trains
@@ -46,6 +47,7 @@ from .checkpointing import Checkpointer, resolve_resume
 from .console import Console, tell_launcher
 from .emulate import Emulator
 from .health import Watchdog, connect_store
+from .host_order import HostOrder
 from .pipeline_step import PipelineExecutor
 from .preempt import EXIT_PREEMPTED, Preemption
 from .setup import build_data_and_spec, build_eval_source, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
@@ -136,11 +138,13 @@ def share_batches(recipe: Recipe, source, rank: int, world: int, hosts: tuple[li
     source.share_with(share)
 
 
-def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[str],
+def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[str], group,
                  log=print) -> list[int] | None:
     """``data.read: host`` (or ``auto``) on several hosts: this host reads only its ranks' samples;
     returns the positions this rank counts in batch-wide sums (None: every host reads whole
-    batches). Under ``auto`` a job that cannot read per host reads whole batches, and rank 0 says why."""
+    batches). Under ``auto`` a job that cannot read per host reads whole batches, and rank 0 says why.
+    With ``data.reorder`` the hosts exchange sample costs over ``group`` and reorder each batch
+    keeping every sample on its host (``runtime/host_order.py``)."""
     d = recipe.data
     if d.read == "all" or len(set(names)) == 1:
         return None
@@ -149,9 +153,7 @@ def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[
     consumed = rank_positions(topo.modules, slot, batch)
     units = source.inner.units()
     why = None
-    if d.reorder:
-        why = "data.reorder moves samples between hosts", "set data.read=all to reorder"
-    elif units is None and d.source not in SHARD_PATHS:
+    if units is None and d.source not in SHARD_PATHS:
         why = (f"data.source {d.source} reads each global batch as one stream, so every host would read all of it",
                "set data.read=all, or use webdataset / parquet / folder / hf with data.shard_parts")
     plan = None
@@ -172,6 +174,9 @@ def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[
             log(f"data.read auto: every host reads whole global batches ({why[0]})")
         return None
     source.read_only(plan.units[names[rank]])
+    if d.reorder:
+        source.order_with(HostOrder(source.shape, source.special, reader_classes(names, consumed, batch),
+                                    plan.positions_of(rank), group))
     return plan.positions_of(rank)
 
 
@@ -245,7 +250,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     hosts = gather_hosts(world, meta_group)
     share_batches(recipe, source, rank, world, hosts)
-    counted = read_by_host(recipe, topo, source, rank, hosts[0], log)
+    counted = read_by_host(recipe, topo, source, rank, hosts[0], meta_group, log)
     tp = tp_context(grid, stage, dp_index, tp_index)
     up_grids, down_grids = topo.upstreams(grid.name), topo.downstreams(grid.name)
     upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, grid.name, recipe), tp,

@@ -109,10 +109,16 @@ def test_a_host_reads_only_its_units_in_process_and_through_producers():
             assert all(torch.equal(a, b) for a, b in zip(got[p].images, whole[p].images))
 
 
-def test_read_only_refuses_reordering():
+def test_a_share_is_read_unreordered_and_passed_through_the_host_order():
+    whole = build_source(DataConfig(), SHAPE, 4, 3).global_batch(2)
     with build_source(DataConfig(reorder=True), SHAPE, 4, 3) as source:
-        with pytest.raises(ValueError, match="data.reorder: reordering moves samples between hosts"):
-            source.read_only((0,))
+        source.read_only((0, 2))
+        got = source.global_batch(2)
+        assert [s is None for s in got] == [False, True, False, True]
+        assert all(torch.equal(got[p].input_ids, whole[p].input_ids) for p in (0, 2))
+        source.order_with(lambda samples: samples[2:] + samples[:2])
+        assert [s.sample_id if s else None for s in source.global_batch(2)] == [whole[2].sample_id, None,
+                                                                                 whole[0].sample_id, None]
 
 
 def test_merged_state_takes_each_part_from_the_host_that_read_it():
@@ -145,14 +151,17 @@ def _two_hosts_recipe(tmp_path, *overrides):
     return load_recipe("tiny_cpu", [*layout, *overrides])
 
 
-def _read_by_host(recipe, log=print):
+def _read_by_host(recipe, log=print, ordered: list | None = None):
     from disttrain_ds.runtime.distributed import read_by_host
     from disttrain_ds.runtime.setup import build_data_and_spec
     from disttrain_ds.topology import Topology
 
     source, _ = build_data_and_spec(recipe)
     with source:
-        return read_by_host(recipe, Topology.from_recipe(recipe), source, 0, ["a", "b"] * 3, log), source.host_units
+        got = read_by_host(recipe, Topology.from_recipe(recipe), source, 0, ["a", "b"] * 3, None, log), source.host_units
+        if ordered is not None:
+            ordered.append(source._order)
+        return got
 
 
 def _tar_shards(root, shards: int = 2):
@@ -182,8 +191,6 @@ def test_each_host_gets_its_units_and_counts_once(tmp_path):
 def test_per_host_reading_refuses_what_would_read_other_hosts_samples(tmp_path):
     from disttrain_ds.configtools import ConfigError
 
-    with pytest.raises(ConfigError, match="'data.read' host: data.reorder moves samples between hosts"):
-        _read_by_host(_two_hosts_recipe(tmp_path, "data.read=host", "data.reorder=true"))
     with pytest.raises(ConfigError, match="'data.read' host: data.source paper_stats reads each global batch as one stream"):
         _read_by_host(_two_hosts_recipe(tmp_path, "data.read=host", "data.source=paper_stats"))
     shards = [f"data.path={_tar_shards(tmp_path / 'shards')}", "data.source=webdataset",
@@ -198,9 +205,19 @@ def test_per_host_reading_refuses_what_would_read_other_hosts_samples(tmp_path):
 def test_auto_reads_per_host_where_it_can_and_says_why_every_host_reads_whole_batches_elsewhere(tmp_path):
     lines = []
     assert _read_by_host(_two_hosts_recipe(tmp_path), lines.append) == ([0, 2], (0, 2)) and lines == []
-    for override, why in (("data.reorder=true", "data.reorder moves samples between hosts"),
-                          ("data.source=paper_stats", "data.source paper_stats reads each global batch as one stream")):
+    for override, why in (("data.source=paper_stats", "data.source paper_stats reads each global batch as one stream"),):
         lines.clear()
         assert _read_by_host(_two_hosts_recipe(tmp_path, override), lines.append) == (None, None)
         assert lines == [f"data.read auto: every host reads whole global batches ({why}, so every host would read all "
                          "of it)" if "stream" in why else f"data.read auto: every host reads whole global batches ({why})"]
+
+
+def test_reordering_reads_per_host_and_orders_each_batch_with_the_other_hosts_costs(tmp_path):
+    from disttrain_ds.runtime.host_order import HostOrder
+
+    for read in ("auto", "host"):
+        lines, ordered = [], []
+        got = _read_by_host(_two_hosts_recipe(tmp_path, "data.reorder=true", f"data.read={read}"), lines.append, ordered)
+        assert got == ([0, 2], (0, 2)) and lines == []
+        order = ordered[0]
+        assert isinstance(order, HostOrder) and order.labels == [0, 1, 0, 1] and order.counted == [0, 2]
