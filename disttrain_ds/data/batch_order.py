@@ -59,13 +59,14 @@ def reorder_batch(samples: list[PackedSample], shape: ShapeSpec, special: Specia
 
 
 def batch_order(per_module: np.ndarray, model, groups: int, per_group: int, labels: Sequence[int] | None = None,
-                budget_s: float = INTER_TIME_BUDGET_S) -> list[int]:
+                budget_s: float = INTER_TIME_BUDGET_S, regroup: bool = True) -> list[int]:
     """The reordered batch as positions (position ``q`` takes sample ``order[q]``) from each
     sample's forward cost per module (``[n, modules]``, ``model``: its ``GraphCosts``), ``groups``
     blocks of ``per_group`` samples per microbatch (0: one microbatch). With ``labels`` (a class
     per position, ``host_reorder.py``) every sample stays on positions of its class, and the
     order is never slower (simulated 1F1B) than no reordering. ``budget_s`` bounds each search
-    (``math.inf``: iteration limits only, the same result on every machine)."""
+    (``math.inf``: iteration limits only, the same result on every machine); ``regroup`` False
+    keeps the loader's microbatches (with ``labels``; whole-batch reordering always does)."""
     from disttrain_ds.module_costs import STAGE_ROLES
 
     from .reorder import build_microbatches
@@ -85,12 +86,12 @@ def batch_order(per_module: np.ndarray, model, groups: int, per_group: int, labe
     identity = [[list(range(j * slot + r * (slot // groups), j * slot + (r + 1) * (slot // groups)))
                  for r in range(groups)] for j in range(n // slot)]
     best, best_span = identity, _span(per_module, model, identity)
-    for sort in (False, True):
+    for sort in (False, True) if regroup else (False,):
         split = []
         for mb in host_microbatches(total, lab, slot, sort):
             local = class_lpt(total[mb], lab[:slot], groups)
             split.append(_per_module(per_module, [[mb[t] for t in g] for g in local], stages, deadline, lab))
-        ordered = _in_order(per_module, model, split, budget_s)
+        ordered = _in_order(per_module, model, split, budget_s / 2 if regroup else budget_s)  # two searches share it
         span = _span(per_module, model, ordered)
         if span < best_span - 1e-12 * max(1.0, best_span):
             best, best_span = ordered, span

@@ -83,7 +83,8 @@ class DataConfig:
     """Jobs on several hosts. host: each host reads and decodes only the samples its own ranks
     consume (a source read in units: synthetic, or webdataset / parquet / folder / hf with
     shard_parts parts that fall on whole hosts), and batch-wide totals are summed over the hosts;
-    all: every host reads whole global batches (needed by data.reorder and by one-stream sources);
+    with data.reorder the hosts exchange sample costs and reorder keeping each sample on its host;
+    all: every host reads whole global batches (needed by one-stream sources);
     auto: host where the job allows it, else all, said in one start-up line with the reason."""
     spool_dir: str = ""
     """Directory for the node-shared batches (an existing, node-local one); empty: /dev/shm, or the

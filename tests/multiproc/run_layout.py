@@ -22,7 +22,9 @@ the negative control of the evaluation check.
 when a checkpoint is re-sharded for another layout: the negative control for resuming under a new layout.
 ``--fault wrong_host_units`` makes every host read the next units of each batch instead of its own
 (``data.read: host``): the negative control that a host missing its ranks' samples is caught.
-Every rank writes the sample ids it read per step (``reads_rank<r>.json``).
+Every rank writes the sample ids it read per step (``reads_rank<r>.json``) and, with
+``data.reorder`` on per-host reading, the ids at every position of each batch it reordered
+(``ordered_rank<r>.json``, null where another host's sample sits).
 ``--fault drop_fp32_masters`` drops the fp32 master weights read back that way, so a bf16 engine's
 masters restart from its bf16 weights: the negative control for resuming bf16 under a new layout.
 """
@@ -197,6 +199,17 @@ def main() -> int:
         return samples
 
     producers.prepare = recording_prepare
+    from disttrain_ds.runtime import host_order
+
+    ordered: list[list] = []  # sample id (None: another host's) at every position of each reordered batch
+    original_call = host_order.HostOrder.__call__
+
+    def recording_call(self, samples):
+        got = original_call(self, samples)
+        ordered.append([s.sample_id if s is not None else None for s in got])
+        return got
+
+    host_order.HostOrder.__call__ = recording_call
     rc = distributed.train_distributed(recipe, log=print, export_dir=str(out))
     rank = int(os.environ["RANK"])
     (out / f"sends_rank{rank}.json").write_text(json.dumps(sends))
@@ -204,6 +217,7 @@ def main() -> int:
     (out / f"shapes_rank{rank}.json").write_text(json.dumps(shapes))
     (out / f"recompute_rank{rank}.json").write_text(json.dumps(recomputed))
     (out / f"reads_rank{rank}.json").write_text(json.dumps(reads))
+    (out / f"ordered_rank{rank}.json").write_text(json.dumps(ordered))
     return rc
 
 

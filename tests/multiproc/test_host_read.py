@@ -50,6 +50,51 @@ def test_two_hosts_read_disjoint_samples_and_train_the_reference(tmp_path, refer
     assert all(r["samples_per_s"] * r["step_seconds"] == pytest.approx(4) for r in rows)
 
 
+def expected_orders(overrides: list[str], steps: int, labels: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """The host-constrained order of each step's batch and its read order (sample ids), from one
+    whole-batch read."""
+    from disttrain_ds.config import load_recipe
+    from disttrain_ds.data.batch_order import batch_order
+    from disttrain_ds.module_costs import as_graph_costs
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    source, _ = build_data_and_spec(load_recipe("tiny_cpu", [*overrides, "data.reorder=false"]))
+    shape, model = source.shape, as_graph_costs(source.shape.cost_model)
+    out, read = [], []
+    for step in range(steps):
+        batch = source.global_batch(step)
+        costs = model.costs([s.stats(shape.patch_size, source.special) for s in batch])
+        out.append([batch[i].sample_id for i in batch_order(costs, model, shape.dp_size, shape.micro_batch, labels)])
+        read.append([s.sample_id for s in batch])
+    return out, read
+
+
+def test_two_hosts_reorder_their_own_samples_and_train_the_reference(tmp_path, reference_run):
+    out = tmp_path / "job"
+    data = ["train.global_batch=8", "data.reorder=true", "data.read=host"]
+    rows, params, _ = launch(out, 6, [STEPS, *SGD, *LAYOUT, *data], env_extra=HOSTS)
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *data[:2]])  # reordered whole batches in one process
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e}"
+    check_disjoint_halves(out, 3, 8)
+    # Host a's ranks consume DP block 0 of every slot (even positions), host b's block 1.
+    labels, names = [0, 1] * 4, HOSTS[EMULATED_HOSTS_ENV].split(",")
+    reads = reads_by_host(out)
+    whole = []
+    for step in range(3):
+        batch: list = [None] * 8
+        for rank, host in enumerate(names):
+            got = json.loads((out / f"ordered_rank{rank}.json").read_text())[step]
+            assert [p for p, i in enumerate(got) if i is not None] == [p for p in range(8) if labels[p] == "ab".index(host)]
+            assert all((step, i) in reads[host] for i in got if i is not None), "a host holds a sample it did not read"
+            batch = [a if a is not None else b for a, b in zip(batch, got)]
+        whole.append(batch)
+    expected, unordered = expected_orders([*LAYOUT, "train.global_batch=8"], 3, labels)
+    assert whole == expected  # every host applied the one order rank 0 computed
+    assert whole != unordered, "no batch was reordered"
+
+
 def test_a_host_that_reads_another_hosts_samples_is_caught(tmp_path):
     proc = launch(tmp_path / "job", 6, ["train.steps=1", *SGD, *LAYOUT], fault="wrong_host_units", env_extra=HOSTS,
                   check=False)
