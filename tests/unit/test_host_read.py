@@ -109,9 +109,10 @@ def test_a_host_reads_only_its_units_in_process_and_through_producers():
             assert all(torch.equal(a, b) for a, b in zip(got[p].images, whole[p].images))
 
 
-def test_a_share_is_read_unreordered_and_passed_through_the_host_order():
+@pytest.mark.parametrize("producers", [0, 1])
+def test_a_share_is_read_unreordered_and_passed_through_the_host_order(producers):
     whole = build_source(DataConfig(), SHAPE, 4, 3).global_batch(2)
-    with build_source(DataConfig(reorder=True), SHAPE, 4, 3) as source:
+    with build_source(DataConfig(reorder=True, producers=producers, queue_depth=1), SHAPE, 4, 3) as source:
         source.read_only((0, 2))
         got = source.global_batch(2)
         assert [s is None for s in got] == [False, True, False, True]
