@@ -209,14 +209,12 @@ class ProducedSource(SampleSource):
         return f"{self.inner.describe()}, prepared {where}" + (", reordered" if self.cfg.reorder else "") + read
 
     def read_only(self, units: tuple[int, ...]) -> None:
-        """Read only these units of every batch (``data.read: host``); other positions are None.
-        Producers then leave the batch in read order; ``order_with`` reorders it here."""
+        """Read only these units of every batch (``data.read: host``), unreordered; other positions are None."""
         self.close()
         self.host_units = tuple(units)
 
     def order_with(self, order) -> None:
-        """Pass every batch through ``order`` (samples -> samples) before handing it out: the
-        host-constrained reordering, which exchanges costs with the other hosts."""
+        """Pass every batch through ``order`` (the host-constrained reordering, ``runtime/host_order.py``)."""
         self._order = order
 
     def share_with(self, share: NodeShare) -> None:
