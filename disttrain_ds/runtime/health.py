@@ -2,11 +2,12 @@
 
 Without this, a killed rank leaves its neighbours blocked in collectives until the process-group
 timeout, and ranks of other nodes may wait forever. Each rank runs a watchdog thread that bumps a
-heartbeat counter in the job's rendezvous store every ``interval`` seconds and reads everyone
-else's. A counter that stops changing for ``timeout`` seconds (a killed, stopped or wedged process)
-or a failure note left by a rank makes every rank stop with one line naming the rank and its module
-and exit. Counters, not timestamps, so clocks of different nodes need not agree. Once the run
-directory exists, only one rank prints that line on the terminal (``runtime/verdict.py``).
+heartbeat counter in the job's rendezvous store every ``interval`` seconds and reads the counters of
+a few other ranks (``runtime/heartbeat.py``: who watches whom) and the job's failure note. A counter
+that stops changing for ``timeout`` seconds (a killed, stopped or wedged process), one that does not
+appear within the start-up deadline, or a failure note left by a rank makes every rank stop with one
+line naming the rank and its module and exit. Once the run directory exists, only one rank prints
+that line on the terminal (``runtime/verdict.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from datetime import timedelta
 from typing import Callable
 
 from .console import Console, tell_launcher
+from .heartbeat import Heartbeat
 from .verdict import Verdict, pointer_line, terminal_line
 
 EXIT_PEER_FAILED = 3
@@ -33,6 +35,10 @@ DIVERGED_QUIET_S = 2.0
 """How long ranks other than 0 wait before exiting after a non-finite loss (rank 0 reports it)."""
 STORE_OP_MAX_S = 10.0
 """Longest a watchdog store operation may block (a stopped store host answers nothing)."""
+HOSTS_POLL_S = 0.5
+"""How often ``start`` looks whether every rank has announced its host."""
+STARTED = "started"
+"""Store counter of ranks that announced their host: the host map is read once it is complete."""
 
 LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
                           errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EFBIG, errno.ENAMETOOLONG})
@@ -56,7 +62,10 @@ def connect_store(timeout_s: float = 10.0):
 
 
 class Watchdog:
-    """Heartbeats of all ranks, seen from one rank."""
+    """Heartbeats of the job, seen from one rank: it beats, watches a few ranks and reads the verdict.
+
+    ``startup_timeout_s``: how long a watched rank may take to show its first heartbeat, counted from
+    this rank's first look (``parallel.startup_timeout_s``); None: 600 s. Never below ``timeout_s``."""
 
     def __init__(
         self,
@@ -69,6 +78,7 @@ class Watchdog:
         exit_fn: Callable[[int], None] = os._exit,
         console: Console | None = None,
         host: str | None = None,
+        startup_timeout_s: float | None = None,
     ):
         self.store, self.rank, self.names = store, rank, names
         self.console = console
@@ -82,8 +92,7 @@ class Watchdog:
         self.store_op_s = max(1.0, min(STORE_OP_MAX_S, timeout_s / 2))
         """Longest wait for one store operation before the store host is declared gone."""
         self._store_lost: str | None = None
-        self._beats = 0
-        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value, monotonic time it changed)
+        self.heart = Heartbeat(self._op, rank, names, timeout_s, startup_timeout_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
         # Without torchrun's agent, rank 0 hosts the store: it lingers before exiting so the
@@ -105,27 +114,41 @@ class Watchdog:
         return self.hosts[self.rank]
 
     def start(self) -> "Watchdog":
-        self._op("set", f"host/{self.rank}", self.host)  # before the first beat: whoever reads one finds both
+        self.announce()
         self._beat()
-        self._learn_hosts(self.store_op_s)
+        self._await_hosts(self.store_op_s)
         self._thread.start()
         return self
 
-    def _learn_hosts(self, wait_s: float) -> None:
+    def announce(self) -> None:
+        """Leave this rank's host, then count it as started: a complete count means every host is there."""
+        self._op("set", f"host/{self.rank}", self.host)
+        self._op("add", STARTED, 1)
+
+    def _await_hosts(self, wait_s: float) -> None:
         """Read every rank's host now, not at the first check: a store that dies early could no
-        longer tell who prints. Best effort: ranks start their watchdogs together, right after the
-        process group forms; what is missing after ``wait_s`` comes with the heartbeats."""
-        keys = [f"host/{r}" for r in self.names if r not in self.hosts]
+        longer tell who prints. Best effort: ranks usually start their watchdogs together, right
+        after the process group forms; if some have not after ``wait_s``, the checks read the map
+        once they have."""
         deadline = time.monotonic() + wait_s
         try:
-            while keys and not self._op("check", keys):  # polled: a blocked read would spoil the client
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.05)
-            for k, h in zip(keys, self._op("multi_get", keys) if keys else []):
-                self.hosts[int(k.split("/")[1])] = h.decode()
+            # Polled, not waited on: a store read abandoned by ``_op`` would spoil the client.
+            while not self._learn_hosts() and time.monotonic() < deadline:
+                time.sleep(min(HOSTS_POLL_S, self.interval_s))
         except Exception:  # noqa: BLE001 - the heartbeats will tell what the store does
             pass
+
+    def _learn_hosts(self) -> bool:
+        """Whether every rank's host is known, reading them all once every rank has announced itself
+        (until then one counter read: not world-many keys per look)."""
+        if len(self.hosts) >= len(self.names):
+            return True
+        if int(self._op("add", STARTED, 0)) < len(self.names):
+            return False
+        missing = [r for r in self.names if r not in self.hosts]
+        for r, h in zip(missing, self._op("multi_get", [f"host/{r}" for r in missing])):
+            self.hosts[r] = h.decode()
+        return True
 
     def _op(self, name: str, *args):
         """``store.<name>(*args)``, given up after ``store_op_s`` (a stopped store host never answers:
@@ -151,29 +174,17 @@ class Watchdog:
         return box["value"]
 
     def _beat(self) -> None:
-        self._beats += 1
-        self._op("set", f"hb/{self.rank}", str(self._beats))
+        self.heart.beat()
 
     def check(self, now: float | None = None) -> Verdict | None:
-        """One look at the others: the reason to stop, or None."""
+        """One look: the job's verdict if one was published, else the reason to stop found among the
+        ranks this one watches, or None. A bounded number of store reads whatever the world size."""
         now = time.monotonic() if now is None else now
         if self._op("check", ["fault"]):
             return Verdict.decode(self._op("get", "fault"))
-        others = [r for r in self.names if r != self.rank]
-        unknown = [r for r in others if r not in self.hosts]
-        # Hosts start() missed ride along with the heartbeats (each is set before its rank's first beat).
-        values = self._op("multi_get", [f"hb/{r}" for r in others] + [f"host/{r}" for r in unknown]) if others else []
-        for r, h in zip(unknown, values[len(others):]):
-            if h:
-                self.hosts[r] = h.decode()
-        for r, v in zip(others, values):
-            last = self._seen.get(r)
-            if last is None or last[0] != v:
-                self._seen[r] = (v, now)
-            elif v != b"done" and now - last[1] > self.timeout_s:
-                why = f"no heartbeat for {now - last[1]:.0f} s: killed, stopped or hung"
-                return Verdict(f"{self.who(r)} stopped responding ({why})", failed=r)
-        return None
+        self._learn_hosts()
+        silent = self.heart.look(now)
+        return Verdict(f"{self.who(silent.rank)} {silent.reason}", failed=silent.rank) if silent else None
 
     def store_lost(self, exc: BaseException) -> Verdict:
         """The verdict after a store operation failed or timed out: the store host is gone."""
@@ -269,7 +280,7 @@ class Watchdog:
         if self._store_lost:
             return
         try:
-            self._op("set", f"hb/{self.rank}", "done")
+            self.heart.finish()
         except Exception:  # noqa: BLE001
             pass
 
@@ -298,6 +309,11 @@ class Watchdog:
             self.emit(f"{here}: interrupted{self._at()}")
             return self._exit(130)
         line = one_line(exc)
+        if isinstance(exc, CommTimeoutError) and exc.peer is not None:
+            # A dead peer would have been named by the heartbeats long before this deadline: this
+            # one is alive but stuck. It is the suspect, not the rank that waited for it.
+            v = self._publish(Verdict(f"{self.who(exc.peer)} did not answer in time ({line})", failed=exc.peer))
+            return self._end(v, f"{here}: stopping{self._at()} because {v.cause}", EXIT_PEER_FAILED)
         # A broken connection is usually the neighbour's death: give the heartbeats time to say whose.
         # A local error (disk full, unreadable file, a check of ours) is reported at once.
         if waits_for_peer(exc) and not isinstance(exc, CommTimeoutError):

@@ -39,6 +39,11 @@ class FakeStore:
     def multi_get(self, keys):
         return [self.data.get(k, b"") for k in keys]
 
+    def add(self, k, n):
+        with self.lock:
+            self.data[k] = str(int(self.data.get(k, b"0")) + n).encode()
+            return int(self.data[k])
+
 
 NAMES = {0: "encoder stage 0 dp 0", 1: "llm stage 0 dp 0", 2: "generator stage 0 dp 0"}
 
@@ -85,6 +90,29 @@ def test_handle_blames_a_dead_neighbour_for_a_broken_connection():
     assert codes == [EXIT_PEER_FAILED]
     assert "because rank 2 (generator stage 0 dp 0) stopped responding" in lines[0]
     assert "seen here as: RuntimeError: Read error [127.0.0.1]:1: Connection reset by peer" in lines[0]
+
+
+def test_handle_blames_the_peer_a_deadline_waited_for_not_the_waiting_rank():
+    from disttrain_ds.comm.p2p import CommTimeoutError
+
+    store, lines, codes = FakeStore(), [], []
+    w = dog(store, rank=0, emit=lines.append, exit_fn=codes.append)
+    w.handle(CommTimeoutError("rank 0 (encoder stage 0 dp 0) waited 8 s for gradient of microbatch 1 from rank 1", 1), 1.0)
+    assert codes == [EXIT_PEER_FAILED]
+    published = Verdict.decode(store.get("fault"))
+    assert published.failed == 1 and published.cause.startswith("rank 1 (llm stage 0 dp 0) did not answer in time")
+    assert "because rank 1 (llm stage 0 dp 0) did not answer" in lines[0]
+
+
+def test_handle_without_a_known_peer_reports_the_timeout_as_this_ranks_failure(tmp_path):
+    """Negative control: a deadline that names no peer blames nobody else."""
+    from disttrain_ds.comm.p2p import CommTimeoutError
+
+    store, lines, codes = FakeStore(), [], []
+    w = dog(store, rank=0, emit=lines.append, exit_fn=codes.append)
+    w.failure_dir = str(tmp_path)
+    w.handle(CommTimeoutError("waited 8 s"), 1.0)
+    assert codes == [EXIT_FAILED] and Verdict.decode(store.get("fault")).failed == 0
 
 
 def test_handle_reports_a_local_bug_as_this_ranks_failure(tmp_path):
@@ -259,12 +287,14 @@ def _job(hosts: dict[int, str], console: bool = True):
     lines, codes = {r: [] for r in hosts}, {r: [] for r in hosts}
     dogs = {r: Watchdog(store, r, names, timeout_s=10, interval_s=0.02, emit=lines[r].append, exit_fn=codes[r].append,
                         console=FakeConsole(r) if console else None, host=h) for r, h in hosts.items()}
-    for r, h in hosts.items():
-        store.set(f"host/{r}", h)  # as if every rank had started: start() reads them all
     for w in dogs.values():
         w.step = 5
-        w.start()
-    assert all(w.hosts == hosts for w in dogs.values())
+    starts = [threading.Thread(target=w.start) for w in dogs.values()]  # together, as after the process group forms
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join()
+    assert all(w.hosts == hosts for w in dogs.values())  # start() read them all
     return dogs, lines, codes
 
 
@@ -330,10 +360,13 @@ def test_a_store_host_stopping_right_after_start_is_reported_by_one_rank(monkeyp
     assert all("stopped responding" in dogs[r].console.lines[0] for r in (0, 2, 3))
 
 
-def test_a_rank_that_started_late_is_placed_on_its_host_by_the_heartbeats():
+def test_ranks_that_started_late_are_placed_on_their_hosts_once_every_rank_has_announced_itself():
     store = FakeStore()
     w = dog(store)
-    store.set("host/1", "b")
-    store.set("hb/1", "1")
+    w.announce()
+    dog(store, rank=1, host="b").announce()
     w.check(now=0.0)
-    assert w.hosts == {0: w.host, 1: "b"}
+    assert w.hosts == {0: w.host}  # rank 2 not there yet: the map is read whole, once
+    dog(store, rank=2, host="c").announce()
+    w.check(now=1.0)
+    assert w.hosts == {0: w.host, 1: "b", 2: "c"}
