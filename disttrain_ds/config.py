@@ -84,6 +84,11 @@ class ParallelConfig:
     """Seconds a rank waits on the inter-engine communicator before failing with a clear error."""
     heartbeat_timeout_s: float = 20.0
     """Seconds without a heartbeat after which a rank counts as dead or hung and every rank stops."""
+    startup_timeout_s: float = 600.0
+    """Seconds ranks wait for one another at start: for every rank to reach the job's store, and for
+    a watched rank's first heartbeat, counted from when its watchers start (the heartbeat judges a
+    rank not yet seen by this, not by ``heartbeat_timeout_s``, below which it never falls); a rank
+    not there by then stops the job, named."""
 
 
 @dataclass
@@ -105,6 +110,11 @@ class TrainConfig:
     """Memory of one rank's device in GiB (2^30 bytes) that ``--dry-run`` and the check before
     training hold each rank's estimated peak against; 0: this machine's GPU, or without one its
     RAM shared by the job's ranks on it."""
+    gpu_allowance: bool = True
+    """Against a GPU's memory (``device_memory_gib``, this machine's GPU, a plan's ``gpu_memory_gb``)
+    also count what a rank holds beside its tensors: CUDA context and GEMM workspaces, NCCL buffers,
+    allocator fragmentation (``runtime/gpu_allowance.py``). false: the estimate alone, for CPU
+    recipes whose ``device_memory_gib`` stands for a small device."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in ``checkpoint.dir`` if there is one;
     none: start from scratch (refused if ``checkpoint.dir`` already holds checkpoints);

@@ -66,7 +66,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
     from .runtime.distributed import train_distributed
 
     try:
-        return train_distributed(recipe, console=console)
+        return train_distributed(recipe, console=console, memory_rows=rows)
     except ConfigError:
         console.discard()
         raise
@@ -75,11 +75,11 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
 def check_memory(recipe: Recipe, ranks_per_host: int) -> list:
     """Stop with one line naming the rank and module whose estimated peak memory does not fit;
     returns the estimate's rows."""
-    from .runtime.memory import check_fits, device_limit_gib, estimate
+    from .runtime.memory import check_fits, device_limit_gib, estimate, limit_is_gpu
 
     limit, source = device_limit_gib(recipe, ranks_per_host)
     rows = estimate(recipe)
-    check_fits(recipe, rows, limit, source)
+    check_fits(recipe, rows, limit, source, gpu=limit_is_gpu(recipe))
     return rows
 
 
@@ -103,7 +103,7 @@ def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:
     """Print the rank map and every rank's estimated peak memory; no processes, no weights.
 
     Raises ``ConfigError`` (one line naming the rank and module) when a rank does not fit."""
-    from .runtime.memory import check_fits, describe, device_limit_gib, estimate
+    from .runtime.memory import check_fits, describe, device_limit_gib, estimate, limit_is_gpu
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.layout == "reference":
@@ -114,9 +114,9 @@ def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:
         ranks = topo.world_size
         out(topo.describe())
     limit, source = device_limit_gib(recipe, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
-    rows = estimate(recipe)
-    for line in describe(recipe, rows, limit, source):
+    rows, gpu = estimate(recipe), limit_is_gpu(recipe)
+    for line in describe(recipe, rows, limit, source, gpu):
         out(line)
-    check_fits(recipe, rows, limit, source)
+    check_fits(recipe, rows, limit, source, gpu)
     out(f"recipe {recipe.source_file}: fits (dry run: nothing started)")
     return 0

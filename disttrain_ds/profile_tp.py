@@ -104,6 +104,7 @@ def _worker(argv: list[str]) -> int:
 
     from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
     from disttrain_ds.profile_measure import Options, profile_recipe
+    from disttrain_ds.runtime.startup import device_index
 
     ap = argparse.ArgumentParser(prog="python -m disttrain_ds.profile_tp")
     ap.add_argument("out", type=Path)
@@ -115,7 +116,7 @@ def _worker(argv: list[str]) -> int:
     args = ap.parse_intermixed_args(argv)
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=600))
     rank, size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -144,6 +144,7 @@ def validate(r: Recipe) -> None:
     _check(o.grad_clip >= 0, src, "optim.grad_clip", f"must be >= 0 (0: no clipping), got {o.grad_clip}")
     _check(r.parallel.comm_timeout_s > 0, src, "parallel.comm_timeout_s", "must be > 0")
     _check(r.parallel.heartbeat_timeout_s > 0, src, "parallel.heartbeat_timeout_s", "must be > 0")
+    _check(r.parallel.startup_timeout_s > 0, src, "parallel.startup_timeout_s", "must be > 0")
     _check(r.logging.every >= 1, src, "logging.every", "must be >= 1")
     c = r.checkpoint
     _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")

@@ -35,6 +35,11 @@ CHANNELS = (ACT, GRAD)
 class CommTimeoutError(RuntimeError):
     """A peer did not send or receive in time (stuck or dead)."""
 
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+        """The global rank that did not answer (the suspect, not the rank that waited)."""
+
 
 @dataclass
 class PeerInfo:
@@ -58,21 +63,25 @@ class P2P:
     def __init__(self, groups: dict[str, object], rank: int, device: torch.device, timeout_s: float, peers: PeerInfo):
         self.groups, self.rank, self.device, self.timeout_s, self.peers = groups, rank, device, timeout_s, peers
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._sends: list[tuple[object, torch.Tensor, str]] = []
+        self._sends: list[tuple[object, torch.Tensor, str, int]] = []
 
     def _on_side(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def connect(self, links: list[tuple[str, int, int]]) -> None:
         """Exchange one token on every (channel, low rank, high rank) link this rank is on, in the
-        given order (the same list on every rank): each pair's communicator then exists before the
-        first step, and a global order of blocking exchanges cannot deadlock."""
-        token = torch.zeros(1, device=self.device)
+        given order (the same list on every rank), each within the deadline: every pair's
+        communicator then exists and has carried a message before the first step, and a global
+        order of exchanges cannot deadlock."""
         for channel, lo, hi in links:
-            if self.rank == lo:
-                dist.send(token, hi, group=self.groups[channel])
-            elif self.rank == hi:
-                dist.recv(token, lo, group=self.groups[channel])
+            if self.rank not in (lo, hi):
+                continue
+            token = torch.zeros(1, device=self.device)
+            peer = hi if self.rank == lo else lo
+            op = dist.isend if self.rank == lo else dist.irecv
+            with self._on_side():
+                work = op(token, peer, group=self.groups[channel])
+            self.wait(work, f"the start-up handshake on the {channel} channel with {self.peers(peer)}", peer)
 
     def isend(self, tensor: torch.Tensor, dst: int, channel: str, what: str) -> None:
         """Start sending ``tensor``; completion is checked by ``flush_sends``."""
@@ -82,53 +91,53 @@ class P2P:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_side():
             work = dist.isend(tensor, dst, group=self.groups[channel])
-        self._sends.append((work, tensor, f"{what} to {self.peers(dst)}"))
+        self._sends.append((work, tensor, f"{what} to {self.peers(dst)}", dst))
 
     def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, channel: str, what: str) -> "PendingRecv":
         """Post the receive of a message of known shape now; ``result()`` waits for it."""
         with self._on_side():
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             work = dist.irecv(buf, src, group=self.groups[channel])
-        return PendingRecv(self, buf, work, f"{what} from {self.peers(src)}")
+        return PendingRecv(self, buf, work, f"{what} from {self.peers(src)}", src)
 
-    def _timeout(self, what: str) -> CommTimeoutError:
+    def _timeout(self, what: str, peer: int | None) -> CommTimeoutError:
         return CommTimeoutError(
             f"{self.peers(self.rank)} waited {self.timeout_s:.0f} s for {what}; "
-            "that peer is stuck or dead (parallel.comm_timeout_s sets the limit)"
+            "that peer is stuck or dead (parallel.comm_timeout_s sets the limit)", peer
         )
 
-    def wait(self, work, what: str) -> None:
+    def wait(self, work, what: str, peer: int | None = None) -> None:
         if self.stream is None:
             # gloo: completion is only observed inside wait(), which takes a deadline.
             try:
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
             except RuntimeError as exc:
                 if "imed out" in str(exc) or "imeout" in str(exc):
-                    raise self._timeout(what) from None
+                    raise self._timeout(what, peer) from None
                 raise
             return
         deadline = time.monotonic() + self.timeout_s
         while not work.is_completed():
             if time.monotonic() > deadline:
-                raise self._timeout(what)
+                raise self._timeout(what, peer)
             time.sleep(0.0002)
         work.wait()  # the current (compute) stream now waits for the transfer
 
     def flush_sends(self) -> None:
         """Wait for every outstanding send (called once per step, and before exit)."""
-        for work, _, what in self._sends:
-            self.wait(work, what)
+        for work, _, what, dst in self._sends:
+            self.wait(work, what, dst)
         self._sends.clear()
 
 
 class PendingRecv:
     """A message being received into a preallocated buffer."""
 
-    def __init__(self, p2p: P2P, buf: torch.Tensor, work, what: str):
-        self.p2p, self.buf, self.work, self.what = p2p, buf, work, what
+    def __init__(self, p2p: P2P, buf: torch.Tensor, work, what: str, src: int | None = None):
+        self.p2p, self.buf, self.work, self.what, self.src = p2p, buf, work, what, src
 
     def result(self) -> torch.Tensor:
-        self.p2p.wait(self.work, self.what)
+        self.p2p.wait(self.work, self.what, self.src)
         if self.p2p.stream is not None:
             cur = torch.cuda.current_stream(self.p2p.device)
             cur.wait_stream(self.p2p.stream)

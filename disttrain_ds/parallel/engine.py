@@ -70,12 +70,13 @@ def recompute(function, *args):
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
-def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: TPContext,
+def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: TPContext, groups: dict,
                           checkpoint_every: int = 0) -> PipelineModule:
     """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the
-    module's ranks; layers whose ``LayerDef`` is frozen get no weight gradients.
+    module's ranks and this rank's groups of it (``groups``: ``ProcessGroups.module_axes``);
+    layers whose ``LayerDef`` is frozen get no weight gradients.
     ``checkpoint_every``: recompute activations in blocks of that many layers (0: keep them)."""
-    with subset_grid_for_pipeline_module(tp.group):  # the TP group made for the layers, not a second one
+    with subset_grid_for_pipeline_module(groups):  # the groups every rank made, not new ones
         pm = PipelineModule(
             layers=[DefSpec(d, tp) for d in layer_defs],
             topology=OffsetTopology(grid),

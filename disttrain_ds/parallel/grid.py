@@ -1,9 +1,10 @@
 """A DeepSpeed pipeline grid that lives on a subset of the world's ranks.
 
 Stock ``PipelineParallelGrid`` ignores its ``process_group``, uses world rank and size, asserts
-the topology covers the whole world, and creates every group with world-wide ``new_group`` calls.
-Here the topology's ranks are offset to the module's range and every group is created among the
-module's ranks only (``use_local_synchronization``), so several pipelines share one world.
+the topology covers the whole world, and creates every group itself. Here the topology's ranks are
+offset to the module's range and the grid takes its groups from the job's group plan
+(``parallel/groups.py``: every rank made every group, in one order), so several pipelines share
+one world under NCCL's eager and lazy start-ups alike.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataP
 
 from ..topology import ModuleGrid
 
+GRID_AXES = ("replica", "data", "pipe", "model")
+"""The groups of a module's grid: one DP replica (pipe x model), and one per DeepSpeed axis."""
+
 
 class OffsetTopology(PipeModelDataParallelTopology):
     """DeepSpeed's (pipe, data, model) topology whose ranks start at ``first_rank``."""
@@ -27,15 +31,24 @@ class OffsetTopology(PipeModelDataParallelTopology):
         self.mapping = {coord: rank + grid.first_rank for coord, rank in self.mapping.items()}
 
 
-def _local_group(ranks: list[int]):
-    return tdist.new_group(ranks=sorted(ranks), use_local_synchronization=True)
+def grid_groups(grid: ModuleGrid) -> dict[str, list[list[int]]]:
+    """The rank lists of every group of the module's grid, per axis of ``GRID_AXES`` (pure)."""
+    topo = OffsetTopology(grid)
+    return {
+        "replica": [sorted(topo.get_axis_list(axis="data", idx=d)) for d in range(grid.dp)],
+        "data": topo.get_axis_comm_lists("data"),
+        "pipe": topo.get_axis_comm_lists("pipe"),
+        "model": topo.get_axis_comm_lists("model"),
+    }
 
 
 class SubsetGrid(PipelineParallelGrid):
-    """``PipelineParallelGrid`` over an ``OffsetTopology``: groups among the module's ranks only."""
+    """``PipelineParallelGrid`` over an ``OffsetTopology`` with groups made beforehand."""
 
-    def __init__(self, topology: OffsetTopology, process_group=None, model_group=None):  # noqa: D401 - base signature
-        """``model_group``: this rank's tensor-parallel group if the caller already made it (reused)."""
+    def __init__(self, topology: OffsetTopology, process_group=None, groups=None):  # noqa: D401 - base signature
+        """``groups``: this rank's group per axis, ``{axis: (ranks, handle)}`` (``ProcessGroups.module_axes``)."""
+        if groups is None:
+            raise RuntimeError("SubsetGrid needs the module's groups made beforehand (parallel/groups.py)")
         self.global_rank = tdist.get_rank()
         self._topo = topology
         self.world_size = topology.get_dim("pipe") * topology.get_dim("data") * topology.get_dim("model")
@@ -47,29 +60,18 @@ class SubsetGrid(PipelineParallelGrid):
         self.data_parallel_id = self.get_data_parallel_id()
 
         # "Model" groups in DeepSpeed's sense: all ranks of one DP replica (pipe x model).
-        self.ds_model_proc_group, self.ds_model_rank = None, -1
-        for dp in range(self.data_parallel_size):
-            ranks = sorted(topology.get_axis_list(axis="data", idx=dp))
-            if self.global_rank in ranks:
-                self.ds_model_proc_group = _local_group(ranks)
-                self.ds_model_world_size = len(ranks)
-                self.ds_model_rank = ranks.index(self.global_rank)
+        replica, self.ds_model_proc_group = groups["replica"]
+        self.ds_model_world_size = len(replica)
+        self.ds_model_rank = replica.index(self.global_rank)
         self.dp_groups = topology.get_axis_comm_lists("data")
-        for g in self.dp_groups:
-            if self.global_rank in g:
-                self.dp_group, self.dp_proc_group = g, _local_group(g)
+        self.dp_group, self.dp_proc_group = groups["data"]
         self.is_first_stage = self.stage_id == 0
         self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
         self.p2p_groups = self._build_p2p_groups()
         self.pipe_groups = topology.get_axis_comm_lists("pipe")
-        for ranks in self.pipe_groups:
-            if self.global_rank in ranks:
-                self.pp_group, self.pp_proc_group = ranks, _local_group(ranks)
+        self.pp_group, self.pp_proc_group = groups["pipe"]
         self.model_groups = topology.get_axis_comm_lists("model")
-        for g in self.model_groups:
-            if self.global_rank in g:
-                self.slice_group = g
-                self.slice_proc_group = model_group if model_group is not None else _local_group(g)
+        self.slice_group, self.slice_proc_group = groups["model"]
         self.mp_group = self.slice_group
 
     def _build_p2p_groups(self):
@@ -84,10 +86,10 @@ class SubsetGrid(PipelineParallelGrid):
 
 
 @contextlib.contextmanager
-def subset_grid_for_pipeline_module(model_group=None):
-    """While building a ``PipelineModule``, make it construct a ``SubsetGrid`` (reusing ``model_group``)."""
+def subset_grid_for_pipeline_module(groups: dict):
+    """While building a ``PipelineModule``, make it construct a ``SubsetGrid`` on ``groups``."""
     original = ds_pipe_module.PipelineParallelGrid
-    ds_pipe_module.PipelineParallelGrid = functools.partial(SubsetGrid, model_group=model_group)
+    ds_pipe_module.PipelineParallelGrid = functools.partial(SubsetGrid, groups=groups)
     try:
         yield
     finally:

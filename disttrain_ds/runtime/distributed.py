@@ -12,15 +12,13 @@ import dataclasses
 import os
 import secrets
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 
-from ..comm import nccl_emulation
 from ..comm.boundary import BoundaryComm, boundary_links
-from ..comm.p2p import P2P, PeerInfo, new_channel_groups
+from ..comm.p2p import CHANNELS, P2P, PeerInfo
 from ..config import Recipe, resolve_path
 from ..configtools import ConfigError
 from ..data.config import SHARD_PATHS
@@ -29,7 +27,9 @@ from ..data.host_read import (
 from ..data.spool import default_base, host_key, plan_shares
 from ..dsconfig import engine_config, load_ds_config
 from ..models.configs import trains
+from ..models.flex_warmup import warm_up_stage
 from ..parallel.engine import build_pipeline_module, make_engine
+from ..parallel.groups import META, ProcessGroups, plan_groups
 from ..parallel.roles import ROLES
 from ..parallel.schedule import StagePlace
 from ..parallel.tensor_parallel import TPContext, full_state
@@ -46,47 +46,14 @@ from .callbacks.trace import TraceWriter
 from .checkpointing import Checkpointer, resolve_resume
 from .console import Console, tell_launcher
 from .emulate import Emulator
+from .gpu_allowance import startup_memory_problem
 from .health import Watchdog, connect_store
 from .host_order import HostOrder
 from .pipeline_step import PipelineExecutor
 from .preempt import EXIT_PREEMPTED, Preemption
+from .startup import init_processes, nccl_timeout_s
 from .setup import build_data_and_spec, build_eval_source, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
 from .trainer import Trainer
-
-
-def init_processes(timeout_s: float) -> torch.device:
-    """Start torch.distributed from the launcher's environment (torchrun or deepspeed)."""
-    import deepspeed
-    import deepspeed.ops
-
-    # Only used for inference all-reduce; building it costs ~45 s per process on CPU.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    cuda = torch.cuda.is_available()
-    if cuda and nccl_emulation.enabled():
-        raise ConfigError(f"{nccl_emulation.ENV}=1 emulates NCCL on CPU processes (gloo); unset it on GPUs")
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    backend, timeout = "nccl" if cuda else "gloo", timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps one store across --max-restarts and env:// adds no per-attempt prefix: a
-        # restarted job would read the dead attempt's addresses (Gloo connectFullMesh refused).
-        tdist.init_process_group(backend, store=attempt_store(timeout), timeout=timeout,
-                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # adopts a group already started
-    if nccl_emulation.enabled():
-        nccl_emulation.install()  # hold every point-to-point message to NCCL's rules on gloo
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
-def attempt_store(timeout: timedelta):
-    """A client of torchrun's agent store, prefixed by this launch attempt (``TORCHELASTIC_RESTART_COUNT``)."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return tdist.PrefixStore(f"disttrain/attempt/{restart}/", store)
 
 
 def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
@@ -100,13 +67,10 @@ def rank_name(m, rank: int) -> str:
     return f"{m.name} stage {stage} dp {dp}" + (f" tp {tp}" if m.tp > 1 else "")
 
 
-def tp_context(grid, stage: int, dp: int, tp_index: int) -> TPContext:
-    """This rank's tensor-parallel group (created by its members only)."""
-    ranks = [grid.rank(stage=stage, dp=dp, tp=t) for t in range(grid.tp)]
-    if grid.tp == 1:
-        return TPContext(None, 0, 1, ranks[0])
-    group = tdist.new_group(ranks, use_local_synchronization=True)
-    return TPContext(group, tp_index, grid.tp, ranks[0])
+def tp_context(grid, groups: ProcessGroups, tp_index: int) -> TPContext:
+    """This rank's tensor-parallel group (the module's "model" axis, made by every rank)."""
+    ranks, group = groups.module_axes(grid.name)["model"]
+    return TPContext(group if grid.tp > 1 else None, tp_index, grid.tp, ranks[0])
 
 
 def boundary_tensor(spec, module: str, down: str, recipe: Recipe) -> tuple[str, tuple[int, ...], torch.dtype]:
@@ -191,8 +155,11 @@ def layer_state(pm, module: str, layer_defs, tp: TPContext) -> dict[str, torch.T
     return out
 
 
-def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, console: Console | None = None) -> int:
+def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, console: Console | None = None,
+                      memory_rows: list | None = None) -> int:
     """Train; with ``export_dir`` every rank also saves its final layer parameters there.
+    ``memory_rows``: the memory estimate already checked before start-up (``memory.estimate``), held
+    on GPUs against what each device has free once its groups exist.
 
     With ``console`` (``Console.start``), rank 0's own lines go to its terminal through
     ``console.say`` and library output to ``<run dir>/logs/rank<N>.log``. A failure on any rank
@@ -204,7 +171,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     topo = Topology.from_recipe(recipe)
     topo.check_world(world, recipe.source_file)
     resume_from, manifest = resolve_resume(recipe, world)
-    device = init_processes(recipe.parallel.comm_timeout_s)
+    device = init_processes(recipe.parallel.comm_timeout_s, recipe.parallel.startup_timeout_s)
     rank = tdist.get_rank()
     names = {r: rank_name(m, r) for m in topo.modules for r in m.ranks}
     console = console or Console(rank, sys.stdout)
@@ -215,11 +182,12 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
         print(line + console.note(), file=sys.stderr, flush=True)
         tell_launcher(line)
 
-    watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s, emit=emit,
+    watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s,
+                        startup_timeout_s=recipe.parallel.startup_timeout_s, emit=emit,
                         console=console).start()  # console: lines not shown go to its run-dir log
     try:
         rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir,
-                    console, preempt)
+                    console, preempt, memory_rows)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in one line, on every rank
         watchdog.handle(exc, recipe.parallel.heartbeat_timeout_s + 5)
         raise
@@ -229,7 +197,8 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     return rc
 
 
-def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir, console, preempt) -> int:
+def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir, console, preempt,
+           memory_rows) -> int:
     resume_from, manifest = resume
     is_logger = rank == 0
     if is_logger:
@@ -243,23 +212,27 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     slot = recipe.parallel.llm.dp * recipe.train.micro_batch
     backward = needs_backward(recipe, topo)
 
-    # Boundary traffic gets its own groups (one per direction), apart from DeepSpeed's own P2P.
-    channels = new_channel_groups(world)
-    # Step figures and timeline bookkeeping are small CPU tensors: keep them on gloo even with NCCL.
-    meta_group = tdist.new_group(list(range(world)), backend="gloo")
+    # Every rank makes every group of the job, in one order (eager NCCL splits them off the world):
+    # the gloo bookkeeping group for step figures, one group per boundary channel (one per
+    # direction, apart from DeepSpeed's own P2P), and every module's grid groups.
+    groups = ProcessGroups(rank).make(plan_groups(topo.modules, world), nccl_timeout_s(recipe.parallel.comm_timeout_s))
+    meta_group = groups.get((META,))
+    channels = {ch: groups.get(("channel", ch)) for ch in CHANNELS}
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     hosts = gather_hosts(world, meta_group)
     share_batches(recipe, source, rank, world, hosts)
     counted = read_by_host(recipe, topo, source, rank, hosts[0], meta_group, log)
-    tp = tp_context(grid, stage, dp_index, tp_index)
+    tp = tp_context(grid, groups, tp_index)
     up_grids, down_grids = topo.upstreams(grid.name), topo.downstreams(grid.name)
     upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, grid.name, recipe), tp,
                               backward[up.name]) for up in up_grids] if stage == 0 else []  # one per graph edge
     downstreams = [BoundaryComm(p2p, grid, down, slot, *boundary_tensor(spec, grid.name, down.name, recipe), tp)
                    for down in down_grids] if stage == grid.pp - 1 else []  # the LLM: one per generator
     p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges))
+    check_free_memory(recipe, memory_rows, rank, device)  # after NCCL's set-up, before the weights
     mp = recipe.parallel.modules[grid.name]
-    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, mp.activation_checkpointing)
+    pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, groups.module_axes(grid.name),
+                               mp.activation_checkpointing)
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
     frozen = not any(p.requires_grad for p in pm.parameters())  # this stage holds nothing to train
@@ -275,6 +248,10 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     )
 
     engine = _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstreams, frozen)
+    # Compiled kernels (flex attention) are built now, not inside step 1 under the step's deadlines;
+    # the broadcast below is the last start-up collective, so no rank's step waits on a compile.
+    warm_up_stage(pm, batch=slot // grid.dp, seq_len=recipe.data.seq_len, device=device, tp=grid.tp,
+                  backward=place.backward)
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
     start = 0
@@ -307,6 +284,16 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         writer.close()
         log(stop_line(trainer) if trainer.preempted else f"metrics: {run_dir / 'metrics.jsonl'}")
     return EXIT_PREEMPTED if trainer.preempted else 0
+
+
+def check_free_memory(recipe: Recipe, rows: list | None, rank: int, device: torch.device) -> None:
+    """On a GPU, the estimate plus what is still to come against what the device has free now."""
+    if device.type != "cuda" or rows is None:
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    problem = startup_memory_problem(recipe, rows, rank, free, total)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstreams, frozen: bool):

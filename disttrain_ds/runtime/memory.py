@@ -290,13 +290,23 @@ def _vae_bytes(recipe, module: str) -> float:
     return sum(vae_memory_bytes(vae, cfg.resolution * vae.downsample, vae.batch_on("cuda"), elem))
 
 
+def limit_is_gpu(recipe) -> bool:
+    """Whether ``device_limit_gib`` gives a GPU's memory (so the allowance of ``gpu_allowance.py``
+    applies), not a share of host RAM."""
+    if recipe.train.device_memory_gib > 0:
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def device_limit_gib(recipe, ranks_per_host: int) -> tuple[float, str]:
     """Memory each rank may use, in GiB, and where the figure comes from."""
     if recipe.train.device_memory_gib > 0:
         return recipe.train.device_memory_gib, "train.device_memory_gib"
     import torch
 
-    if torch.cuda.is_available():
+    if limit_is_gpu(recipe):
         total = torch.cuda.get_device_properties(0).total_memory / GIB
         return total, f"{torch.cuda.get_device_name(0)} memory"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
@@ -313,12 +323,27 @@ def per_rank_totals(rows: list[StageMemory]) -> dict[int, float]:
     return totals
 
 
-def check_fits(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> None:
-    """Raise a one-line ``ConfigError`` naming the rank and module whose estimate exceeds the limit."""
+def _needs(recipe, rows: list[StageMemory], gpu: bool) -> tuple[dict[int, float], dict, dict[int, float]]:
+    """(estimates, allowances, estimate + allowance) of every rank; allowances only against a GPU's
+    memory (``gpu``) with ``train.gpu_allowance`` on (``gpu_allowance.py``)."""
+    from .gpu_allowance import rank_allowances
+
     totals = per_rank_totals(rows)
-    worst = max(totals, key=totals.get)
-    need = totals[worst] / GIB
-    if need <= limit_gib:
+    extra = rank_allowances(recipe, totals) if gpu else {}
+    return totals, extra, {r: t + (extra[r].total if r in extra else 0.0) for r, t in totals.items()}
+
+
+def per_rank_needs(recipe, rows: list[StageMemory], gpu: bool = True) -> dict[int, float]:
+    """What the memory check holds each rank to: its estimated peak plus, on a GPU, its allowance."""
+    return _needs(recipe, rows, gpu)[2]
+
+
+def check_fits(recipe, rows: list[StageMemory], limit_gib: float, source: str, gpu: bool = True) -> None:
+    """Raise a one-line ``ConfigError`` naming the rank and module whose estimate (plus, against a
+    GPU's memory, its allowance: ``gpu_allowance.py``) exceeds the limit."""
+    totals, extra, needs = _needs(recipe, rows, gpu)
+    worst = max(needs, key=needs.get)
+    if needs[worst] <= limit_gib * GIB:
         return
     here = [r for r in rows if worst in r.ranks]
     big = max(here, key=lambda r: r.total)
@@ -327,8 +352,9 @@ def check_fits(recipe, rows: list[StageMemory], limit_gib: float, source: str) -
     parts = ", ".join(f"{k} {_size(sum(getattr(r, k) for r in here))}"
                       for k in ("weights", "grads", "optimizer", "activations", "bucket", "extra")
                       if k in ("weights", "grads", "optimizer", "activations") or any(getattr(r, k) for r in here))
+    over = f" + {extra[worst].describe()}" if worst in extra else ""
     raise ConfigError(
-        f"{recipe.source_file}: {who} needs an estimated {_size(totals[worst])} ({parts}) but has "
+        f"{recipe.source_file}: {who} does not fit: estimate {_size(totals[worst])} ({parts}){over} > "
         f"{_size(limit_gib * GIB)} ({source}); more ranks (parallel.*) or a smaller train.micro_batch or "
         "data.seq_len lower it (--dry-run shows every rank)"
     )
@@ -340,8 +366,9 @@ def _size(n: float, short: bool = False) -> str:
     return f"{value:.2f}{unit[0]}" if short else f"{value:.1f} {unit}"
 
 
-def describe(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> list[str]:
-    """The dry run's table: one line per stage (the ranks holding it), then the verdict."""
+def describe(recipe, rows: list[StageMemory], limit_gib: float, source: str, gpu: bool = True) -> list[str]:
+    """The dry run's table: one line per stage (the ranks holding it), then the largest rank with
+    its allowance (``gpu``: the limit is a GPU's memory)."""
     per = state_bytes(recipe, "llm")
     zero = "reference: torch optimizer" if recipe.layout == "reference" else f"ZeRO stage {zero_stage(recipe, 'llm')}"
     lines = [f"memory per rank, estimated ({recipe.train.dtype}, {recipe.optim.name}, {zero}; "
@@ -360,8 +387,9 @@ def describe(recipe, rows: list[StageMemory], limit_gib: float, source: str) -> 
         )
     lines += [f"  {r.who()} also holds the frozen VAE (placement generator): {_size(r.extra)}, in its total"
               for r in rows if r.extra]
-    totals = per_rank_totals(rows)
-    worst = max(totals, key=totals.get)
-    lines.append(f"largest: rank {worst}, {_size(totals[worst])} of {_size(limit_gib * GIB)} "
-                 f"(activations: the largest sample the data allows; allocator slack not included)")
+    totals, extra, needs = _needs(recipe, rows, gpu)
+    worst = max(needs, key=needs.get)
+    beside = f" + {extra[worst].describe()}" if worst in extra else " (no allowance beside the tensors)"
+    lines.append(f"largest: rank {worst}, estimate {_size(totals[worst])}{beside} of {_size(limit_gib * GIB)} "
+                 f"(activations: the largest sample the data allows)")
     return lines

@@ -15,30 +15,53 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("run_layout.py")
-# Every multi-process job holds its point-to-point messages to NCCL's rules (comm/nccl_emulation.py):
-# a protocol that only works under gloo's tag matching and buffering must fail here.
-NCCL_RULES = {"DISTTRAIN_NCCL_EMULATION": "1"}
+# Every multi-process job holds its point-to-point messages and its start-up to NCCL's rules
+# (comm/nccl_emulation.py): a protocol that only works under gloo's tag matching and buffering, or a
+# start-up whose ranks make different process groups, must fail here. Each test runs under the eager
+# start-up (every group a world-wide split: the deepspeed launcher's, and this project's on every
+# launcher) and, in the slow tier, again under torchrun's lazy one.
+NCCL_MODES = [pytest.param("eager", id="eager"), pytest.param("lazy", id="lazy", marks=pytest.mark.slow)]
+NCCL_RULES = {"DISTTRAIN_NCCL_EMULATION": "eager"}
 
 
-@pytest.fixture(autouse=True)
-def _nccl_rules_for_every_job(monkeypatch):
+@pytest.fixture(autouse=True, params=NCCL_MODES)
+def _nccl_rules_for_every_job(request, monkeypatch):
     """Every process a multi-process test starts, whichever helper starts it, inherits the NCCL
-    rules; a negative control that wants plain gloo passes ``DISTTRAIN_NCCL_EMULATION=0`` itself."""
-    for key, value in NCCL_RULES.items():
-        monkeypatch.setenv(key, value)
+    rules of this run's mode; a negative control that wants plain gloo passes
+    ``DISTTRAIN_NCCL_EMULATION=0`` itself."""
+    monkeypatch.setenv("DISTTRAIN_NCCL_EMULATION", request.param)
+    return request.param
+
+
+def nccl_rules() -> dict[str, str]:
+    """The emulation mode of the running test, for environments built from scratch."""
+    return {"DISTTRAIN_NCCL_EMULATION": os.environ.get("DISTTRAIN_NCCL_EMULATION", NCCL_RULES["DISTTRAIN_NCCL_EMULATION"])}
+
+
+def launcher_cmd(launcher: str, nproc: int) -> list[str]:
+    """torchrun (an agent per node, lazy NCCL unless the job binds devices) or the deepspeed
+    launcher (no agent: rank 0 hosts the store; it binds each process to its device)."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # --no_local_rank: the runner script takes no --local_rank flag (LOCAL_RANK is in the environment)
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(port),
+            "--no_local_rank"]
 
 
 def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None, timeout: int = 600,
-           env_extra: dict | None = None, check: bool = True, recipe: str = "tiny_cpu"):
-    """Run tests/multiproc/run_layout.py under torchrun; returns (losses per step, params, shapes),
-    or with ``check=False`` the finished process, whatever its exit code. ``recipe``: a shipped
-    recipe's name or a YAML path."""
+           env_extra: dict | None = None, check: bool = True, recipe: str = "tiny_cpu", launcher: str = "torchrun"):
+    """Run tests/multiproc/run_layout.py under torchrun (or ``launcher="deepspeed"``); returns
+    (losses per step, params, shapes), or with ``check=False`` the finished process, whatever its
+    exit code. ``recipe``: a shipped recipe's name or a YAML path."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RUNNER), str(out)]
+    cmd = [*launcher_cmd(launcher, nproc), str(RUNNER), str(out)]
     if fault:
         cmd += ["--fault", fault]
     cmd += ["--recipe", str(recipe), "parallel.comm_timeout_s=120", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **NCCL_RULES,
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **nccl_rules(),
            **(env_extra or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     (out / "launch.log").write_text(proc.stdout + proc.stderr)
@@ -93,7 +116,7 @@ def start_ranks(run_dir: Path, world: int, overrides: list[str]) -> list[subproc
     procs = []
     for rank in range(world):
         env = {
-            **os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **NCCL_RULES,
+            **os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **nccl_rules(),
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         }

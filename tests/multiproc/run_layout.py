@@ -25,6 +25,14 @@ when a checkpoint is re-sharded for another layout: the negative control for res
 Every rank writes the sample ids it read per step (``reads_rank<r>.json``) and, with
 ``data.reorder`` on per-host reading, the ids at every position of each batch it reordered
 (``ordered_rank<r>.json``, null where another host's sample sits).
+``--fault member_only_groups`` makes each module's process groups with its members only
+(``use_local_synchronization``), as the runtime once did, and lifts the refusal of such groups: the
+negative control that an eager (device-bound) start-up stops, naming the ranks;
+``--fault member_only_groups_guarded`` keeps the refusal, which stops it in one line first.
+``--fault abort_lanes_rank<N>`` aborts rank N's emulated NCCL lanes after step 1, as NCCL's watchdog
+aborts a communicator: the rank must say so in one line and the others must not be blamed.
+``--fault stall_rank2`` stops rank 2's main thread after step 1 (its heartbeat goes on): its
+neighbours' deadlines must blame it, not themselves.
 ``--fault drop_fp32_masters`` drops the fp32 master weights read back that way, so a bf16 engine's
 masters restart from its bf16 weights: the negative control for resuming bf16 under a new layout.
 """
@@ -92,11 +100,15 @@ def main() -> int:
 
         BoundaryComm.recv_activation = recv_reversed
     elif fault == "one_channel":
-        import torch.distributed as dist
+        from disttrain_ds.comm.p2p import ACT, GRAD
+        from disttrain_ds.parallel.groups import ProcessGroups
 
-        from disttrain_ds.comm.p2p import CHANNELS
+        original_get = ProcessGroups.get
 
-        distributed.new_channel_groups = lambda world: dict.fromkeys(CHANNELS, dist.new_group(list(range(world))))
+        def one_group(self, key):  # the gradient channel is the activation channel's group
+            return original_get(self, ("channel", ACT) if key == ("channel", GRAD) else key)
+
+        ProcessGroups.get = one_group
     elif fault == "eval_zero_encoder":
         from disttrain_ds.parallel.engine import ModuleEngine
 
@@ -149,6 +161,56 @@ def main() -> int:
             return original_read_only(self, tuple(sorted((u + 1) % n for u in units)))
 
         ProducedSource.read_only = read_next_units
+    elif fault in ("member_only_groups", "member_only_groups_guarded"):
+        import torch.distributed as dist
+
+        from disttrain_ds.parallel.groups import ProcessGroups
+        from disttrain_ds.runtime import startup
+
+        if fault == "member_only_groups":
+            startup.refuse_member_only_groups = lambda: None  # show what the emulation itself catches
+
+        def make_member_only(self, specs, timeout_s, new_group=None):
+            """The old start-up: every module's groups made by their members only."""
+            from datetime import timedelta
+
+            for spec in specs:
+                whole = len(spec.ranks) == dist.get_world_size()
+                if whole or self.rank in spec.ranks:
+                    handle = dist.new_group(list(spec.ranks), timeout=timedelta(seconds=timeout_s),
+                                            backend=spec.backend, use_local_synchronization=not whole)
+                    if self.rank in spec.ranks:
+                        self.handles[spec.key], self.ranks[spec.key] = handle, spec.ranks
+            return self
+
+        ProcessGroups.make = make_member_only
+    elif fault and fault.startswith("abort_lanes_rank"):
+        from disttrain_ds.comm import nccl_emulation
+        from disttrain_ds.runtime.callbacks import preemption
+
+        victim = int(fault.removeprefix("abort_lanes_rank"))
+        original_kill = preemption.injected_kill
+
+        def abort_after_step_1(rank, step):
+            # As NCCL's watchdog aborts a communicator: this rank's transfers fail from now on.
+            if rank == victim and step == 1:
+                nccl_emulation.abort_lanes(f"communicator aborted on rank {rank}")
+            return original_kill(rank, step)
+
+        preemption.injected_kill = abort_after_step_1
+    elif fault == "stall_rank2":
+        import time
+
+        from disttrain_ds.runtime.callbacks import preemption
+
+        original_kill = preemption.injected_kill
+
+        def stall_after_step_1(rank, step):
+            if rank == 2 and step == 1:
+                time.sleep(600)  # alive and beating, but its transfers never come
+            return original_kill(rank, step)
+
+        preemption.injected_kill = stall_after_step_1
     elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
     from disttrain_ds.parallel import engine

@@ -191,7 +191,7 @@ def test_boundary_check_script_passes_under_nccl_rules(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            str(repo / "tests" / "multiproc" / "run_boundary.py"), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTTRAIN_NCCL_EMULATION": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the emulation mode of this run (conftest)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = {r: json.loads((tmp_path / f"boundary_rank{r}.json").read_text()) for r in range(3)}

@@ -7,14 +7,14 @@ import os
 import subprocess
 import sys
 
-from .conftest import NCCL_RULES, REPO, metrics_steps
+from .conftest import REPO, metrics_steps, nccl_rules
 
 
 def _run(overrides: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "tools/train.py",
            "--recipe", "tiny_vlm", "layout=disaggregated", "logging.wandb=disabled", "parallel.comm_timeout_s=120",
            *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **NCCL_RULES}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **nccl_rules()}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import NCCL_RULES, REPO
+from .conftest import REPO, nccl_rules
 
 LIBRARY_LINES = ("SEED_LAYERS=", "stage=0 layers=", "real_accelerator", "Setting accelerator", "wandb: Tracking",
                  "wandb: Run history", "W&B syncing")
@@ -18,7 +18,7 @@ def _torchrun(overrides: list[str], timeout: int = 300) -> subprocess.CompletedP
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "tools/train.py",
            "--recipe", "recipes/tiny_cpu.yaml", "layout=disaggregated", *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "WANDB_MODE")}
-    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **NCCL_RULES})
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **nccl_rules()})
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 

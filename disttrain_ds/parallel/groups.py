@@ -1,0 +1,125 @@
+"""Every process group of a job, made by every rank in one global order.
+
+NCCL starts one of two ways. Under torchrun without a device binding it makes communicators lazily,
+on first use, so a group can be made by its members alone. Once the world is bound to a device
+(``init_process_group(device_id=...)``: the ``deepspeed`` launcher does it, and this project's
+start-up does it on every launcher), torch makes every later group by ``ncclCommSplit`` of the
+world communicator: a collective of *all* world ranks, in the same order. One rule holds under
+both: every rank makes every group of the job, in the order ``plan_groups`` lists them, with the
+job's deadline; each rank keeps the handles of the groups it belongs to. On a device-bound world a
+group made by its members only (``use_local_synchronization=True``) would deadlock start-up, so
+``refuse_member_only_groups`` turns it into one line naming the group.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as tdist
+
+from ..comm.p2p import CHANNELS
+from ..topology import ModuleGrid
+from .grid import GRID_AXES, grid_groups
+
+META = "meta"
+"""Key of the job-wide gloo group for step figures and bookkeeping (small CPU tensors)."""
+
+
+class StartupError(RuntimeError):
+    """A process group about to be made in a way that deadlocks start-up on NCCL."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One process group of the job."""
+
+    key: tuple
+    """``("meta",)``, ``("channel", name)`` or ``(module, axis, index)``: how the runtime asks for it."""
+    ranks: tuple[int, ...]
+    """Its global ranks, sorted."""
+    backend: str | None = None
+    """None: the job's backend (NCCL on GPUs); ``"gloo"`` for CPU bookkeeping."""
+
+
+def plan_groups(modules: tuple[ModuleGrid, ...], world: int) -> list[GroupSpec]:
+    """Every group of the job in the one order all ranks make them: the gloo bookkeeping group, one
+    world-wide group per boundary channel, then each module's DeepSpeed grid groups (replica, data,
+    pipe, model axes, as ``SubsetGrid`` uses them). Pure: every rank computes the same list."""
+    everyone = tuple(range(world))
+    specs = [GroupSpec((META,), everyone, "gloo")]
+    specs += [GroupSpec(("channel", ch), everyone) for ch in CHANNELS]
+    for m in modules:
+        lists = grid_groups(m)
+        for axis in GRID_AXES:
+            specs += [GroupSpec((m.name, axis, i), tuple(sorted(r))) for i, r in enumerate(lists[axis])]
+    return specs
+
+
+class ProcessGroups:
+    """The groups this rank belongs to, made by ``make`` (every rank, same plan, same order)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.handles: dict[tuple, object] = {}
+        self.ranks: dict[tuple, tuple[int, ...]] = {}
+        self.made = 0
+        """Groups made (all of the plan, including those this rank is not in)."""
+
+    def make(self, specs: list[GroupSpec], timeout_s: float, new_group: Callable | None = None) -> "ProcessGroups":
+        """Make every group of ``specs`` in order, each with the job's deadline (NCCL's own default
+        is 10 minutes, whatever ``parallel.comm_timeout_s`` says)."""
+        new_group = new_group or tdist.new_group
+        timeout = timedelta(seconds=timeout_s)
+        for spec in specs:
+            handle = new_group(list(spec.ranks), timeout=timeout, backend=spec.backend)
+            self.made += 1
+            if self.rank in spec.ranks:
+                self.handles[spec.key], self.ranks[spec.key] = handle, spec.ranks
+        return self
+
+    def get(self, key: tuple):
+        return self.handles[key]
+
+    def module_axes(self, module: str) -> dict[str, tuple[list[int], object]]:
+        """This rank's group on each grid axis of ``module``: axis -> (ranks, handle)."""
+        out = {}
+        for key, handle in self.handles.items():
+            if len(key) == 3 and key[0] == module:
+                out[key[1]] = (list(self.ranks[key]), handle)
+        missing = [a for a in GRID_AXES if a not in out]
+        if missing:
+            raise KeyError(f"rank {self.rank} has no {module} group on axes {missing}")
+        return out
+
+
+def device_bound() -> bool:
+    """Whether the default group is bound to a device (eager NCCL: every group is a world-wide split)."""
+    try:
+        return tdist.distributed_c10d._get_default_group().bound_device_id is not None
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+
+
+def refuse_member_only_groups() -> None:
+    """From now on, a group made with ``use_local_synchronization=True`` stops this rank with one
+    line instead of deadlocking start-up (call on a device-bound world, or under the eager
+    emulation; idempotent)."""
+    made = tdist.new_group
+    if getattr(made, "_refuses_member_only", False):
+        return
+
+    @functools.wraps(made)
+    def new_group(ranks=None, *args, use_local_synchronization: bool = False, **kwargs):
+        if use_local_synchronization:
+            shown = sorted(ranks)[:8] if ranks is not None else "all"
+            raise StartupError(
+                f"process group of ranks {shown} made by its members only (use_local_synchronization=True) "
+                "on a device-bound world: NCCL splits every group off the world communicator, so every "
+                "rank must make it, in one order, or start-up deadlocks")
+        return made(ranks, *args, use_local_synchronization=use_local_synchronization, **kwargs)
+
+    new_group._refuses_member_only = True
+    tdist.new_group = new_group
