@@ -3,6 +3,10 @@
 DeepSpeed silently ignores unknown top-level keys, so a typo like ``"zero_optimisation"`` trains
 without ZeRO. Here unknown keys are errors. Batch sizes and the optimizer belong to the recipe
 (``train.*``, ``optim.*``) and are filled in per engine, so they may not appear in the file.
+``zero_optimization.overlap_comm: true`` is refused: its device-wide synchronisations can hang
+under the boundary receives the runtime posts ahead of need (``_overlap_comm_problem``). Recipe
+loading (``validate.py``) reads every module's file, so ``--dry-run`` and ``disttrain-launch``
+report these before anything starts.
 """
 
 from __future__ import annotations
@@ -50,6 +54,23 @@ RECIPE_OWNED = {
 }
 
 
+def _overlap_comm_problem(value: object) -> str | None:
+    """Why ``zero_optimization.overlap_comm`` may not be ``value``, or None.
+
+    With it on, DeepSpeed's ZeRO-1/2 optimizer calls ``get_accelerator().synchronize()`` (the whole
+    device) before each gradient reduction (``runtime/zero/stage_1_and_2.py``). The boundary
+    receives posted ahead of need (``comm/boundary.py`` ``prefetch_*``) sit on the communicator's
+    side stream until their peer sends, and that peer may itself be waiting on this rank, so the
+    device-wide wait can hang the job. Its default is off below ZeRO-3, the only stages allowed here.
+    """
+    if not isinstance(value, bool):
+        return f"'zero_optimization.overlap_comm' must be true or false, got {value!r}"
+    if value:
+        return ("zero_optimization.overlap_comm true synchronises the GPU under parked boundary receives "
+                "and can hang; set it false")
+    return None
+
+
 def load_ds_config(path: Path, *, key: str = "deepspeed_config", recipe_src: str = "<recipe>") -> dict:
     """Read and validate a DeepSpeed JSON; errors name the file and the offending key."""
     if not path.is_file():
@@ -75,6 +96,9 @@ def load_ds_config(path: Path, *, key: str = "deepspeed_config", recipe_src: str
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1):
         raise ConfigError(f"{path}: 'zero_optimization.stage' {stage!r} is incompatible with pipeline parallelism (use 0 or 1)")
+    overlap_problem = _overlap_comm_problem(zero.get("overlap_comm", False))
+    if overlap_problem:
+        raise ConfigError(f"{path}: {overlap_problem}")
     for prec in ("fp16", "bf16"):
         sec = cfg.get(prec, {})
         if not isinstance(sec, dict):

@@ -16,6 +16,9 @@ estimated peak memory checked), so a recipe error is also one line, the last one
 The hostfile grammar is DeepSpeed's (``HOST slots=N``, ``#`` comments, blank lines, anything after
 the slots token ignored), and slot selection follows its ``--include/--exclude/--num_nodes/--num_gpus``.
 With ``--max-restarts N`` a failed job is relaunched with ``train.resume=auto`` (``supervise.py``).
+``NCCL_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` are checked against this machine's interfaces, the
+second set from the first for a multi-host job, and both passed to remote ranks, which the
+``deepspeed`` launcher does not do for gloo's (``launcher/netenv.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 
@@ -30,6 +34,7 @@ from .cli import OneLineParser, prog_name
 from .configtools import ConfigError
 from .launcher.hostfile import Host, LaunchError, parse_hostfile, plural, select_slots, slots_summary
 from .launcher.layout_fit import check_memory, check_slots, required_ranks, tp_span_problems
+from .launcher.netenv import SocketEnv, apply_socket_env, plan_socket_env
 from .launcher.reachability import check_reachability, local_names
 from .supervise import check_restartable, start
 
@@ -129,8 +134,17 @@ def _reachability_line(args: argparse.Namespace, used: list[Host], remote: list[
     return f"reachability: {plural(len(remote), 'remote host')} answered on port {args.ssh_port}"
 
 
-def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple[list[str], list[str]]:
-    """Run every check; return the lines reporting them and the launcher command."""
+def _interfaces() -> list[str] | None:
+    """This machine's network interface names, or None where it cannot tell."""
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+
+
+def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple[list[str], list[str], SocketEnv]:
+    """Run every check; return the lines reporting them, the launcher command, and what to set in
+    its environment (``apply_socket_env``)."""
     from .config import load_recipe
 
     _check_options(args, train_script)
@@ -149,6 +163,9 @@ def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple
     used = [h for h in hosts if h.name in active]
     local = local_names()
     remote = [h for h in used if h.name not in local]
+    net = plan_socket_env(os.environ, remote=bool(remote), ranks_here=len(remote) < len(used),
+                          interfaces=_interfaces(), host=socket.gethostname(), home=os.path.expanduser("~"),
+                          cwd=os.getcwd())
     report = [
         f"hostfile {src}: {plural(len(used), 'host')}, {plural(ranks, 'slot')} used ({slots_summary(active)})",
         f"recipe {args.recipe}: layout {recipe.layout} needs {plural(ranks, 'rank')} ({breakdown}): matches",
@@ -157,7 +174,7 @@ def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple
         *_tp_span_warning(recipe, active),
         _reachability_line(args, used, remote, local),
     ]
-    return report, launcher_command(args, all_local=not remote, train_script=train_script)
+    return report, launcher_command(args, all_local=not remote, train_script=train_script), net
 
 
 def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> int:
@@ -165,9 +182,13 @@ def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> 
     print the command on --dry-run); ``train_script``: what each rank runs (default: ``TRAIN_MODULE``)."""
     args = _parser().parse_intermixed_args(argv)
     try:
-        report, cmd = prepare(args, train_script)
+        report, cmd, net = prepare(args, train_script)
+        report += apply_socket_env(net, os.environ, write=not args.dry_run)  # what the launcher inherits
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write the DeepSpeed environment file: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print("\n".join(report))
     print("command: " + shlex.join(cmd), flush=True)

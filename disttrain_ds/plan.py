@@ -217,7 +217,8 @@ def write_checked(recipe: dict[str, Any], out: Path) -> None:
 
 
 def memory_problem(path: Path, profile: Profile) -> str:
-    """Why the runtime's start-up memory check (``runtime/memory.py``, as ``--dry-run``) would
+    """Why the runtime's start-up memory check (``runtime/memory.py``, as ``--dry-run``, with the
+    allowance of ``runtime/gpu_allowance.py`` beside each rank's estimate) would
     refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). With
     ``--recipe`` the plan already passed that check (``planner/recipe_memory.fit_plan``); this
     stays as the last word on the file actually written."""

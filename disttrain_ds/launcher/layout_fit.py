@@ -25,18 +25,22 @@ def required_ranks(recipe: Recipe) -> tuple[int, str]:
 
 
 def check_memory(recipe: Recipe) -> str:
-    """Check each rank's estimated peak against ``train.device_memory_gib`` (a one-line
+    """Check each rank's estimated peak plus its allowance (CUDA context, NCCL buffers,
+    fragmentation: ``runtime/gpu_allowance.py``) against ``train.device_memory_gib`` (a one-line
     ``ConfigError`` naming the rank when one does not fit); the line reporting it. Without that
     field the launching machine says nothing about the nodes: each rank checks at start-up."""
     if recipe.train.device_memory_gib <= 0:
         return "memory: checked by every rank at start-up (set train.device_memory_gib to check here)"
-    from ..runtime.memory import GIB, check_fits, estimate, per_rank_totals
+    from ..runtime.gpu_allowance import rank_allowances
+    from ..runtime.memory import GIB, check_fits, estimate, per_rank_needs, per_rank_totals
 
     rows = estimate(recipe)
     check_fits(recipe, rows, recipe.train.device_memory_gib, "train.device_memory_gib")
-    totals = per_rank_totals(rows)
-    worst = max(totals, key=totals.get)
-    return (f"memory: estimated peak {totals[worst] / GIB:.1f} GiB (rank {worst}) of "
+    totals, needs = per_rank_totals(rows), per_rank_needs(recipe, rows)
+    worst = max(needs, key=needs.get)
+    extra = rank_allowances(recipe, {worst: totals[worst]}).get(worst)
+    beside = f" + {extra.describe()}" if extra is not None else ""
+    return (f"memory: estimated peak {totals[worst] / GIB:.1f} GiB{beside} (rank {worst}) of "
             f"{recipe.train.device_memory_gib:g} GiB per device: fits")
 
 

@@ -7,8 +7,10 @@ prices every stage as the runtime splits the module: ``with_recipe_memory`` give
 stage table (per TP and pipeline degree: each stage's parameters, what one microbatch keeps there
 with the input it received and its output, one backward's workspace; ``runtime/memory.py``'s
 ``module_stages``), so a plan's most loaded rank is the one the runtime's estimate finds, with the
-same number. ``fit_plan`` still checks each plan with the runtime's estimate, as a safety net:
-a refused module's layout is struck off for that module alone and the search runs again.
+same number. ``fit_plan`` still checks each plan with the runtime's estimate plus each rank's
+allowance for what is not tensors (``runtime/gpu_allowance.py``: the part the search does not
+price), as a safety net: a refused module's layout is struck off for that module alone and the
+search runs again.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
 
 
 def runtime_peaks(recipe: Recipe) -> dict[str, float]:
-    """The largest per-rank estimate of the runtime's memory check for each module of
-    ``recipe``, in bytes (a rank several modules share counts for each of them)."""
-    from disttrain_ds.runtime.memory import estimate, per_rank_totals
+    """The largest per-rank figure the runtime's memory check holds to a GPU's memory for each
+    module of ``recipe``, in bytes: estimate plus allowance (``runtime/gpu_allowance.py``; a
+    rank several modules share counts for each of them)."""
+    from disttrain_ds.runtime.memory import estimate, per_rank_needs
 
     rows = estimate(recipe)
-    totals = per_rank_totals(rows)
+    totals = per_rank_needs(recipe, rows)
     peaks: dict[str, float] = {}
     for row in rows:
         peaks[row.module] = max([peaks.get(row.module, 0.0), *(totals[r] for r in row.ranks)])
@@ -69,7 +72,7 @@ def runtime_peaks(recipe: Recipe) -> dict[str, float]:
 
 
 def runtime_peak(recipe: Recipe) -> float:
-    """The largest per-rank estimate of the runtime's memory check for ``recipe``, in bytes."""
+    """The largest per-rank figure of the runtime's memory check for ``recipe``, in bytes."""
     return max(runtime_peaks(recipe).values())
 
 

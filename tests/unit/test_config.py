@@ -21,9 +21,14 @@ def test_every_shipped_recipe_loads(path):
     assert r.name and r.train.steps >= 1
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+SHIPPED_DS_CONFIGS = sorted([*(REPO / "ds_configs").glob("*.json"), *(REPO / "disttrain_ds" / "ds_configs").glob("*.json")])
+
+
+@pytest.mark.parametrize("path", SHIPPED_DS_CONFIGS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}")
 def test_every_shipped_ds_config_validates(path):
-    assert isinstance(load_ds_config(path), dict)
+    cfg = load_ds_config(path)
+    assert isinstance(cfg, dict)
+    assert cfg.get("zero_optimization", {}).get("overlap_comm", False) is False
 
 
 def test_overrides_change_nested_values_with_yaml_types():
@@ -105,6 +110,30 @@ def test_ds_config_rejects_unknown_and_recipe_owned_keys(tmp_path):
     p.write_text("{not json")
     with pytest.raises(ConfigError, match="invalid JSON"):
         load_ds_config(p)
+
+
+def test_ds_config_refuses_overlap_comm_in_one_line_naming_file_and_key(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}}))
+    with pytest.raises(ConfigError) as exc:
+        load_ds_config(p)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: zero_optimization.overlap_comm true")
+    assert "parked boundary receives" in msg and "set it false" in msg
+    p.write_text(json.dumps({"zero_optimization": {"stage": 0, "overlap_comm": "yes"}}))
+    with pytest.raises(ConfigError, match="'zero_optimization.overlap_comm' must be true or false, got 'yes'"):
+        load_ds_config(p)
+    for off in ({"stage": 1, "overlap_comm": False}, {"stage": 1}):  # off, and DeepSpeed's default below ZeRO-3
+        p.write_text(json.dumps({"zero_optimization": off}))
+        assert load_ds_config(p)["zero_optimization"] == off
+
+
+@pytest.mark.parametrize("key", ["deepspeed_config", "parallel.llm.ds_config"])
+def test_recipe_load_refuses_overlap_comm_so_dry_runs_report_it(tmp_path, key):
+    p = tmp_path / "overlap.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}}))
+    msg = _error(["layout=disaggregated", f"{key}={p}"])
+    assert str(p) in msg and "zero_optimization.overlap_comm true" in msg, msg
 
 
 def test_recipe_with_bad_ds_config_names_it(tmp_path):

@@ -30,7 +30,8 @@ def test_a_rank_that_does_not_fit_stops_the_launch_in_one_line(run, tmp_path):
     code, out, err = run("--hostfile", str(hostfile), "--dry-run", "--recipe", TINY, "layout=disaggregated",
                          "train.device_memory_gib=0.005")
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and "rank 3 (generator stage 0) needs an estimated" in err
+    assert err.count("\n") == 1 and "rank 3 (generator stage 0) does not fit: estimate" in err
+    assert "allowance" not in err  # tiny_cpu sets train.gpu_allowance false: a CPU recipe
 
 
 def test_dry_run_reports_the_memory_check(run, tmp_path):

@@ -185,10 +185,11 @@ def test_vae_flops_are_reported_apart_from_mfu():
 def test_memory_dry_run_counts_the_vae_on_the_generators_first_stage_only():
     from disttrain_ds.runtime.memory import describe, estimate
 
-    on_gen = estimate(load_recipe("mllm_9b", ["parallel.generator.pp=2"]))
+    pp2 = load_recipe("mllm_9b", ["parallel.generator.pp=2"])
+    on_gen = estimate(pp2)
     rows = {(r.module, r.stage): r for r in on_gen}
     assert rows[("generator", 0)].extra > 34e6 * 2 + 8 * 3 * 2 * 128 * 512**2  # bf16 encoder weights, 8 images' activations
     assert rows[("generator", 1)].extra == 0 and all(r.extra == 0 for r in on_gen if r.module != "generator")
     producer = estimate(load_recipe("mllm_9b", ["parallel.generator.pp=2", "model.generator.vae.placement=producer"]))
     assert all(r.extra == 0 for r in producer)
-    assert any("frozen VAE" in line for line in describe(load_recipe("mllm_9b"), on_gen, 80, "test"))
+    assert any("frozen VAE" in line for line in describe(pp2, on_gen, 80, "test"))
