@@ -21,7 +21,7 @@ with a deadline and raise ``CommTimeoutError`` naming both ends (NCCL work has n
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -30,6 +30,26 @@ import torch.distributed as dist
 
 ACT, GRAD = "activations", "gradients"
 CHANNELS = (ACT, GRAD)
+
+
+_waiting: list[int | None] = [None]
+
+
+def waiting_on() -> int | None:
+    """The peer this process's training thread is blocked on in a transfer now, or None. The
+    heartbeat carries it, so a rank whose deadline runs out can tell a peer that is stuck from one
+    that itself waits for a third rank."""
+    return _waiting[0]
+
+
+@contextmanager
+def waiting_for(peer: int | None):
+    """Mark a blocking wait on ``peer`` (a global rank) for as long as it lasts."""
+    before, _waiting[0] = _waiting[0], peer
+    try:
+        yield
+    finally:
+        _waiting[0] = before
 
 
 class CommTimeoutError(RuntimeError):
@@ -64,6 +84,7 @@ class P2P:
         self.groups, self.rank, self.device, self.timeout_s, self.peers = groups, rank, device, timeout_s, peers
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sends: list[tuple[object, torch.Tensor, str, int]] = []
+
 
     def _on_side(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
@@ -107,6 +128,10 @@ class P2P:
         )
 
     def wait(self, work, what: str, peer: int | None = None) -> None:
+        with waiting_for(peer):
+            self._wait(work, what, peer)
+
+    def _wait(self, work, what: str, peer: int | None) -> None:
         if self.stream is None:
             # gloo: completion is only observed inside wait(), which takes a deadline.
             try:

@@ -15,6 +15,7 @@ gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. Wha
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import is_dataclass, replace
 from types import MethodType
@@ -23,11 +24,13 @@ import torch
 import torch.utils.checkpoint
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
 from ..comm.boundary import BoundaryComm
+from ..comm.p2p import waiting_for
 from ..models.layers import LayerDef
 from ..models.mllm import MicroBatch
 from ..runtime.ckpt_engine import install as install_safe_checkpoint_engine
@@ -371,9 +374,25 @@ def _to_device_mb(mb: MicroBatch, device) -> MicroBatch:
     return MicroBatch(**{k: move(v) for k, v in mb.__dict__.items()})
 
 
+def _marked(transfer):
+    """DeepSpeed's blocking stage-to-stage ``send``/``recv``, marked as a wait on the peer rank
+    while it blocks (``comm.p2p.waiting_for``: the heartbeat says whom this rank waits for)."""
+    if getattr(transfer, "_marks_waits", False):
+        return transfer
+
+    @functools.wraps(transfer)
+    def call(tensor, stage, *args, **kwargs):
+        with waiting_for(ds_p2p._grid.stage_to_global(stage_id=stage)):
+            return transfer(tensor, stage, *args, **kwargs)
+
+    call._marks_waits = True
+    return call
+
+
 def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> ModuleEngine:
     """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class and a
     checkpoint engine that reads files back without running code (``runtime/ckpt_engine.py``)."""
+    ds_p2p.send, ds_p2p.recv = _marked(ds_p2p.send), _marked(ds_p2p.recv)
     mpu = pm.mpu()
     config_class = DeepSpeedConfig(config, mpu)
     engine = ModuleEngine(

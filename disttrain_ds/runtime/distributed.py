@@ -18,7 +18,7 @@ import torch
 import torch.distributed as tdist
 
 from ..comm.boundary import BoundaryComm, boundary_links
-from ..comm.p2p import CHANNELS, P2P, PeerInfo
+from ..comm.p2p import CHANNELS, P2P, PeerInfo, waiting_on
 from ..config import Recipe, resolve_path
 from ..configtools import ConfigError
 from ..data.config import SHARD_PATHS
@@ -219,6 +219,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     meta_group = groups.get((META,))
     channels = {ch: groups.get(("channel", ch)) for ch in CHANNELS}
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
+    watchdog.heart.waiting = waiting_on  # beats say whom a blocked transfer waits for
     hosts = gather_hosts(world, meta_group)
     share_batches(recipe, source, rank, world, hosts)
     counted = read_by_host(recipe, topo, source, rank, hosts[0], meta_group, log)

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Callable
 
 from .console import Console, tell_launcher
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, hb_key, stuck_rank
 from .verdict import Verdict, pointer_line, terminal_line
 
 EXIT_PEER_FAILED = 3
@@ -176,6 +176,17 @@ class Watchdog:
     def _beat(self) -> None:
         self.heart.beat()
 
+    def stuck_peer(self, peer: int) -> tuple[int, list[int]]:
+        """(the rank at the end of the chain of transfers waiting from ``peer`` on, the chain), from
+        the peers' beats; ``peer`` itself if the store cannot tell."""
+        def read(r: int) -> bytes | None:
+            return self._op("get", hb_key(r)) if self._op("check", [hb_key(r)]) else None
+
+        try:
+            return stuck_rank(peer, read, limit=len(self.names))
+        except Exception:  # noqa: BLE001 - the store is gone: the peer the deadline ran out on
+            return peer, [peer]
+
     def check(self, now: float | None = None) -> Verdict | None:
         """One look: the job's verdict if one was published, else the reason to stop found among the
         ranks this one watches, or None. A bounded number of store reads whatever the world size."""
@@ -310,9 +321,11 @@ class Watchdog:
             return self._exit(130)
         line = one_line(exc)
         if isinstance(exc, CommTimeoutError) and exc.peer is not None:
-            # A dead peer would have been named by the heartbeats long before this deadline: this
-            # one is alive but stuck. It is the suspect, not the rank that waited for it.
-            v = self._publish(Verdict(f"{self.who(exc.peer)} did not answer in time ({line})", failed=exc.peer))
+            # A dead peer would have been named by the heartbeats long before this deadline: it is
+            # alive, and either stuck or itself waiting for another rank; blame the end of that chain.
+            culprit, chain = self.stuck_peer(exc.peer)
+            via = f", which waits for {', '.join(self.who(r) for r in chain[:-1])}" if len(chain) > 1 else ""
+            v = self._publish(Verdict(f"{self.who(culprit)} did not answer in time ({line}{via})", failed=culprit))
             return self._end(v, f"{here}: stopping{self._at()} because {v.cause}", EXIT_PEER_FAILED)
         # A broken connection is usually the neighbour's death: give the heartbeats time to say whose.
         # A local error (disk full, unreadable file, a check of ours) is reported at once.

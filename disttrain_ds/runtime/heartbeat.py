@@ -38,6 +38,36 @@ def hb_key(rank: int) -> str:
     return f"hb/{rank}"
 
 
+def beat_value(count: int, waiting_on: int | None) -> str:
+    """A counter, and the peer this rank's transfer is waiting for, if it waits (``"12 w5"``)."""
+    return str(count) if waiting_on is None else f"{count} w{waiting_on}"
+
+
+def waits_on(value: bytes | None) -> int | None:
+    """The peer a beat says its rank waits for, or None."""
+    if not value or b" w" not in value:
+        return None
+    try:
+        return int(value.rsplit(b" w", 1)[1])
+    except ValueError:
+        return None
+
+
+def stuck_rank(first: int, read: Callable[[int], bytes | None], limit: int) -> tuple[int, list[int]]:
+    """Follow "waits for" from ``first`` (the peer a deadline ran out on) to a rank that is not
+    itself waiting for a transfer: that one is stuck, the ranks before it merely wait in a chain.
+    Returns (the rank to blame, the chain followed). A loop of waits (a deadlock) blames ``first``."""
+    chain = [first]
+    for _ in range(limit):
+        nxt = waits_on(read(chain[-1]))
+        if nxt is None:
+            return chain[-1], chain
+        if nxt in chain:
+            return first, chain
+        chain.append(nxt)
+    return first, chain
+
+
 def watched_ranks(rank: int, order: Sequence[int], skip: Collection[int] = (), count: int = WATCHERS) -> list[int]:
     """The ranks whose counters ``rank`` reads: the next ``count`` ranks after it in ``order``
     (every rank of the job, ascending), wrapping at the end and passing over ``skip`` (finished
@@ -85,10 +115,12 @@ class Heartbeat:
         self.done: set[int] = set()
         self.since: float | None = None
         """Time of the first look: where the start-up deadline counts from."""
+        self.waiting: Callable[[], int | None] = lambda: None
+        """The peer this rank's transfer waits for now (``P2P.waiting_on``), beaten along with the count."""
 
     def beat(self) -> None:
         self.beats += 1
-        self.op("set", hb_key(self.rank), str(self.beats))
+        self.op("set", hb_key(self.rank), beat_value(self.beats, self.waiting()))
 
     def finish(self) -> None:
         self.op("set", hb_key(self.rank), DONE.decode())

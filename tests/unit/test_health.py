@@ -104,6 +104,21 @@ def test_handle_blames_the_peer_a_deadline_waited_for_not_the_waiting_rank():
     assert "because rank 1 (llm stage 0 dp 0) did not answer" in lines[0]
 
 
+def test_handle_blames_the_end_of_a_chain_of_waiting_ranks():
+    """Rank 0 ran out of time waiting for rank 1, which itself waits for rank 2: rank 2 is blamed."""
+    from disttrain_ds.comm.p2p import CommTimeoutError
+
+    store, lines, codes = FakeStore(), [], []
+    store.set("hb/1", "30 w2")
+    store.set("hb/2", "31")
+    w = dog(store, rank=0, emit=lines.append, exit_fn=codes.append)
+    w.handle(CommTimeoutError("rank 0 waited 8 s for gradient of microbatch 1 from rank 1", 1), 1.0)
+    published = Verdict.decode(store.get("fault"))
+    assert published.failed == 2, published
+    assert "rank 2 (generator stage 0 dp 0) did not answer" in lines[0]
+    assert "which waits for rank 1 (llm stage 0 dp 0)" in lines[0]
+
+
 def test_handle_without_a_known_peer_reports_the_timeout_as_this_ranks_failure(tmp_path):
     """Negative control: a deadline that names no peer blames nobody else."""
     from disttrain_ds.comm.p2p import CommTimeoutError

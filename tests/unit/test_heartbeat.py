@@ -263,3 +263,21 @@ def test_a_job_that_finishes_stops_nobody():
         job.dogs[r].heart.finish()
     job.finished.update(range(16))
     assert all(w.check(now=100.0) is None for w in job.dogs.values())
+
+
+def test_beats_carry_the_peer_a_blocked_transfer_waits_for():
+    from disttrain_ds.runtime.heartbeat import beat_value, waits_on
+
+    assert beat_value(7, None) == "7" and waits_on(b"7") is None
+    assert beat_value(7, 12) == "7 w12" and waits_on(b"7 w12") == 12
+    assert waits_on(b"done") is None and waits_on(None) is None
+
+
+def test_a_chain_of_waits_is_followed_to_the_rank_that_is_stuck():
+    from disttrain_ds.runtime.heartbeat import stuck_rank
+
+    beats = {1: b"40 w2", 2: b"41", 3: b"39 w1"}  # 3 waits for 1, 1 for 2; 2 waits for nobody
+    assert stuck_rank(1, beats.get, limit=8) == (2, [1, 2])
+    assert stuck_rank(2, beats.get, limit=8) == (2, [2])
+    loop = {1: b"5 w2", 2: b"5 w1"}  # a deadlock: blame the peer the deadline ran out on
+    assert stuck_rank(1, loop.get, limit=8)[0] == 1
