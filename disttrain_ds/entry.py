@@ -75,7 +75,8 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
 def check_memory(recipe: Recipe, ranks_per_host: int) -> list:
     """Stop with one line naming the rank and module whose estimated peak memory does not fit;
     returns the estimate's rows."""
-    from .runtime.memory import check_fits, device_limit_gib, estimate, limit_is_gpu
+    from .runtime.memory import estimate
+    from .runtime.memory_check import check_fits, device_limit_gib, limit_is_gpu
 
     limit, source = device_limit_gib(recipe, ranks_per_host)
     rows = estimate(recipe)
@@ -103,7 +104,8 @@ def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:
     """Print the rank map and every rank's estimated peak memory; no processes, no weights.
 
     Raises ``ConfigError`` (one line naming the rank and module) when a rank does not fit."""
-    from .runtime.memory import check_fits, describe, device_limit_gib, estimate, limit_is_gpu
+    from .runtime.memory import estimate
+    from .runtime.memory_check import check_fits, describe, device_limit_gib, limit_is_gpu
 
     recipe = load_recipe(recipe_path, overrides)
     if recipe.layout == "reference":

@@ -222,7 +222,8 @@ def memory_problem(path: Path, profile: Profile) -> str:
     refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). With
     ``--recipe`` the plan already passed that check (``planner/recipe_memory.fit_plan``); this
     stays as the last word on the file actually written."""
-    from disttrain_ds.runtime.memory import check_fits, estimate
+    from disttrain_ds.runtime.memory import estimate
+    from disttrain_ds.runtime.memory_check import check_fits
 
     recipe = load_recipe(path)
     if recipe.train.device_memory_gib <= 0:

@@ -10,8 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .configtools import ConfigError
+from .data.config import RECORD_SOURCES, SHARD_PATHS, data_problem
+from .dsconfig import load_ds_config
 from .models.configs import trains
+from .models.vae_config import checkpoint_config, vae_problem
 from .paths import require_file
+from .planner.profile import load_profile
+from .topology import Topology
 from .recipe_graph import graph_of, module_config, module_family, module_key, module_parallel, parallel_key
 
 if TYPE_CHECKING:
@@ -155,8 +160,6 @@ def validate(r: Recipe) -> None:
     _check(e.time_scale >= 0, src, "emulate.time_scale", f"must be >= 0, got {e.time_scale}")
     _check(e.calibration_batches >= 1, src, "emulate.calibration_batches", f"must be >= 1, got {e.calibration_batches}")
     if e.enabled:
-        from .runtime.emulate import check_emulate  # local import: keeps config parsing light
-
         check_emulate(r, src)
     _check(bool(t.resume), src, "train.resume", "must be auto, none or a checkpoint path")
     if r.layout == "reference":
@@ -195,8 +198,6 @@ def validate(r: Recipe) -> None:
     gen = module_config(r, graph.generators[0]) if graph.generators else None
     _check(gen is not None or d.gen_prob == 0, src, "data.gen_prob",
            f"must be 0: the model has no generator, got {d.gen_prob}")
-    from .data.config import data_problem
-
     bad = data_problem(d, gen.query_tokens if gen is not None else 1)
     if bad:
         raise ConfigError(f"{src}: 'data.{bad[0]}' {bad[1]}")
@@ -227,8 +228,6 @@ def validate(r: Recipe) -> None:
         _check(not (cfg.frozen and trains(cfg)) or r.layout != "disaggregated" or pp == 1, src,
                f"{parallel_key(r, name)}.pp",
                f"must be 1 when {module_key(r, name)}.frozen is set and its projector trains (got {pp})")
-    from .dsconfig import load_ds_config  # local import: keeps config parsing free of DeepSpeed
-
     for name in graph.names:
         mp = module_parallel(r, name)
         path = mp.ds_config or r.deepspeed_config
@@ -238,8 +237,6 @@ def validate(r: Recipe) -> None:
 
 def check_eval(r: Recipe, src: str) -> None:
     """``eval``: sane counts, and a held-out share exactly where the data source needs one."""
-    from .data.config import RECORD_SOURCES, SHARD_PATHS
-
     v = r.eval
     _check(v.every >= 0, src, "eval.every", f"must be >= 0 (0 turns evaluation off), got {v.every}")
     _check(v.batches >= 1, src, "eval.batches", f"must be >= 1, got {v.batches}")
@@ -254,13 +251,8 @@ def check_eval(r: Recipe, src: str) -> None:
 def check_vae(r: Recipe, name: str, gen, src: str) -> None:
     """A generator's ``vae``: a sane section, a readable checkpoint directory, and real images only
     for a pixel-space generator or one with a VAE (real sources make RGB targets)."""
-    from .data.config import RECORD_SOURCES, SHARD_PATHS
-    from .models.vae_config import vae_problem
-
     key, vae, d = f"{module_key(r, name)}.vae", gen.vae, r.data
     if vae.checkpoint:  # its config.json is the VAE's shape: read (and checked) first
-        from .models.vae_config import checkpoint_config
-
         got = checkpoint_config(vae.checkpoint, f"{src}: '{key}.checkpoint'").get("latent_channels", 4)
         _check(got == gen.in_channels, src, f"{key}.checkpoint",
                f"{vae.checkpoint} has {got} latent channels, the generator's in_channels is {gen.in_channels}")
@@ -273,3 +265,25 @@ def check_vae(r: Recipe, name: str, gen, src: str) -> None:
            f"set {key}.preset (e.g. sd21) to encode them to latents, or use data.source=paper_stats or synthetic")
     _check(not vae.enabled or gen.in_channels != 3 or vae.checkpoint, src, f"{key}.preset",
            "a VAE needs a latent-space generator (in_channels = the VAE's latent channels), got in_channels 3")
+
+
+def check_emulate(recipe, src: str) -> None:
+    """One-line ``ConfigError`` for an ``emulate`` section that cannot run."""
+    e = recipe.emulate
+    if recipe.layout == "reference":
+        raise ConfigError(f"{src}: 'emulate.enabled' needs layout monolithic or disaggregated "
+                          "(the reference layout computes for real)")
+    if not e.profile:
+        if not e.tflops > 0:
+            raise ConfigError(f"{src}: 'emulate.tflops' must be > 0 when 'emulate.profile' is empty, "
+                              f"got {e.tflops}")
+        return
+    path = require_file(e.profile, "emulate.profile", src, recipe.source_file)
+    profile = load_profile(path)  # ProfileError (a ConfigError) names the field and the file
+    for name, tp in ((m.name, m.tp) for m in Topology.from_recipe(recipe).modules):
+        if name not in profile.modules:
+            raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no module {name!r} (it profiles "
+                              f"{', '.join(profile.modules)}; profile this recipe's modules)")
+        if tp not in profile.modules[name].cost_ms:
+            raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no modules.{name}.cost_ms "
+                              f"for tp={tp}")

@@ -215,3 +215,21 @@ def module_shapes(step_dir: str | Path, module: str, folder: str | None = None) 
     finally:
         clear_build_caches()
     return out
+
+
+class _StepDirReader:
+    """``models.checkpoint.StepDirs`` over this module: how a model reads a training step directory."""
+
+    def locate(self, path: str) -> tuple[Path, str | None] | None:
+        return locate(path)
+
+    def read(self, step_dir: Path, folder: str, layer_names: list[str]) -> dict[str, torch.Tensor]:
+        return read_module_state(step_dir, folder, layer_names)
+
+    def shapes(self, step_dir: Path, folder: str) -> dict[str, tuple]:
+        verified_manifest(step_dir, folder)
+        return module_shapes(step_dir, folder)
+
+
+STEP_DIRS = _StepDirReader()
+"""Handed to ``MLLMSpec`` (``step_dirs``) and ``check_checkpoint`` by the runtime."""

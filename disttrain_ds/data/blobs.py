@@ -15,60 +15,20 @@ layout).
 
 from __future__ import annotations
 
-import functools
 import io
 import json
-import os
 import warnings
-from collections import OrderedDict
 
 from PIL import Image
+
+from .blob_io import cell_bytes, key, pread, row_group, too_large
+from .hf_table import open_dataset
+
+__all__ = ["cell_bytes", "check", "check_key", "head", "key", "pread", "read", "row_group"]
 
 _TAIL = 16
 _HEAD = 1 << 16
 """Bytes of a tar member read to check its header at planning (the whole member if that fails)."""
-
-
-def key(*parts: object) -> str:
-    """The key of a blob location."""
-    return json.dumps(list(parts))
-
-
-def cell_bytes(value: object) -> bytes | None:
-    """Encoded bytes (an image, an audio clip) of a cell value (bytes, or a struct with ``bytes``), or None."""
-    if isinstance(value, dict):
-        value = value.get("bytes")
-    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
-
-
-@functools.lru_cache(maxsize=64)
-def _fd(path: str) -> int:
-    return os.open(path, os.O_RDONLY)
-
-
-def pread(path: str, offset: int, size: int) -> bytes:
-    """``size`` bytes of ``path`` at ``offset`` (descriptors cached per process)."""
-    return os.pread(_fd(path), size, offset)
-
-
-_GROUPS: OrderedDict[tuple[str, int], object] = OrderedDict()
-_GROUPS_KEPT = 2
-"""Row groups a process keeps decoded in memory (planning and decoding move through the same blocks)."""
-
-
-def row_group(path: str, group: int):
-    """A parquet row group as a pyarrow table (the last few kept: records are read group by group)."""
-    k = (path, group)
-    if k in _GROUPS:
-        _GROUPS.move_to_end(k)
-        return _GROUPS[k]
-    import pyarrow.parquet as pq
-
-    table = pq.ParquetFile(path).read_row_group(group)
-    _GROUPS[k] = table
-    if len(_GROUPS) > _GROUPS_KEPT:
-        _GROUPS.popitem(last=False)
-    return table
 
 
 def read(blob_key: str) -> bytes:
@@ -84,8 +44,6 @@ def read(blob_key: str) -> bytes:
         group, row, column, index = rest
         value = row_group(path, group).column(column)[row].as_py()
     elif kind == "hf":
-        from .hf_table import open_dataset
-
         cache_dir, row, column, index = rest
         value = open_dataset(path, cache_dir)[row][column]
     else:
@@ -131,8 +89,6 @@ def check(data: bytes, max_pixels: int, tail: bytes | None = None) -> str | None
     Only the header is parsed: a decompression bomb is refused by its declared size, never decoded.
     ``tail``: the last bytes when ``data`` is only the start of the image.
     """
-    from .images import too_large
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

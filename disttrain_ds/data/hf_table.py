@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .shards import list_shards
 from .tables import ShardTable, blob_cells
-from . import blobs
+from . import blob_io
 
 ROWS_PER_SHARD = 1024
 """Rows per shard of a ``datasets`` table (the unit of the per-part split and of shuffling)."""
@@ -80,6 +80,6 @@ class HfTable(ShardTable):
     def record(self, index: int) -> tuple[dict, str]:
         row = self._rows[index]
         values = self.ds[row]
-        out = {c: blob_cells(v, lambda i, c=c: blobs.key("hf", self.path, self.cache_dir, row, c, i)) for c, v in values.items()}
+        out = {c: blob_cells(v, lambda i, c=c: blob_io.key("hf", self.path, self.cache_dir, row, c, i)) for c, v in values.items()}
         return out, f"{self.path}:row {row}"
 

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .blob_io import too_large
+from .blobs import read
+
 PHOTOS = (
     "astronaut", "chelsea", "coffee", "rocket", "camera", "coins", "moon",
     "hubble_deep_field", "immunohistochemistry", "grass", "gravel", "brick", "cell",
@@ -42,11 +45,6 @@ class ImageRef:
 
 class ImageDecodeError(ValueError):
     """An image file exists but cannot be decoded."""
-
-
-def too_large(size: tuple[int, int], max_pixels: int) -> bool:
-    """Whether a header's ``(width, height)`` is over ``max_pixels`` (0: no limit of ours)."""
-    return max_pixels > 0 and size[0] * size[1] > max_pixels
 
 
 def stable_hash(key: str) -> int:
@@ -116,8 +114,6 @@ def load_image(ref: ImageRef, height: int, width: int, square_crop: bool = False
     if ref.kind == "photo":
         img = _photo(ref.key)
     elif ref.kind == "blob":
-        from .blobs import read
-
         img = _file(io.BytesIO(read(ref.key)), ref.max_pixels)
     else:
         img = _file(ref.key, ref.max_pixels)

@@ -27,7 +27,8 @@ import torch
 
 from .config import DataConfig
 from . import spool
-from .registry import open_source
+from .batch_order import reorder_batch
+from .registry import open_source, resolve
 from .split import TRAIN, Split
 from .source import SampleSource, ShapeSpec
 from .spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
@@ -92,8 +93,6 @@ def prepare(source: SampleSource, step: int, cfg: DataConfig, shape: ShapeSpec,
         return [got.get(p) for p in range(source.batch)]
     samples = source.global_batch(step)
     if cfg.reorder:
-        from .batch_order import reorder_batch
-
         samples = reorder_batch(samples, shape, source.special)
     return samples
 
@@ -404,3 +403,9 @@ def _shutdown(procs: list, queues: list, stop) -> None:
         if q is not None:
             q.close()
             q.cancel_join_thread()
+
+
+def build_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN) -> SampleSource:
+    """The source named by ``cfg.source``, prepared in ``cfg.producers`` processes (0: in-process);
+    ``split``: its training part (less any held-out records) or its held-out part (``data/split.py``)."""
+    return ProducedSource(resolve(cfg), shape, global_batch, seed, split)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from .config import SOURCES, DataConfig, path_problem
+from .latent_source import LatentSource
+from .paper_source import PaperStatsSource
+from .record_source import RecordSource
+from .shard_source import open_shard_source
 from .source import SampleSource, ShapeSpec, SyntheticSource
 from .split import TRAIN, Split
 
@@ -26,23 +31,13 @@ def resolve(cfg: DataConfig) -> DataConfig:
 def open_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN) -> SampleSource:
     """The in-process source for a resolved ``cfg`` (see :func:`resolve`), reading ``split``."""
     if shape.vae is not None:  # RGB targets from the source below, latents out
-        from dataclasses import replace
-
-        from .latent_source import LatentSource
-
         return LatentSource(open_source(cfg, replace(shape, vae=None), global_batch, seed, split), shape.vae, seed)
     if cfg.source == "synthetic":
         return SyntheticSource(cfg, shape, global_batch, seed, split)
     if cfg.source == "paper_stats":
-        from .paper_source import PaperStatsSource
-
         return PaperStatsSource(cfg, shape, global_batch, seed, split)
     if cfg.source in ("mmc4", "laion", "local"):
-        from .record_source import RecordSource
-
         return RecordSource(cfg, shape, global_batch, seed, cfg.source, Path(cfg.path).expanduser(), split)
     if cfg.source in ("webdataset", "parquet", "folder", "hf"):
-        from .shard_source import open_shard_source
-
         return open_shard_source(cfg, shape, global_batch, seed, split)
     raise ValueError(f"data.source: must be one of {' | '.join(SOURCES)}, got {cfg.source!r}")

@@ -254,12 +254,3 @@ class SyntheticSource(SampleSource):
 
     def read_units(self, step: int, units: list[int]) -> dict[int, PackedSample]:
         return {i: self.sample(step, i) for i in units}
-
-
-def build_source(cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, split: Split = TRAIN) -> SampleSource:
-    """The source named by ``cfg.source``, prepared in ``cfg.producers`` processes (0: in-process);
-    ``split``: its training part (less any held-out records) or its held-out part (``data/split.py``)."""
-    from .producers import ProducedSource
-    from .registry import resolve
-
-    return ProducedSource(resolve(cfg), shape, global_batch, seed, split)

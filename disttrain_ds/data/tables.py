@@ -14,6 +14,7 @@ adjacent in a tar (as tar writers and img2dataset do); in a folder they sit side
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import blobs
+from . import blob_io
 from .shards import list_shards
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
@@ -131,9 +132,9 @@ class TarTable(ShardTable):
         out: dict = {}
         for ext, (offset, size) in members.items():
             if is_media(ext):
-                out[ext] = BlobAt("blob", blobs.key("tar", path, offset, size))
+                out[ext] = BlobAt("blob", blob_io.key("tar", path, offset, size))
             else:
-                out[ext] = blobs.pread(path, offset, size)
+                out[ext] = blob_io.pread(path, offset, size)
         return out, f"{path}:{key}"
 
 
@@ -202,16 +203,14 @@ class ParquetTable(ShardTable):
         self._starts = [g[2] for g in self._groups]
 
     def record(self, index: int) -> tuple[dict, str]:
-        import bisect
-
         g = bisect.bisect_right(self._starts, index) - 1
         path, group, start = self._groups[g]
         row = index - start
-        table = blobs.row_group(path, group)
+        table = blob_io.row_group(path, group)
         out: dict = {}
         for column in table.column_names:
             value = table.column(column)[row].as_py()
-            out[column] = blob_cells(value, lambda i, c=column: blobs.key("pq", path, group, row, c, i))
+            out[column] = blob_cells(value, lambda i, c=column: blob_io.key("pq", path, group, row, c, i))
         return out, f"{path}:row {start - self._group_start(g) + row + 1}"
 
     def _group_start(self, g: int) -> int:
@@ -225,8 +224,8 @@ class ParquetTable(ShardTable):
 def blob_cells(value: object, key_of) -> object:
     """Byte cells (images, audio clips: bytes / bytes structs, alone or in a list) replaced by
     ``BlobAt`` locations."""
-    if blobs.cell_bytes(value) is not None:
+    if blob_io.cell_bytes(value) is not None:
         return BlobAt("blob", key_of(None))
-    if isinstance(value, list) and any(blobs.cell_bytes(v) is not None for v in value):
-        return [BlobAt("blob", key_of(i)) if blobs.cell_bytes(v) is not None else v for i, v in enumerate(value)]
+    if isinstance(value, list) and any(blob_io.cell_bytes(v) is not None for v in value):
+        return [BlobAt("blob", key_of(i)) if blob_io.cell_bytes(v) is not None else v for i, v in enumerate(value)]
     return value

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -148,8 +149,6 @@ def _load_directory(path: Path) -> HFTokenizer:
 def _exported_name(path: Path) -> str | None:
     """The tokenizer an exported LLM directory names in its ``tokens.json`` when it holds no
     tokenizer files of its own (``byte``); None: read the directory's files."""
-    import json
-
     try:
         named = json.loads((path / "tokens.json").read_text()).get("data.tokenizer")
     except (OSError, ValueError, AttributeError):

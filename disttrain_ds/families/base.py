@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from ..models.layers import LayerDef
-    from ..runtime.activations import LayerBytes, SampleShape
+    from ..cost.activations import LayerBytes, SampleShape
 
 
 @dataclass(frozen=True)

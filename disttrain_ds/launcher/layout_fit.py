@@ -32,7 +32,8 @@ def check_memory(recipe: Recipe) -> str:
     if recipe.train.device_memory_gib <= 0:
         return "memory: checked by every rank at start-up (set train.device_memory_gib to check here)"
     from ..runtime.gpu_allowance import rank_allowances
-    from ..runtime.memory import GIB, check_fits, estimate, per_rank_needs, per_rank_totals
+    from ..runtime.memory import GIB, estimate, per_rank_totals
+    from ..runtime.memory_check import check_fits, per_rank_needs
 
     rows = estimate(recipe)
     check_fits(recipe, rows, recipe.train.device_memory_gib, "train.device_memory_gib")

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 from safetensors import safe_open
@@ -27,6 +27,20 @@ from .layers import LayerDef
 
 Rules = Sequence[tuple[str, str]]
 """(regex on a checkpoint key, replacement giving ``layer/param``): a family's ``hf_rules``."""
+
+
+class StepDirs(Protocol):
+    """A reader of training step directories, handed in by whoever builds the model
+    (``checkpoint_io/read.py::STEP_DIRS``): the model knows no checkpoint format of the runtime."""
+
+    def locate(self, path: str) -> tuple[Path, str | None] | None:
+        """(step directory, module folder or None) if ``path`` is a step directory or one of its folders."""
+
+    def read(self, step_dir: Path, folder: str, layer_names: list[str]) -> dict[str, torch.Tensor]:
+        """Whole tensors ``layer/param`` of those layers of the module folder."""
+
+    def shapes(self, step_dir: Path, folder: str) -> dict[str, tuple]:
+        """Every tensor's shape, after checking every file of the folder (size and SHA-256)."""
 
 
 def map_key(module: str, key: str, rules: Rules) -> str | None:
@@ -99,33 +113,27 @@ class _StepDir:
 
     has_projector = True
 
-    def __init__(self, step_dir, folder: str):
-        self.step_dir, self.folder = step_dir, folder
+    def __init__(self, step_dir, folder: str, reader: StepDirs):
+        self.step_dir, self.folder, self.reader = step_dir, folder, reader
 
     def read(self, layer_name: str) -> dict[str, torch.Tensor]:
-        from ..checkpoint_io.read import read_module_state
-
-        return read_module_state(self.step_dir, self.folder, [layer_name])
+        return self.reader.read(self.step_dir, self.folder, [layer_name])
 
     def shapes(self) -> dict[str, tuple]:
         """Checks every file of the module (size and SHA-256) first: what runs before any process starts."""
-        from ..checkpoint_io.read import module_shapes, verified_manifest
-
-        verified_manifest(self.step_dir, self.folder)
-        return module_shapes(self.step_dir, self.folder)
+        return self.reader.shapes(self.step_dir, self.folder)
 
     def name(self, local: str) -> str:
         return f"{self.folder}/{local}"
 
 
 @functools.lru_cache(maxsize=8)
-def open_source(path: str, module: str, rules: Rules):
-    """What ``path`` offers ``module``: a step directory or module folder of one, else safetensors."""
-    from ..checkpoint_io.read import locate
-
-    found = locate(path)
+def open_source(path: str, module: str, rules: Rules, step_dirs: StepDirs | None = None):
+    """What ``path`` offers ``module``: a step directory or module folder of one (read by
+    ``step_dirs``), else safetensors."""
+    found = step_dirs.locate(path) if step_dirs is not None else None
     if found is not None:
-        return _StepDir(found[0], found[1] or module)
+        return _StepDir(found[0], found[1] or module, step_dirs)
     return _Files(path, module, tuple(tuple(r) for r in rules))
 
 
@@ -144,10 +152,10 @@ def fits(local: str, shape: tuple, want: tuple, vocab_params: Sequence[str]) -> 
 
 
 def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str, rules: Rules,
-                       vocab_params: Sequence[str] = ()) -> int:
+                       vocab_params: Sequence[str] = (), step_dirs: StepDirs | None = None) -> int:
     """Copy this layer's tensors from the checkpoint; returns how many were loaded (0: a projector
     the checkpoint has none of: it keeps its seeded init)."""
-    src = open_source(path, module, tuple(rules))
+    src = open_source(path, module, tuple(rules), step_dirs)
     if layer_name == "projector" and not src.has_projector:
         return 0
     own = layer.state_dict()
@@ -173,8 +181,9 @@ def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str
 
 
 def with_checkpoint(module: str, defs: list[LayerDef], path: str, rules: Rules,
-                    vocab_params: Sequence[str] = ()) -> list[LayerDef]:
-    """Layer builders that load their weights from ``path`` after the seeded init."""
+                    vocab_params: Sequence[str] = (), step_dirs: StepDirs | None = None) -> list[LayerDef]:
+    """Layer builders that load their weights from ``path`` after the seeded init (``step_dirs``:
+    how to read a training step directory, if ``path`` may be one)."""
     if not path:
         return defs
     if not Path(path).exists():
@@ -183,7 +192,7 @@ def with_checkpoint(module: str, defs: list[LayerDef], path: str, rules: Rules,
     def wrap(d: LayerDef) -> LayerDef:
         def build() -> nn.Module:
             layer = d.build()
-            load_layer_weights(module, d.name, layer, path, rules, vocab_params)
+            load_layer_weights(module, d.name, layer, path, rules, vocab_params, step_dirs)
             return layer
 
         return dataclasses.replace(d, build=build)
@@ -199,7 +208,7 @@ def save_layer_state(state: dict[str, torch.Tensor], path: str) -> None:
 
 
 def check_checkpoint(module: str, layers: list[tuple[str, nn.Module]], path: str, rules: Rules, key: str,
-                     formats: str = "", vocab_params: Sequence[str] = ()) -> int:
+                     formats: str = "", vocab_params: Sequence[str] = (), step_dirs: StepDirs | None = None) -> int:
     """Refuse, in one line naming ``key``, a checkpoint that would leave any weight of ``module``
     at its random init or does not fit its shapes; returns the number of tensors it provides.
 
@@ -209,7 +218,7 @@ def check_checkpoint(module: str, layers: list[tuple[str, nn.Module]], path: str
     from ..configtools import ConfigError
 
     try:
-        src = open_source(path, module, tuple(rules))
+        src = open_source(path, module, tuple(rules), step_dirs)
         shapes = src.shapes()
     except (FileNotFoundError, ConfigError) as exc:
         raise ConfigError(f"'{key}' {exc}") from None

@@ -17,7 +17,7 @@ from torch import nn
 from ..data.types import IGNORE_INDEX, PackedSample, SpecialTokens
 from ..families import BuildContext, Family, get_family
 from ..families.whisper import rows as audio_rows
-from .checkpoint import with_checkpoint
+from .checkpoint import StepDirs, with_checkpoint
 from .configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
 from .layers import LayerDef, Sequential, seeded
 from .objectives import add_noise, diffusion_loss, gen_condition, noise_draw
@@ -50,6 +50,9 @@ class MLLMSpec:
     configs: dict = field(default_factory=dict)
     """Module name -> config section of the modules the role fields do not hold (an audio
     encoder, a second encoder); every other module takes its role's field."""
+    step_dirs: StepDirs | None = None
+    """How to read a ``model.<module>.checkpoint`` that is a training step directory, handed in by
+    the builder (``checkpoint_io/read.py::STEP_DIRS``); None: safetensors files only."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -115,7 +118,7 @@ class MLLMSpec:
             else:
                 proj = seeded(self.seed, module, "projector", lambda: ConditionProjector(llm, width))
                 body = [replace(proj, frozen=cfg.projector.frozen)] + body
-        return with_checkpoint(module, body, cfg.checkpoint, fam.hf_rules, fam.vocab_params)
+        return with_checkpoint(module, body, cfg.checkpoint, fam.hf_rules, fam.vocab_params, self.step_dirs)
 
     def frozen(self, module: str) -> bool:
         """Nothing in the module trains (neither its own layers nor its projector)."""

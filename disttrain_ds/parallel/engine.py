@@ -16,6 +16,7 @@ gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. Wha
 from __future__ import annotations
 
 import functools
+import json
 import time
 from dataclasses import is_dataclass, replace
 from types import MethodType
@@ -346,8 +347,6 @@ _SPAN_NAMES = {
 
 def write_trace(spans: list[dict], path: str, rank: int, label: str, origin: float) -> None:
     """One rank's spans of a step as Chrome-trace JSON (Perfetto / chrome://tracing)."""
-    import json
-
     events = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} {label}"}}]
     for sp in spans:
         events.append({

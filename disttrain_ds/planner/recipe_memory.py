@@ -61,7 +61,8 @@ def runtime_peaks(recipe: Recipe) -> dict[str, float]:
     """The largest per-rank figure the runtime's memory check holds to a GPU's memory for each
     module of ``recipe``, in bytes: estimate plus allowance (``runtime/gpu_allowance.py``; a
     rank several modules share counts for each of them)."""
-    from disttrain_ds.runtime.memory import estimate, per_rank_needs
+    from disttrain_ds.runtime.memory import estimate
+    from disttrain_ds.runtime.memory_check import per_rank_needs
 
     rows = estimate(recipe)
     totals = per_rank_needs(recipe, rows)

@@ -46,7 +46,7 @@ from .callbacks.trace import TraceWriter
 from .checkpointing import Checkpointer, resolve_resume
 from .console import Console, tell_launcher
 from .emulate import Emulator
-from .gpu_allowance import startup_memory_problem
+from .memory_check import startup_memory_problem
 from .health import Watchdog, connect_store
 from .host_order import HostOrder
 from .pipeline_step import PipelineExecutor

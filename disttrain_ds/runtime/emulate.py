@@ -38,7 +38,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..configtools import ConfigError
 from ..recipe_graph import graph_of, module_config
 from ..topology import Topology
 
@@ -53,31 +52,6 @@ paper-scale profiles assume)."""
 def module_tp(topo: Topology) -> dict[str, int]:
     """TP degree of each module's ranks (monolithic: the LLM's, as ``Topology`` lays it out)."""
     return {m.name: m.tp for m in topo.modules}
-
-
-def check_emulate(recipe, src: str) -> None:
-    """One-line ``ConfigError`` for an ``emulate`` section that cannot run."""
-    from ..config import require_file
-    from ..planner.profile import load_profile
-
-    e = recipe.emulate
-    if recipe.layout == "reference":
-        raise ConfigError(f"{src}: 'emulate.enabled' needs layout monolithic or disaggregated "
-                          "(the reference layout computes for real)")
-    if not e.profile:
-        if not e.tflops > 0:
-            raise ConfigError(f"{src}: 'emulate.tflops' must be > 0 when 'emulate.profile' is empty, "
-                              f"got {e.tflops}")
-        return
-    path = require_file(e.profile, "emulate.profile", src, recipe.source_file)
-    profile = load_profile(path)  # ProfileError (a ConfigError) names the field and the file
-    for name, tp in module_tp(Topology.from_recipe(recipe)).items():
-        if name not in profile.modules:
-            raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no module {name!r} (it profiles "
-                              f"{', '.join(profile.modules)}; profile this recipe's modules)")
-        if tp not in profile.modules[name].cost_ms:
-            raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no modules.{name}.cost_ms "
-                              f"for tp={tp}")
 
 
 # --------------------------------------------------------------------------- pure cost functions

@@ -10,8 +10,8 @@ buckets). A GPU rank also holds
 ``AllowanceFigures`` are the numbers, each docstring saying where it comes from. None of them was
 measured in this project: the H200 runs in ``docs/gpu_benchmarks.md`` and ``docs/vae.md`` report
 ``torch.cuda.max_memory_allocated``, tensors only. ``allowance`` prices one rank, ``rank_allowances``
-every rank of a recipe from its rank map; ``memory.check_fits`` holds estimate + allowance to a
-GPU's memory before launch, ``startup_memory_problem`` to what a started rank finds free.
+every rank of a recipe from its rank map; ``memory_check.check_fits`` holds estimate + allowance to a
+GPU's memory before launch, ``memory_check.startup_memory_problem`` to what a started rank finds free.
 """
 
 from __future__ import annotations
@@ -161,34 +161,5 @@ def rank_allowances(recipe, totals: Mapping[int, float],
     return {r: allowance(t, links[r], figures) for r, t in totals.items()}
 
 
-def startup_memory_problem(recipe, rows: list, rank: int, free_bytes: int, total_bytes: int,
-                           figures: AllowanceFigures | None = None) -> str | None:
-    """Whether ``rank``'s estimate fits what its GPU has free once its process groups exist: one
-    line naming the rank when it does not, else None. ``rows``: ``memory.estimate(recipe)``;
-    ``free_bytes, total_bytes``: ``torch.cuda.mem_get_info()`` on the rank. What the device
-    already holds (the CUDA context, other processes) is outside ``free_bytes``, so the part of the
-    allowance still to come is the workspaces, NCCL's buffers and fragmentation. NCCL allocates a
-    connection's buffers when it first connects that peer, in recent releases at the first
-    operation that needs it: some may already be in use, and counting them all errs on the safe side."""
-    from .memory import per_rank_totals
-
-    figures = figures or AllowanceFigures.from_env(os.environ)
-    estimate = per_rank_totals(rows)[rank]
-    here = [r for r in rows if rank in r.ranks]
-    who = f"rank {rank} ({', '.join(f'{r.module} stage {r.stage}' for r in here)})"
-    full = rank_allowances(recipe, {rank: estimate}, figures).get(rank)
-    to_come, what = 0.0, ""
-    if full is not None:  # the context is already outside free_bytes; the workspaces are not
-        to_come = figures.workspaces + full.nccl + full.fragmentation
-        what = (f" + allowance still to come {_size(to_come)} (workspaces {_size(figures.workspaces)}, "
-                f"NCCL {_size(full.nccl)}, fragmentation {_size(full.fragmentation)})")
-    if estimate + to_come <= free_bytes:
-        return None
-    return (f"{recipe.source_file}: {who} does not fit its GPU: estimate {_size(estimate)}{what} > "
-            f"{_size(free_bytes)} free of {_size(total_bytes)} ({_size(total_bytes - free_bytes)} already in use: "
-            "CUDA context, other processes); free the GPU, or lower the estimate with more ranks (parallel.*), a "
-            "smaller train.micro_batch or data.seq_len (--dry-run shows every rank)")
-
-
 __all__ = ["GIB", "MIB", "Allowance", "AllowanceFigures", "NcclLinks", "allowance", "nccl_bytes", "rank_allowances",
-           "rank_links", "startup_memory_problem"]
+           "rank_links"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..checkpoint_io.read import STEP_DIRS
 from ..models.checkpoint import check_checkpoint
 from ..recipe_graph import graph_of, module_family, module_key
 from .memory import meta_layers, meta_spec, vocab_size
@@ -19,4 +20,4 @@ def check_imports(recipe) -> None:
         names = [d.name for d in meta_spec(recipe, vocab).layers(name)]  # defs only: nothing is built here
         fam = module_family(recipe, name)
         check_checkpoint(name, list(zip(names, meta_layers(recipe, name, vocab))), cfg.checkpoint, fam.hf_rules,
-                         f"{module_key(recipe, name)}.checkpoint", fam.hf_formats, fam.vocab_params)
+                         f"{module_key(recipe, name)}.checkpoint", fam.hf_formats, fam.vocab_params, STEP_DIRS)

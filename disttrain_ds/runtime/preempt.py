@@ -13,6 +13,7 @@ Python signal handlers cannot run).
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -100,8 +101,6 @@ class Preemption:
 
 
 def _default_expire(grace_s: float) -> None:
-    import os
-
     print(f"preempted: no step boundary within checkpoint.sigterm_grace_s={grace_s:g} s of SIGTERM; "
           "exiting without a checkpoint", file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -115,8 +114,6 @@ KILL_ENV = "DISTTRAIN_KILL_AT"
 def injected_kill(rank: int, step: int) -> None:
     """``os._exit(9)`` if ``DISTTRAIN_KILL_AT`` names this rank and step and this is not a restart
     (neither torchrun's nor ``disttrain-launch --max-restarts``'s)."""
-    import os
-
     spec = os.environ.get(KILL_ENV, "")
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" == os.environ.get("DISTTRAIN_LAUNCH_ATTEMPT", "0")
     if spec and first and spec == f"{rank}:{step}":

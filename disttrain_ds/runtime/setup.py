@@ -9,7 +9,9 @@ import torch
 
 from ..config import Recipe
 from ..costmodel import CostModel, TransformerDims, UNetDims
-from ..data.source import GenShape, SampleSource, ShapeSpec, build_source
+from ..checkpoint_io.read import STEP_DIRS
+from ..data.producers import build_source
+from ..data.source import GenShape, SampleSource, ShapeSpec
 from ..data.host_read import slot_columns
 from ..data.split import Split
 from ..models.configs import EncoderConfig, GeneratorConfig
@@ -126,7 +128,8 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
     spec = MLLMSpec(image, llm, first, source.special, recipe.seed, m.gen_loss_weight,
                     roles={n: graph.role(n) for n in graph.names},
                     configs={n: m.modules[n] for n in (*graph.encoders, *graph.generators)
-                             if m.modules[n] is not image and m.modules[n] is not first})
+                             if m.modules[n] is not image and m.modules[n] is not first},
+                    step_dirs=STEP_DIRS)  # a checkpoint may be a training step directory
     return source, spec
 
 

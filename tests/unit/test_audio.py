@@ -118,7 +118,7 @@ def test_samples_with_clips_survive_the_plain_round_trip():
 def test_local_documents_read_wav_and_npy_clips_into_audio_placeholders(tmp_path):
     import json
 
-    from disttrain_ds.data.source import build_source
+    from disttrain_ds.data.producers import build_source
 
     _wav(tmp_path / "tone.wav", _tone(21))  # 21 frames: cut to 20, 10 placeholders
     np.save(tmp_path / "feat.npy", np.full((16, 12), 0.5, dtype=np.float32))
@@ -149,7 +149,7 @@ def test_local_documents_read_wav_and_npy_clips_into_audio_placeholders(tmp_path
 def test_clips_prepared_in_producer_processes_arrive_unchanged():
     import dataclasses
 
-    from disttrain_ds.data.source import build_source
+    from disttrain_ds.data.producers import build_source
 
     inline = _source(max_audio=2)
     with build_source(dataclasses.replace(inline.cfg, producers=1), inline.shape, 8, 3) as src:

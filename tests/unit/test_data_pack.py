@@ -14,7 +14,8 @@ from disttrain_ds.data.formats import Bad, Document, ImageSeg, ParseContext, Tex
 from disttrain_ds.data.images import ImageRef
 from disttrain_ds.data.pack import Cursor, Packer, materialise
 from disttrain_ds.data.reader import RawRecord
-from disttrain_ds.data.source import ShapeSpec, build_source
+from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.source import ShapeSpec
 from disttrain_ds.data.tokenizer import ByteTokenizer
 from disttrain_ds.data.types import SpecialTokens
 from disttrain_ds.data.validate import sample_problems

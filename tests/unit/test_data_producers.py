@@ -12,7 +12,8 @@ import torch
 from disttrain_ds.data.batch_order import reorder_batch
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import ProducerError
-from disttrain_ds.data.source import ShapeSpec, build_source
+from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.source import ShapeSpec
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 

@@ -14,7 +14,7 @@ import torch
 from disttrain_ds.data import spool
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import ProducerError
-from disttrain_ds.data.source import build_source
+from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.spool import SpoolBatch, SpoolError, SpoolWriter
 
 from test_data_producers import SHAPE

@@ -18,7 +18,8 @@ from disttrain_ds.config import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.registry import open_source
-from disttrain_ds.data.source import GenShape, ShapeSpec, build_source
+from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.source import GenShape, ShapeSpec
 from disttrain_ds.data.validate import sample_problems
 
 

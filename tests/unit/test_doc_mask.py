@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.source import ShapeSpec, SyntheticSource, build_source, labels_for
+from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.source import ShapeSpec, SyntheticSource, labels_for
 from disttrain_ds.data.types import IGNORE_INDEX, NO_DOC, SpecialTokens, doc_ids
 from disttrain_ds.data.validate import sample_problems
 from disttrain_ds.models.doc_mask import doc_attention, doc_causal_mask, doc_positions, doc_spans

@@ -47,12 +47,13 @@ def written(tmp_path_factory):
 
 def _built(recipe, module: str) -> dict[str, torch.Tensor]:
     """``layer/param`` tensors of ``module`` as the runtime builds it from the recipe (checkpoint loaded)."""
+    from disttrain_ds.checkpoint_io.read import STEP_DIRS
     from disttrain_ds.runtime.memory import vocab_size
 
     r = recipe.model
     spec = _spec(recipe)
     spec = dataclasses.replace(spec, encoder=r.encoder, generator=r.generator,
-                               llm=dataclasses.replace(r.llm, vocab_size=vocab_size(recipe)))
+                               llm=dataclasses.replace(r.llm, vocab_size=vocab_size(recipe)), step_dirs=STEP_DIRS)
     return {f"{d.name}/{k}": v for d in spec.layers(module) for k, v in d.build().state_dict().items()}
 
 

@@ -12,7 +12,8 @@ from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.host_read import (
     aligned_parts, column_positions, host_names, merge_states, plan_reading, rank_positions, slot_columns)
 from disttrain_ds.data.outline import outline, stand_in
-from disttrain_ds.data.source import ShapeSpec, build_source
+from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.source import ShapeSpec
 from disttrain_ds.data.types import batch_bytes
 from disttrain_ds.metrics.step_flops import StepFlopsCounter
 from disttrain_ds.models.mllm import BatchNorms

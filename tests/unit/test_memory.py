@@ -15,7 +15,10 @@ from disttrain_ds.configtools import ConfigError
 from disttrain_ds.entry import run
 from disttrain_ds.models.objectives import gen_condition
 from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
-from disttrain_ds.runtime import activations, memory
+from disttrain_ds.families.llama.estimates import llm_layers
+from disttrain_ds.families.unet.estimates import activation_layers as unet_layers
+from disttrain_ds.families.vit.estimates import encoder_layers
+from disttrain_ds.runtime import activations, memory, memory_check
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
@@ -76,9 +79,9 @@ def test_activation_formulas_match_saved_tensors_of_real_layers(overrides):
         patches=sum((im.shape[1] // p) * (im.shape[2] // p) for im in sample.images),
         gen_images=max(1, sample.gen_targets.shape[0]))
     m, b = recipe.model, 4
-    est = {"encoder": activations.encoder_layers(m.encoder, m.llm.hidden_size, shape, b).saved,
-           "llm": activations.llm_layers(spec.llm, shape, b).saved,
-           "generator": activations.generator_layers(m.generator, m.llm.hidden_size, shape, b).saved}
+    est = {"encoder": encoder_layers(m.encoder, m.llm.hidden_size, shape, b).saved,
+           "llm": llm_layers(spec.llm, shape, b).saved,
+           "generator": unet_layers(m.generator, m.llm.hidden_size, shape, b).saved}
     got = {}
     got["encoder"], embeds = _measure(spec, "encoder", (mb.pixels, mb.image_hw))
     got["llm"], out = _measure(spec, "llm", llm_inputs(mb, embeds),
@@ -208,12 +211,12 @@ def test_a_real_run_that_does_not_fit_stops_before_building_anything(tmp_path):
 
 
 def test_device_limit_comes_from_the_recipe_or_this_machine(tiny_recipe):
-    assert memory.device_limit_gib(dataclasses.replace(
+    assert memory_check.device_limit_gib(dataclasses.replace(
         tiny_recipe, train=dataclasses.replace(tiny_recipe.train, device_memory_gib=80.0)), 4) == (
         80.0, "train.device_memory_gib")
     if not torch.cuda.is_available():
-        one, _ = memory.device_limit_gib(tiny_recipe, 1)
-        four, source = memory.device_limit_gib(tiny_recipe, 4)
+        one, _ = memory_check.device_limit_gib(tiny_recipe, 1)
+        four, source = memory_check.device_limit_gib(tiny_recipe, 4)
         assert 0 < four < one and "host RAM" in source
 
 

@@ -13,7 +13,7 @@ from disttrain_ds.config import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.entry import dry_run
 from disttrain_ds.runtime import gpu_allowance as ga
-from disttrain_ds.runtime import memory
+from disttrain_ds.runtime import memory, memory_check
 
 MIB, GIB = 2**20, 2**30
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml")
@@ -67,20 +67,20 @@ def test_the_allowance_is_off_for_cpu_recipes_and_against_host_ram():
     rows_recipe = load_recipe(TINY, ["layout=disaggregated"])
     rows = memory.estimate(rows_recipe)
     assert not rows_recipe.train.gpu_allowance  # tiny_cpu says it is a CPU recipe
-    assert memory.per_rank_needs(rows_recipe, rows) == memory.per_rank_totals(rows)
+    assert memory_check.per_rank_needs(rows_recipe, rows) == memory.per_rank_totals(rows)
     gpu = load_recipe(TINY, GPU)
-    needs, totals = memory.per_rank_needs(gpu, rows), memory.per_rank_totals(rows)
+    needs, totals = memory_check.per_rank_needs(gpu, rows), memory.per_rank_totals(rows)
     assert all(needs[r] > totals[r] + 896 * MIB - 1 for r in totals)
-    assert memory.per_rank_needs(gpu, rows, gpu=False) == totals  # a share of host RAM: no CUDA context
-    memory.check_fits(gpu, rows, 0.5, "host RAM", gpu=False)
+    assert memory_check.per_rank_needs(gpu, rows, gpu=False) == totals  # a share of host RAM: no CUDA context
+    memory_check.check_fits(gpu, rows, 0.5, "host RAM", gpu=False)
 
 
 def test_a_rank_that_fits_its_tensors_but_not_its_allowance_is_one_line_with_the_breakdown():
     recipe = load_recipe(TINY, GPU)
     rows = memory.estimate(recipe)
-    memory.check_fits(recipe, rows, 2.0, "train.device_memory_gib")
+    memory_check.check_fits(recipe, rows, 2.0, "train.device_memory_gib")
     with pytest.raises(ConfigError) as exc:
-        memory.check_fits(recipe, rows, 0.5, "train.device_memory_gib")
+        memory_check.check_fits(recipe, rows, 0.5, "train.device_memory_gib")
     msg = str(exc.value)
     assert "\n" not in msg and msg.startswith(f"{recipe.source_file}: rank ")
     assert " does not fit: estimate " in msg and " + allowance " in msg
@@ -119,8 +119,8 @@ def test_startup_check_against_free_memory_counts_what_is_still_to_come():
     est = memory.per_rank_totals(rows)[1]
     f = ga.AllowanceFigures()
     to_come = f.workspaces + ga.nccl_bytes(ga.NcclLinks(1, 4), f) + f.fragmentation * est
-    assert ga.startup_memory_problem(recipe, rows, 1, int(est + to_come) + 1, 80 * GIB, f) is None
-    line = ga.startup_memory_problem(recipe, rows, 1, int(est + to_come) - 1, 80 * GIB, f)
+    assert memory_check.startup_memory_problem(recipe, rows, 1, int(est + to_come) + 1, 80 * GIB, f) is None
+    line = memory_check.startup_memory_problem(recipe, rows, 1, int(est + to_come) - 1, 80 * GIB, f)
     assert line is not None and "\n" not in line
     assert line.startswith(f"{recipe.source_file}: rank 1 (llm stage 0) does not fit its GPU: estimate ")
     assert "+ allowance still to come " in line and "(workspaces 0.1 GiB, NCCL 0.2 GiB, fragmentation" in line
@@ -128,5 +128,5 @@ def test_startup_check_against_free_memory_counts_what_is_still_to_come():
     # The context is already outside what is free: it is not counted twice.
     assert "context" not in line.split("already in use")[0]
     off = load_recipe(TINY, ["layout=disaggregated", "parallel.llm.pp=2"])  # train.gpu_allowance false
-    assert ga.startup_memory_problem(off, rows, 1, int(est) + 1, 80 * GIB, f) is None
-    assert "allowance" not in ga.startup_memory_problem(off, rows, 1, int(est) - 1, 80 * GIB, f)
+    assert memory_check.startup_memory_problem(off, rows, 1, int(est) + 1, 80 * GIB, f) is None
+    assert "allowance" not in memory_check.startup_memory_problem(off, rows, 1, int(est) - 1, 80 * GIB, f)

@@ -142,7 +142,8 @@ def test_record_data_state_resumes_under_another_dp_split_with_the_same_batches(
     import dataclasses
 
     from disttrain_ds.data.config import DataConfig
-    from disttrain_ds.data.source import ShapeSpec, build_source
+    from disttrain_ds.data.producers import build_source
+    from disttrain_ds.data.source import ShapeSpec
 
     cfg = DataConfig(source="mmc4", path=str(fixtures_dir / "mmc4_sample.jsonl"), seq_len=256, image_sizes=[16, 32])
     one = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)

@@ -183,7 +183,8 @@ def test_vae_flops_are_reported_apart_from_mfu():
 
 
 def test_memory_dry_run_counts_the_vae_on_the_generators_first_stage_only():
-    from disttrain_ds.runtime.memory import describe, estimate
+    from disttrain_ds.runtime.memory import estimate
+    from disttrain_ds.runtime.memory_check import describe
 
     pp2 = load_recipe("mllm_9b", ["parallel.generator.pp=2"])
     on_gen = estimate(pp2)

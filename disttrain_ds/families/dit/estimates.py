@@ -7,7 +7,7 @@ without building the model.
 
 from __future__ import annotations
 
-from ...runtime.activations import FP32, LayerBytes, SampleShape
+from ...cost.activations import FP32, LayerBytes, SampleShape
 from .config import DiTConfig
 
 

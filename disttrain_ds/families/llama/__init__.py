@@ -1,7 +1,8 @@
 """Llama decoder LLM (transformers ``LlamaDecoderLayer``) with embedding, image scatter and LM head."""
 
 from ...models.configs import LLM_PRESETS, LLMConfig
-from ...runtime.activations import LayerBytes, SampleShape, llm_layers
+from ...cost.activations import LayerBytes, SampleShape
+from .estimates import llm_layers
 from ..base import Family
 
 
@@ -12,7 +13,7 @@ def decoder_tp_sizes(cfg: LLMConfig, prefix: str, llm_hidden: int) -> list[tuple
 
 
 def decoder_activation_layers(cfg: LLMConfig, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
-    """Activation bytes of a Llama-shaped decoder (``runtime/activations.py::llm_layers``)."""
+    """Activation bytes of a Llama-shaped decoder (``estimates.py::llm_layers``)."""
     return llm_layers(cfg, shape, b)
 
 

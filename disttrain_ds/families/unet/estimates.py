@@ -4,7 +4,7 @@ activation bytes (what the MFU meter, data balancing and the memory estimate rea
 from __future__ import annotations
 
 from ...models.configs import GeneratorConfig
-from ...runtime.activations import LayerBytes, SampleShape
+from ...cost.activations import LayerBytes, SampleShape
 
 
 def image_flops(cfg: GeneratorConfig, mode: str) -> float:

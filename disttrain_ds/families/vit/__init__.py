@@ -1,7 +1,7 @@
 """ViT image encoder (transformers ``ViTModel`` layers) with its MLP input projector."""
 
 from ...models.configs import ENCODER_PRESETS, EncoderConfig
-from ...runtime.activations import encoder_layers
+from .estimates import encoder_layers
 from ..base import Family
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."

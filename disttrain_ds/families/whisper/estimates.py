@@ -7,7 +7,7 @@ the ViT's (``runtime/activations.py``): the same pre-norm transformer block with
 
 from __future__ import annotations
 
-from ...runtime.activations import FP32, LayerBytes, SampleShape
+from ...cost.activations import FP32, LayerBytes, SampleShape
 
 
 def activation_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:

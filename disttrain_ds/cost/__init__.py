@@ -1,0 +1,1 @@
+"""Cost and memory formulas, each written once."""
