@@ -2,6 +2,7 @@
 
     python tools/import_graph.py            # counts: cycles, upward imports, imports inside functions
     python tools/import_graph.py --list     # every finding, one per line
+    python tools/import_graph.py --root OTHER/disttrain_ds   # another checkout (e.g. an older commit)
 
 A cycle is a set of files that import each other in a loop; an upward import runs from a lower
 layer (``LAYERS``) to a higher one; an import inside a function is allowed only to defer a heavy
@@ -184,8 +185,9 @@ def upward(edges: dict[str, set[str]], layers: dict[str, int]) -> list[tuple[str
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="print every finding")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the package folder to read (default: this checkout's)")
     args = ap.parse_args(argv)
-    g = read_graph()
+    g = read_graph(args.root.resolve())
     cyc, up = cycles(g.edges), upward(g.edges, LAYERS)
     print(f"modules {len(g.edges)}  imports {sum(map(len, g.edges.values()))}  cycles {len(cyc)} "
           f"(sizes {[len(c) for c in cyc]})  upward {len(up)}  internal imports inside functions {len(g.local)}  "

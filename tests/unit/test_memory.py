@@ -15,9 +15,9 @@ from disttrain_ds.configtools import ConfigError
 from disttrain_ds.entry import run
 from disttrain_ds.models.objectives import gen_condition
 from disttrain_ds.models.mllm import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
-from disttrain_ds.families.llama.estimates import llm_layers
+from disttrain_ds.families.llama.estimates import decoder_activations
 from disttrain_ds.families.unet.estimates import activation_layers as unet_layers
-from disttrain_ds.families.vit.estimates import encoder_layers
+from disttrain_ds.families.vit.estimates import encoder_activations
 from disttrain_ds.runtime import activations, memory, memory_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,8 +79,8 @@ def test_activation_formulas_match_saved_tensors_of_real_layers(overrides):
         patches=sum((im.shape[1] // p) * (im.shape[2] // p) for im in sample.images),
         gen_images=max(1, sample.gen_targets.shape[0]))
     m, b = recipe.model, 4
-    est = {"encoder": encoder_layers(m.encoder, m.llm.hidden_size, shape, b).saved,
-           "llm": llm_layers(spec.llm, shape, b).saved,
+    est = {"encoder": encoder_activations(m.encoder, m.llm.hidden_size, shape, b).saved,
+           "llm": decoder_activations(spec.llm, shape, b).saved,
            "generator": unet_layers(m.generator, m.llm.hidden_size, shape, b).saved}
     got = {}
     got["encoder"], embeds = _measure(spec, "encoder", (mb.pixels, mb.image_hw))

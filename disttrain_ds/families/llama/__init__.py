@@ -2,7 +2,7 @@
 
 from ...models.configs import LLM_PRESETS, LLMConfig
 from ...cost.activations import LayerBytes, SampleShape
-from .estimates import llm_layers
+from .estimates import decoder_activations
 from ..base import Family
 
 
@@ -13,8 +13,8 @@ def decoder_tp_sizes(cfg: LLMConfig, prefix: str, llm_hidden: int) -> list[tuple
 
 
 def decoder_activation_layers(cfg: LLMConfig, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
-    """Activation bytes of a Llama-shaped decoder (``estimates.py::llm_layers``)."""
-    return llm_layers(cfg, shape, b)
+    """Activation bytes of a Llama-shaped decoder (``estimates.py::decoder_activations``)."""
+    return decoder_activations(cfg, shape, b)
 
 
 DECODER_HF_RULES = (

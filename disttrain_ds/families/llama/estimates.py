@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...cost.activations import FP32, LayerBytes, SampleShape
 
 
-def llm_layers(cfg, shape: SampleShape, b: int) -> LayerBytes:
+def decoder_activations(cfg, shape: SampleShape, b: int) -> LayerBytes:
     """LLM: embed, decoder blocks, head (norm + LM head + cross-entropy), at ``b`` bytes per element."""
     h, f, a, s, v = cfg.hidden_size, cfg.ffn_hidden, cfg.heads, shape.tokens, cfg.vocab_size
     d = h // a

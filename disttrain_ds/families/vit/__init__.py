@@ -1,7 +1,7 @@
 """ViT image encoder (transformers ``ViTModel`` layers) with its MLP input projector."""
 
 from ...models.configs import ENCODER_PRESETS, EncoderConfig
-from .estimates import encoder_layers
+from .estimates import encoder_activations
 from ..base import Family
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
@@ -41,5 +41,5 @@ FAMILY = Family(
         (r"^(?:vit\.)?layernorm\.(.*)$", r"head/layernorm.\1"),
     ),
     hf_formats="transformers ViTModel",
-    activation_layers=encoder_layers,
+    activation_layers=encoder_activations,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...cost.activations import FP32, LayerBytes, SampleShape
 
 
-def encoder_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
+def encoder_activations(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
     """Encoder: patch embedding, ViT blocks, head (norm, CLS dropped), input projector; per sample."""
     e, fe, a, p = cfg.hidden_size, cfg.ffn_hidden, cfg.heads, cfg.patch_size
     tokens = shape.patches + shape.images  # one CLS token per image
