@@ -31,6 +31,7 @@ from typing import Literal
 import numpy as np
 from scipy.optimize import nnls
 
+from disttrain_ds.cost.backward import BACKWARD_FACTOR
 from disttrain_ds.data.types import SampleStats
 
 Module = Literal["encoder", "audio", "llm", "generator"]
@@ -157,9 +158,9 @@ class CostModel:
     """Audio encoder cost per squared frame count of a clip (self-attention over its rows)."""
     gen_downsample: int = 8
     """Pixels per latent pixel along each side (the VAE's downsampling factor)."""
-    backward_factor: float = 2.0
-    """Backward cost as a multiple of forward (2 for a trained module, 1 for a frozen one that
-    still passes gradients upstream, 0 for frozen and last)."""
+    backward_factor: float = BACKWARD_FACTOR
+    """Backward cost as a multiple of forward (``cost/backward.py``: 2 for a trained module, 1 for
+    a frozen one that still passes gradients upstream, 0 for frozen and last)."""
 
     # ----------------------------------------------------------------- per-sample costs
 

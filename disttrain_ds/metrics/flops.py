@@ -20,13 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cost.backward import MODE_MULTIPLIER
 from ..costmodel import TransformerDims, patch_embed_flops
 
-MODE_MULTIPLIER: dict[str, int] = {
-    "train": 3,  # forward + input-gradient + weight-gradient, each ~ one forward
-    "frozen_passthrough": 2,  # forward + input-gradient so a trained upstream module gets grads
-    "frozen": 1,  # forward only
-}
 
 
 def training_flops(forward_flops: float, *, mode: str = "train") -> float:
@@ -37,7 +33,7 @@ def training_flops(forward_flops: float, *, mode: str = "train") -> float:
     return float(forward_flops) * _multiplier(mode)
 
 
-def _multiplier(mode: str) -> int:
+def _multiplier(mode: str) -> float:
     if mode not in MODE_MULTIPLIER:
         raise ValueError(f"mode must be one of {sorted(MODE_MULTIPLIER)}, got {mode!r}")
     return MODE_MULTIPLIER[mode]

@@ -42,7 +42,7 @@ from disttrain_ds.planner.objective import combine
 from disttrain_ds.planner.simulate import graph_stages
 from disttrain_ds.planner.sweep import makespans
 # Backward time as a multiple of forward, as the runtime's emulated compute charges it.
-from disttrain_ds.runtime.emulate import BACKWARD_FACTOR
+from disttrain_ds.cost.backward import BACKWARD_FACTOR
 
 
 def split_fwd_bwd(stage_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

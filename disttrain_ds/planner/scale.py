@@ -48,7 +48,7 @@ from disttrain_ds.data.paper_stats import Subsequence, layout_to_stats
 from disttrain_ds.data.types import SampleStats
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 from disttrain_ds.planner.optimize import Plan, plan
-from disttrain_ds.planner.pipeline import BACKWARD_FACTOR
+from disttrain_ds.cost.backward import BACKWARD_FACTOR
 # MODULES: the paper models' modules, the columns of SampleCosts.flops.
 from disttrain_ds.planner.profile import MODULES, Profile, profile_from_dict  # noqa: F401
 # Steps 4-5 live in scale_sim; their names stay reachable from here.

@@ -38,12 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cost.backward import BACKWARD_FACTOR
 from ..recipe_graph import graph_of, module_config
 from ..topology import Topology
 
-BACKWARD_FACTOR = 2.0
-"""Backward time as a multiple of forward (trained module, no recomputation; as the planner's
-paper-scale profiles assume)."""
 
 
 # --------------------------------------------------------------------------- recipe checks
