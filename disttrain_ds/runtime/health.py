@@ -13,6 +13,7 @@ that line on the terminal (``runtime/verdict.py``).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import socket
@@ -39,6 +40,9 @@ HOSTS_POLL_S = 0.5
 """How often ``start`` looks whether every rank has announced its host."""
 STARTED = "started"
 """Store counter of ranks that announced their host: the host map is read once it is complete."""
+HOST_MAP = "hostmap"
+"""Every rank's host in one key, written by the rank that completes ``STARTED``: each rank then reads
+one key instead of world-many (world^2 reads at start-up otherwise)."""
 
 LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
                           errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EFBIG, errno.ENAMETOOLONG})
@@ -123,7 +127,10 @@ class Watchdog:
     def announce(self) -> None:
         """Leave this rank's host, then count it as started: a complete count means every host is there."""
         self._op("set", f"host/{self.rank}", self.host)
-        self._op("add", STARTED, 1)
+        if int(self._op("add", STARTED, 1)) == len(self.names):  # the last to come writes the map
+            order = sorted(self.names)
+            hosts = self._op("multi_get", [f"host/{r}" for r in order])
+            self._op("set", HOST_MAP, json.dumps([h.decode() for h in hosts]))
 
     def _await_hosts(self, wait_s: float) -> None:
         """Read every rank's host now, not at the first check: a store that dies early could no
@@ -143,11 +150,10 @@ class Watchdog:
         (until then one counter read: not world-many keys per look)."""
         if len(self.hosts) >= len(self.names):
             return True
-        if int(self._op("add", STARTED, 0)) < len(self.names):
+        if int(self._op("add", STARTED, 0)) < len(self.names) or not self._op("check", [HOST_MAP]):
             return False
-        missing = [r for r in self.names if r not in self.hosts]
-        for r, h in zip(missing, self._op("multi_get", [f"host/{r}" for r in missing])):
-            self.hosts[r] = h.decode()
+        for r, h in zip(sorted(self.names), json.loads(self._op("get", HOST_MAP))):
+            self.hosts.setdefault(r, h)
         return True
 
     def _op(self, name: str, *args):

@@ -295,12 +295,12 @@ class FakeConsole:
         self.lines.append(line)
 
 
-def _job(hosts: dict[int, str], console: bool = True):
+def _job(hosts: dict[int, str], console: bool = True, interval_s: float = 0.02):
     """Watchdogs of one job on one fake store, started; (watchdogs, terminal lines, exit codes) per rank."""
     store = FakeStore()
     names = {r: f"m{r}" for r in hosts}
     lines, codes = {r: [] for r in hosts}, {r: [] for r in hosts}
-    dogs = {r: Watchdog(store, r, names, timeout_s=10, interval_s=0.02, emit=lines[r].append, exit_fn=codes[r].append,
+    dogs = {r: Watchdog(store, r, names, timeout_s=10, interval_s=interval_s, emit=lines[r].append, exit_fn=codes[r].append,
                         console=FakeConsole(r) if console else None, host=h) for r, h in hosts.items()}
     for w in dogs.values():
         w.step = 5
@@ -345,7 +345,8 @@ def test_on_another_host_only_its_lowest_rank_prints_and_without_the_cause(tmp_p
 
 
 def test_ranks_failing_at_once_show_one_cause_the_first_published(tmp_path):
-    dogs, lines, codes = _job(dict.fromkeys(range(3), "h"))
+    # Watchdog threads that look once a second: rank 2 fails before its own looks at rank 1's verdict.
+    dogs, lines, codes = _job(dict.fromkeys(range(3), "h"), interval_s=1.0)
     for r in (1, 2):
         dogs[r].failure_dir = str(tmp_path)
         dogs[r].handle(ValueError(f"bad record on rank {r}"), 0.0)
