@@ -111,6 +111,17 @@ def module_parallel(recipe: Recipe, name: str):
     return recipe.parallel.modules[name]
 
 
+def module_degrees(recipe: Recipe) -> dict[str, tuple[int, int, int]]:
+    """(dp, pp, tp) each module runs with, in graph order; monolithic: encoders and generators take
+    the LLM's DP and TP with PP 1 (they are stages of its pipeline)."""
+    graph = graph_of(recipe)
+    degrees = {n: (m.dp, m.pp, m.tp) for n, m in ((n, recipe.parallel.modules[n]) for n in graph.names)}
+    if recipe.layout == "monolithic":
+        dp, _, tp = degrees[graph.llm]
+        degrees.update({n: (dp, 1, tp) for n in (*graph.encoders, *graph.generators)})
+    return degrees
+
+
 def module_key(recipe: Recipe, name: str) -> str:
     """The recipe key of module ``name``'s section, for messages."""
     return f"model.modules.{name}" if getattr(recipe.model, "_graph_form", False) else f"model.{name}"

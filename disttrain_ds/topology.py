@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .configtools import ConfigError
 from .graph import ModuleGraph
-from .recipe_graph import graph_of
+from .recipe_graph import graph_of, module_degrees
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
     from .config import Recipe
@@ -151,18 +151,9 @@ class Topology:
     @staticmethod
     def from_recipe(recipe: Recipe) -> "Topology":
         """Derive the rank map from ``parallel.*`` (monolithic: encoder and generator take the LLM's DP/TP, PP 1)."""
-        p = recipe.parallel
         if recipe.layout == "reference":
             raise ConfigError(f"{recipe.source_file}: 'layout' reference runs in one process and has no rank map")
-        graph = graph_of(recipe)
-        degrees = {}
-        for name in graph.names:
-            m = p.modules[name]
-            degrees[name] = (m.dp, m.pp, m.tp)
-        if recipe.layout == "monolithic":
-            dp, _, tp = degrees[graph.llm]
-            for name in (*graph.encoders, *graph.generators):
-                degrees[name] = (dp, 1, tp)
+        graph, degrees = graph_of(recipe), module_degrees(recipe)
         grids, first = [], 0
         for name in graph.names:
             dp, pp, tp = degrees[name]

@@ -16,8 +16,7 @@ from .models.configs import trains
 from .models.vae_config import checkpoint_config, vae_problem
 from .paths import require_file
 from .planner.profile import load_profile
-from .topology import Topology
-from .recipe_graph import graph_of, module_config, module_family, module_key, module_parallel, parallel_key
+from .recipe_graph import graph_of, module_config, module_degrees, module_family, module_key, module_parallel, parallel_key
 
 if TYPE_CHECKING:
     from .config import ModuleParallel, Recipe
@@ -280,7 +279,7 @@ def check_emulate(recipe, src: str) -> None:
         return
     path = require_file(e.profile, "emulate.profile", src, recipe.source_file)
     profile = load_profile(path)  # ProfileError (a ConfigError) names the field and the file
-    for name, tp in ((m.name, m.tp) for m in Topology.from_recipe(recipe).modules):
+    for name, (_, _, tp) in module_degrees(recipe).items():
         if name not in profile.modules:
             raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no module {name!r} (it profiles "
                               f"{', '.join(profile.modules)}; profile this recipe's modules)")
