@@ -23,7 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.runtime.ckpt_files import file_entry, file_problem, safe_load  # noqa: E402
+from disttrain_ds.checkpoint.files import file_entry, file_problem, safe_load  # noqa: E402
 
 
 def evict(paths: list[Path]) -> None:

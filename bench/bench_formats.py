@@ -118,7 +118,7 @@ def mllm9b_step() -> dict:
     """MLLM-9B's step from the planner (our plan, simulated, reordered) and from the paper's Fig. 15/16."""
     from disttrain_ds.data.paper_stats import draw_sequence_layouts
     from disttrain_ds.paper import load_paper_figures
-    from disttrain_ds.planner import scale
+    from disttrain_ds.paper import scale
     from disttrain_ds.planner.optimize import plan
 
     paper = load_paper_figures()

@@ -6,13 +6,13 @@ For every cost distribution and seed a random three-module profile is made (GPUs
 per-module mean costs and layer counts drawn from the seed; TP costs with 0.9 efficiency per
 doubling), then planned twice by ``optimize.plan``: from mean costs only, and with
 ``sample_cost_ms``, a draw of 1,024 samples. Both plans are simulated
-(``scale.simulate_iteration``, 1F1B of ``planner/simulate.py``, intra- and inter-microbatch
+(``scale.simulate_iteration``, 1F1B of ``schedule/simulate.py``, intra- and inter-microbatch
 reordering) on ``--iterations`` global batches of fresh samples from the same distribution
 (another seed than the draw). Printed per distribution: the gain T_sim(mean plan) /
 T_sim(draw plan) (median, min, max, share of cases where the draw plan is slower) and how far
 each plan's simulated time is from its predicted one (``Plan.t_pred_ms``). Costs of one sample
 in different modules are drawn independently, except in ``paper``, which prices LAION-400M-like packed sequences with the
-cost model (``planner/scale.py``, MLLM-9B's modules).
+cost model (``paper/scale.py``, MLLM-9B's modules).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
 from disttrain_ds.paper import load_paper_figures  # noqa: E402
-from disttrain_ds.planner import scale  # noqa: E402
+from disttrain_ds.paper import scale  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
-from disttrain_ds.planner.profile import MODULES, profile_from_dict  # noqa: E402
+from disttrain_ds.cost.profile import MODULES, profile_from_dict  # noqa: E402
 
 DRAW = 1024
 """Samples in the profile's draw."""

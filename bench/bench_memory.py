@@ -8,7 +8,7 @@ started by ``bench/memory_probe.py``. A rank's figures are taken above its own b
 memory once every library is imported, before the recipe is read), and the plain recipe's are
 subtracted from the scaled one's, which leaves the model's share (what the estimate counts)
 without what the runtime's threads, code pages and buffers add whatever the model. The estimate
-(``runtime/memory.py``, the formula the planner uses) is differenced the same way. Per module,
+(``estimate/memory.py``, the formula the planner uses) is differenced the same way. Per module,
 the rank with the most:
 
 * ``live``: the most bytes the C allocator had handed out at once (sampled every millisecond;
@@ -80,7 +80,7 @@ def above_baseline(rec: dict) -> tuple[float, float]:
 
 def modules_of(overrides: list[str]) -> dict[str, range]:
     """Global ranks of each module."""
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.topology import Topology
 
     topo = Topology.from_recipe(load_recipe("tiny_cpu", overrides))
@@ -90,8 +90,8 @@ def modules_of(overrides: list[str]) -> dict[str, range]:
 
 def estimated(overrides: list[str]) -> dict[str, float]:
     """Largest per-rank estimate of each module, bytes."""
-    from disttrain_ds.config import load_recipe
-    from disttrain_ds.runtime.memory import estimate
+    from disttrain_ds.recipe.schema import load_recipe
+    from disttrain_ds.estimate.memory import estimate
 
     out: dict[str, float] = {}
     for row in estimate(load_recipe("tiny_cpu", overrides)):

@@ -8,7 +8,7 @@ the paper's generation side) and timed on one core: decode + resize to each inpu
 recipes (224 / 448 / 896), decode + centre square + resize of a 512 px generation target,
 tokenising and packing one 8K sequence's captions, and encoding one 512 px target with a VAE of
 SD 2.1's shape (random init: the time does not depend on the weights). MLLM-9B's step time, GPUs
-and images per sequence come from the planner's paper-scale figures (``disttrain_ds/planner/scale.py``,
+and images per sequence come from the planner's paper-scale figures (``disttrain_ds/paper/scale.py``,
 as ``bench/paper_scale.py``): every input image is also a generation target there, as in the
 paper's profile. Cores per GPU are those whose throughput covers a GPU's share of a step's samples
 within 98% of the step time (trainers then wait under 2% of a step with ``data.queue_depth`` >= 1).
@@ -140,7 +140,7 @@ def mllm9b() -> dict[str, float]:
     images (each also generated) per sequence."""
     from disttrain_ds.data.paper_stats import draw_sequence_layouts
     from disttrain_ds.paper import load_paper_figures
-    from disttrain_ds.planner import scale
+    from disttrain_ds.paper import scale
 
     paper = load_paper_figures(None)
     spec = scale.model_specs(paper)["MLLM-9B"]
@@ -192,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in per_seq.items():
         cores = samples_per_gpu * ms / 1e3 / ((1 - WAIT_SHARE) * m["step_s"])
         print(f"| {name} | {ms:.0f} | {1e3 * m['images'] / ms:.2f} | {1e3 / ms:.3f} | {math.ceil(cores)} ({cores:.2f}) |")
-    from disttrain_ds.metrics.flops import vae_encode_flops
+    from disttrain_ds.cost.flops import vae_encode_flops
     from disttrain_ds.models.vae_config import VaeConfig
 
     per_gpu = m["batch"] * m["images"] / m["gen_gpus"]
     tflop = vae_encode_flops(VaeConfig(preset="sd21"), GEN_SIDE) / 1e12
     print(f"\nVAE on the generator's GPUs instead: each of the {m['gen_gpus']} generator GPUs encodes "
-          f"{per_gpu:.0f} images per step, {tflop:.3f} TFLOP each (measured count, metrics/flops.py):")
+          f"{per_gpu:.0f} images per step, {tflop:.3f} TFLOP each (measured count, cost/flops.py):")
     print("| VAE efficiency on the GPU (of the planner's peak "
           f"{m['peak_tflops']:.0f} TFLOP/s) | ms per image | generator-GPU seconds per step | share of the step |")
     print("|---|---|---|---|")

@@ -22,12 +22,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.costmodel import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel  # noqa: E402
+from disttrain_ds.cost.model import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel  # noqa: E402
 from disttrain_ds.data.paper_stats import draw_sample_stats  # noqa: E402
-from disttrain_ds.data.reorder import (  # noqa: E402
-    inter_microbatch_reorder, intra_microbatch_reorder, lpt_equal_count, paper_inter_order)
-from disttrain_ds.data.types import SampleStats  # noqa: E402
-from disttrain_ds.planner.simulate import makespan_1f1b, makespan_batch  # noqa: E402
+from disttrain_ds.reorder.intra import (
+    inter_microbatch_reorder, intra_microbatch_reorder, lpt_equal_count, paper_inter_order
+)
+from disttrain_ds.samples import SampleStats  # noqa: E402
+from disttrain_ds.schedule.simulate import makespan_1f1b, makespan_batch  # noqa: E402
 
 TOKENS_PER_WORD = 1.3  # rough Llama-tokenizer ratio for English text
 PATCH = 16

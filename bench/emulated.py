@@ -38,10 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from disttrain_ds.planner.baselines import megatron_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
-from disttrain_ds.planner.profile import (  # noqa: E402
-    Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict,
-)
-from disttrain_ds.runtime import emulate_sim  # noqa: E402
+from disttrain_ds.cost.profile import Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.schedule import replay  # noqa: E402
 
 RECIPES = {"tiny_cpu": "recipes/tiny_cpu.yaml", "tiny_vlm": "recipes/tiny_vlm.yaml"}
 # Data with per-sample variation (1-5 input images of 32-48 px, i.e. 16-36 patches each, and 1-3
@@ -82,7 +80,7 @@ def paper_profile(paper_path: Path | None) -> Profile:
     from disttrain_ds.configtools import ConfigError
     from disttrain_ds.data.paper_stats import draw_sequence_layouts
     from disttrain_ds.paper import load_paper_figures, packaged_figures_name
-    from disttrain_ds.planner import scale
+    from disttrain_ds.paper import scale
 
     try:
         paper = load_paper_figures(paper_path)
@@ -107,7 +105,7 @@ def cpu_profile(path: Path | None, out: Path) -> Profile:
     """The profiler's measurement of the benchmark's tiny modules on this machine."""
     if path is None:
         path = out / "profile_cpu.json"
-        cmd = [sys.executable, "-m", "disttrain_ds.profile", "--recipe", RECIPE, *WORKLOAD, "--samples", "16",
+        cmd = [sys.executable, "-m", "disttrain_ds.cli.profile", "--recipe", RECIPE, *WORKLOAD, "--samples", "16",
                "--gpus", "8", "--global-batch", "16", "--gpus-per-node", "1", "--peak-tflops", "1",
                "--out", str(path), "--force"]
         print(f"profiling: {' '.join(cmd[1:])}", flush=True)
@@ -181,8 +179,8 @@ class Config:
         return sum(p.module(m).dp * p.module(m).pp for m in p.graph.names)
 
     def overrides(self, run_dir: Path, steps: int, batch: int) -> list[str]:
-        from disttrain_ds.config import load_recipe
-        from disttrain_ds.recipe_graph import module_key, parallel_key
+        from disttrain_ds.recipe.schema import load_recipe
+        from disttrain_ds.recipe.graph import module_key, parallel_key
 
         p, recipe = self.plan, load_recipe(REPO / RECIPE)
         llm = p.graph.llm
@@ -214,17 +212,17 @@ def launch(cfg: Config, run_dir: Path, steps: int, batch: int) -> None:
 def analyse(run_dir: Path, warmup: int, slot: int) -> dict:
     """Per-step measured and simulated times of one run (steps after ``warmup``), medians."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    recs = emulate_sim.load_records(run_dir / "emulate")
-    spans = {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run_dir / "trace").glob("rank*.json")}
+    recs = replay.load_records(run_dir / "emulate")
+    spans = {int(f.stem[4:]): replay.read_trace(f) for f in (run_dir / "trace").glob("rank*.json")}
     last = rows[-1]["step"]
     stages = 1 + max(r.global_stage for r in recs[last])
-    ov = emulate_sim.measure_overheads(spans, recs[last], slot)
+    ov = replay.measure_overheads(spans, recs[last], slot)
     steps = [r for r in rows if r["step"] > warmup]
     meas = [1e3 * r["step_seconds"] for r in steps]
-    pure = [emulate_sim.simulate_step(recs[r["step"]], stages)[0] for r in steps]
-    full = [emulate_sim.simulate_ranks(recs[r["step"]], slot, ov)[0] for r in steps]
+    pure = [replay.simulate_step(recs[r["step"]], stages)[0] for r in steps]
+    full = [replay.simulate_ranks(recs[r["step"]], slot, ov)[0] for r in steps]
     return {"measured": statistics.median(meas), "pure": statistics.median(pure), "sim": statistics.median(full),
-            "overheads": ov, "waits": emulate_sim.wait_summary(run_dir / "emulate"), "spans": spans,
+            "overheads": ov, "waits": replay.wait_summary(run_dir / "emulate"), "spans": spans,
             "last": recs[last], "slot": slot}
 
 
@@ -267,7 +265,7 @@ def draw_gantt(cfg: Config, rep: dict, path: Path) -> None:
                "load": "#8172B2", "allreduce": "#C44E52", "optimizer": "#937860"}
     spans, by_rank, ov = rep["spans"], {r.rank: r for r in rep["last"]}, rep["overheads"]
     t0 = min(sp[0]["start"] - by_rank[r].prep_ms for r, sp in spans.items() if sp)  # the step's start
-    _, sim = emulate_sim.simulate_ranks(rep["last"], rep["slot"], ov)
+    _, sim = replay.simulate_ranks(rep["last"], rep["slot"], ov)
     ranks = sorted(spans, key=lambda r: (by_rank[r].global_stage, by_rank[r].dp))
     row = {r: len(ranks) - 1 - k for k, r in enumerate(ranks)}
     fig, axes = plt.subplots(2, 1, sharex=True, figsize=(11, 1.4 + 0.36 * len(ranks)))

@@ -17,8 +17,8 @@ about 2 + 2 + 4 bytes per parameter (~9 GB) plus roughly 20 GB of activations (e
 within 80 GB.
 
 Step time is the median over ``--steps`` timed steps after ``--warmup`` untimed ones (CUDA
-events on GPU, wall clock on CPU). FLOPs come from ``disttrain_ds.metrics.flops`` (causal
-attention counted as L(L+1)/2 pairs), the peak from ``disttrain_ds.metrics.peak``.
+events on GPU, wall clock on CPU). FLOPs come from ``disttrain_ds.cost.flops`` (causal
+attention counted as L(L+1)/2 pairs), the peak from ``disttrain_ds.cost.peak``.
 Without a CUDA device (and without ``--device cpu``) it prints ``skipped: no CUDA device``.
 """
 
@@ -39,10 +39,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.metrics.flops import (  # noqa: E402
-    llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops)
-from disttrain_ds.metrics.mfu import module_mfu, tflops_per_gpu  # noqa: E402
-from disttrain_ds.metrics.peak import resolve_peak  # noqa: E402
+from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
+from disttrain_ds.cost.mfu import module_mfu, tflops_per_gpu  # noqa: E402
+from disttrain_ds.cost.peak import resolve_peak  # noqa: E402
 from disttrain_ds.models.configs import (  # noqa: E402
     ENCODER_PRESETS, GENERATOR_PRESETS, EncoderConfig, GeneratorConfig, LLMConfig)
 from disttrain_ds.models.layers import Sequential  # noqa: E402
@@ -103,7 +102,7 @@ class Result:
 
 
 def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention: str = "auto") -> Case:
-    from disttrain_ds.data.types import doc_ids
+    from disttrain_ds.samples import doc_ids
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.llama.model import llm_layers
     from disttrain_ds.models.objectives import lm_loss

@@ -2,7 +2,7 @@
 
     python bench/paper_scale.py [--quick] [--paper PATH] [--iterations N] [--budget S]
 
-For each model the profile is built from the paper's figures (``disttrain_ds.planner.scale``),
+For each model the profile is built from the paper's figures (``disttrain_ds.paper.scale``),
 planned four ways (ours from mean costs, ours from a draw of per-sample costs, Megatron-LM's
 rigid layout, two proportional splits), and training iterations of each plan are simulated on 8K
 packed sequences drawn from the paper's LAION-400M statistics, without and with data
@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.configtools import ConfigError  # noqa: E402
 from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
 from disttrain_ds.paper import load_paper_figures  # noqa: E402
-from disttrain_ds.planner import scale  # noqa: E402
+from disttrain_ds.paper import scale  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, plan  # noqa: E402
-from disttrain_ds.planner.profile import MODULES, Profile  # noqa: E402
+from disttrain_ds.cost.profile import MODULES, Profile  # noqa: E402
 
 PLANS = {"ours": "ours", "draw": "ours + draw", "megatron": "Megatron-LM",
          "ratio": "ratio (GPU-time)", "flops": "ratio (FLOPs)"}

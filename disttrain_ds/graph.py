@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from .configtools import ConfigError
+from disttrain_ds.configtools import ConfigError
 
 ROLES = ("encoder", "llm", "generator")
 """Roles in data-flow order."""

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 from dataclasses import dataclass
 
-from .configtools import ConfigError
-from .graph import ModuleGraph
-from .recipe_graph import graph_of, module_degrees
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.recipe.graph import graph_of, module_degrees
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
-    from .config import Recipe
+    from disttrain_ds.recipe.schema import Recipe
 
 MODULES = ("encoder", "llm", "generator")
 """The three-module graph's module names."""

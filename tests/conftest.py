@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_recipe():
     """The default tiny recipe, loaded and validated."""
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
 
     return load_recipe(REPO_ROOT / "recipes" / "tiny_cpu.yaml")
 

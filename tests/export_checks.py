@@ -32,8 +32,8 @@ def write_step_dir(root: Path, recipe, spec, states: dict, step: int = 1) -> Pat
     """A complete step directory holding ``states`` in DeepSpeed's file layout (one file per layer
     and TP rank, cut by ``shard_layer`` as the runtime cuts it) with a checksummed manifest."""
     from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
-    from disttrain_ds.runtime.ckpt_files import CHECKSUM, file_entry
-    from disttrain_ds.runtime.ckpt_manifest import FORMAT, MANIFEST, fingerprint, step_dir_name
+    from disttrain_ds.checkpoint.files import CHECKSUM, file_entry
+    from disttrain_ds.checkpoint.manifest import FORMAT, MANIFEST, fingerprint, step_dir_name
 
     from disttrain_ds.topology import Topology
 

@@ -37,16 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     # Set before torch is imported: several ranks on few cores crawl without it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from ..configtools import ConfigError
-    from ..entry import dry_run, run
-    from ..runtime.guards import TrainingDiverged
+    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.runtime.entry import dry_run, run
+    from disttrain_ds.runtime.guards import TrainingDiverged
 
     try:
         if args.dry_run:
             return dry_run(args.recipe, args.overrides)
         return run(args.recipe, args.overrides)
     except ConfigError as exc:
-        from ..runtime.console import tell_launcher
+        from disttrain_ds.console import tell_launcher
 
         tell_launcher(f"error: {exc}")  # torchrun's failure summary shows it as the root cause
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once

@@ -1,7 +1,7 @@
 """Bytes autograd keeps for backward: the types every family's activation formula speaks.
 
 A family's ``activation_layers`` (in its folder) maps its config and the worst-case sample to a
-``LayerBytes`` per pipeline layer; ``runtime/activations.py`` picks the formula for each module of a
+``LayerBytes`` per pipeline layer; ``estimate/activations.py`` picks the formula for each module of a
 recipe. The counts follow what the layers save (checked against saved-tensor hooks on real layers in
 ``tests/unit/test_memory.py``).
 """

@@ -21,8 +21,8 @@ import warnings
 
 from PIL import Image
 
-from .blob_io import cell_bytes, key, pread, row_group, too_large
-from .hf_table import open_dataset
+from disttrain_ds.data.blob_io import cell_bytes, key, pread, row_group, too_large
+from disttrain_ds.data.hf_table import open_dataset
 
 __all__ = ["cell_bytes", "check", "check_key", "head", "key", "pread", "read", "row_group"]
 

@@ -30,10 +30,10 @@ from typing import Callable, Union
 
 import numpy as np
 
-from .config import DataConfig
-from .images import ImageRef, check_file
-from .reader import RawRecord
-from .tokenizer import Tokenizer
+from disttrain_ds.data.config import DataConfig
+from disttrain_ds.data.images import ImageRef, check_file
+from disttrain_ds.data.reader import RawRecord
+from disttrain_ds.data.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _file_ref(value: object, base: Path, ctx: ParseContext) -> ImageRef:
 
 
 def _audio(ctx: ParseContext, value: object, base: Path) -> AudioSeg:
-    from .audio import clip_frames
+    from disttrain_ds.data.audio import clip_frames
 
     if ctx.audio_mels == 0:
         raise _BadRecord("no_audio_encoder")

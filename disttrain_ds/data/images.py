@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .blob_io import too_large
-from .blobs import read
+from disttrain_ds.data.blob_io import too_large
+from disttrain_ds.data.blobs import read
 
 PHOTOS = (
     "astronaut", "chelsea", "coffee", "rocket", "camera", "coins", "moon",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .source import SampleSource
-from .types import PackedSample
+from disttrain_ds.data.source import SampleSource
+from disttrain_ds.samples import PackedSample
 
 
 class LatentSource(SampleSource):
@@ -21,7 +21,7 @@ class LatentSource(SampleSource):
     @property
     def encoder(self):
         if self._encoder is None:
-            from ..models.vae import LatentEncoder
+            from disttrain_ds.models.vae import LatentEncoder
 
             self._encoder = LatentEncoder(self.vae_cfg, self.seed)
         return self._encoder

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .types import IGNORE_INDEX, PackedSample, SpecialTokens
+from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
 
 
 def _placeholders(special: SpecialTokens) -> tuple[int, ...]:

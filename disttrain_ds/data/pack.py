@@ -24,13 +24,13 @@ from typing import Callable
 
 import torch
 
-from ..configtools import ConfigError
-from . import blobs
-from .audio import load_clip, load_clip_bytes
-from .formats import AudioSeg, Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
-from .images import load_image
-from .source import labels_for
-from .types import PackedSample, SpecialTokens
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.data import blobs
+from disttrain_ds.data.audio import load_clip, load_clip_bytes
+from disttrain_ds.data.formats import AudioSeg, Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
+from disttrain_ds.data.images import load_image
+from disttrain_ds.data.source import labels_for
+from disttrain_ds.samples import PackedSample, SpecialTokens
 
 
 @dataclass(frozen=True)

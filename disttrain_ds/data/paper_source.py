@@ -18,12 +18,12 @@ import math
 import numpy as np
 import torch
 
-from .config import DataConfig
-from .paper_stats import packed_layouts
-from .source import _WORDS, SampleSource, ShapeSpec, labels_for, smooth_image
-from .split import TRAIN, Split
-from .tokenizer import Tokenizer, load_tokenizer
-from .types import PackedSample, SpecialTokens
+from disttrain_ds.data.config import DataConfig
+from disttrain_ds.data.paper_stats import packed_layouts
+from disttrain_ds.data.source import _WORDS, SampleSource, ShapeSpec, labels_for, smooth_image
+from disttrain_ds.data.split import TRAIN, Split
+from disttrain_ds.data.tokenizer import Tokenizer, load_tokenizer
+from disttrain_ds.samples import PackedSample, SpecialTokens
 
 
 def patch_grid(tokens: int) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import ndtr, ndtri
 
-from disttrain_ds.data.types import SampleStats
+from disttrain_ds.samples import SampleStats
 
 REFERENCE_SEQ_LEN = 8192
 """Sequence length of the paper's statistics; image counts scale linearly with seq_len."""

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from .config import DataConfig
-from . import spool
-from .batch_order import reorder_batch
-from .registry import open_source, resolve
-from .split import TRAIN, Split
-from .source import SampleSource, ShapeSpec
-from .spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
-from .types import PackedSample
+from disttrain_ds.data.config import DataConfig
+from disttrain_ds.data import spool
+from disttrain_ds.reorder.inter import reorder_batch
+from disttrain_ds.data.registry import open_source, resolve
+from disttrain_ds.data.split import TRAIN, Split
+from disttrain_ds.data.source import SampleSource, ShapeSpec
+from disttrain_ds.data.spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
+from disttrain_ds.samples import PackedSample
 
 _POLL_S = 0.2
 _BEAT_S = 0.5
@@ -213,7 +213,7 @@ class ProducedSource(SampleSource):
         self.host_units = tuple(units)
 
     def order_with(self, order) -> None:
-        """Pass every batch through ``order`` (the host-constrained reordering, ``runtime/host_order.py``)."""
+        """Pass every batch through ``order`` (the host-constrained reordering, ``reorder/host_order.py``)."""
         self._order = order
 
     def share_with(self, share: NodeShare) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from .config import SOURCES, DataConfig, path_problem
-from .latent_source import LatentSource
-from .paper_source import PaperStatsSource
-from .record_source import RecordSource
-from .shard_source import open_shard_source
-from .source import SampleSource, ShapeSpec, SyntheticSource
-from .split import TRAIN, Split
+from disttrain_ds.data.config import SOURCES, DataConfig, path_problem
+from disttrain_ds.data.latent_source import LatentSource
+from disttrain_ds.data.paper_source import PaperStatsSource
+from disttrain_ds.data.record_source import RecordSource
+from disttrain_ds.data.shard_source import open_shard_source
+from disttrain_ds.data.source import SampleSource, ShapeSpec, SyntheticSource
+from disttrain_ds.data.split import TRAIN, Split
 
 
 def resolve(cfg: DataConfig) -> DataConfig:

@@ -18,17 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..configtools import ConfigError
-from .config import DataConfig
-from .entry_parse import parse_entry
-from .fields import expected
-from .formats import Bad, Document
-from .record_source import RecordSource
-from .host_read import column_positions
-from .shards import assign_shards, block_order
-from .source import SampleSource, ShapeSpec
-from .split import TRAIN, Split
-from .types import PackedSample
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.data.config import DataConfig
+from disttrain_ds.data.entry_parse import parse_entry
+from disttrain_ds.data.fields import expected
+from disttrain_ds.data.formats import Bad, Document
+from disttrain_ds.data.record_source import RecordSource
+from disttrain_ds.data.host_read import column_positions
+from disttrain_ds.data.shards import assign_shards, block_order
+from disttrain_ds.data.source import SampleSource, ShapeSpec
+from disttrain_ds.data.split import TRAIN, Split
+from disttrain_ds.samples import PackedSample
 
 SHARD_SOURCES = ("webdataset", "parquet", "folder", "hf")
 """Values of ``data.source`` read by this module."""
@@ -36,21 +36,21 @@ SHARD_SOURCES = ("webdataset", "parquet", "folder", "hf")
 
 def open_table(cfg: DataConfig, selected: list[int] | None = None):
     """The ``cfg.source`` table over the ``selected`` shards (None: all)."""
-    from .tokenizer import default_cache_dir
+    from disttrain_ds.data.tokenizer import default_cache_dir
 
     if cfg.source == "webdataset":
-        from .tables import TarTable
+        from disttrain_ds.data.tables import TarTable
 
         return TarTable(cfg.path, selected, default_cache_dir(cfg.cache_dir))
     if cfg.source == "parquet":
-        from .tables import ParquetTable
+        from disttrain_ds.data.tables import ParquetTable
 
         return ParquetTable(cfg.path, selected)
     if cfg.source == "folder":
-        from .tables import FolderTable
+        from disttrain_ds.data.tables import FolderTable
 
         return FolderTable(cfg.path, selected)
-    from .hf_table import HfTable
+    from disttrain_ds.data.hf_table import HfTable
 
     return HfTable(cfg.path, selected, str(default_cache_dir(cfg.cache_dir) / "datasets"))
 

@@ -12,10 +12,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .audio import synthetic_clip
-from .config import DataConfig
-from .split import TRAIN, Split
-from .types import IGNORE_INDEX, PackedSample, SpecialTokens
+from disttrain_ds.data.audio import synthetic_clip
+from disttrain_ds.data.config import DataConfig
+from disttrain_ds.data.split import TRAIN, Split
+from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
 
 _WORDS = (
     "the a of and to in is was for on with as by at from that this it an be are image photo picture shows "
@@ -60,7 +60,7 @@ class ShapeSpec:
     micro_batch: int = 0
     """Samples per microbatch per DP rank (used by ``data.reorder``); 0: one microbatch per batch."""
     cost_model: Any = None
-    """``disttrain_ds.module_costs.GraphCosts`` (or a three-module ``costmodel.CostModel``) for
+    """``disttrain_ds.cost.graph_costs.GraphCosts`` (or a three-module ``cost.model.CostModel``) for
     ``data.reorder``; None: the paper's MLLM in FLOPs."""
     vae: Any = None
     """``VaeConfig`` the source's batches go through (``data/latent_source.py``): ``gen_resolution``

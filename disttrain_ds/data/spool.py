@@ -29,9 +29,10 @@ from typing import Callable
 
 import torch
 
-from .spool_files import (  # noqa: F401 - re-exported: the producers and tests use them from here
+from disttrain_ds.data.spool_files import (
     FORMAT, KEY, SpoolBatch, SpoolError, _check_base, _ours, _step_file, _write_atomic, _write_text, check_private,
-    encode_batch, load_batch, plain_problem)
+    encode_batch, load_batch, plain_problem
+)
 
 PREFIX = "disttrain-spool-"
 _POLL_S = 0.005

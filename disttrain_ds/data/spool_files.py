@@ -17,7 +17,7 @@ from typing import BinaryIO, Callable
 
 import torch
 
-from .types import PackedSample
+from disttrain_ds.samples import PackedSample
 
 KEY = "data.spool_dir"  # the recipe key errors about the spool's file system name
 FORMAT = "disttrain-spool-batch/1"

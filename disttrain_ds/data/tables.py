@@ -23,8 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import blob_io
-from .shards import list_shards
+from disttrain_ds.data import blob_io
+from disttrain_ds.data.shards import list_shards
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
 AUDIO_EXTS = frozenset({"wav", "npy"})

@@ -1,11 +1,11 @@
-"""Checks that a ``PackedSample`` honours the contract in ``types.py`` (for tests and debugging)."""
+"""Checks that a ``PackedSample`` honours the contract in ``samples.py`` (for tests and debugging)."""
 
 from __future__ import annotations
 
 import torch
 
-from .source import labels_for
-from .types import PackedSample, SpecialTokens
+from disttrain_ds.data.source import labels_for
+from disttrain_ds.samples import PackedSample, SpecialTokens
 
 
 def _runs(mask: torch.Tensor) -> list[int]:

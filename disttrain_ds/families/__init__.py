@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from ..configtools import ConfigError
-from . import dit, llama, qwen2, unet, vit, whisper
-from .base import BuildContext, Family
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.families import dit, llama, qwen2, unet, vit, whisper
+from disttrain_ds.families.base import BuildContext, Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     vit.FAMILY,

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from ..models.layers import LayerDef
-    from ..cost.activations import LayerBytes, SampleShape
+    from disttrain_ds.models.layers import LayerDef
+    from disttrain_ds.cost.activations import LayerBytes, SampleShape
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Family:
     clip. What data reordering, balance, emulation and the profiler's draws read."""
     vocab_params: Sequence[str] = ()
     """``layer/param`` keys whose rows are the vocabulary: an imported checkpoint with fewer rows
-    (a tokenizer with extra special ids) grows them (``models/checkpoint.py::grow_vocab``)."""
+    (a tokenizer with extra special ids) grows them (``mllm/weights.py::grow_vocab``)."""
     clip_flops: Callable[[Any, int], float] | None = None
     """Audio encoders: (cfg, log-mel frames) -> forward FLOPs of one clip in the family's own layers
     (the input projector is counted apart); what MFU reads."""

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .hostfile import Host, LaunchError, plural, slots_summary
+from disttrain_ds.launcher.hostfile import Host, LaunchError, plural, slots_summary
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
-    from ..config import Recipe
+    from disttrain_ds.recipe.schema import Recipe
 
 
 def required_ranks(recipe: Recipe) -> tuple[int, str]:
     """Ranks a recipe's layout needs, and the per-module breakdown that explains the number."""
     if recipe.layout == "reference":
         return 1, "reference: one process"
-    from ..topology import Topology
+    from disttrain_ds.topology import Topology
 
     topo = Topology.from_recipe(recipe)
     return topo.world_size, " + ".join(f"{m.name} {m.size}" for m in topo.modules)
@@ -26,14 +26,14 @@ def required_ranks(recipe: Recipe) -> tuple[int, str]:
 
 def check_memory(recipe: Recipe) -> str:
     """Check each rank's estimated peak plus its allowance (CUDA context, NCCL buffers,
-    fragmentation: ``runtime/gpu_allowance.py``) against ``train.device_memory_gib`` (a one-line
+    fragmentation: ``estimate/gpu_allowance.py``) against ``train.device_memory_gib`` (a one-line
     ``ConfigError`` naming the rank when one does not fit); the line reporting it. Without that
     field the launching machine says nothing about the nodes: each rank checks at start-up."""
     if recipe.train.device_memory_gib <= 0:
         return "memory: checked by every rank at start-up (set train.device_memory_gib to check here)"
-    from ..runtime.gpu_allowance import rank_allowances
-    from ..runtime.memory import GIB, estimate, per_rank_totals
-    from ..runtime.memory_check import check_fits, per_rank_needs
+    from disttrain_ds.estimate.gpu_allowance import rank_allowances
+    from disttrain_ds.estimate.memory import GIB, estimate, per_rank_totals
+    from disttrain_ds.estimate.memory_check import check_fits, per_rank_needs
 
     rows = estimate(recipe)
     check_fits(recipe, rows, recipe.train.device_memory_gib, "train.device_memory_gib")
@@ -50,7 +50,7 @@ def tp_span_problems(recipe: Recipe, active: dict[str, list[int]]) -> list[str]:
     hostfile order, as DeepSpeed's runner assigns them): "module ranks a-b (host x, host y)"."""
     if recipe.layout == "reference":
         return []
-    from ..topology import Topology
+    from disttrain_ds.topology import Topology
 
     host_of = [name for name, slots in active.items() for _ in slots]
     out = []

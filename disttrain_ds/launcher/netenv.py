@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping, Sequence
 
-from .hostfile import LaunchError
+from disttrain_ds.launcher.hostfile import LaunchError
 
 NCCL = "NCCL_SOCKET_IFNAME"
 GLOO = "GLOO_SOCKET_IFNAME"

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-from .hostfile import Host
+from disttrain_ds.launcher.hostfile import Host
 
 
 def local_names() -> frozenset[str]:

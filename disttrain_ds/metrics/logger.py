@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..recipe_graph import as_written, graph_of
-from ..runtime.rundir import MetricsWriter
+from disttrain_ds.recipe.graph import as_written, graph_of
+from disttrain_ds.metrics.rundir import MetricsWriter
 
 WANDB_MODES = ("offline", "online", "disabled")
 # wandb's own older spellings of the modes.
@@ -119,10 +119,10 @@ class RunLogger:
     def from_recipe(cls, run_dir: str | Path, recipe: Any, resolved: Mapping[str, Any] | None = None,
                     progress: bool = True, warn: Callable[[str], None] = _stderr,
                     out: TextIO | None = None) -> RunLogger:
-        """Logger for a :class:`~disttrain_ds.config.Recipe`: project, run name, wandb mode and
+        """Logger for a :class:`~disttrain_ds.recipe.schema.Recipe`: project, run name, wandb mode and
         step count from the recipe; wandb config is the recipe plus ``resolved`` (world size,
         topology), the same content as ``recipe.yaml``."""
-        from .wandb_workspace import graph_dashboard, workspace_name
+        from disttrain_ds.metrics.wandb_workspace import graph_dashboard, workspace_name
 
         config = as_written(recipe)
         if resolved:
@@ -157,7 +157,7 @@ class RunLogger:
         project to save it to). Failures are one note on stderr; training goes on."""
         if self.wandb_mode != "online" or not self.options.dashboard:
             return
-        from .wandb_workspace import apply_workspace
+        from disttrain_ds.metrics.wandb_workspace import apply_workspace
 
         url = apply_workspace(self.options.project, getattr(self.wandb_run, "entity", None) or None,
                               name=self.options.dashboard_name, sections=self.options.dashboard)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .vae_config import VaeConfig
+from disttrain_ds.models.vae_config import VaeConfig
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
 
-from ..data.types import IGNORE_INDEX
+from disttrain_ds.samples import IGNORE_INDEX
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..configtools import ConfigError
-from .vae_config import VaeConfig, checkpoint_config
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.models.vae_config import VaeConfig, checkpoint_config
 
 VAE_SEED_SALT = 0x5AE
 """Mixed into the run's seed for a VAE without a checkpoint (random init: benchmarks, tests)."""

@@ -30,23 +30,17 @@ from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
-from ..comm.boundary import BoundaryComm
-from ..comm.p2p import waiting_for
-from ..models.layers import LayerDef
-from ..models.mllm import MicroBatch
-from ..runtime.ckpt_engine import install as install_safe_checkpoint_engine
-from .grid import OffsetTopology, subset_grid_for_pipeline_module
-from .roles import Role
-from .tensor_parallel import TPContext, mark_norm_owners, shard_layer
-from .schedule import (
-    BoundaryRecvActivation,
-    BoundaryRecvGrad,
-    BoundarySendGrad,
-    LoadData,
-    StagePlace,
-    engine_schedule,
-    eval_schedule,
-    num_buffers,
+from disttrain_ds.comm.boundary import BoundaryComm
+from disttrain_ds.comm.p2p import waiting_for
+from disttrain_ds.models.layers import LayerDef
+from disttrain_ds.mllm.model import MicroBatch
+from disttrain_ds.checkpoint.engine import install as install_safe_checkpoint_engine
+from disttrain_ds.parallel.grid import OffsetTopology, subset_grid_for_pipeline_module
+from disttrain_ds.parallel.roles import Role
+from disttrain_ds.parallel.tensor_parallel import TPContext, mark_norm_owners, shard_layer
+from disttrain_ds.schedule.onef1b import (
+    BoundaryRecvActivation, BoundaryRecvGrad, BoundarySendGrad, LoadData, StagePlace, engine_schedule, eval_schedule,
+    num_buffers
 )
 
 
@@ -390,7 +384,7 @@ def _marked(transfer):
 
 def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> ModuleEngine:
     """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class and a
-    checkpoint engine that reads files back without running code (``runtime/ckpt_engine.py``)."""
+    checkpoint engine that reads files back without running code (``checkpoint/engine.py``)."""
     ds_p2p.send, ds_p2p.recv = _marked(ds_p2p.send), _marked(ds_p2p.recv)
     mpu = pm.mpu()
     config_class = DeepSpeedConfig(config, mpu)

@@ -16,7 +16,7 @@ import torch.distributed as tdist
 from deepspeed.runtime.pipe import module as ds_pipe_module
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
-from ..topology import ModuleGrid
+from disttrain_ds.topology import ModuleGrid
 
 GRID_AXES = ("replica", "data", "pipe", "model")
 """The groups of a module's grid: one DP replica (pipe x model), and one per DeepSpeed axis."""

@@ -25,8 +25,8 @@ from diffusers.models.activations import GEGLU
 from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
 
-from ..families import tp_plans
-from ..models.projectors import MLPProjector
+from disttrain_ds.families import tp_plans
+from disttrain_ds.models.projectors import MLPProjector
 
 
 @dataclass(frozen=True)

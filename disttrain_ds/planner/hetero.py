@@ -4,7 +4,7 @@ A module with DP = dp takes D = dp * m samples per pipeline step, m per replica,
 replica of a lock-step stage waits for the slowest. Given a profile's per-sample draws
 (``modules.<name>.sample_cost_ms``), steps of D samples are drawn i.i.d. from the draw (with
 replacement; entry i of every module is the same sample) and split over the replicas by the
-intra-microbatch balancing of :mod:`disttrain_ds.data.reorder`. With Y a step's slowest replica
+intra-microbatch balancing of :mod:`disttrain_ds.reorder.intra`. With Y a step's slowest replica
 load and L its mean replica load, two factors scale the mean-cost terms:
 
 * warm-up, h(dp, m) = E[Y] / E[L]: one microbatch crossing the module meets one step's straggler;
@@ -37,8 +37,8 @@ import math
 
 import numpy as np
 
-from disttrain_ds.data.reorder import lpt_rows
-from disttrain_ds.planner.profile import Profile
+from disttrain_ds.reorder.intra import lpt_rows
+from disttrain_ds.cost.profile import Profile
 
 SAMPLES = 2048
 """Samples balanced per (dp, m) with m >= 2 (``max(MIN_STEPS, ceil(SAMPLES / D))`` steps)."""

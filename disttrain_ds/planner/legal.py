@@ -1,6 +1,6 @@
 """What the runtime accepts, applied to a profile before planning: only runnable plans.
 
-The rules come from the functions recipe validation itself runs (``validate.py``), on the recipe
+The rules come from the functions recipe validation itself runs (``recipe/checks.py``), on the recipe
 the plan will be written into, so a plan and the runtime can never disagree:
 
 * TP: a degree must split every size the module's family lists (``Family.tp_sizes`` and the
@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from disttrain_ds.planner.optimize import PlanError
-from disttrain_ds.planner.profile import TP_DEGREES, Profile
+from disttrain_ds.cost.profile import TP_DEGREES, Profile
 
 if TYPE_CHECKING:
-    from disttrain_ds.config import Recipe
+    from disttrain_ds.recipe.schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def runtime_limits(recipe: Recipe) -> tuple[dict[str, tuple[int, ...]], dict[str
     """Per module of ``recipe``: the TP degrees its sizes split, the largest PP the runtime
     accepts, and the degrees left out with their reasons."""
     from disttrain_ds.models.configs import trains
-    from disttrain_ds.recipe_graph import graph_of, module_config
-    from disttrain_ds.validate import layer_counts, tp_shape_problem
+    from disttrain_ds.recipe.graph import graph_of, module_config
+    from disttrain_ds.recipe.checks import layer_counts, tp_shape_problem
 
     graph, counts = graph_of(recipe), layer_counts(recipe)
     tps: dict[str, tuple[int, ...]] = {}
@@ -65,7 +65,7 @@ def runtime_limits(recipe: Recipe) -> tuple[dict[str, tuple[int, ...]], dict[str
                 left.append(LeftOut(name, t, *bad))
         tps[name] = tuple(ok)
         cfg = module_config(recipe, name)
-        # validate.py: a frozen encoder/generator whose projector trains runs as one stage.
+        # recipe/checks.py: a frozen encoder/generator whose projector trains runs as one stage.
         frozen_with_projector = name != graph.llm and cfg.frozen and trains(cfg)
         max_pp[name] = 1 if frozen_with_projector else counts[name]
     return tps, max_pp, left

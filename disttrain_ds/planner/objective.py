@@ -28,9 +28,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from disttrain_ds.graph import ModuleGraph
-from disttrain_ds.planner import memory_model as mm
+from disttrain_ds.cost import memory_model as mm
 from disttrain_ds.planner.hetero import StragglerTable
-from disttrain_ds.planner.profile import ModuleProfile, Profile
+from disttrain_ds.cost.profile import ModuleProfile, Profile
 
 
 class Degrees(NamedTuple):
@@ -131,7 +131,7 @@ def t_iter(profile: Profile, layout: Mapping[str, Degrees],
 def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, to_end: Any,
                  microbatches: Any) -> Any:
     """``memory_per_gpu`` for Python ints and numpy arrays alike (identical floats), by the shared
-    per-rank formula of :mod:`disttrain_ds.planner.memory_model`; ``to_end``: global stages from
+    per-rank formula of :mod:`disttrain_ds.cost.memory_model`; ``to_end``: global stages from
     the module's first stage to the end of the chain (``memory_model.stages_to_end``)."""
     per_param = (spec.weight_bytes_per_param, 0.0, 0.0) if spec.frozen else (
         spec.weight_bytes_per_param, spec.grad_bytes_per_param, spec.optimizer_bytes_per_param)

@@ -25,7 +25,7 @@ from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors
                                             module_terms, straggler_table, t_iter)
 from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
-from disttrain_ds.planner.profile import GIB, Profile
+from disttrain_ds.cost.profile import GIB, Profile
 from disttrain_ds.planner.search import batch_splits, options, search
 
 

@@ -3,7 +3,7 @@
 The closed form T_iter (:mod:`disttrain_ds.planner.objective`) charges every module's whole
 warm-up term along the critical path, then the slowest stage (K - 1) more times. The runtime
 runs one non-interleaved 1F1B schedule over all modules' stages (DeepSpeed's ``TrainSchedule``
-per global stage, ``parallel/schedule.py``), in which the bottleneck stage runs its warm-up
+per global stage, ``schedule/onef1b.py``), in which the bottleneck stage runs its warm-up
 forwards while the first microbatch's round trip through the later stages is under way, and its
 cool-down backwards while the last one's is. So T_iter is an upper bound on the schedule's
 makespan, and with few steps per iteration the gap is most of the later modules' warm-up terms
@@ -39,8 +39,8 @@ import numpy as np
 
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.objective import combine
-from disttrain_ds.planner.simulate import graph_stages
-from disttrain_ds.planner.sweep import makespans
+from disttrain_ds.schedule.simulate import graph_stages
+from disttrain_ds.schedule.sweep import makespans
 # Backward time as a multiple of forward, as the runtime's emulated compute charges it.
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from disttrain_ds.planner.profile import TP_DEGREES, Profile
+from disttrain_ds.cost.profile import TP_DEGREES, Profile
 
 if TYPE_CHECKING:
     from disttrain_ds.planner.objective import Degrees

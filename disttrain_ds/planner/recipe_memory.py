@@ -1,14 +1,14 @@
 """The planner's memory figures taken from the recipe a plan is written into, and the runtime's
 own check of a plan, so that ``disttrain-plan --write-recipe`` writes a layout the runtime's
-start-up memory check (``runtime/memory.py``, ``--dry-run``) accepts.
+start-up memory check (``estimate/memory.py``, ``--dry-run``) accepts.
 
-Both sides use the per-rank formula of :mod:`disttrain_ds.planner.memory_model`, and the planner
+Both sides use the per-rank formula of :mod:`disttrain_ds.cost.memory_model`, and the planner
 prices every stage as the runtime splits the module: ``with_recipe_memory`` gives each module a
 stage table (per TP and pipeline degree: each stage's parameters, what one microbatch keeps there
-with the input it received and its output, one backward's workspace; ``runtime/memory.py``'s
+with the input it received and its output, one backward's workspace; ``estimate/memory.py``'s
 ``module_stages``), so a plan's most loaded rank is the one the runtime's estimate finds, with the
 same number. ``fit_plan`` still checks each plan with the runtime's estimate plus each rank's
-allowance for what is not tensors (``runtime/gpu_allowance.py``: the part the search does not
+allowance for what is not tensors (``estimate/gpu_allowance.py``: the part the search does not
 price), as a safety net: a refused module's layout is struck off for that module alone and the
 search runs again.
 """
@@ -19,10 +19,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from disttrain_ds.planner.optimize import Plan, PlanError
-from disttrain_ds.planner.profile import GIB, Profile
+from disttrain_ds.cost.profile import GIB, Profile
 
 if TYPE_CHECKING:
-    from disttrain_ds.config import Recipe
+    from disttrain_ds.recipe.schema import Recipe
 
 def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
     """``profile`` with every module's memory figures as the runtime estimates them for
@@ -30,9 +30,10 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
     optimizer and ZeRO stage; per-sample activations of its largest sample, and the part TP
     splits; activation checkpointing; per TP and pipeline degree, the runtime's stages), replacing
     whatever the profile said."""
-    from disttrain_ds.runtime.memory import (backward_modules, extra_bytes, layer_params, module_layers,
-                                             module_stages, reduce_bucket_bytes, stage_bounds, state_bytes,
-                                             vocab_size)
+    from disttrain_ds.estimate.memory import (
+        backward_modules, extra_bytes, layer_params, module_layers, module_stages, reduce_bucket_bytes, stage_bounds,
+        state_bytes, vocab_size
+    )
 
     vocab, backward = vocab_size(recipe), backward_modules(recipe)
     modules = {}
@@ -59,10 +60,10 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
 
 def runtime_peaks(recipe: Recipe) -> dict[str, float]:
     """The largest per-rank figure the runtime's memory check holds to a GPU's memory for each
-    module of ``recipe``, in bytes: estimate plus allowance (``runtime/gpu_allowance.py``; a
+    module of ``recipe``, in bytes: estimate plus allowance (``estimate/gpu_allowance.py``; a
     rank several modules share counts for each of them)."""
-    from disttrain_ds.runtime.memory import estimate
-    from disttrain_ds.runtime.memory_check import per_rank_needs
+    from disttrain_ds.estimate.memory import estimate
+    from disttrain_ds.estimate.memory_check import per_rank_needs
 
     rows = estimate(recipe)
     totals = per_rank_needs(recipe, rows)

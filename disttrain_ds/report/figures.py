@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..metrics.logger import merge_chrome_traces
-from .runs import Run, is_number, module_names
+from disttrain_ds.metrics.logger import merge_chrome_traces
+from disttrain_ds.report.runs import Run, is_number, module_names
 
 MAX_GANTT_EVENTS = 4000  # beyond this a Gantt is unreadable and slow to draw
 # Per-rank trace names -> the names the Gantt helper colours.
@@ -169,7 +169,7 @@ def _gantt_event(e: dict, t0: float) -> dict:
 
 def plot_traces(run: Run, out: Path) -> list[Path]:
     """Merge ``trace/*.json`` of a run and draw its pipeline Gantt; a bad trace only warns."""
-    from ..planner.timeline import write_gantt_png
+    from disttrain_ds.schedule.timeline import write_gantt_png
 
     files = sorted((run.path / "trace").glob("*.json"))
     if not files:

@@ -6,7 +6,7 @@ import base64
 import html
 from pathlib import Path
 
-from .runs import Run
+from disttrain_ds.report.runs import Run
 
 
 def summary_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:

@@ -17,43 +17,46 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from ..comm.boundary import BoundaryComm, boundary_links
-from ..comm.p2p import CHANNELS, P2P, PeerInfo, waiting_on
-from ..config import Recipe, resolve_path
-from ..configtools import ConfigError
-from ..data.config import SHARD_PATHS
-from ..data.host_read import (
-    EMULATED_HOSTS_ENV, aligned_parts, host_names, plan_reading, rank_positions, reader_classes)
-from ..data.spool import default_base, host_key, plan_shares
-from ..dsconfig import engine_config, load_ds_config
-from ..models.configs import trains
-from ..models.flex_warmup import warm_up_stage
-from ..parallel.engine import build_pipeline_module, make_engine
-from ..parallel.groups import META, ProcessGroups, plan_groups
-from ..parallel.roles import ROLES
-from ..parallel.schedule import StagePlace
-from ..parallel.tensor_parallel import TPContext, full_state
-from ..topology import Topology
-from .callbacks.balance import Balance
-from .callbacks.checkpoint import Checkpointing
-from .callbacks.emulation import EmulationRecords
-from .callbacks.evaluation import Evaluation
-from .callbacks.guard import NonFiniteGuard
-from .callbacks.health import Heartbeat
-from .callbacks.metrics import MetricsLog, open_pipeline_run
-from .callbacks.preemption import FaultInjection, PreemptionStop, stop_line
-from .callbacks.trace import TraceWriter
-from .checkpointing import Checkpointer, resolve_resume
-from .console import Console, tell_launcher
-from .emulate import Emulator
-from .memory_check import startup_memory_problem
-from .health import Watchdog, connect_store
-from .host_order import HostOrder
-from .pipeline_step import PipelineExecutor
-from .preempt import EXIT_PREEMPTED, Preemption
-from .startup import init_processes, nccl_timeout_s
-from .setup import build_data_and_spec, build_eval_source, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
-from .trainer import Trainer
+from disttrain_ds.comm.boundary import BoundaryComm, boundary_links
+from disttrain_ds.comm.p2p import CHANNELS, P2P, PeerInfo, waiting_on
+from disttrain_ds.recipe.schema import Recipe, resolve_path
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.data.config import SHARD_PATHS
+from disttrain_ds.data.host_read import (
+    EMULATED_HOSTS_ENV, aligned_parts, host_names, plan_reading, rank_positions, reader_classes
+)
+from disttrain_ds.data.spool import default_base, host_key, plan_shares
+from disttrain_ds.recipe.deepspeed import engine_config, load_ds_config
+from disttrain_ds.models.configs import trains
+from disttrain_ds.mllm.flex_warmup import warm_up_stage
+from disttrain_ds.parallel.engine import build_pipeline_module, make_engine
+from disttrain_ds.parallel.groups import META, ProcessGroups, plan_groups
+from disttrain_ds.parallel.roles import ROLES
+from disttrain_ds.schedule.onef1b import StagePlace
+from disttrain_ds.parallel.tensor_parallel import TPContext, full_state
+from disttrain_ds.topology import Topology
+from disttrain_ds.runtime.callbacks.balance import Balance
+from disttrain_ds.runtime.callbacks.checkpoint import Checkpointing
+from disttrain_ds.runtime.callbacks.emulation import EmulationRecords
+from disttrain_ds.runtime.callbacks.evaluation import Evaluation
+from disttrain_ds.runtime.callbacks.guard import NonFiniteGuard
+from disttrain_ds.runtime.callbacks.health import Heartbeat
+from disttrain_ds.runtime.callbacks.metrics import MetricsLog, open_pipeline_run
+from disttrain_ds.runtime.callbacks.preemption import FaultInjection, PreemptionStop, stop_line
+from disttrain_ds.runtime.callbacks.trace import TraceWriter
+from disttrain_ds.checkpoint.steps import Checkpointer, resolve_resume
+from disttrain_ds.console import Console, tell_launcher
+from disttrain_ds.runtime.emulate import Emulator
+from disttrain_ds.estimate.memory_check import startup_memory_problem
+from disttrain_ds.runtime.health import Watchdog, connect_store
+from disttrain_ds.reorder.host_order import HostOrder
+from disttrain_ds.runtime.pipeline_step import PipelineExecutor
+from disttrain_ds.runtime.preempt import EXIT_PREEMPTED, Preemption
+from disttrain_ds.runtime.startup import init_processes, nccl_timeout_s
+from disttrain_ds.runtime.setup import (
+    build_data_and_spec, build_eval_source, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
+)
+from disttrain_ds.runtime.trainer import Trainer
 
 
 def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
@@ -108,7 +111,7 @@ def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[
     returns the positions this rank counts in batch-wide sums (None: every host reads whole
     batches). Under ``auto`` a job that cannot read per host reads whole batches, and rank 0 says why.
     With ``data.reorder`` the hosts exchange sample costs over ``group`` and reorder each batch
-    keeping every sample on its host (``runtime/host_order.py``)."""
+    keeping every sample on its host (``reorder/host_order.py``)."""
     d = recipe.data
     if d.read == "all" or len(set(names)) == 1:
         return None

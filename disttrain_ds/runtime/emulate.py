@@ -23,7 +23,7 @@ an image encoder costs its input images at its own patch size, an audio encoder 
 the LLM its packed sequence, a generator its generated images.
 
 The pure functions here are shared by the engine hook and by the simulator side
-(``runtime/emulate_sim.py``, ``bench/emulated.py``), so the simulator is fed exactly the times the
+(``schedule/replay.py``, ``bench/emulated.py``), so the simulator is fed exactly the times the
 ranks wait for.
 """
 
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cost.backward import BACKWARD_FACTOR
-from ..recipe_graph import graph_of, module_config
-from ..topology import Topology
+from disttrain_ds.cost.backward import BACKWARD_FACTOR
+from disttrain_ds.recipe.graph import graph_of, module_config
+from disttrain_ds.topology import Topology
 
 
 
@@ -122,14 +122,14 @@ def wait_until(deadline: float) -> float:
 def patch_size(recipe, name: str) -> int:
     """The patch size a sample's image statistics are taken at for module ``name``: an
     encoder's own; any other module's cost does not depend on it (the default encoder's)."""
-    from ..models.configs import EncoderConfig
+    from disttrain_ds.models.configs import EncoderConfig
 
     return getattr(module_config(recipe, name), "patch_size", None) or EncoderConfig().patch_size
 
 
 def sample_flops(cost_model, name: str, sample, patch: int, special) -> float:
     """Cost-model forward FLOPs of one ``PackedSample`` in module ``name`` (``cost_model``: a
-    ``module_costs.GraphCosts``)."""
+    ``cost.graph_costs.GraphCosts``)."""
     return cost_model.module_cost(name, sample.stats(patch, special))
 
 
@@ -137,7 +137,7 @@ def calibration_flops(recipe) -> dict[str, np.ndarray]:
     """Per module name, the cost-model forward FLOPs of each sample of the first
     ``emulate.calibration_batches`` global batches of the recipe's data (in-process, unreordered:
     the same samples in any setting)."""
-    from .setup import build_data_and_spec, cost_model
+    from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 
     plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, producers=0, reorder=False))
     source, spec = build_data_and_spec(plain)
@@ -152,8 +152,8 @@ def calibration_flops(recipe) -> dict[str, np.ndarray]:
 
 def recipe_rates(recipe, topo: Topology) -> dict[str, float]:
     """``module_rates`` of a recipe (loads its profile and calibration data)."""
-    from ..config import resolve_path
-    from ..planner.profile import load_profile
+    from disttrain_ds.recipe.schema import resolve_path
+    from disttrain_ds.cost.profile import load_profile
 
     e = recipe.emulate
     if not e.profile:
@@ -177,7 +177,7 @@ class Emulator:
 
     @classmethod
     def for_rank(cls, recipe, topo: Topology, rank: int, spec, backward: bool) -> "Emulator":
-        from .setup import cost_model
+        from disttrain_ds.runtime.setup import cost_model
 
         grid = topo.module_of(rank)
         stage, dp, _ = grid.coords(rank)
@@ -213,7 +213,7 @@ class Emulator:
     def save(self, directory: str | os.PathLike, rank: int) -> Path:
         """``<directory>/rank<r>.json`` (``rank<r>-2.json``, ... when an earlier launch wrote one):
         module, stage, replica, rate and every step's times."""
-        from .guards import fresh_path
+        from disttrain_ds.runtime.guards import fresh_path
 
         path = fresh_path(Path(directory) / f"rank{rank}.json")
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Checks that stop a job early with one line: a loss that is not finite, output directories
 that cannot be written, and too little disk space for one checkpoint.
 
-The directory and disk checks run before any process group starts (``entry.py``); the loss check
+The directory and disk checks run before any process group starts (``runtime/entry.py``); the loss check
 runs after every step on the record every rank holds, so every rank stops at the same step.
 """
 
@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..configtools import ConfigError
+from disttrain_ds.configtools import ConfigError
 
 
 class TrainingDiverged(RuntimeError):
@@ -58,8 +58,8 @@ def check_writable_dir(path: str | Path, key: str, src: str) -> None:
 def checkpoint_bytes(recipe, rows) -> float:
     """Estimated bytes of one checkpoint: weights and optimizer states of every stage, counted once
     per tensor-parallel shard (DP replicas save one copy) and per DP shard where the optimizer is
-    sharded (ZeRO-1, bf16), from the memory estimate's per-rank figures (``runtime/memory.py``)."""
-    from .memory import state_bytes
+    sharded (ZeRO-1, bf16), from the memory estimate's per-rank figures (``estimate/memory.py``)."""
+    from disttrain_ds.estimate.memory import state_bytes
 
     total = 0.0
     for row in rows:
@@ -85,7 +85,7 @@ def check_disk_space(path: str | Path, need_bytes: float, key: str, src: str) ->
 def check_output_dirs(recipe, rows=None) -> None:
     """Before training: ``logging.dir`` and, with checkpoints on, ``checkpoint.dir`` are writable,
     and the checkpoint directory has room for one checkpoint (``rows``: the memory estimate)."""
-    from .ckpt_manifest import checkpoint_root
+    from disttrain_ds.checkpoint.manifest import checkpoint_root
 
     src = recipe.source_file or "<recipe>"
     run_dir = recipe.logging.dir or str(Path("runs") / recipe.name)
@@ -95,7 +95,7 @@ def check_output_dirs(recipe, rows=None) -> None:
     root = checkpoint_root(recipe)
     check_writable_dir(root, "checkpoint.dir", src)
     if rows is None:
-        from .memory import estimate
+        from disttrain_ds.estimate.memory import estimate
 
         rows = estimate(recipe)
     check_disk_space(root, checkpoint_bytes(recipe, rows), "checkpoint.dir", src)

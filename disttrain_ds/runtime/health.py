@@ -24,9 +24,9 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
 
-from .console import Console, tell_launcher
-from .heartbeat import Heartbeat, hb_key, stuck_rank
-from .verdict import Verdict, pointer_line, terminal_line
+from disttrain_ds.console import Console, tell_launcher
+from disttrain_ds.runtime.heartbeat import Heartbeat, hb_key, stuck_rank
+from disttrain_ds.runtime.verdict import Verdict, pointer_line, terminal_line
 
 EXIT_PEER_FAILED = 3
 """Exit code of a rank that stops because another rank failed."""
@@ -304,9 +304,9 @@ class Watchdog:
     def handle(self, exc: BaseException, blame_wait_s: float) -> None:
         """End this rank after ``exc`` with one line; returns only for ``ConfigError`` (re-raised by
         the caller so the entry point prints it)."""
-        from ..comm.p2p import CommTimeoutError
-        from ..configtools import ConfigError
-        from .guards import TrainingDiverged
+        from disttrain_ds.comm.p2p import CommTimeoutError
+        from disttrain_ds.configtools import ConfigError
+        from disttrain_ds.runtime.guards import TrainingDiverged
 
         here = self.who(self.rank)
         if isinstance(exc, ConfigError):
@@ -385,7 +385,7 @@ def store_host_name() -> str:
 def waits_for_peer(exc: BaseException) -> bool:
     """Whether ``exc`` may be a neighbour's death seen from here (a broken or timed-out connection),
     so the heartbeats should get time to name the culprit; False for errors that are this rank's own."""
-    from ..configtools import ConfigError
+    from disttrain_ds.configtools import ConfigError
 
     for e in (exc, exc.__cause__):
         if e is None or isinstance(e, (ConfigError, ValueError, KeyError, TypeError, AssertionError)):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..checkpoint_io.read import STEP_DIRS
-from ..models.checkpoint import check_checkpoint
-from ..recipe_graph import graph_of, module_family, module_key
-from .memory import meta_layers, meta_spec, vocab_size
+from disttrain_ds.checkpoint.read import STEP_DIRS
+from disttrain_ds.mllm.weights import check_checkpoint
+from disttrain_ds.recipe.graph import graph_of, module_family, module_key
+from disttrain_ds.estimate.memory import meta_layers, meta_spec, vocab_size
 
 
 def check_imports(recipe) -> None:

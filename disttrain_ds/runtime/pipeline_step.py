@@ -8,13 +8,13 @@ import time
 import torch
 import torch.distributed as tdist
 
-from ..comm.routes import blocks
-from ..data.outline import outline, stand_in
-from ..models.mllm import BatchNorms, collate
-from ..models.vae import generator_vae
-from .callbacks.evaluation import eval_figures
-from .setup import grad_accum_steps
-from .step_record import gather_losses, gather_step_record
+from disttrain_ds.comm.routes import blocks
+from disttrain_ds.data.outline import outline, stand_in
+from disttrain_ds.mllm.model import BatchNorms, collate
+from disttrain_ds.models.vae import generator_vae
+from disttrain_ds.runtime.callbacks.evaluation import eval_figures
+from disttrain_ds.runtime.setup import grad_accum_steps
+from disttrain_ds.runtime.step_record import gather_losses, gather_step_record
 
 
 class PipelineExecutor:

@@ -13,16 +13,18 @@ from pathlib import Path
 
 import torch
 
-from ..config import Recipe
-from ..models.mllm import BatchNorms, ReferenceMLLM, collate
-from ..models.vae import generator_vae
-from ..metrics.logger import RunLogger
-from ..metrics.step_flops import MfuMeter
-from .callbacks.evaluation import Evaluation, eval_figures
-from .callbacks.guard import NonFiniteGuard
-from .callbacks.metrics import MetricsLog
-from .setup import build_data_and_spec, build_eval_source, build_optimizer, grad_accum_steps, lr_lambda, param_groups
-from .trainer import Trainer
+from disttrain_ds.recipe.schema import Recipe
+from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
+from disttrain_ds.models.vae import generator_vae
+from disttrain_ds.metrics.logger import RunLogger
+from disttrain_ds.metrics.step_flops import MfuMeter
+from disttrain_ds.runtime.callbacks.evaluation import Evaluation, eval_figures
+from disttrain_ds.runtime.callbacks.guard import NonFiniteGuard
+from disttrain_ds.runtime.callbacks.metrics import MetricsLog
+from disttrain_ds.runtime.setup import (
+    build_data_and_spec, build_eval_source, build_optimizer, grad_accum_steps, lr_lambda, param_groups
+)
+from disttrain_ds.runtime.trainer import Trainer
 
 
 class ReferenceExecutor:

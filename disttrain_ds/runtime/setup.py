@@ -7,23 +7,23 @@ import math
 
 import torch
 
-from ..config import Recipe
-from ..costmodel import CostModel, TransformerDims, UNetDims
-from ..checkpoint_io.read import STEP_DIRS
-from ..data.producers import build_source
-from ..data.source import GenShape, SampleSource, ShapeSpec
-from ..data.host_read import slot_columns
-from ..data.split import Split
-from ..models.configs import EncoderConfig, GeneratorConfig
-from ..models.mllm import MLLMSpec
-from ..module_costs import GraphCosts
-from ..recipe_graph import encoder_of, graph_of, module_family
+from disttrain_ds.recipe.schema import Recipe
+from disttrain_ds.cost.model import CostModel, TransformerDims, UNetDims
+from disttrain_ds.checkpoint.read import STEP_DIRS
+from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.source import GenShape, SampleSource, ShapeSpec
+from disttrain_ds.data.host_read import slot_columns
+from disttrain_ds.data.split import Split
+from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig
+from disttrain_ds.mllm.model import MLLMSpec
+from disttrain_ds.cost.graph_costs import GraphCosts
+from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
 
 
 def cost_model(recipe: Recipe) -> GraphCosts:
     """Per-sample cost of each module of the recipe's graph, by name (forward FLOPs), for
     reordering, balance, emulation and the profiler's draws."""
-    from ..families import get_family
+    from disttrain_ds.families import get_family
 
     graph = graph_of(recipe)
     # A graph without an image encoder (or a generator) has no images (or targets) for it, so the
@@ -136,7 +136,7 @@ def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
 def build_eval_source(recipe: Recipe) -> SampleSource:
     """The held-out split (``data/split.py``), read in-process: evaluation batches ``0 ..
     eval.batches - 1``, each one global batch, never overlapping the training stream."""
-    from ..data.registry import open_source, resolve
+    from disttrain_ds.data.registry import open_source, resolve
 
     cfg = dataclasses.replace(recipe.data, producers=0, reorder=False)  # a few batches: no processes
     split = Split(held_out=True, fraction=recipe.eval.holdout_fraction)

@@ -27,9 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 
-from ..comm import nccl_emulation
-from ..configtools import ConfigError
-from ..parallel.groups import device_bound, refuse_member_only_groups
+from disttrain_ds.comm import nccl_emulation
+from disttrain_ds.configtools import ConfigError
+from disttrain_ds.parallel.groups import device_bound, refuse_member_only_groups
 
 NCCL_ERROR_HANDLING = "2"
 """``TORCH_NCCL_ASYNC_ERROR_HANDLING``: CleanUpOnly, abort the communicators and raise in the

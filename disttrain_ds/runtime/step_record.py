@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from ..models.mllm import MODULES
+from disttrain_ds.mllm.model import MODULES
 
 
 def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, group,

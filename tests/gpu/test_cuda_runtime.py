@@ -45,7 +45,7 @@ def _launcher(name: str, gpus: int) -> list[str]:
 ])
 def test_disaggregated_tiny_on_gpus_matches_cpu_reference(launcher, gpus, layout, tmp_path):
     _need_gpus(gpus)
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.reference import train_reference
 
     steps = ["train.steps=3", "optim.name=sgd", "optim.lr=0.05"]

@@ -79,7 +79,7 @@ def launch(out: Path, nproc: int, overrides: list[str], fault: str | None = None
 @pytest.fixture(scope="session")
 def reference_run():
     """Reference losses and parameters per recipe override list (cached)."""
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.reference import reference_layer_state, train_reference
 
     cache: dict[tuple, tuple] = {}

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 from disttrain_ds.comm.boundary import BoundaryComm  # noqa: E402
 from disttrain_ds.comm.p2p import P2P  # noqa: E402
-from disttrain_ds.config import load_recipe  # noqa: E402
+from disttrain_ds.recipe.schema import load_recipe  # noqa: E402
 from disttrain_ds.runtime import distributed  # noqa: E402
 
 
@@ -128,9 +128,9 @@ def main() -> int:
 
         ModuleEngine.run_eval, BoundaryComm.send_activation = flagged_eval, send_zero_while_evaluating
     elif fault == "drop_adam_moments":
-        from disttrain_ds.runtime import ckpt_reshard
+        from disttrain_ds.checkpoint import reshard_shards
 
-        read = ckpt_reshard.read_module
+        read = reshard_shards.read_module
 
         def read_without_moments(*a, **kw):
             full = read(*a, **kw)
@@ -138,11 +138,11 @@ def main() -> int:
                 st.optim = {k: torch.zeros_like(v) for k, v in st.optim.items()}
             return full
 
-        ckpt_reshard.read_module = read_without_moments
+        reshard_shards.read_module = read_without_moments
     elif fault == "drop_fp32_masters":
-        from disttrain_ds.runtime import ckpt_reshard
+        from disttrain_ds.checkpoint import reshard_shards
 
-        read_all = ckpt_reshard.read_module
+        read_all = reshard_shards.read_module
 
         def read_without_masters(*a, **kw):
             full = read_all(*a, **kw)
@@ -150,7 +150,7 @@ def main() -> int:
                 st.master = None  # the loader then takes the (bf16) weight as the master
             return full
 
-        ckpt_reshard.read_module = read_without_masters
+        reshard_shards.read_module = read_without_masters
     elif fault == "wrong_host_units":
         from disttrain_ds.data.producers import ProducedSource
 
@@ -261,7 +261,7 @@ def main() -> int:
         return samples
 
     producers.prepare = recording_prepare
-    from disttrain_ds.runtime import host_order
+    from disttrain_ds.reorder import host_order
 
     ordered: list[list] = []  # sample id (None: another host's) at every position of each reordered batch
     original_call = host_order.HostOrder.__call__

@@ -5,7 +5,7 @@ untouched.
 The ranks share a few CPU cores (with whatever else the machine runs): an op whose real layers,
 or whose wake-up from its wait, lose the core takes longer than its emulated time, and on the
 critical path that lengthens the step. So the step is compared with the simulator fed every op's
-measured duration (``emulate_sim.measured_costs``) and a crossing latency anywhere in the
+measured duration (``schedule.replay.measured_costs``) and a crossing latency anywhere in the
 interquartile range of the measured ones, and the emulated times are pinned per op: no op is
 shorter than its emulated time, and what the ops took beyond it is what the ranks recorded as
 overruns (real layers past the deadline) plus a little wake-up and bookkeeping.
@@ -19,8 +19,9 @@ import json
 import numpy as np
 import pytest
 
-from disttrain_ds.config import load_recipe
-from disttrain_ds.runtime import emulate, emulate_sim
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.runtime import emulate
+from disttrain_ds.schedule import replay
 from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 from disttrain_ds.topology import Topology
 
@@ -37,19 +38,19 @@ SHORTER = 0.85
 
 
 def _spans(run) -> dict[int, list[dict]]:
-    return {int(f.stem[4:]): emulate_sim.read_trace(f) for f in (run / "trace").glob("rank*.json")}
+    return {int(f.stem[4:]): replay.read_trace(f) for f in (run / "trace").glob("rank*.json")}
 
 
 def simulated_band(recs, spans, slot: int, scale: float = 1.0) -> tuple[float, float]:
     """Iteration times (ms) the rank simulator gives with every op's measured duration (times
     ``scale``), the measured tails and data preparation, and a crossing latency from the 25th to
     the 75th percentile of the measured ones; widened by ``TOLERANCE``."""
-    ov = emulate_sim.measure_overheads(spans, recs, slot)
+    ov = replay.measure_overheads(spans, recs, slot)
     ran = [dataclasses.replace(r, fwd_ms=tuple(scale * x for x in r.fwd_ms), bwd_ms=tuple(scale * x for x in r.bwd_ms))
-           for r in emulate_sim.measured_costs(spans, recs)]
-    lat = emulate_sim.crossing_latencies(spans, recs, slot) or [ov.comm_ms]
+           for r in replay.measured_costs(spans, recs)]
+    lat = replay.crossing_latencies(spans, recs, slot) or [ov.comm_ms]
     lo, hi = (max(0.0, float(np.percentile(lat, q))) for q in (25, 75))
-    ends = [emulate_sim.simulate_ranks(ran, slot, dataclasses.replace(ov, op_ms=0.0, comm_ms=c))[0] for c in (lo, hi)]
+    ends = [replay.simulate_ranks(ran, slot, dataclasses.replace(ov, op_ms=0.0, comm_ms=c))[0] for c in (lo, hi)]
     return (1 - TOLERANCE) * ends[0], (1 + TOLERANCE) * ends[1]
 
 
@@ -60,7 +61,7 @@ def beyond_overruns(run, step: int) -> tuple[float, float]:
     for f in (run / "emulate").glob("rank*.json"):
         rec = json.loads(f.read_text())
         s = next(x for x in rec["steps"] if x["step"] == step)
-        ops = [x for x in emulate_sim.read_trace(run / "trace" / f.name) if x["name"] in ("forward", "backward")]
+        ops = [x for x in replay.read_trace(run / "trace" / f.name) if x["name"] in ("forward", "backward")]
         beyond = sum(x["end"] - x["start"] for x in ops) - sum(s["fwd_ms"]) - sum(s["bwd_ms"]) - 1e3 * s["overrun_s"]
         assert beyond >= -1.0, (f.name, beyond)  # an overrun recorded that the trace does not show
         extra, emulated = extra + beyond, emulated + sum(s["fwd_ms"]) + sum(s["bwd_ms"])
@@ -72,7 +73,7 @@ def check_step_time(rows, run, recs, slot: int, stages: int) -> None:
     past the deadline, as the rank recorded it), and the last step's time is explained by its ops
     as they ran, and not by ops shorter than that (negative control)."""
     measured, spans = 1e3 * rows[-1]["step_seconds"], _spans(run)
-    ran = emulate_sim.measured_costs(spans, recs)
+    ran = replay.measured_costs(spans, recs)
     took = [t for r in ran for t in (*r.fwd_ms, *r.bwd_ms)]
     assert min(t - e for t, e in zip(took, (e for r in recs for e in (*r.fwd_ms, *r.bwd_ms)))) >= -0.05
     # Beyond the overruns only the wake-up from the wait and bookkeeping remain (a few ms per op
@@ -81,13 +82,13 @@ def check_step_time(rows, run, recs, slot: int, stages: int) -> None:
     extra, emulated = beyond_overruns(run, rows[-1]["step"])
     assert extra < 0.25 * emulated, (extra, emulated)
 
-    compute_only, _ = emulate_sim.simulate_step(recs, stages)
+    compute_only, _ = replay.simulate_step(recs, stages)
     assert measured > 0.9 * compute_only  # tiny real layers alone would take a fraction of it
     lo, hi = simulated_band(recs, spans, slot)
-    ideal, _ = emulate_sim.simulate_ranks(recs, slot, emulate_sim.measure_overheads(spans, recs, slot))
+    ideal, _ = replay.simulate_ranks(recs, slot, replay.measure_overheads(spans, recs, slot))
     load = (f"measured {measured:.1f} ms, simulated from the ops as they ran {lo:.1f}-{hi:.1f} ms, from the "
             f"emulated times plus the median overhead {ideal:.1f} ms; "
-            f"{emulate_sim.wait_summary(run / 'emulate')['overruns']:.0f} ops overran their emulated time")
+            f"{replay.wait_summary(run / 'emulate')['overruns']:.0f} ops overran their emulated time")
     assert lo <= measured <= hi, load
     short_lo, short_hi = simulated_band(recs, spans, slot, scale=SHORTER)
     assert not short_lo <= measured <= short_hi, load
@@ -107,7 +108,7 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
 
     # Every rank recorded the times of the samples it trained, computed as the pure functions do.
-    recs = emulate_sim.load_records(run / "emulate")
+    recs = replay.load_records(run / "emulate")
     recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", [*LAYOUT, *emu])
     source, _ = build_data_and_spec(recipe)
     samples = source.global_batch(2)
@@ -122,12 +123,12 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     for f in (run / "trace").glob("rank*.json"):
         rank = int(f.stem[4:])
         mine = next(r for r in recs[3] if r.rank == rank)
-        spans = emulate_sim.read_trace(f)
+        spans = replay.read_trace(f)
         fwd = [s["end"] - s["start"] for s in spans if s["name"] == "forward"]
         bwd = [s["end"] - s["start"] for s in spans if s["name"] == "backward"]
         assert all(d >= e - 0.05 for d, e in zip(fwd, mine.fwd_ms)), (rank, fwd, mine.fwd_ms)
         assert all(d >= e - 0.05 for d, e in zip(bwd, mine.bwd_ms)), (rank, bwd, mine.bwd_ms)
-    assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
+    assert replay.wait_summary(run / "emulate")["waited_s"] > 1.0
 
     # The last step's iteration time is the simulator's, fed the ops of that step as they ran.
     check_step_time(rows, run, recs[3], slot=2, stages=3)
@@ -152,7 +153,7 @@ def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run
     ref_losses, _ = reference_run([o for o in VLM_LAYOUT if not o.startswith(("layout=", "parallel."))], "tiny_vlm")
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
 
-    recs = emulate_sim.load_records(run / "emulate")
+    recs = replay.load_records(run / "emulate")
     assert {r.module for r in recs[3]} == {"vision", "llm"}
     recipe = load_recipe(REPO / "recipes" / "tiny_vlm.yaml", [*VLM_LAYOUT, *emu])
     source, _ = build_data_and_spec(recipe)
@@ -163,7 +164,7 @@ def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run
     expected = [rates["vision"] * cm.model.encoder_cost(s.stats(recipe.model.modules["vision"].patch_size, special))
                 for s in samples]  # one replica: both samples of each microbatch
     assert vision.fwd_ms == pytest.approx([expected[2 * g] + expected[2 * g + 1] for g in range(4)])
-    assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
+    assert replay.wait_summary(run / "emulate")["waited_s"] > 1.0
 
     check_step_time(rows, run, recs[3], slot=2, stages=2)
 
@@ -186,7 +187,7 @@ def test_emulated_generation_only_graph_run_matches_the_simulator(tmp_path, refe
     ref_losses, _ = reference_run([o for o in layout if not o.startswith(("layout=", "parallel."))], str(recipe_path))
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
 
-    recs = emulate_sim.load_records(run / "emulate")
+    recs = replay.load_records(run / "emulate")
     painter = next(r for r in recs[3] if r.module == "painter")
     assert painter.global_stage == 1 and sum(painter.fwd_ms) > 0 and painter.bwd_ms == tuple(2 * x for x in painter.fwd_ms)
     check_step_time(rows, run, recs[3], slot=2, stages=2)
@@ -214,7 +215,7 @@ def test_emulated_image_and_audio_encoders_run_matches_the_simulator(tmp_path, r
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
 
     # The audio encoder waited the cost of its clips: every sample of each microbatch (one replica).
-    recs = emulate_sim.load_records(run / "emulate")
+    recs = replay.load_records(run / "emulate")
     assert {r.module for r in recs[3]} == {"vision", "ear", "llm", "painter"}
     recipe = load_recipe(REPO / "recipes" / "tiny_omni.yaml", [*OMNI_LAYOUT, *emu])
     source, _ = build_data_and_spec(recipe)
@@ -225,6 +226,6 @@ def test_emulated_image_and_audio_encoders_run_matches_the_simulator(tmp_path, r
     ear = next(r for r in recs[3] if r.module == "ear")
     assert ear.fwd_ms == pytest.approx([per[2 * g] + per[2 * g + 1] for g in range(4)]) and min(per) > 0
     assert "balance/ear_load_max" in rows[-1]
-    assert emulate_sim.wait_summary(run / "emulate")["waited_s"] > 1.0
+    assert replay.wait_summary(run / "emulate")["waited_s"] > 1.0
 
     check_step_time(rows, run, recs[3], slot=2, stages=3)

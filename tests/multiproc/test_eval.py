@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime.reference import train_reference
 
 from .conftest import launch

@@ -33,9 +33,9 @@ def _module_state(params: dict, module: str) -> dict[str, torch.Tensor]:
 
 
 def test_export_of_a_tp_pp_checkpoint_loads_with_from_pretrained_and_matches_the_trained_modules(trained, tmp_path):
-    from disttrain_ds.checkpoint_io.export import export_checkpoint
-    from disttrain_ds.checkpoint_io.read import read_module_state, step_recipe, verified_manifest
-    from disttrain_ds.runtime.memory import meta_spec
+    from disttrain_ds.checkpoint.export import export_checkpoint
+    from disttrain_ds.checkpoint.read import read_module_state, step_recipe, verified_manifest
+    from disttrain_ds.estimate.memory import meta_spec
 
     step, params = trained
     recipe = step_recipe(verified_manifest(step, "llm"))
@@ -52,10 +52,10 @@ def test_export_of_a_tp_pp_checkpoint_loads_with_from_pretrained_and_matches_the
 
 
 def test_exported_and_step_directories_import_to_the_trained_tensors(trained, tmp_path):
-    from disttrain_ds.checkpoint_io.export import export_checkpoint
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.checkpoint.export import export_checkpoint
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.imports import check_imports
-    from disttrain_ds.runtime.memory import meta_spec, vocab_size
+    from disttrain_ds.estimate.memory import meta_spec, vocab_size
 
     step, params = trained
     out = export_checkpoint(step, tmp_path / "exported", log=lambda line: None)
@@ -92,9 +92,9 @@ def test_bf16_checkpoint_exports_in_bf16_and_fp32_that_compute_what_the_bf16_mod
     them as they are, ``--dtype fp32`` widens them exactly, and both compute what the modules do."""
     from safetensors.torch import load_file
 
-    from disttrain_ds.checkpoint_io.export import export_checkpoint
-    from disttrain_ds.checkpoint_io.read import read_module_state, step_recipe, verified_manifest
-    from disttrain_ds.runtime.memory import meta_spec
+    from disttrain_ds.checkpoint.export import export_checkpoint
+    from disttrain_ds.checkpoint.read import read_module_state, step_recipe, verified_manifest
+    from disttrain_ds.estimate.memory import meta_spec
 
     _, params, _ = launch(tmp_path / "run", 4, ["layout=disaggregated", "train.dtype=bf16", "train.steps=2",
                                                 "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}"])

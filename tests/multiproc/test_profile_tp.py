@@ -1,4 +1,4 @@
-"""``python -m disttrain_ds.profile --measure-tp 2``: TP=2 costs measured by two real TP ranks (gloo)."""
+"""``python -m disttrain_ds.cli.profile --measure-tp 2``: TP=2 costs measured by two real TP ranks (gloo)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from .conftest import REPO
 
 def test_measured_tp2_costs_replace_the_interpolated_ones(tmp_path):
     out = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "disttrain_ds.profile", "--recipe", "recipes/tiny_cpu.yaml", "model.llm.layers=2",
+    cmd = [sys.executable, "-m", "disttrain_ds.cli.profile", "--recipe", "recipes/tiny_cpu.yaml", "model.llm.layers=2",
            "--samples", "2", "--warmup", "1", "--measure-tp", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from disttrain_ds.planner.profile import load_profile
+    from disttrain_ds.cost.profile import load_profile
 
     profile = load_profile(out)
     for name, m in profile.modules.items():

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.topology import Topology
 
 from .conftest import REPO, launch, max_param_mismatch

@@ -11,7 +11,7 @@ import torch
 from disttrain_ds.data.audio import HOP, SAMPLE_RATE, load_clip, log_mel, read_wav, synthetic_clip
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.source import ShapeSpec, SyntheticSource
-from disttrain_ds.data.types import PackedSample, SpecialTokens
+from disttrain_ds.samples import PackedSample, SpecialTokens
 from disttrain_ds.data.validate import sample_problems
 
 

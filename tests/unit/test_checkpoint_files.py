@@ -12,15 +12,8 @@ import pytest
 import torch
 
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.runtime.ckpt_files import (
-    CheckpointFileError,
-    file_entry,
-    file_problem,
-    load_data_state,
-    load_rng,
-    safe_load,
-    save_data_state,
-    save_rng,
+from disttrain_ds.checkpoint.files import (
+    CheckpointFileError, file_entry, file_problem, load_data_state, load_rng, safe_load, save_data_state, save_rng
 )
 
 
@@ -67,7 +60,7 @@ def test_rng_file_with_a_pickle_payload_is_refused_without_running_it(tmp_path, 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_deepspeed_file_with_a_pickle_payload_is_refused_without_running_it(tmp_path, payload):
-    from disttrain_ds.runtime.ckpt_engine import SafeCheckpointEngine
+    from disttrain_ds.checkpoint.engine import SafeCheckpointEngine
 
     marker, path = tmp_path / "marker", tmp_path / "layer_00-model_00-model_states.pt"
     plant(path, payload, marker)
@@ -98,7 +91,7 @@ def test_deepspeed_optimizer_types_load_but_nothing_else(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from disttrain_ds.runtime.ckpt_engine import SafeCheckpointEngine
+    from disttrain_ds.checkpoint.engine import SafeCheckpointEngine
 
     engine = SafeCheckpointEngine()
     path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -113,7 +106,7 @@ def test_deepspeed_optimizer_types_load_but_nothing_else(tmp_path):
 
 
 def test_safe_engine_reads_only_files_the_manifest_lists_at_their_size(tmp_path):
-    from disttrain_ds.runtime.ckpt_engine import SafeCheckpointEngine
+    from disttrain_ds.checkpoint.engine import SafeCheckpointEngine
 
     engine = SafeCheckpointEngine()
     listed, stray = tmp_path / "mp_rank_00_model_states.pt", tmp_path / "mp_rank_01_model_states.pt"
@@ -182,7 +175,7 @@ class _BuiltEngine:
 def test_every_engine_gets_the_safe_checkpoint_engine_and_bypasses_are_refused():
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-    from disttrain_ds.runtime.ckpt_engine import SafeCheckpointEngine, install
+    from disttrain_ds.checkpoint.engine import SafeCheckpointEngine, install
 
     engine = _BuiltEngine(TorchCheckpointEngine())
     assert isinstance(install(engine), SafeCheckpointEngine) and isinstance(engine.checkpoint_engine, SafeCheckpointEngine)

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from disttrain_ds.data.types import doc_ids
+from disttrain_ds.samples import doc_ids
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.models.mllm import MLLMSpec
+from disttrain_ds.mllm.model import MLLMSpec
 
 
 def test_llm_layers_load_transformers_save_pretrained(tmp_path, tiny_spec):
@@ -72,7 +72,7 @@ def test_shape_mismatch_names_the_layer(tmp_path, tiny_spec):
 def test_missing_checkpoint_is_a_recipe_error():
     from pathlib import Path
 
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.configtools import ConfigError
 
     tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
@@ -84,7 +84,7 @@ def _saved_llama(tmp_path, name: str, **changes) -> str:
     from transformers import LlamaForCausalLM
 
     from disttrain_ds.families.llama.model import hf_config
-    from disttrain_ds.runtime.memory import vocab_size
+    from disttrain_ds.estimate.memory import vocab_size
 
     recipe = load_recipe_tiny([])
     cfg = dataclasses.replace(recipe.model.llm, vocab_size=vocab_size(recipe), **changes)
@@ -95,7 +95,7 @@ def _saved_llama(tmp_path, name: str, **changes) -> str:
 def load_recipe_tiny(overrides):
     from pathlib import Path
 
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
 
     return load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml", overrides)
 

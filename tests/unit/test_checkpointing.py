@@ -10,20 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.runtime.checkpointing import (
-    FORMAT,
-    MANIFEST,
-    Checkpointer,
-    checkpoint_root,
-    complete_checkpoints,
-    fingerprint,
-    read_manifest,
-    resolve_resume,
+from disttrain_ds.checkpoint.steps import (
+    FORMAT, MANIFEST, Checkpointer, checkpoint_root, complete_checkpoints, fingerprint, read_manifest,
+    resolve_resume
 )
-from disttrain_ds.runtime.ckpt_files import CheckpointFileError, file_entry
-from disttrain_ds.runtime.rundir import reopen_run_dir
+from disttrain_ds.checkpoint.files import CheckpointFileError, file_entry
+from disttrain_ds.metrics.rundir import reopen_run_dir
 from disttrain_ds.topology import Topology
 
 
@@ -158,7 +152,7 @@ class FakeEngine:
     """Writes and reads DeepSpeed-like files through the safe checkpoint engine, as DeepSpeed does."""
 
     def __init__(self, rank: int):
-        from disttrain_ds.runtime.ckpt_engine import SafeCheckpointEngine
+        from disttrain_ds.checkpoint.engine import SafeCheckpointEngine
 
         self.rank, self.checkpoint_engine, self.optimizer, self.loaded = rank, SafeCheckpointEngine(), object(), {}
         self.module = FakeLayers(rank)

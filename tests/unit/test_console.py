@@ -11,13 +11,13 @@ import textwrap
 import time
 from pathlib import Path
 
-from disttrain_ds.runtime.console import tell_launcher
+from disttrain_ds.console import tell_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import logging, os, subprocess, sys, warnings
-    from disttrain_ds.runtime.console import Console
+    from disttrain_ds.console import Console
     rank, run_dir = int(sys.argv[1]), sys.argv[2]
     console = Console.start(rank)
     print("library print")

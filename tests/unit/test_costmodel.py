@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from disttrain_ds.costmodel import (
-    LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel, TransformerDims, UNetDims, flops_to_ms)
-from disttrain_ds.data.types import SampleStats
+from disttrain_ds.cost.model import (
+    LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel, TransformerDims, UNetDims, flops_to_ms
+)
+from disttrain_ds.samples import SampleStats
 
 
 def _sample(patches=(256,), gen=1, res=512, seq=8192, docs=()) -> SampleStats:

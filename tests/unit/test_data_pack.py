@@ -17,7 +17,7 @@ from disttrain_ds.data.reader import RawRecord
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.source import ShapeSpec
 from disttrain_ds.data.tokenizer import ByteTokenizer
-from disttrain_ds.data.types import SpecialTokens
+from disttrain_ds.samples import SpecialTokens
 from disttrain_ds.data.validate import sample_problems
 
 SPECIAL = SpecialTokens.after(256)

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from disttrain_ds.data.batch_order import reorder_batch
+from disttrain_ds.reorder.inter import reorder_batch
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import ProducerError
 from disttrain_ds.data.producers import build_source
@@ -84,7 +84,7 @@ def test_killed_producer_is_reported_instead_of_hanging():
 
 
 def test_reorder_keeps_the_samples_and_balances_dp_ranks(fixtures_dir):
-    from disttrain_ds.costmodel import CostModel
+    from disttrain_ds.cost.model import CostModel
 
     # Cost = encoder patches + 20 per generated image, so the caption-pair samples differ clearly.
     cost = CostModel(enc_per_patch=1.0, enc_per_patch_sq=0.0, llm_per_token=0.0, llm_per_doc_token_sq=0.0,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.registry import open_source

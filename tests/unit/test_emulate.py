@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.planner.simulate import makespan_1f1b
-from disttrain_ds.runtime import emulate, emulate_sim
+from disttrain_ds.schedule.simulate import makespan_1f1b
+from disttrain_ds.runtime import emulate
+from disttrain_ds.schedule import replay
 from disttrain_ds.runtime.emulate import Emulator
-from disttrain_ds.runtime.emulate_sim import Overheads, RankCosts
+from disttrain_ds.schedule.replay import Overheads, RankCosts
 from disttrain_ds.topology import Topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,39 +75,39 @@ def _rc(rank, stage, dp, fwd, bwd=None, module="llm", prep=0.0) -> RankCosts:
 
 def test_stage_tables_take_the_slowest_replica_per_microbatch():
     ranks = [_rc(0, 0, 0, [10, 1]), _rc(1, 0, 1, [2, 7]), _rc(2, 1, 0, [5, 5])]
-    fwd, bwd = emulate_sim.stage_tables(ranks, 2)
+    fwd, bwd = replay.stage_tables(ranks, 2)
     assert fwd.tolist() == [[10, 5], [7, 5]]
     assert bwd.tolist() == [[20, 10], [14, 10]]
 
 
 def test_stage_tables_refuse_missing_stages_and_ragged_steps():
     with pytest.raises(ValueError, match="stages"):
-        emulate_sim.stage_tables([_rc(0, 0, 0, [1, 1])], 2)
+        replay.stage_tables([_rc(0, 0, 0, [1, 1])], 2)
     with pytest.raises(ValueError, match="microbatches"):
-        emulate_sim.stage_tables([_rc(0, 0, 0, [1, 1]), _rc(1, 1, 0, [1])], 2)
+        replay.stage_tables([_rc(0, 0, 0, [1, 1]), _rc(1, 1, 0, [1])], 2)
 
 
 def test_simulate_step_without_overheads_is_the_planner_simulator():
     ranks = [_rc(0, 0, 0, [3, 1, 2]), _rc(1, 1, 0, [2, 2, 2]), _rc(2, 2, 0, [1, 4, 1])]
-    fwd, bwd = emulate_sim.stage_tables(ranks, 3)
-    t, _ = emulate_sim.simulate_step(ranks, 3)
+    fwd, bwd = replay.stage_tables(ranks, 3)
+    t, _ = replay.simulate_step(ranks, 3)
     assert t == pytest.approx(makespan_1f1b(fwd, bwd))
 
 
 def test_overheads_lengthen_ops_crossings_head_and_tail():
     ranks = [_rc(0, 0, 0, [3, 1]), _rc(1, 1, 0, [2, 2])]
-    base, _ = emulate_sim.simulate_step(ranks, 2)
-    fwd, bwd = emulate_sim.stage_tables(ranks, 2)
-    with_ops, _ = emulate_sim.simulate_step(ranks, 2, Overheads(op_ms=0.5, comm_ms=0.25))
+    base, _ = replay.simulate_step(ranks, 2)
+    fwd, bwd = replay.stage_tables(ranks, 2)
+    with_ops, _ = replay.simulate_step(ranks, 2, Overheads(op_ms=0.5, comm_ms=0.25))
     assert with_ops == pytest.approx(makespan_1f1b(fwd + 0.5, bwd + 0.5, comm=0.25))
     assert with_ops > base
     ranks = [_rc(0, 0, 0, [3, 1], prep=4.0), _rc(1, 1, 0, [2, 2], prep=1.0)]
-    shifted, _ = emulate_sim.simulate_step(ranks, 2, Overheads(tail_ms=(3.0, 100.0), prep=True))
+    shifted, _ = replay.simulate_step(ranks, 2, Overheads(tail_ms=(3.0, 100.0), prep=True))
     # stage 1 ends before stage 0 (its last backward feeds stage 0's), so its long tail decides
-    assert shifted == pytest.approx(4.0 + 100.0 + max(e.end for e in emulate_sim.simulate_step(ranks, 2)[1].events if e.stage == 1))
-    assert emulate_sim.simulate_ranks(ranks, 1, Overheads(tail_ms=(3.0, 100.0), prep=True))[0] == pytest.approx(shifted)
+    assert shifted == pytest.approx(4.0 + 100.0 + max(e.end for e in replay.simulate_step(ranks, 2)[1].events if e.stage == 1))
+    assert replay.simulate_ranks(ranks, 1, Overheads(tail_ms=(3.0, 100.0), prep=True))[0] == pytest.approx(shifted)
     with pytest.raises(ValueError, match="tail_ms"):
-        emulate_sim.simulate_step(ranks, 2, Overheads(tail_ms=(1.0,)))
+        replay.simulate_step(ranks, 2, Overheads(tail_ms=(1.0,)))
 
 
 def _span(name, mb, start, end):
@@ -123,14 +124,14 @@ def test_measure_overheads_from_a_constructed_two_stage_trace():
         1: [_span("recv", 0, 0.0, 12.0), _span("load", 0, 12.0, 12.0), _span("forward", 0, 12.0, 22.5),
             _span("backward", 0, 22.5, 43.0), _span("optimizer", None, 43.0, 51.0)],
     }
-    ov = emulate_sim.measure_overheads(spans, ranks, slot=1)
+    ov = replay.measure_overheads(spans, ranks, slot=1)
     assert ov.op_ms == pytest.approx(0.5)
     assert ov.comm_ms == pytest.approx(np.median([12.0 - 10.5, 43.5 - 43.0]))
     assert ov.prep
     assert ov.tail_ms == pytest.approx((3.0, 8.0))
-    t, _ = emulate_sim.simulate_step(ranks, 2, ov)
+    t, _ = replay.simulate_step(ranks, 2, ov)
     assert t == pytest.approx(4.0 + 67.0, abs=0.01)  # the trace's own end (67 ms) after the head
-    assert emulate_sim.simulate_ranks(ranks, 1, ov)[0] == pytest.approx(t)
+    assert replay.simulate_ranks(ranks, 1, ov)[0] == pytest.approx(t)
 
 
 def test_measured_costs_replay_a_trace_whose_ops_ran_over_their_emulated_times():
@@ -142,21 +143,21 @@ def test_measured_costs_replay_a_trace_whose_ops_ran_over_their_emulated_times()
         1: [_span("recv", 0, 0.0, 12.0), _span("forward", 0, 12.0, 29.0), _span("backward", 0, 29.0, 49.0),
             _span("send", 0, 49.0, 49.5), _span("optimizer", None, 49.5, 51.0)],
     }
-    ran = emulate_sim.measured_costs(spans, ranks)
+    ran = replay.measured_costs(spans, ranks)
     assert [(r.fwd_ms, r.bwd_ms) for r in ran] == [((11.0,), (20.0,)), ((17.0,), (20.5,))]
-    assert emulate_sim.crossing_latencies(spans, ranks, slot=1) == pytest.approx([12.0 - 11.0, 50.0 - 49.0])
-    ov = dataclasses.replace(emulate_sim.measure_overheads(spans, ranks, slot=1), op_ms=0.0, prep=False)
-    replayed, _ = emulate_sim.simulate_ranks(ran, 1, ov)
+    assert replay.crossing_latencies(spans, ranks, slot=1) == pytest.approx([12.0 - 11.0, 50.0 - 49.0])
+    ov = dataclasses.replace(replay.measure_overheads(spans, ranks, slot=1), op_ms=0.0, prep=False)
+    replayed, _ = replay.simulate_ranks(ran, 1, ov)
     # the trace's own end, plus the send once more: the crossing is timed from the backward's end
     assert replayed == pytest.approx(71.0 + 0.5)
-    emulated, _ = emulate_sim.simulate_ranks(ranks, 1, ov)
+    emulated, _ = replay.simulate_ranks(ranks, 1, ov)
     assert emulated == pytest.approx(71.0 - 7.0 - 1.0)  # the emulated times miss the overrun and the load
 
 
 def test_measured_costs_keep_zero_backward_for_a_module_without_backward():
     ranks = [_rc(0, 0, 0, [5.0, 5.0], [0.0, 0.0], "encoder")]
     spans = {0: [_span("forward", 0, 0.0, 6.0), _span("send", 0, 6.0, 7.0), _span("forward", 1, 7.0, 12.0)]}
-    ran = emulate_sim.measured_costs(spans, ranks)
+    ran = replay.measured_costs(spans, ranks)
     assert ran[0].fwd_ms == (7.0, 5.0) and ran[0].bwd_ms == (0.0, 0.0)
 
 
@@ -164,18 +165,18 @@ def test_tail_is_taken_from_the_replica_that_did_not_wait_in_the_all_reduce():
     ranks = [_rc(0, 0, 0, [10.0], [20.0]), _rc(1, 0, 1, [10.0], [20.0])]
     spans = {0: [_span("forward", 0, 0, 10), _span("backward", 0, 10, 30), _span("allreduce", None, 30, 52)],
              1: [_span("forward", 0, 0, 10), _span("backward", 0, 10, 50), _span("allreduce", None, 50, 52)]}
-    assert emulate_sim.measure_overheads(spans, ranks, slot=2).tail_ms == (2.0,)
+    assert replay.measure_overheads(spans, ranks, slot=2).tail_ms == (2.0,)
 
 
 def test_links_follow_replicas_inside_a_module_and_dp_blocks_across_modules():
     # encoder dp 1 -> llm dp 2 (one stage) -> generator dp 1, slot of 2 samples
     ranks = [_rc(0, 0, 0, [1], module="encoder"), _rc(1, 1, 0, [1]), _rc(2, 1, 1, [1]),
              _rc(3, 2, 0, [1], module="generator")]
-    d = emulate_sim.links(ranks, slot=2)
-    assert d[(1, emulate_sim.FWD)] == [0] and d[(0, emulate_sim.BWD)] == [1, 2] and d[(3, emulate_sim.FWD)] == [1, 2]
+    d = replay.links(ranks, slot=2)
+    assert d[(1, replay.FWD)] == [0] and d[(0, replay.BWD)] == [1, 2] and d[(3, replay.FWD)] == [1, 2]
     # inside a module (llm pp 2, dp 2): only the same replica
     ranks = [_rc(0, 0, 0, [1]), _rc(1, 0, 1, [1]), _rc(2, 1, 0, [1]), _rc(3, 1, 1, [1])]
-    assert emulate_sim.links(ranks, slot=2)[(3, emulate_sim.FWD)] == [1]
+    assert replay.links(ranks, slot=2)[(3, replay.FWD)] == [1]
 
 
 def test_links_join_every_encoder_to_the_llm_and_never_two_encoders():
@@ -184,23 +185,23 @@ def test_links_join_every_encoder_to_the_llm_and_never_two_encoders():
     ranks = [_rc(0, 0, 0, [1], module="image"), _rc(1, 1, 0, [1], module="image"), _rc(2, 1, 0, [1], module="audio"),
              _rc(3, 2, 0, [1]), _rc(4, 3, 0, [1], module="gen_a"), _rc(5, 3, 0, [1], module="gen_b"),
              _rc(6, 4, 0, [1], module="gen_b")]
-    d = emulate_sim.links(ranks, slot=1)
-    fwd, bwd = emulate_sim.FWD, emulate_sim.BWD
+    d = replay.links(ranks, slot=1)
+    fwd, bwd = replay.FWD, replay.BWD
     assert d[(3, fwd)] == [1, 2] and d[(2, fwd)] == [] and d[(1, fwd)] == [0]
     assert d[(0, bwd)] == [1] and d[(2, bwd)] == [3] and d[(3, bwd)] == [4, 5]
     assert d[(6, fwd)] == [5] and d[(4, fwd)] == [3] and d[(4, bwd)] == []
-    t, _ = emulate_sim.simulate_ranks(ranks, 1)  # the graph's ranks simulate without a cycle
+    t, _ = replay.simulate_ranks(ranks, 1)  # the graph's ranks simulate without a cycle
     assert t > 0
 
 
 def test_independent_replicas_beat_lock_step_and_single_replicas_match_it():
     chain = [_rc(0, 0, 0, [3, 1, 2], module="encoder"), _rc(1, 1, 0, [2, 2, 2]), _rc(2, 2, 0, [1, 4, 1], module="generator")]
-    assert emulate_sim.simulate_ranks(chain, 1)[0] == pytest.approx(emulate_sim.simulate_step(chain, 3)[0])
+    assert replay.simulate_ranks(chain, 1)[0] == pytest.approx(replay.simulate_step(chain, 3)[0])
     # two monolithic replicas whose heavy microbatches differ: lock-step pays both, replicas one each
     reps = [_rc(0, 0, 0, [9, 1], module="encoder"), _rc(1, 0, 1, [1, 9], module="encoder"),
             _rc(2, 1, 0, [2, 2]), _rc(3, 1, 1, [2, 2])]
-    per_replica, events = emulate_sim.simulate_ranks(reps, 2)
-    assert per_replica < emulate_sim.simulate_step(reps, 2)[0]
+    per_replica, events = replay.simulate_ranks(reps, 2)
+    assert per_replica < replay.simulate_step(reps, 2)[0]
     assert {e["rank"] for e in events} == {0, 1, 2, 3} and len(events) == 4 * 2 * 2
 
 
@@ -208,7 +209,7 @@ def test_read_trace_converts_microseconds(tmp_path):
     from disttrain_ds.parallel.engine import write_trace
 
     write_trace([{"name": "forward", "mb": 2, "start": 10.0, "end": 10.25}], str(tmp_path / "rank3.json"), 3, "x", 10.0)
-    assert emulate_sim.read_trace(tmp_path / "rank3.json") == [_span("forward", 2, 0.0, 250.0)]
+    assert replay.read_trace(tmp_path / "rank3.json") == [_span("forward", 2, 0.0, 250.0)]
 
 
 # --------------------------------------------------------------------------- the wait and the records
@@ -226,14 +227,14 @@ def test_wait_holds_until_the_emulated_time_and_counts_overruns(tmp_path):
     rec = emu.steps[-1]
     assert rec["waited_s"] > 0.03 and rec["overruns"] == 1 and rec["overrun_s"] > 0.9
     emu.save(tmp_path, 5)
-    loaded = emulate_sim.load_records(tmp_path)
+    loaded = replay.load_records(tmp_path)
     assert loaded[1] == [RankCosts(5, "llm", 1, 0, (40.0,), (0.0,), 0.0)]
-    assert emulate_sim.wait_summary(tmp_path)["overruns"] == 1
+    assert replay.wait_summary(tmp_path)["overruns"] == 1
 
 
 def test_records_missing_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="emulate"):
-        emulate_sim.load_records(tmp_path)
+        replay.load_records(tmp_path)
 
 
 def test_rank_costs_follow_the_recipe_data_and_average_to_the_profile(tmp_path):

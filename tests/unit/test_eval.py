@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source

@@ -20,13 +20,13 @@ MODULES = ("encoder", "llm", "generator")
 
 
 def _recipe(overrides=()):
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
 
     return load_recipe(REPO / "recipes" / "tiny_cpu.yaml", [*LAYOUT, *overrides])
 
 
 def _spec(recipe):
-    from disttrain_ds.runtime.memory import meta_spec, vocab_size
+    from disttrain_ds.estimate.memory import meta_spec, vocab_size
 
     return meta_spec(recipe, vocab_size(recipe))
 
@@ -34,7 +34,7 @@ def _spec(recipe):
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """(step directory written with encoder TP=2, LLM TP=2 x PP=2, its states, spec, export dir)."""
-    from disttrain_ds.checkpoint_io.export import export_checkpoint
+    from disttrain_ds.checkpoint.export import export_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     recipe = _recipe()
@@ -47,8 +47,8 @@ def written(tmp_path_factory):
 
 def _built(recipe, module: str) -> dict[str, torch.Tensor]:
     """``layer/param`` tensors of ``module`` as the runtime builds it from the recipe (checkpoint loaded)."""
-    from disttrain_ds.checkpoint_io.read import STEP_DIRS
-    from disttrain_ds.runtime.memory import vocab_size
+    from disttrain_ds.checkpoint.read import STEP_DIRS
+    from disttrain_ds.estimate.memory import vocab_size
 
     r = recipe.model
     spec = _spec(recipe)
@@ -58,7 +58,7 @@ def _built(recipe, module: str) -> dict[str, torch.Tensor]:
 
 
 def test_tp_shards_of_a_step_directory_merge_back_to_the_full_tensors(written):
-    from disttrain_ds.checkpoint_io.read import read_module_state
+    from disttrain_ds.checkpoint.read import read_module_state
 
     step, states, _, _ = written
     for m in MODULES:
@@ -69,7 +69,7 @@ def test_tp_shards_of_a_step_directory_merge_back_to_the_full_tensors(written):
 
 def test_a_monolithic_checkpoint_merges_by_the_llms_tp_degree(tmp_path):
     """Monolithic: the encoder and generator run with the LLM's TP degree, whatever parallel.encoder says."""
-    from disttrain_ds.checkpoint_io.read import read_module_state
+    from disttrain_ds.checkpoint.read import read_module_state
 
     recipe = _recipe(["layout=monolithic", "parallel.encoder.tp=1"])
     spec = _spec(recipe)
@@ -102,7 +102,7 @@ def test_output_check_fails_for_other_weights(written):
 
 
 def test_reverse_key_map_comes_from_the_import_rules():
-    from disttrain_ds.checkpoint_io.export import hf_key_map
+    from disttrain_ds.checkpoint.export import hf_key_map
     from disttrain_ds.families import FAMILIES
     from disttrain_ds.families.llama.model import hf_model
 
@@ -117,7 +117,7 @@ def test_reverse_key_map_comes_from_the_import_rules():
 def test_bf16_export_writes_bf16_tensors(written, tmp_path):
     from safetensors import safe_open
 
-    from disttrain_ds.checkpoint_io.export import export_checkpoint
+    from disttrain_ds.checkpoint.export import export_checkpoint
 
     step = written[0]
     out = export_checkpoint(step, tmp_path / "bf16", dtype="bf16", log=lambda line: None)
@@ -130,7 +130,7 @@ def test_bf16_export_writes_bf16_tensors(written, tmp_path):
 def test_export_refuses_a_non_empty_out_and_a_damaged_checkpoint_in_one_line(written, tmp_path):
     import shutil
 
-    from disttrain_ds.checkpoint_io.export import ExportError, export_checkpoint
+    from disttrain_ds.checkpoint.export import ExportError, export_checkpoint
 
     step = written[0]
     busy = tmp_path / "busy"
@@ -216,8 +216,8 @@ def test_qwen2_whisper_and_dit_modules_export_from_tp2_shards(tmp_path):
     """The other families, in a module graph (names of its own), each cut over TP=2."""
     import yaml
 
-    from disttrain_ds.checkpoint_io.export import export_checkpoint
-    from disttrain_ds.config import recipe_from_data
+    from disttrain_ds.checkpoint.export import export_checkpoint
+    from disttrain_ds.recipe.schema import recipe_from_data
 
     data = yaml.safe_load((REPO / "recipes" / "tiny_cpu.yaml").read_text())
     data["layout"] = "disaggregated"
@@ -236,7 +236,7 @@ def test_qwen2_whisper_and_dit_modules_export_from_tp2_shards(tmp_path):
 
 def test_an_exported_llm_directory_names_the_byte_tokenizer_it_was_trained_with(written):
     from disttrain_ds.data.tokenizer import ByteTokenizer, load_tokenizer
-    from disttrain_ds.runtime.memory import vocab_size
+    from disttrain_ds.estimate.memory import vocab_size
 
     llm = written[3] / "llm"
     assert isinstance(load_tokenizer(str(llm)), ByteTokenizer)
@@ -246,9 +246,9 @@ def test_an_exported_llm_directory_names_the_byte_tokenizer_it_was_trained_with(
 def test_exported_tokenizer_directory_gives_the_runs_ids_and_vocabulary(tmp_path):
     """An LLM trained with a HF tokenizer (smollm2) exports it beside the weights; naming that
     directory as ``data.tokenizer`` gives the same ids and the same LLM vocabulary (specials after it)."""
-    from disttrain_ds.checkpoint_io.export import export_tokenizer
+    from disttrain_ds.checkpoint.export import export_tokenizer
     from disttrain_ds.data.tokenizer import load_tokenizer
-    from disttrain_ds.runtime.memory import vocab_size
+    from disttrain_ds.estimate.memory import vocab_size
 
     import importlib.util
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain_ds.config import layer_counts, load_recipe, tp_shape_problem
+from disttrain_ds.recipe.schema import layer_counts, load_recipe, tp_shape_problem
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.families import FAMILIES, family_names
 from disttrain_ds.models.layers import Sequential
@@ -26,7 +26,7 @@ def test_every_role_has_its_default_family_and_qwen2_is_an_llm_family():
 
 def test_family_records_import_no_network_code():
     # Recipe validation reads the records; torch, transformers and diffusers stay unloaded.
-    code = "import sys, disttrain_ds.config; print(sorted(m for m in ('torch', 'transformers', 'diffusers') if m in sys.modules))"
+    code = "import sys, disttrain_ds.recipe.schema; print(sorted(m for m in ('torch', 'transformers', 'diffusers') if m in sys.modules))"
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

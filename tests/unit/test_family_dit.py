@@ -14,7 +14,7 @@ import torch
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.dit import DIT_PRESETS, FAMILY, HF_RULES, DiTConfig, width
 from disttrain_ds.families.dit.model import TP_PLAN, build_pixart, clear_caches
-from disttrain_ds.models.checkpoint import with_checkpoint
+from disttrain_ds.mllm.weights import with_checkpoint
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.parallel.tensor_parallel import ColumnParallelLinear, TPContext, shard_layer
 

@@ -13,7 +13,7 @@ import torch
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.whisper import AUDIO_ENCODER_PRESETS, FAMILY, AudioEncoderConfig, modality, rows, width
-from disttrain_ds.models.checkpoint import map_key, with_checkpoint
+from disttrain_ds.mllm.weights import map_key, with_checkpoint
 from disttrain_ds.models.layers import Sequential
 
 transformers = pytest.importorskip("transformers")

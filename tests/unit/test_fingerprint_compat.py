@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.runtime.ckpt_manifest import FORMAT, MANIFEST, fingerprint, resolve_resume, step_dir_name
+from disttrain_ds.checkpoint.manifest import FORMAT, MANIFEST, fingerprint, resolve_resume, step_dir_name
 
 
 def _written_before_vae(fp: dict, audio_keys: bool = True) -> dict:

@@ -1,4 +1,4 @@
-"""Flex attention compiled before step 1 (``models/flex_warmup.py``): nothing happens off CUDA, the
+"""Flex attention compiled before step 1 (``mllm/flex_warmup.py``): nothing happens off CUDA, the
 shapes come from the stage's own LLM blocks, and the dummy call is the blocks' own call (same
 layout, scale, mask and grad modes), checked here with the compiled kernel replaced."""
 
@@ -9,11 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from disttrain_ds.data.types import doc_ids
+from disttrain_ds.samples import doc_ids
 from disttrain_ds.families.llama.model import LlmBlock
-from disttrain_ds.models import doc_mask, flex_warmup
+from disttrain_ds.models import doc_mask
+from disttrain_ds.mllm import flex_warmup
 from disttrain_ds.models.configs import LLMConfig
-from disttrain_ds.models.flex_warmup import FlexShape, exercise, flex_shapes, warm_up_stage
+from disttrain_ds.mllm.flex_warmup import FlexShape, exercise, flex_shapes, warm_up_stage
 
 CFG = LLMConfig(hidden_size=64, heads=4, kv_heads=2, ffn_hidden=128, layers=2, vocab_size=32, doc_attention="flex")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disttrain_ds.recipe_graph import expand_graph_sections, link_sections
-from disttrain_ds.config import ModuleParallel, Recipe, _apply_presets, load_recipe, validate
+from disttrain_ds.recipe.graph import expand_graph_sections, link_sections
+from disttrain_ds.recipe.schema import ModuleParallel, Recipe, _apply_presets, load_recipe, validate
 from disttrain_ds.configtools import ConfigError, from_dict
 from disttrain_ds.topology import Topology
 

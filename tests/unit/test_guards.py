@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError, load_yaml
 from disttrain_ds.runtime import guards, health
 from disttrain_ds.runtime.guards import TrainingDiverged, check_finite_loss, check_output_dirs, fresh_path
@@ -111,7 +111,7 @@ def test_checkpoint_dir_checked_only_when_checkpoints_are_on(tmp_path):
 
 
 def test_too_little_disk_for_one_checkpoint_is_refused(tmp_path, monkeypatch):
-    from disttrain_ds.runtime.memory import estimate
+    from disttrain_ds.estimate.memory import estimate
 
     recipe = _recipe(tmp_path, "layout=disaggregated", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=2")
     rows = estimate(recipe)

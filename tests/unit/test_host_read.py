@@ -14,9 +14,9 @@ from disttrain_ds.data.host_read import (
 from disttrain_ds.data.outline import outline, stand_in
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.source import ShapeSpec
-from disttrain_ds.data.types import batch_bytes
+from disttrain_ds.samples import batch_bytes
 from disttrain_ds.metrics.step_flops import StepFlopsCounter
-from disttrain_ds.models.mllm import BatchNorms
+from disttrain_ds.mllm.model import BatchNorms
 from disttrain_ds.topology import ModuleGrid
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
@@ -134,7 +134,7 @@ def test_merged_state_takes_each_part_from_the_host_that_read_it():
 
 
 def test_step_flops_of_stand_ins_equal_those_of_the_samples():
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     recipe = load_recipe("tiny_cpu", [])
@@ -146,7 +146,7 @@ def test_step_flops_of_stand_ins_equal_those_of_the_samples():
 
 
 def _two_hosts_recipe(tmp_path, *overrides):
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
 
     layout = ["layout=disaggregated", "parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.pp=1",
               "parallel.generator.dp=2", f"logging.dir={tmp_path}"]
@@ -215,7 +215,7 @@ def test_auto_reads_per_host_where_it_can_and_says_why_every_host_reads_whole_ba
 
 
 def test_reordering_reads_per_host_and_orders_each_batch_with_the_other_hosts_costs(tmp_path):
-    from disttrain_ds.runtime.host_order import HostOrder
+    from disttrain_ds.reorder.host_order import HostOrder
 
     for read in ("auto", "host"):
         lines, ordered = [], []

@@ -1,4 +1,4 @@
-"""Reordering constrained to each host's positions (``data/host_reorder.py``, ``batch_order``)."""
+"""Reordering constrained to each host's positions (``reorder/host.py``, ``batch_order``)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from disttrain_ds.data.batch_order import _span, batch_order
+from disttrain_ds.reorder.inter import _span, batch_order
 from disttrain_ds.data.host_read import reader_classes, rank_positions
-from disttrain_ds.data.host_reorder import check_classes, class_lpt, host_microbatches
-from disttrain_ds.data.module_balance import refine_split
+from disttrain_ds.reorder.host import check_classes, class_lpt, host_microbatches
+from disttrain_ds.reorder.module_balance import refine_split
 from disttrain_ds.data.paper_stats import draw_sample_stats
-from disttrain_ds.module_costs import as_graph_costs
+from disttrain_ds.cost.graph_costs import as_graph_costs
 
 MODEL = as_graph_costs(None)
 GROUPS, PER_GROUP = 4, 2

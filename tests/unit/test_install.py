@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from disttrain_ds.cli import train as train_cli
-from disttrain_ds.config import PACKAGE_DIR, RECIPES_DIR, find_recipe, load_recipe, shipped_recipes
+from disttrain_ds.recipe.schema import PACKAGE_DIR, RECIPES_DIR, find_recipe, load_recipe, shipped_recipes
 from disttrain_ds.configtools import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_train_sets_the_thread_default_and_reports_a_bad_recipe_in_one_line(monk
     ["tools/report.py", "--help"],
     ["tools/export.py", "--help"],
     ["-m", "disttrain_ds.cli.train", "--help"],
-    ["-m", "disttrain_ds.plan", "--help"],
+    ["-m", "disttrain_ds.cli.plan", "--help"],
 ])
 def test_checkout_wrappers_and_modules_still_run(argv):
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -82,7 +82,7 @@ def test_checkout_wrappers_and_modules_still_run(argv):
 
 
 def test_plan_writes_a_recipe_from_a_shipped_recipe_name(tmp_path, run_main):
-    from disttrain_ds import plan
+    from disttrain_ds.cli import plan
 
     profile = PACKAGE_DIR / "planner" / "examples" / "tiny_cpu.json"
     out = tmp_path / "planned.yaml"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds import launch
-from disttrain_ds.launch import Host, LaunchError, check_reachability, parse_hostfile, select_slots
+from disttrain_ds.cli import launch
+from disttrain_ds.cli.launch import Host, LaunchError, check_reachability, parse_hostfile, select_slots
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
@@ -265,7 +265,7 @@ def test_dry_run_with_reachable_remote_host_probes_it_and_keeps_ssh(tmp_path, ru
     assert cmd[cmd.index("--ssh_port") + 1] == str(listener)
 
 
-# --- restarts (disttrain_ds/supervise.py; the loop itself: tests/unit/test_supervise.py) ----------
+# --- restarts (disttrain_ds/launcher/supervise.py; the loop itself: tests/unit/test_supervise.py) ----------
 
 
 def test_max_restarts_without_checkpoints_is_one_line_naming_the_field(tmp_path, run):

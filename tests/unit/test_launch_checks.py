@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds import launch
+from disttrain_ds.cli import launch
 
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml")
 

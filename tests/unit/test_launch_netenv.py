@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds import launch
+from disttrain_ds.cli import launch
 from disttrain_ds.launcher import netenv
 from disttrain_ds.launcher.hostfile import LaunchError
 from disttrain_ds.launcher.netenv import (GLOO, NCCL, apply_socket_env, gloo_from_nccl, interface_problem,

@@ -259,7 +259,7 @@ def test_dashboard_of_a_module_graph_plots_its_module_names():
 
 
 def test_an_online_run_saves_its_graphs_own_dashboard_and_an_offline_one_saves_none(tmp_path, fake_wandb, monkeypatch):
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.metrics import wandb_workspace
 
     saved = []
@@ -291,9 +291,9 @@ def test_graph_dashboard_of_the_three_module_graph_is_the_default_dashboard():
 def test_graph_dashboard_plots_the_validation_loss_keys_the_runtime_logs(name):
     from types import SimpleNamespace
 
-    from disttrain_ds.config import load_recipe
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.metrics.wandb_workspace import graph_dashboard
-    from disttrain_ds.recipe_graph import graph_of
+    from disttrain_ds.recipe.graph import graph_of
     from disttrain_ds.runtime.callbacks.evaluation import eval_figures
 
     graph = graph_of(load_recipe(name))

@@ -1,4 +1,4 @@
-"""What a GPU rank holds beside its tensors (``runtime/gpu_allowance.py``): the figures, each rank's
+"""What a GPU rank holds beside its tensors (``estimate/gpu_allowance.py``): the figures, each rank's
 NCCL connections, the launch-time check's one line, and the start-up check against free memory."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds import launch
-from disttrain_ds.config import load_recipe
+from disttrain_ds.cli import launch
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.entry import dry_run
-from disttrain_ds.runtime import gpu_allowance as ga
-from disttrain_ds.runtime import memory, memory_check
+from disttrain_ds.runtime.entry import dry_run
+from disttrain_ds.estimate import gpu_allowance as ga
+from disttrain_ds.estimate import memory, memory_check
 
 MIB, GIB = 2**20, 2**30
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disttrain_ds.data.types import SpecialTokens
+from disttrain_ds.samples import SpecialTokens
 from disttrain_ds.models.configs import (
     ENCODER_PRESETS,
     GENERATOR_PRESETS,
@@ -15,7 +15,7 @@ from disttrain_ds.models.configs import (
     LLMConfig,
 )
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.models.mllm import MLLMSpec
+from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.families.unet.model import build_unet
 from disttrain_ds.families.vit.model import hf_config as vit_hf_config
 
@@ -111,7 +111,7 @@ def test_layers_build_identical_weights_each_time(tiny_spec):
 
 
 def test_reference_forward_backward_shapes_and_grads(tiny_spec, tiny_samples):
-    from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate
+    from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
 
     model = ReferenceMLLM(tiny_spec)
     mb = collate(tiny_samples, BatchNorms.of(tiny_samples, 1), tiny_spec)

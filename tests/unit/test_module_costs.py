@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from disttrain_ds.config import load_recipe
-from disttrain_ds.data.batch_order import reorder_batch
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.reorder.inter import reorder_batch
 from disttrain_ds.data.source import ShapeSpec
-from disttrain_ds.data.types import PackedSample, SpecialTokens
+from disttrain_ds.samples import PackedSample, SpecialTokens
 from disttrain_ds.families.whisper import AudioEncoderConfig
 from disttrain_ds.families.whisper.estimates import cost_terms, forward_flops_per_clip
-from disttrain_ds.metrics.balance import dp_balance, module_columns
-from disttrain_ds.module_costs import GraphCosts
+from disttrain_ds.reorder.balance import dp_balance, module_columns
+from disttrain_ds.cost.graph_costs import GraphCosts
 from disttrain_ds.runtime.setup import cost_model
 
 SPECIAL = SpecialTokens.after(256, audio=True)
@@ -123,7 +123,7 @@ def test_stage_times_take_the_slowest_module_of_each_role():
 
 
 def test_a_split_even_in_total_is_refined_until_each_encoder_is_even():
-    from disttrain_ds.data.module_balance import refine_split, split_objective
+    from disttrain_ds.reorder.module_balance import refine_split, split_objective
 
     # vision, ear, llm: two image-heavy and two clip-heavy samples, every total the same.
     costs = np.array([[10.0, 0.0, 5.0], [0.0, 10.0, 5.0], [10.0, 0.0, 5.0], [0.0, 10.0, 5.0]])
@@ -138,8 +138,8 @@ def test_a_split_even_in_total_is_refined_until_each_encoder_is_even():
 
 
 def test_reordering_evens_each_encoder_where_summed_costs_tie(monkeypatch):
-    from disttrain_ds.costmodel import CostModel
-    from disttrain_ds.data import module_balance
+    from disttrain_ds.cost.model import CostModel
+    from disttrain_ds.reorder import module_balance
 
     # One FLOP per patch and per frame, nothing else: an image of 16 patches costs what a 16-frame clip does.
     unit = CostModel(enc_per_patch=1.0, enc_per_patch_sq=0.0, llm_per_token=0.0, llm_per_doc_token_sq=0.0,

@@ -9,8 +9,8 @@ import torch
 
 from disttrain_ds.comm.boundary import boundary_links
 from disttrain_ds.comm.p2p import ACT, GRAD
-from disttrain_ds.config import load_recipe
-from disttrain_ds.parallel.schedule import BoundaryRecvActivation, StagePlace, engine_schedule
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.schedule.onef1b import BoundaryRecvActivation, StagePlace, engine_schedule
 from disttrain_ds.topology import Topology
 from deepspeed.runtime.pipe import schedule as ds
 
@@ -50,7 +50,7 @@ def test_a_first_stage_without_upstream_past_global_stage_zero_receives_nothing(
 
 
 def test_the_llm_fills_each_encoders_placeholders_with_that_encoders_rows():
-    from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate, llm_inputs
+    from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate, llm_inputs
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     recipe = load_recipe("tiny_omni")
@@ -87,7 +87,7 @@ def test_a_frozen_encoder_runs_no_backward_whatever_the_other_encoder_does():
 
 def test_audio_encoder_flops_and_memory_come_from_its_family():
     from disttrain_ds.metrics.step_flops import StepFlopsCounter
-    from disttrain_ds.runtime.memory import estimate
+    from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     def ear_flops(*overrides):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from disttrain_ds.metrics import peak
-from disttrain_ds.metrics.mfu import StepFlops, module_mfu, overall_mfu, tflops_per_gpu
-from disttrain_ds.metrics.peak import lookup_peak_tflops, measure_cpu_peak_tflops, resolve_peak
+from disttrain_ds.cost import peak
+from disttrain_ds.cost.mfu import StepFlops, module_mfu, overall_mfu, tflops_per_gpu
+from disttrain_ds.cost.peak import lookup_peak_tflops, measure_cpu_peak_tflops, resolve_peak
 from disttrain_ds.paper import load_paper_figures
 
 

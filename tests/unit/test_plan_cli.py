@@ -1,4 +1,4 @@
-"""``python -m disttrain_ds.plan``: JSON output, recipe writing, and one-line errors."""
+"""``python -m disttrain_ds.cli.plan``: JSON output, recipe writing, and one-line errors."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disttrain_ds import plan as cli
-from disttrain_ds.config import find_recipe, load_recipe
+from disttrain_ds.cli import plan as cli
+from disttrain_ds.recipe.schema import find_recipe, load_recipe
 from disttrain_ds.planner import optimize
-from disttrain_ds.planner.profile import load_profile
+from disttrain_ds.cost.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = Path(optimize.__file__).parent / "examples" / "tiny_cpu.json"
@@ -134,13 +134,13 @@ def test_missing_required_argument_is_one_line(run):
 
 
 def test_module_entry_point_prints_only_json_on_stdout_and_fails_cleanly(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "disttrain_ds.plan", "--profile", str(TINY),
+    ok = subprocess.run([sys.executable, "-m", "disttrain_ds.cli.plan", "--profile", str(TINY),
                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0
     assert set(json.loads(ok.stdout)) >= {"encoder", "llm", "generator"}
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    fail = subprocess.run([sys.executable, "-m", "disttrain_ds.plan", "--profile", str(bad)],
+    fail = subprocess.run([sys.executable, "-m", "disttrain_ds.cli.plan", "--profile", str(bad)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert fail.returncode == 2 and fail.stdout == ""
     assert fail.stderr.count("\n") == 1 and "invalid JSON" in fail.stderr
@@ -283,7 +283,7 @@ def test_write_recipe_for_two_encoders_writes_one_that_loads(run, tmp_path):
 
 
 def test_write_recipe_refuses_what_the_runtime_refuses_by_the_runtimes_own_rule(run, tmp_path, monkeypatch):
-    import disttrain_ds.validate as validate
+    import disttrain_ds.recipe.checks as validate
 
     # Two encoders of one modality: the base recipe's families say so, and the plan refuses before writing.
     base = yaml.safe_load(find_recipe("tiny_omni").read_text())

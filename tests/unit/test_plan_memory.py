@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-from disttrain_ds import plan as cli
-from disttrain_ds.config import find_recipe, load_recipe
-from disttrain_ds.planner import memory_model as mm
+from disttrain_ds.cli import plan as cli
+from disttrain_ds.recipe.schema import find_recipe, load_recipe
+from disttrain_ds.cost import memory_model as mm
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.objective import Degrees, layout_memory
 from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
-from disttrain_ds.planner.profile import GIB, profile_from_dict
+from disttrain_ds.cost.profile import GIB, profile_from_dict
 from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peaks, with_recipe_memory
 
 
@@ -162,7 +162,7 @@ def test_zero1_gradient_buckets_add_one_beside_the_activations_or_two_at_the_red
     assert mm.with_buckets(100.0, 0.0) == 100.0
     assert mm.with_buckets(300.0, 200.0) == 500.0  # activations + one bucket
     assert mm.with_buckets(100.0, 200.0) == 400.0  # two buckets, the activations gone
-    from disttrain_ds.runtime.memory import estimate, reduce_bucket_bytes
+    from disttrain_ds.estimate.memory import estimate, reduce_bucket_bytes
 
     zero1 = load_recipe("tiny_cpu", ["layout=disaggregated", "deepspeed_config=ds_configs/zero1.json"])
     assert reduce_bucket_bytes(zero1, "llm") == 4 * 50_000_000

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disttrain_ds import plan as cli
-from disttrain_ds.config import find_recipe, load_recipe
+from disttrain_ds.cli import plan as cli
+from disttrain_ds.recipe.schema import find_recipe, load_recipe
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peak, with_recipe_memory
 from disttrain_ds.planner.optimize import (Degrees, PlanError, exhaustive_plan, first_ranks, plan,
                                            tp_aligned)
-from disttrain_ds.planner.profile import GIB, MODULES, Profile, load_profile, profile_from_dict
+from disttrain_ds.cost.profile import GIB, MODULES, Profile, load_profile, profile_from_dict
 from disttrain_ds.topology import Topology
 
 EXAMPLES = Path(optimize.__file__).parent / "examples"
@@ -187,7 +187,7 @@ def test_runtime_restricted_plan_equals_exhaustive_search(seed):
 
 
 def _as_dict(profile: Profile) -> dict:
-    from disttrain_ds.planner.profile import profile_to_dict
+    from disttrain_ds.cost.profile import profile_to_dict
 
     data = profile_to_dict(profile)
     data["microbatch"] = 1

@@ -7,11 +7,11 @@ import random
 import numpy as np
 import pytest
 
-from disttrain_ds.planner import scale
+from disttrain_ds.paper import scale
 from disttrain_ds.planner.optimize import Degrees, PlanError, build_plan, plan
 from disttrain_ds.planner.pipeline import hidden_ms, predict, schedule_ms, split_fwd_bwd
-from disttrain_ds.planner.profile import profile_from_dict
-from disttrain_ds.planner.simulate import makespan_1f1b, stage_order
+from disttrain_ds.cost.profile import profile_from_dict
+from disttrain_ds.schedule.simulate import makespan_1f1b, stage_order
 
 
 def tiny_profile(enc: float, llm: float, gen: float, *, gpus: int = 64, batch: int = 8,
@@ -23,7 +23,7 @@ def tiny_profile(enc: float, llm: float, gen: float, *, gpus: int = 64, batch: i
 
 
 def test_simulated_op_order_is_deepspeeds_train_schedule():
-    # The runtime asks DeepSpeed's TrainSchedule for every global stage (parallel/schedule.py);
+    # The runtime asks DeepSpeed's TrainSchedule for every global stage (schedule/onef1b.py);
     # the simulator the planner prices with must run the same forward/backward order.
     ds = pytest.importorskip("deepspeed.runtime.pipe.schedule")
     for m, p in ((4, 3), (2, 5), (7, 4), (1, 3)):
@@ -83,8 +83,8 @@ def test_hidden_part_is_zero_when_the_last_stage_is_slowest_and_bounded_by_what_
 
 
 def test_sweeps_give_the_op_by_op_simulators_makespan_on_random_dags():
-    from disttrain_ds.planner.simulate import chain_preds, makespan_dag
-    from disttrain_ds.planner.sweep import makespans
+    from disttrain_ds.schedule.simulate import chain_preds, makespan_dag
+    from disttrain_ds.schedule.sweep import makespans
     rng = np.random.default_rng(5)
     for t in range(60):
         p, k = int(rng.integers(1, 8)), int(rng.integers(1, 10))

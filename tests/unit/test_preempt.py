@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.runtime.preempt import EXIT_PREEMPTED, Preemption
 

@@ -1,4 +1,4 @@
-"""``python -m disttrain_ds.profile``: real per-module measurements that the planner accepts."""
+"""``python -m disttrain_ds.cli.profile``: real per-module measurements that the planner accepts."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain_ds import plan as plan_cli
-from disttrain_ds import profile as cli
-from disttrain_ds.config import load_recipe
+from disttrain_ds.cli import plan as plan_cli
+from disttrain_ds.cli import profile as cli
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.planner.optimize import plan
-from disttrain_ds.planner.profile import load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.cost.profile import load_profile, profile_from_dict, profile_to_dict
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"
@@ -81,7 +81,7 @@ def test_tp1_is_measured_larger_degrees_interpolated_and_unsplittable_ones_left_
 
 
 def test_cost_table_takes_measured_degrees_and_interpolates_the_rest():
-    from disttrain_ds.profile_tp import cost_table
+    from disttrain_ds.profiler.tp import cost_table
 
     recipe = load_recipe(TINY)
     c1 = {"encoder": 10.0, "llm": 40.0, "generator": 20.0}
@@ -163,7 +163,7 @@ def test_bad_arguments_give_one_line(tmp_path, argv, message):
 
 def test_bad_recipe_is_one_line_and_exit_2_from_the_command_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "disttrain_ds.profile", "--recipe", str(tmp_path / "nope.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "disttrain_ds.cli.profile", "--recipe", str(tmp_path / "nope.yaml"),
                            "--out", str(tmp_path / "p.json")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     err = assert_one_line_error(proc.returncode, proc.stdout, proc.stderr)
@@ -218,10 +218,10 @@ def test_the_draw_follows_the_runtimes_cost_model_not_the_useful_flops():
 
 
 def test_profile_carries_the_recipes_activation_checkpointing_for_the_memory_model():
-    from disttrain_ds.config import load_recipe
-    from disttrain_ds.profile import checkpointing_fields
-    from disttrain_ds.runtime.activations import module_layers
-    from disttrain_ds.runtime.memory import vocab_size
+    from disttrain_ds.recipe.schema import load_recipe
+    from disttrain_ds.cli.profile import checkpointing_fields
+    from disttrain_ds.estimate.activations import module_layers
+    from disttrain_ds.estimate.memory import vocab_size
 
     plain = load_recipe("tiny_cpu")
     assert checkpointing_fields(plain, "llm") == {}
@@ -267,7 +267,7 @@ def test_a_graph_recipe_is_profiled_by_module_name_and_planned_into_a_recipe_tha
 
 
 def test_a_generation_only_graph_times_its_generator_on_the_llm_states(tmp_path):
-    from disttrain_ds.profile_measure import Options, modes, profile_recipe
+    from disttrain_ds.profiler.measure import Options, modes, profile_recipe
 
     recipe_path = tmp_path / "t2i.yaml"
     recipe_path.write_text(T2I)

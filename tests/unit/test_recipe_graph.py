@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.families.whisper import AudioEncoderConfig
-from disttrain_ds.recipe_graph import graph_of, module_config, module_parallel
+from disttrain_ds.recipe.graph import graph_of, module_config, module_parallel
 from disttrain_ds.topology import Topology
 
 
@@ -69,7 +69,7 @@ def test_bad_graph_recipes_are_one_line_errors(tmp_path, change, needle):
 
 
 def test_family_with_its_own_settings_parses_them(tmp_path):
-    from disttrain_ds.recipe_graph import expand_graph_sections
+    from disttrain_ds.recipe.graph import expand_graph_sections
 
     data = expand_graph_sections({"model": {"modules": {"llm": {"family": "llama"}, "ear": {
         "family": "whisper", "preset": "whisper-small", "layers": 3}}}}, "r.yaml")
@@ -81,7 +81,7 @@ def test_family_with_its_own_settings_parses_them(tmp_path):
 
 
 def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
-    from disttrain_ds.data.types import SampleStats
+    from disttrain_ds.samples import SampleStats
     from disttrain_ds.families.dit import DiTConfig, forward_flops
     from disttrain_ds.runtime.setup import cost_model
 
@@ -96,7 +96,7 @@ def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
     one = SampleStats(text_tokens=128, image_patches=(), gen_images=1, gen_resolution=art.resolution, seq_len=128)
     assert cost_model(r).model.generator_cost(one) == pytest.approx(forward_flops(art))
     # The MFU meter counts each generated image at 3 x forward (trained) plus the projector's share.
-    from disttrain_ds.metrics.flops import projector_flops_per_token
+    from disttrain_ds.cost.flops import projector_flops_per_token
     from disttrain_ds.metrics.step_flops import StepFlopsCounter
     from disttrain_ds.runtime.setup import build_data_and_spec
 

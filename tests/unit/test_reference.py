@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime.reference import train_reference
-from disttrain_ds.runtime.rundir import make_run_dir
+from disttrain_ds.metrics.rundir import make_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"
@@ -41,7 +41,7 @@ def test_same_seed_same_losses_different_seed_different():
 
 
 def _encoder_before_after(overrides: list[str]):
-    from disttrain_ds.models.mllm import ReferenceMLLM
+    from disttrain_ds.mllm.model import ReferenceMLLM
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     recipe = load_recipe(TINY, ["train.steps=2", *overrides])
@@ -92,7 +92,7 @@ def test_global_batch_loss_does_not_depend_on_microbatch_grouping(tiny_source_an
     """Reordering samples inside a global batch (what intra/inter reordering does) keeps the loss."""
     import torch
 
-    from disttrain_ds.models.mllm import BatchNorms, ReferenceMLLM, collate
+    from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
 
     source, spec = tiny_source_and_spec
     samples = source.global_batch(3)
@@ -121,7 +121,7 @@ def test_global_batch_loss_does_not_depend_on_microbatch_grouping(tiny_source_an
 
 
 def test_module_learning_rates_scale_each_modules_first_sgd_step():
-    from disttrain_ds.models.mllm import ReferenceMLLM
+    from disttrain_ds.mllm.model import ReferenceMLLM
     from disttrain_ds.runtime.reference import reference_layer_state
     from disttrain_ds.runtime.setup import build_data_and_spec
 

@@ -9,18 +9,12 @@ import pytest
 import torch
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.runtime.ckpt_manifest import layout_changes
-from disttrain_ds.runtime.ckpt_manifest import _check_usable, fingerprint
-from disttrain_ds.runtime.reshard import (
-    ReshardError,
-    cut_tp,
-    files_fit,
-    join_tp,
-    read_module,
-    torch_optimizer_states,
-    zero_states,
+from disttrain_ds.checkpoint.manifest import layout_changes
+from disttrain_ds.checkpoint.manifest import _check_usable, fingerprint
+from disttrain_ds.checkpoint.reshard import (
+    ReshardError, cut_tp, files_fit, join_tp, read_module, torch_optimizer_states, zero_states
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,7 +159,7 @@ def test_record_data_state_resumes_under_another_dp_split_with_the_same_batches(
 def test_load_into_engine_writes_this_tp_ranks_shards_into_parameters_and_torch_optimizer():
     from types import SimpleNamespace
 
-    from disttrain_ds.runtime.reshard import ParamState, load_into_engine
+    from disttrain_ds.checkpoint.reshard import ParamState, load_into_engine
 
     pm = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.LayerNorm(3))
     pm[0].weight = torch.nn.Parameter(torch.zeros(2, 3))  # TP rank 1 of 2: rows 2-3 of a [4, 3] weight

@@ -1,4 +1,4 @@
-"""disttrain_ds.planner.scale: paper profiles, the iteration simulator, reordering and MFU."""
+"""disttrain_ds.paper.scale: paper profiles, the iteration simulator, reordering and MFU."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 
 from disttrain_ds.data.paper_stats import draw_sequence_layouts
 from disttrain_ds.paper import load_paper_figures
-from disttrain_ds.planner import scale
+from disttrain_ds.paper import scale
 from disttrain_ds.planner.baselines import ratio_plan
 from disttrain_ds.planner.optimize import Degrees, PlanError, build_plan, plan, t_iter
-from disttrain_ds.planner.profile import Profile, profile_from_dict
-from disttrain_ds.planner.simulate import makespan_1f1b
+from disttrain_ds.cost.profile import Profile, profile_from_dict
+from disttrain_ds.schedule.simulate import makespan_1f1b
 
 MODELS = ("MLLM-9B", "MLLM-15B", "MLLM-72B")
 

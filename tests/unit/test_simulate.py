@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from disttrain_ds.graph import ModuleGraph
-from disttrain_ds.planner.simulate import (
-    chain_preds, dag_edges, graph_stages, is_chain, makespan_1f1b, makespan_batch, makespan_dag,
-    simulate_1f1b, simulate_dag, stage_order)
+from disttrain_ds.schedule.simulate import (
+    chain_preds, dag_edges, graph_stages, is_chain, makespan_1f1b, makespan_batch, makespan_dag, simulate_1f1b,
+    simulate_dag, stage_order
+)
 
 # Heterogeneous example: 4 stages, 6 microbatches, each microbatch as slow on every stage.
 PAPER_FWD = 1000 * np.array([1, 0.5, 2, 0.7, 1.5, 0.6])

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as tdist
 
 from disttrain_ds.comm import nccl_emulation as emu
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.parallel import groups as pg
 from disttrain_ds.parallel.grid import GRID_AXES

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds import supervise
-from disttrain_ds.config import load_recipe
+from disttrain_ds.launcher import supervise
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
-from disttrain_ds.supervise import check_restartable, resume_command, should_restart
+from disttrain_ds.launcher.supervise import check_restartable, resume_command, should_restart
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"
@@ -206,7 +206,7 @@ def test_without_restarts_the_launcher_replaces_the_process(monkeypatch):
 
 # --- signals to the supervisor --------------------------------------------------------------------
 
-SUPERVISOR = ("import sys; from disttrain_ds.supervise import supervise; "
+SUPERVISOR = ("import sys; from disttrain_ds.launcher.supervise import supervise; "
               "sys.exit(supervise(sys.argv[3:], int(sys.argv[1]), float(sys.argv[2])))")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer, shard_rows, unshard_rows
 

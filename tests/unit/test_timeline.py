@@ -7,9 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from disttrain_ds.planner.simulate import simulate_1f1b
-from disttrain_ds.planner.timeline import (
-    normalize_events, to_chrome_trace, write_chrome_trace, write_gantt_png)
+from disttrain_ds.schedule.simulate import simulate_1f1b
+from disttrain_ds.schedule.timeline import normalize_events, to_chrome_trace, write_chrome_trace, write_gantt_png
 
 
 @pytest.fixture()
@@ -62,8 +61,8 @@ def test_gantt_png_is_written(tmp_path, sim_events):
 
 def test_module_stage_names_label_the_tracks_of_a_module_graph():
     from disttrain_ds.graph import ModuleGraph
-    from disttrain_ds.planner.simulate import graph_stages, simulate_dag
-    from disttrain_ds.planner.timeline import module_stage_names
+    from disttrain_ds.schedule.simulate import graph_stages, simulate_dag
+    from disttrain_ds.schedule.timeline import module_stage_names
 
     graph = ModuleGraph.from_roles({"vit": "encoder", "audio": "encoder", "llm": "llm",
                                     "sd": "generator"})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.comm.routes import blocks
 from disttrain_ds.topology import ModuleGrid, Topology

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from disttrain_ds.config import load_recipe
-from disttrain_ds.data.batch_order import reorder_batch
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.reorder.inter import reorder_batch
 from disttrain_ds.data.source import GenShape, ShapeSpec
-from disttrain_ds.data.types import PackedSample, SpecialTokens
+from disttrain_ds.samples import PackedSample, SpecialTokens
 from disttrain_ds.families.dit.estimates import forward_flops
-from disttrain_ds.metrics.balance import dp_balance, module_columns
-from disttrain_ds.module_costs import GraphCosts
+from disttrain_ds.reorder.balance import dp_balance, module_columns
+from disttrain_ds.cost.graph_costs import GraphCosts
 from disttrain_ds.runtime.setup import cost_model
 
 SPECIAL = SpecialTokens.after(256, generators=2)
@@ -105,7 +105,7 @@ def test_balance_figures_of_the_second_generator_reflect_its_own_targets(recipe)
 
 
 def test_gen_models_must_name_generators():
-    from disttrain_ds.costmodel import CostModel
+    from disttrain_ds.cost.model import CostModel
 
     m = CostModel.paper_mllm()
     with pytest.raises(ValueError, match="not generators"):

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from disttrain_ds.config import load_recipe
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.configtools import ConfigError
 from disttrain_ds.models.vae import LatentEncoder, build_vae, encode, vae_kwargs
 from disttrain_ds.models.vae_config import VaeConfig
@@ -100,7 +100,7 @@ def test_producer_placement_makes_latent_batches_from_rgb_images():
 
 def test_generator_placement_noises_the_same_latents_and_the_loss_stage_draws_the_same_noise():
     from disttrain_ds.data.registry import open_source, resolve
-    from disttrain_ds.models.mllm import BatchNorms, collate
+    from disttrain_ds.mllm.model import BatchNorms, collate
     from disttrain_ds.models.vae import generator_vae
     from disttrain_ds.runtime.setup import build_data_and_spec, shape_spec
 
@@ -162,7 +162,7 @@ def test_cost_model_sees_latent_sides_in_both_placements():
 
 
 def test_vae_flops_are_reported_apart_from_mfu():
-    from disttrain_ds.metrics.flops import vae_encode_flops
+    from disttrain_ds.cost.flops import vae_encode_flops
     from disttrain_ds.metrics.step_flops import MfuMeter
     from disttrain_ds.runtime.setup import build_data_and_spec
 
@@ -183,8 +183,8 @@ def test_vae_flops_are_reported_apart_from_mfu():
 
 
 def test_memory_dry_run_counts_the_vae_on_the_generators_first_stage_only():
-    from disttrain_ds.runtime.memory import estimate
-    from disttrain_ds.runtime.memory_check import describe
+    from disttrain_ds.estimate.memory import estimate
+    from disttrain_ds.estimate.memory_check import describe
 
     pp2 = load_recipe("mllm_9b", ["parallel.generator.pp=2"])
     on_gen = estimate(pp2)

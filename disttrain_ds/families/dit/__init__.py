@@ -3,9 +3,9 @@ by block) after its MLP output projector. Light record: no torch here (recipe va
 
 from __future__ import annotations
 
-from ..base import Family
-from .config import DIT_PRESETS, DiTConfig
-from .estimates import activation_layers, cost_terms, forward_flops, image_flops
+from disttrain_ds.families.base import Family
+from disttrain_ds.families.dit.config import DIT_PRESETS, DiTConfig
+from disttrain_ds.families.dit.estimates import activation_layers, cost_terms, forward_flops, image_flops
 
 
 def width(cfg: DiTConfig) -> int:

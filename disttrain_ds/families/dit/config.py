@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...models.configs import ProjectorConfig
-from ...models.vae_config import VaeConfig
+from disttrain_ds.models.configs import ProjectorConfig
+from disttrain_ds.models.vae_config import VaeConfig
 
 
 @dataclass

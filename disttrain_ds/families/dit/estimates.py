@@ -7,8 +7,8 @@ without building the model.
 
 from __future__ import annotations
 
-from ...cost.activations import FP32, LayerBytes, SampleShape
-from .config import DiTConfig
+from disttrain_ds.cost.activations import FP32, LayerBytes, SampleShape
+from disttrain_ds.families.dit.config import DiTConfig
 
 
 def tokens(cfg: DiTConfig) -> int:
@@ -44,7 +44,7 @@ def forward_flops(cfg: DiTConfig) -> float:
 
 def image_flops(cfg: DiTConfig, mode: str) -> float:
     """Training FLOPs of one generated image in ``mode`` (train | frozen_passthrough | frozen)."""
-    from ...metrics.flops import training_flops  # torch: only when a meter asks
+    from disttrain_ds.cost.flops import training_flops  # torch: only when a meter asks
 
     return training_flops(forward_flops(cfg), mode=mode)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...cost.activations import FP32, LayerBytes, SampleShape
+from disttrain_ds.cost.activations import FP32, LayerBytes, SampleShape
 
 
 def decoder_activations(cfg, shape: SampleShape, b: int) -> LayerBytes:

@@ -19,10 +19,10 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from ...models.configs import LLMConfig
-from ...models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
-from ...models.layers import LayerDef, seeded
-from ..base import BuildContext
+from disttrain_ds.models.configs import LLMConfig
+from disttrain_ds.models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
+from disttrain_ds.models.layers import LayerDef, seeded
+from disttrain_ds.families.base import BuildContext
 
 
 def hf_kwargs(cfg: LLMConfig) -> dict:

@@ -5,9 +5,9 @@ live in ``model.py``. Besides the record, ``modality``, ``width`` and ``rows`` s
 of the system needs to know about the encoder's input and output.
 """
 
-from ..base import Family
-from .config import AUDIO_ENCODER_PRESETS, AudioEncoderConfig
-from .estimates import activation_layers, cost_terms, forward_flops_per_clip
+from disttrain_ds.families.base import Family
+from disttrain_ds.families.whisper.config import AUDIO_ENCODER_PRESETS, AudioEncoderConfig
+from disttrain_ds.families.whisper.estimates import activation_layers, cost_terms, forward_flops_per_clip
 
 modality = "audio"
 """What the encoder reads: log-mel clips [n_mels, frames], packed by ``model.pack_clips``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...models.configs import ProjectorConfig
+from disttrain_ds.models.configs import ProjectorConfig
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """Whisper encoder formulas behind the family record: activation bytes per layer, forward FLOPs.
 
 No torch: recipe validation, the memory estimate and the cost model read these. Counts follow
-the ViT's (``runtime/activations.py``): the same pre-norm transformer block with a GELU MLP, on
+the ViT's (``estimate/activations.py``): the same pre-norm transformer block with a GELU MLP, on
 ``frames // 2`` rows per clip; the stem keeps the two convolutions' inputs and GELU inputs.
 """
 
 from __future__ import annotations
 
-from ...cost.activations import FP32, LayerBytes, SampleShape
+from disttrain_ds.cost.activations import FP32, LayerBytes, SampleShape
 
 
 def activation_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...metrics.balance import dp_balance, module_columns
-from ..trainer import Callback
+from disttrain_ds.reorder.balance import dp_balance, module_columns
+from disttrain_ds.runtime.trainer import Callback
 
 
 class Balance(Callback):

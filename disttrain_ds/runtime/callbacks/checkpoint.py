@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..trainer import Callback
+from disttrain_ds.runtime.trainer import Callback
 
 
 class Checkpointing(Callback):
-    """Every rank saves its share through ``runtime/checkpointing.py``'s ``Checkpointer``."""
+    """Every rank saves its share through ``checkpoint/steps.py``'s ``Checkpointer``."""
 
     def __init__(self, ckpt, run_dir: str):
         self.ckpt, self.run_dir = ckpt, run_dir

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..trainer import Callback
+from disttrain_ds.runtime.trainer import Callback
 
 
 class EmulationRecords(Callback):

@@ -7,7 +7,7 @@ RNG), so a run with evaluation has the same training losses as one without.
 
 from __future__ import annotations
 
-from ..trainer import Callback
+from disttrain_ds.runtime.trainer import Callback
 
 
 def eval_due(step: int, every: int, steps: int) -> bool:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..guards import check_finite_loss
-from ..trainer import Callback
+from disttrain_ds.runtime.guards import check_finite_loss
+from disttrain_ds.runtime.trainer import Callback
 
 
 class NonFiniteGuard(Callback):

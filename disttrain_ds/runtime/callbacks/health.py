@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..trainer import Callback
+from disttrain_ds.runtime.trainer import Callback
 
 
 class Heartbeat(Callback):

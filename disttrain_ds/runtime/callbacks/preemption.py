@@ -3,8 +3,8 @@ and the fault injection restart tests use (``DISTTRAIN_KILL_AT``)."""
 
 from __future__ import annotations
 
-from ..preempt import injected_kill
-from ..trainer import Callback
+from disttrain_ds.runtime.preempt import injected_kill
+from disttrain_ds.runtime.trainer import Callback
 
 
 class PreemptionStop(Callback):

@@ -7,9 +7,9 @@ import os
 import torch
 import torch.distributed as tdist
 
-from ...parallel.engine import write_trace
-from ..guards import fresh_path
-from ..trainer import Callback
+from disttrain_ds.parallel.engine import write_trace
+from disttrain_ds.runtime.guards import fresh_path
+from disttrain_ds.runtime.trainer import Callback
 
 
 class TraceWriter(Callback):

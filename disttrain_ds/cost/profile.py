@@ -1,0 +1,424 @@
+"""Profiles: what the orchestration optimizer knows about a model and a cluster.
+
+A profile is a JSON object (see ``docs/planner.md`` for the schema with examples)::
+
+    {"gpus": 1296, "global_batch": 1920, "microbatch": 1, "gpus_per_node": 8,
+     "gpu_memory_gb": 80, "peak_tflops": 312,
+     "modules": {"encoder":   {"layers": 32, "cost_ms": {"1": 216, "2": 120, ...}},
+                 "llm":       {"layers": 80, "cost_ms": {...}, "params": 7.0e10, ...},
+                 "generator": {"layers": 12, "cost_ms": {...}}}}
+
+``modules`` describes a module graph (:mod:`disttrain_ds.graph`): any number of encoders feed
+the one LLM, which feeds any number of generators. Each module may say its ``role``
+(encoder | llm | generator); a module named ``encoder``, ``llm`` or ``generator`` without one
+takes its name as its role, so three-module profiles need no roles at all.
+
+Loading validates everything up front and raises ``ProfileError`` whose message is one line naming
+the field and the file, so a typo never turns into a silently wrong plan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from disttrain_ds.configtools import ConfigError, load_json
+from disttrain_ds.graph import DEFAULT_ROLES, ROLES, ModuleGraph
+
+if TYPE_CHECKING:
+    from disttrain_ds.cost.memory_model import StageTable
+
+MODULES: tuple[str, ...] = ("encoder", "llm", "generator")
+"""Module names of the classic three-module graph, in pipeline order: modality encoder -> LLM
+backbone -> modality generator (a profile's own names are ``Profile.graph.names``)."""
+
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+"""Tensor-parallel degrees the planner considers (TP stays inside one node)."""
+
+COST_SOURCES: tuple[str, ...] = ("measured", "interpolated", "assumed")
+"""Where a ``cost_ms`` entry comes from (``cost_source``): timed by the profiler, scaled from a
+measured degree, or given without a measurement (the default for a degree the profile does not
+declare)."""
+
+GIB = 2**30
+"""Bytes in the unit of ``gpu_memory_gb`` (vendors' "80 GB" GPUs hold 80 GiB)."""
+
+
+class ProfileError(ConfigError):
+    """A profile is invalid; the message is one line naming the field and the file."""
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """Measured cost and (optional) memory figures of one module."""
+
+    layers: int
+    """Number of identical layers (blocks); a pipeline degree must divide it."""
+    cost_ms: dict[int, float]
+    """TP degree -> forward+backward time in ms of the whole module for one sample on that many
+    GPUs, TP communication included (the paper's C(TP)). Only the degrees given are considered;
+    nothing is interpolated. For the LLM a sample is one packed sequence; for the encoder and the
+    generator it is the images of one packed sequence."""
+    params: float = 0.0
+    """Parameter count of the whole module; 0 leaves parameter memory out of the model."""
+    frozen: bool = False
+    """True when the module is not trained: no gradients and no optimizer states are held."""
+    weight_bytes_per_param: float = 2.0
+    """Bytes per parameter for the weights (2 for bf16)."""
+    grad_bytes_per_param: float = 2.0
+    """Bytes per parameter for gradients (ignored when frozen)."""
+    optimizer_bytes_per_param: float = 12.0
+    """Optimizer bytes per parameter before ZeRO-1 sharding over the module's DP group (12: fp32
+    master weights + Adam moments); ignored when frozen."""
+    activation_bytes_per_sample: float = 0.0
+    """Activation bytes kept for backward by the whole module for one sample at TP=1; split evenly
+    over pipeline stages; the fraction ``activation_tp_sharded`` of it is split over TP, the rest
+    is replicated on every TP rank. Use 0 for a frozen encoder, whose activations are never needed
+    for backward."""
+    activation_tp_sharded: float = 0.0
+    """Fraction (0..1) of ``activation_bytes_per_sample`` that TP splits (attention and MLP
+    internals); without sequence parallelism norms' inputs and layer outputs stay whole on every
+    TP rank. 0, the default, counts everything as replicated."""
+    flops_per_sample: float | None = None
+    """Forward+backward FLOPs of the whole module for one sample; used only for predicted MFU."""
+    sample_cost_ms: tuple[float, ...] | None = None
+    """A representative draw of per-sample forward+backward times in ms at TP=1; entry i of every
+    module's draw belongs to the same sample. With it the planner prices each stage by its
+    expected slowest DP replica (:mod:`disttrain_ds.planner.hetero`) instead of the mean."""
+    activation_checkpointing: int = 0
+    """Layers per checkpointed block (the recipe's ``parallel.<module>.activation_checkpointing``):
+    a microbatch in flight keeps only each block's input, and backward recomputes one block at a
+    time. 0: every activation is kept."""
+    layer_output_bytes_per_sample: float = 0.0
+    """Bytes one layer hands to the next for one sample at TP=1 (what a checkpointed block keeps);
+    read only with ``activation_checkpointing``."""
+    cost_source: dict[int, str] = field(default_factory=dict)
+    """TP degree -> ``measured`` | ``interpolated`` | ``assumed`` for the entries of ``cost_ms``;
+    a degree not listed is ``assumed``."""
+    optimizer_sharded: bool = True
+    """Whether optimizer states shard over the module's DP group (ZeRO-1, DeepSpeed's bf16
+    optimizer); False for ZeRO-0 in fp32 (set from a recipe by ``planner/legal.py``, never read
+    from JSON)."""
+    max_pp: int | None = None
+    """Largest pipeline degree the runtime accepts for this module (set from a recipe by
+    ``planner/legal.py``, never read from JSON); None: only "PP divides ``layers``"."""
+    stages: StageTable | None = None
+    """(tp, pp) -> each pipeline stage's parameters and per-sample activation bytes as the runtime
+    splits the module (uneven stages, each stage's received input and output, its backward
+    workspace); set from a recipe by ``planner/recipe_memory.py``, never read from JSON. With it
+    the memory check prices every stage as the runtime's estimate does (the figures above are then
+    not read); None: even stages from the per-sample figures above."""
+    extra_bytes_per_rank: float = 0.0
+    """Bytes every rank of the module holds beside its pipeline stage (a frozen model run outside
+    the pipeline); set from a recipe by ``planner/recipe_memory.py``, never read from JSON."""
+    reduce_bucket_bytes: float = 0.0
+    """Bytes of one gradient bucket DeepSpeed's ZeRO optimizer allocates (``reduce_bucket_size``
+    fp32 elements; ``memory_model.with_buckets``); set from a recipe by
+    ``planner/recipe_memory.py``, never read from JSON."""
+    refused: frozenset[tuple[int, int, int]] = frozenset()
+    """(dp, tp, pp) layouts the runtime's memory check refused for this module (set by
+    ``planner/recipe_memory.fit_plan``, never read from JSON): priced as not fitting."""
+
+    def source(self, tp: int) -> str:
+        """Where ``cost_ms[tp]`` comes from (``COST_SOURCES``)."""
+        return self.cost_source.get(tp, "assumed")
+
+    @property
+    def has_memory_figures(self) -> bool:
+        """Whether the profile says anything about this module's memory."""
+        return self.params > 0 or self.activation_bytes_per_sample > 0
+
+    def tp_degrees(self, gpus_per_node: int) -> tuple[int, ...]:
+        """TP degrees with a cost that divide ``gpus_per_node``, ascending: with module rank ranges
+        starting at multiples of their TP degree (``search.py``), no TP group then spans nodes."""
+        return tuple(t for t in sorted(self.cost_ms) if gpus_per_node % t == 0)
+
+    def pp_degrees(self) -> tuple[int, ...]:
+        """Pipeline degrees: divisors of ``layers`` (even stages), at most ``max_pp``, ascending."""
+        small = [d for d in range(1, int(self.layers**0.5) + 1) if self.layers % d == 0]
+        pps = small + [self.layers // d for d in reversed(small) if d * d != self.layers]
+        return tuple(p for p in pps if self.max_pp is None or p <= self.max_pp)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the orchestration optimizer needs: cluster size, batch and per-module costs."""
+
+    gpus: int
+    """GPUs available to the job (the three modules' GPU counts may not add up to more)."""
+    global_batch: int
+    """Samples (packed sequences) per training iteration."""
+    modules: dict[str, ModuleProfile]
+    """Module name -> its profile, in the graph's data-flow order (reordered on construction)."""
+    microbatch: int = 1
+    """Samples per LLM microbatch (M); DP_llm * M must divide ``global_batch``."""
+    gpus_per_node: int = 8
+    """GPUs per node; a TP degree must divide it, and no TP group may span two nodes."""
+    gpu_memory_gb: float | None = None
+    """Usable memory per GPU in GiB; when absent no layout is rejected for memory."""
+    peak_tflops: float | None = None
+    """Peak dense throughput per GPU in TFLOPS (312 for A800 bf16); enables predicted MFU."""
+    description: str = ""
+    """Free text shown nowhere by the optimizer; say where the numbers come from."""
+    graph: ModuleGraph | None = None
+    """Who feeds whom; None takes each module's name as its role (only ``encoder``, ``llm`` and
+    ``generator`` can). Always a ModuleGraph once constructed."""
+
+    def __post_init__(self) -> None:
+        graph = self.graph
+        if graph is None:
+            graph = _graph({n: _default_role(n, "<profile>") for n in self.modules}, "<profile>")
+        if set(graph.names) != set(self.modules):
+            raise ProfileError(f"<profile>: 'modules' ({', '.join(self.modules)}) are not the "
+                               f"graph's modules ({', '.join(graph.names)})")
+        # Frozen dataclass: set the derived fields once, here.
+        object.__setattr__(self, "graph", graph)
+        object.__setattr__(self, "modules", {n: self.modules[n] for n in graph.names})
+        check_draws(self.modules, "<profile>")
+
+    @property
+    def has_draw(self) -> bool:
+        """Whether the modules carry per-sample cost draws (``sample_cost_ms``)."""
+        return any(m.sample_cost_ms is not None for m in self.modules.values())
+
+    def module(self, name: str) -> ModuleProfile:
+        """The profile of module ``name`` (one of ``graph.names``)."""
+        return self.modules[name]
+
+    @property
+    def memory_limit_bytes(self) -> float | None:
+        """``gpu_memory_gb`` in bytes, or None when memory is not constrained."""
+        return None if self.gpu_memory_gb is None else self.gpu_memory_gb * GIB
+
+
+_TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node", "gpu_memory_gb",
+               "peak_tflops", "description")
+_MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
+                  "grad_bytes_per_param", "optimizer_bytes_per_param",
+                  "activation_bytes_per_sample", "activation_tp_sharded", "flops_per_sample", "activation_checkpointing",
+                  "layer_output_bytes_per_sample", "sample_cost_ms", "cost_source")
+_NUMBER_FIELDS = _MODULE_FIELDS[2:-2]  # written only when they differ from the default
+
+
+def _default_role(name: str, src: str) -> str:
+    if name in DEFAULT_ROLES:
+        return DEFAULT_ROLES[name]
+    raise ProfileError(f"{src}: 'modules.{name}' needs a role: missing required field "
+                       f"'modules.{name}.role' ({' | '.join(ROLES)}; only a module named "
+                       "encoder, llm or generator may leave it out)")
+
+
+def _graph(roles: dict[str, str], src: str) -> ModuleGraph:
+    try:
+        return ModuleGraph.from_roles(roles, src, key="modules")
+    except ConfigError as exc:  # the graph's own one-line message, as a profile error
+        raise ProfileError(str(exc)) from None
+
+
+def _fail(src: str, key: str, what: str) -> ProfileError:
+    return ProfileError(f"{src}: '{key}' {what}")
+
+
+def _int(data: dict, name: str, key: str, src: str, default: Any = ..., low: int = 1) -> int:
+    if name not in data:
+        if default is ...:
+            raise ProfileError(f"{src}: missing required field '{key}'")
+        return default
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(src, key, f"must be an integer, got {value!r}")
+    if value < low:
+        raise _fail(src, key, f"must be >= {low}, got {value}")
+    return value
+
+
+def _num(data: dict, name: str, key: str, src: str, default: Any, positive: bool = False) -> Any:
+    if name not in data or (data[name] is None and default is None):
+        return default
+    value = data[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(src, key, f"must be a number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise _fail(src, key, f"must be {'> 0' if positive else '>= 0'}, got {value}")
+    return float(value)
+
+
+def _check_keys(data: Any, known: tuple[str, ...], prefix: str, src: str) -> None:
+    if not isinstance(data, dict):
+        raise _fail(src, prefix.rstrip(".") or "<root>", "must be a JSON object")
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ProfileError(f"{src}: unknown field '{prefix}{unknown[0]}' "
+                           f"(known here: {', '.join(known)})")
+
+
+def _role(data: Any, name: str, src: str) -> str:
+    if not isinstance(data, dict):
+        raise _fail(src, f"modules.{name}", "must be a JSON object")
+    if "role" not in data:
+        return _default_role(name, src)
+    role = data["role"]
+    if role not in ROLES:
+        raise _fail(src, f"modules.{name}.role",
+                    f"must be one of {' | '.join(ROLES)}, got {role!r}")
+    return role
+
+
+def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
+    pre = f"modules.{name}."
+    _check_keys(data, ("role",) + _MODULE_FIELDS, pre, src)
+    if "cost_ms" not in data:
+        raise ProfileError(f"{src}: missing required field '{pre}cost_ms'")
+    raw = data["cost_ms"]
+    if not isinstance(raw, dict) or not raw:
+        raise _fail(src, pre + "cost_ms", "must be a non-empty object {\"tp\": ms}")
+    cost: dict[int, float] = {}
+    for k, v in raw.items():
+        if str(k) not in {str(t) for t in TP_DEGREES}:
+            raise _fail(src, f"{pre}cost_ms.{k}", "is not a TP degree (use 1, 2, 4 or 8)")
+        cost[int(k)] = _num(raw, k, f"{pre}cost_ms.{k}", src, None, positive=True)
+        if cost[int(k)] is None:
+            raise _fail(src, f"{pre}cost_ms.{k}", "must be a number, got None")
+    sources = data.get("cost_source", {})
+    if not isinstance(sources, dict):
+        raise _fail(src, pre + "cost_source", "must be an object {\"tp\": measured | interpolated | assumed}")
+    for k, v in sources.items():
+        if str(k) not in raw:
+            raise _fail(src, f"{pre}cost_source.{k}", f"names no degree of {pre}cost_ms ({', '.join(raw)})")
+        if v not in COST_SOURCES:
+            raise _fail(src, f"{pre}cost_source.{k}", f"must be one of {' | '.join(COST_SOURCES)}, got {v!r}")
+    frozen = data.get("frozen", False)
+    if not isinstance(frozen, bool):
+        raise _fail(src, pre + "frozen", f"must be true or false, got {frozen!r}")
+    d = ModuleProfile(layers=1, cost_ms={})  # defaults, so they are written down only once
+    return ModuleProfile(
+        layers=_int(data, "layers", pre + "layers", src),
+        cost_ms=dict(sorted(cost.items())),
+        params=_num(data, "params", pre + "params", src, d.params),
+        frozen=frozen,
+        weight_bytes_per_param=_num(data, "weight_bytes_per_param",
+                                    pre + "weight_bytes_per_param", src, d.weight_bytes_per_param),
+        grad_bytes_per_param=_num(data, "grad_bytes_per_param", pre + "grad_bytes_per_param",
+                                  src, d.grad_bytes_per_param),
+        optimizer_bytes_per_param=_num(data, "optimizer_bytes_per_param",
+                                       pre + "optimizer_bytes_per_param", src,
+                                       d.optimizer_bytes_per_param),
+        activation_bytes_per_sample=_num(data, "activation_bytes_per_sample",
+                                         pre + "activation_bytes_per_sample", src,
+                                         d.activation_bytes_per_sample),
+        activation_tp_sharded=_fraction(data, pre + "activation_tp_sharded", src),
+        flops_per_sample=_num(data, "flops_per_sample", pre + "flops_per_sample", src, None),
+        sample_cost_ms=_draw(data, pre + "sample_cost_ms", src),
+        activation_checkpointing=_int(data, "activation_checkpointing", pre + "activation_checkpointing",
+                                      src, 0, low=0),
+        layer_output_bytes_per_sample=_num(data, "layer_output_bytes_per_sample",
+                                           pre + "layer_output_bytes_per_sample", src,
+                                           d.layer_output_bytes_per_sample),
+        cost_source={int(k): v for k, v in sources.items()},
+    )
+
+
+def _fraction(data: dict, key: str, src: str) -> float:
+    """``activation_tp_sharded``: a number from 0 to 1, 0 when absent."""
+    raw = data.get("activation_tp_sharded", 0.0)
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 <= raw <= 1:
+        raise _fail(src, key, f"must be a number from 0 to 1, got {raw!r}")
+    return float(raw)
+
+
+def _draw(data: dict, key: str, src: str) -> tuple[float, ...] | None:
+    """``sample_cost_ms``: a non-empty list of positive finite numbers, or absent."""
+    if "sample_cost_ms" not in data:
+        return None
+    raw = data["sample_cost_ms"]
+    if not isinstance(raw, list) or not raw:
+        raise _fail(src, key, "must be a non-empty list of ms per sample")
+    for i, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise _fail(src, f"{key}[{i}]", f"must be a positive finite number, got {v!r}")
+    return tuple(float(v) for v in raw)
+
+
+def check_draws(modules: dict[str, ModuleProfile], src: str) -> None:
+    """Per-sample draws are all-or-nothing per sample: every module that has one has the same
+    length (entry i of each belongs to sample i)."""
+    lengths = {n: len(m.sample_cost_ms) for n, m in modules.items() if m.sample_cost_ms is not None}
+    if not lengths:
+        return
+    first = next(iter(lengths))
+    for n, k in lengths.items():
+        if k != lengths[first]:
+            raise _fail(src, f"modules.{n}.sample_cost_ms",
+                        f"has {k} entries but 'modules.{first}.sample_cost_ms' has "
+                        f"{lengths[first]} (entry i of every module is the same sample)")
+    missing = [n for n in modules if n not in lengths]
+    if missing:
+        raise ProfileError(f"{src}: missing field 'modules.{missing[0]}.sample_cost_ms' (every "
+                           f"module needs a draw when one has it, here '{first}')")
+
+
+def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
+    """Validate a parsed profile JSON object; ``src`` names the file in error messages."""
+    _check_keys(data, _TOP_FIELDS, "", src)
+    if "modules" not in data:
+        raise ProfileError(f"{src}: missing required field 'modules'")
+    mods = data["modules"]
+    if not isinstance(mods, dict):
+        raise _fail(src, "modules", "must be a JSON object")
+    graph = _graph({name: _role(spec, name, src) for name, spec in mods.items()}, src)
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise _fail(src, "description", f"must be a string, got {description!r}")
+    modules = {name: _module_from_dict(mods[name], name, src) for name in graph.names}
+    check_draws(modules, src)
+    return Profile(
+        gpus=_int(data, "gpus", "gpus", src),
+        global_batch=_int(data, "global_batch", "global_batch", src),
+        modules=modules,
+        microbatch=_int(data, "microbatch", "microbatch", src, 1),
+        gpus_per_node=_int(data, "gpus_per_node", "gpus_per_node", src, 8),
+        gpu_memory_gb=_num(data, "gpu_memory_gb", "gpu_memory_gb", src, None, positive=True),
+        peak_tflops=_num(data, "peak_tflops", "peak_tflops", src, None, positive=True),
+        description=description,
+        graph=graph,
+    )
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile JSON file (one-line ``ProfileError`` on any problem)."""
+    return profile_from_dict(load_json(path, ProfileError), src=str(path))
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """JSON-ready view of ``profile`` that ``profile_from_dict`` reads back unchanged."""
+    out: dict[str, Any] = {"gpus": profile.gpus, "global_batch": profile.global_batch,
+                           "microbatch": profile.microbatch,
+                           "gpus_per_node": profile.gpus_per_node}
+    for key in ("gpu_memory_gb", "peak_tflops"):
+        if getattr(profile, key) is not None:
+            out[key] = getattr(profile, key)
+    if profile.description:
+        out["description"] = profile.description
+    out["modules"] = {}
+    for name in profile.graph.names:
+        spec, role = profile.modules[name], profile.graph.role(name)
+        mod: dict[str, Any] = {} if role == DEFAULT_ROLES.get(name) else {"role": role}
+        mod.update(layers=spec.layers, cost_ms={str(t): c for t, c in spec.cost_ms.items()})
+        for f in _NUMBER_FIELDS:
+            value = getattr(spec, f)
+            if value != getattr(ModuleProfile(1, {}), f):  # write only what differs from default
+                mod[f] = value
+        if spec.sample_cost_ms is not None:
+            mod["sample_cost_ms"] = list(spec.sample_cost_ms)
+        if spec.cost_source:
+            mod["cost_source"] = {str(t): v for t, v in sorted(spec.cost_source.items())}
+        out["modules"][name] = mod
+    return out
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write ``profile`` as indented JSON."""
+    Path(path).write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")

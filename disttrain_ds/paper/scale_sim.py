@@ -1,0 +1,244 @@
+"""Simulated training iterations of a plan on drawn samples, as the runtime runs them.
+
+Per-sample module times (:func:`sample_times`) fill pipeline steps of D = DP_llm x M samples in
+loader order; within a step, replica r of a module with DP = dp takes the r-th contiguous block of
+D / dp samples (``comm.routes.blocks``), and a stage's time is its replica's load / PP (layers
+split evenly), forward : backward = 1 : ``pipeline.BACKWARD_FACTOR``.
+
+**Replicas as the runtime couples them.** Each module's DP replicas are separate pipelines of
+DeepSpeed stages (stage-to-stage sends stay inside one replica); modules meet only at their
+boundaries, where the inter-engine communicator moves each sample from the upstream replica that
+owns it to the downstream one (``comm.routes``: per boundary, ``gcd(dp_up, dp_down)`` broker
+groups), once per microbatch in each direction; the DP replicas of a module meet again only at
+the gradient all-reduce after the last microbatch. So the replicas split into
+``gcd(dp of every module)`` groups that never wait for each other within an iteration
+(:func:`replica_groups`), and inside a group a replica waits only for the replicas it exchanges
+samples with. :func:`simulate_iteration` runs each group's 1F1B over its replica-stage DAG
+(``sweep.makespans``, all groups at once; every replica-stage keeps its module stage's
+``TrainSchedule`` order) and takes the slowest group: a replica slow in one microbatch and fast in the next evens
+out unless a boundary partner makes it wait. ``lock_step=True`` gives the coarser model in which
+every stage waits for its slowest replica at every microbatch (an upper bound, kept for
+comparison).
+
+Reordering: intra (:func:`balance_steps`) balances each step's replicas with
+``intra_microbatch_reorder``; inter reorders the steps with ``inter_microbatch_reorder`` on the
+lock-step stage times. Either is kept only when the simulated iteration does not get longer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache, reduce
+
+import numpy as np
+
+from disttrain_ds.reorder.intra import inter_microbatch_reorder, intra_microbatch_reorder
+from disttrain_ds.planner.optimize import Plan
+from disttrain_ds.planner.pipeline import split_fwd_bwd
+from disttrain_ds.comm.routes import routes
+from disttrain_ds.schedule.simulate import (
+    Preds, graph_stages, is_chain, longest_path_view, makespan_1f1b, makespan_dag
+)
+from disttrain_ds.schedule.sweep import makespans
+
+VARIANTS: dict[str, tuple[bool, bool]] = {"none": (False, False), "intra": (True, False),
+                                           "inter": (False, True), "both": (True, True)}
+"""Reordering variants: name -> (intra-microbatch, inter-microbatch)."""
+
+
+@dataclass(frozen=True)
+class IterationSim:
+    """One simulated 1F1B iteration."""
+
+    makespan_ms: float
+    """Simulated iteration time."""
+    stage_ms: np.ndarray
+    """``[K, P]`` fwd+bwd time of each step on each pipeline stage at its slowest replica's
+    load (the lock-step view), in execution order."""
+    arrangement: np.ndarray
+    """Sample index (into the iteration's samples) of every slot; step j holds slots
+    ``j*D .. (j+1)*D - 1``, replica r of a module the r-th contiguous chunk of them."""
+    order: tuple[int, ...]
+    """Execution order of the steps (indices of the arrangement's steps)."""
+
+
+
+
+def sample_times(flops: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[n, modules]`` per-sample fwd+bwd ms of each module under ``plan_`` (columns in the
+    plan's module order, as ``flops``'): the FLOPs rescaled so each column's mean is the plan's
+    per-sample mean cost (warm-up term / samples per replica / the straggler factor priced into
+    it), i.e. time proportional to FLOPs within
+    a module, at the profile's efficiency."""
+    f = np.asarray(flops, dtype=np.float64)
+    per = np.array([m.warmup_ms / m.samples_per_microbatch / m.straggler
+                    for m in plan_.modules.values()])
+    mean = f.mean(axis=0)
+    return np.where(mean > 0, f / np.where(mean > 0, mean, 1.0), 1.0) * per
+
+
+def _step_size(plan_: Plan) -> int:
+    return plan_.llm.dp * plan_.llm.samples_per_microbatch
+
+
+def replica_max(steps: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[K, modules]`` slowest replica's load per module for ``steps`` = ``[K, D, modules]`` ms,
+    where replica r of a module with DP = dp takes slots ``r*D/dp .. (r+1)*D/dp - 1``."""
+    k, d, _ = steps.shape
+    return np.stack([steps[:, :, j].reshape(k, m.dp, -1).sum(axis=2).max(axis=1)
+                     for j, m in enumerate(plan_.modules.values())], axis=1)
+
+
+def _stages(loads: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[K, modules]`` loads per step -> ``[K, P]`` stage times (load / PP on each stage), in
+    ``simulate.graph_stages`` numbering."""
+    return np.concatenate([np.repeat(loads[:, [j]] / m.pp, m.pp, axis=1)
+                           for j, m in enumerate(plan_.modules.values())], axis=1)
+
+
+def _pp(plan_: Plan) -> dict[str, int]:
+    return {n: m.pp for n, m in plan_.modules.items()}
+
+
+def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
+    """``[K, P]`` fwd+bwd time per step and pipeline stage (each module's stages in the plan's
+    data-flow order): a module's slowest replica load split evenly over its PP stages."""
+    steps = times[arrangement].reshape(-1, _step_size(plan_), len(plan_.modules))
+    return _stages(replica_max(steps, plan_), plan_)
+
+
+def balance_step(step: np.ndarray, plan_: Plan) -> np.ndarray:
+    """Slot order of one step's ``[D, modules]`` sample times that balances module replicas.
+
+    Modules are taken by replica size D/DP, smallest first (size 1 needs nothing): the current
+    units (single samples, then the previous level's replicas) are grouped into this level's
+    replicas by ``intra_microbatch_reorder`` on their stage-time contribution (load / PP, summed
+    over modules of the same size), so finer replicas stay intact inside coarser ones. When a
+    size is not a multiple of the previous one, chunks stop nesting and coarser modules keep
+    contiguous chunks of the finer level's order."""
+    d = len(step)
+    sizes: dict[int, np.ndarray] = {}
+    for j, mod in enumerate(plan_.modules.values()):
+        m = d // mod.dp
+        if m > 1:
+            sizes[m] = sizes.get(m, 0.0) + step[:, j] / mod.pp
+    units, prev = [[i] for i in range(d)], 1
+    for m in sorted(sizes):
+        if m % prev:
+            break
+        weight = [float(sizes[m][u].sum()) for u in units]
+        groups = intra_microbatch_reorder(weight, d // m)
+        units, prev = [[i for g in grp for i in units[g]] for grp in groups], m
+    return np.array([i for u in units for i in u], dtype=np.int64)
+
+
+def balance_steps(times: np.ndarray, plan_: Plan) -> np.ndarray:
+    """Intra-microbatch reordering of a whole iteration: each step's slots reordered by
+    :func:`balance_step`, kept only if no module's slowest replica gets slower (so stage times
+    never grow, and the 1F1B makespan, monotone in op times, never does either)."""
+    d = _step_size(plan_)
+    out = np.arange(len(times))
+    for lo in range(0, len(times), d):
+        step = times[lo:lo + d]
+        perm = balance_step(step, plan_)
+        before, after = replica_max(np.stack([step, step[perm]]), plan_)
+        if (after <= before).all():
+            out[lo:lo + d] = lo + perm
+    return out
+
+
+def replica_groups(plan_: Plan) -> int:
+    """Groups of replicas that never wait for each other within an iteration: the gcd of every
+    module's DP. Across one boundary the communicator's broker groups number
+    ``gcd(dp_up, dp_down)`` (``comm.routes.broker_groups``); along the graph they join."""
+    return reduce(math.gcd, (m.dp for m in plan_.modules.values()))
+
+
+@lru_cache(maxsize=64)
+def _group_preds(names: tuple[str, ...], upstream: tuple[tuple[str, ...], ...],
+                 replicas: tuple[int, ...], pps: tuple[int, ...], samples: int) -> Preds:
+    """Upstream replica-stages of every replica-stage of one group: modules in data-flow order,
+    each module's replicas in DP order, each replica's stages consecutive; a replica's first
+    stage waits for the last stage of every upstream replica it takes samples from
+    (``comm.routes.routes`` over the group's ``samples`` slots)."""
+    index = {n: i for i, n in enumerate(names)}
+    last: dict[str, list[int]] = {}
+    preds: list[tuple[int, ...]] = []
+    for n, ups in zip(names, upstream):
+        c, pp = replicas[index[n]], pps[index[n]]
+        last[n] = []
+        for r in range(c):
+            feeds = sorted(last[u][rt.up] for u in ups
+                           for rt in routes(samples, replicas[index[u]], c) if rt.down == r)
+            preds.append(tuple(feeds))
+            preds.extend((len(preds) - 1,) for _ in range(pp - 1))
+            last[n].append(len(preds) - 1)
+    return tuple(preds)
+
+
+def group_stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
+    """``[G, K, S]`` fwd+bwd time of every replica-stage of each of the :func:`replica_groups`
+    per step (columns as :func:`_group_preds`): the replica's load / PP on each of its stages."""
+    d, g = _step_size(plan_), replica_groups(plan_)
+    steps = np.asarray(times, dtype=np.float64)[arrangement].reshape(-1, d, len(plan_.modules))
+    k = len(steps)
+    cols = [np.repeat(steps[:, :, j].reshape(k, g, m.dp // g, -1).sum(axis=3) / m.pp, m.pp,
+                      axis=2) for j, m in enumerate(plan_.modules.values())]
+    return np.concatenate(cols, axis=2).transpose(1, 0, 2)
+
+
+def _span(times: np.ndarray, plan_: Plan, arrangement: np.ndarray, order: list[int],
+          lock_step: bool) -> float:
+    """Simulated makespan of one arrangement and step order (module docstring)."""
+    if lock_step:
+        fwd, bwd = split_fwd_bwd(stage_times(times, plan_, arrangement)[order])
+        _, preds = graph_stages(plan_.graph, _pp(plan_))
+        return makespan_1f1b(fwd, bwd) if is_chain(preds) else makespan_dag(fwd, bwd, preds)
+    graph, g = plan_.graph, replica_groups(plan_)
+    preds = _group_preds(graph.names, tuple(graph.upstream(n) for n in graph.names),
+                         tuple(m.dp // g for m in plan_.modules.values()),
+                         tuple(m.pp for m in plan_.modules.values()), _step_size(plan_) // g)
+    groups = group_stage_times(times, plan_, arrangement)[:, order]
+    return float(makespans(*split_fwd_bwd(groups), preds).max())
+
+
+def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
+                       inter: bool = False, budget_s: float = 0.5, seed: int = 0,
+                       lock_step: bool = False) -> IterationSim:
+    """Simulate one iteration of ``plan_`` on ``times`` (``[global_batch, modules]`` ms from
+    :func:`sample_times`, in loader order): the slowest replica group's 1F1B, or with
+    ``lock_step`` every stage at its slowest replica's pace (module docstring). ``intra`` and
+    ``inter`` reorder (the latter searches up to ``budget_s`` seconds on the lock-step stage
+    times, or their ``simulate.longest_path_view`` for parallel encoders or generators); each
+    is kept only when the iteration does not get longer."""
+    times = np.asarray(times, dtype=np.float64)
+    shape = (plan_.microbatches * _step_size(plan_), len(plan_.modules))
+    if times.shape != shape:
+        raise ValueError(f"times must be {list(shape)}, got {list(times.shape)}")
+    order = list(range(plan_.microbatches))
+    arrangement = np.arange(len(times))
+    span = _span(times, plan_, arrangement, order, lock_step)
+    if intra:
+        balanced = balance_steps(times, plan_)
+        t = _span(times, plan_, balanced, order, lock_step)
+        if t <= span:
+            arrangement, span = balanced, t
+    stages = stage_times(times, plan_, arrangement)
+    if inter:
+        _, preds = graph_stages(plan_.graph, _pp(plan_))
+        view = stages if is_chain(preds) else longest_path_view(stages, plan_.graph, _pp(plan_))
+        found = inter_microbatch_reorder(*split_fwd_bwd(view), time_budget_s=budget_s, seed=seed)
+        t = _span(times, plan_, arrangement, found, lock_step)
+        if t < span:
+            order, span = list(found), t
+    return IterationSim(float(span), stages[order], arrangement, tuple(order))
+
+
+def straggler_factors(times: np.ndarray, plan_: Plan) -> np.ndarray:
+    """``[modules]`` mean over the steps of (slowest replica's load / mean replica load) per
+    module, samples in loader order: how much data heterogeneity stretches each module's stage."""
+    d = _step_size(plan_)
+    steps = np.asarray(times, dtype=np.float64).reshape(-1, d, len(plan_.modules))
+    dp = np.array([m.dp for m in plan_.modules.values()])
+    return (replica_max(steps, plan_) / (steps.sum(axis=1) / dp)).mean(axis=0)

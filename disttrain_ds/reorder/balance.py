@@ -1,0 +1,45 @@
+"""How evenly a step's encoder and generator work spreads over each module's DP replicas.
+
+Every encoder (image or audio) and every generator of the graph has its own figures, under its
+module name.
+
+This is where straggler removal shows: in each microbatch slot the replicas run in lock-step, so
+the slowest one sets the pace. Per slot, each replica's load is the cost-model estimate (forward
+FLOPs) of the samples it processes, with the runtime's contiguous-block split; the figures are the
+max and min over replicas relative to the slot's mean (1.0 = perfect), averaged over the step's
+slots, and the mean load itself. Intra-microbatch reordering moves max and min towards 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from disttrain_ds.comm.routes import blocks
+
+COLUMNS = {"encoder": 0, "generator": 2}
+
+
+def module_columns(costs) -> dict[str, int]:
+    """Module name -> its cost column in ``costs.costs`` (a ``cost.graph_costs.GraphCosts``): every
+    module but the LLM (whose DP blocks are the microbatch slot's own split)."""
+    return {n: costs.column(n) for n in costs.names if costs.role(n) != "llm"}
+
+
+def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int],
+               columns: dict[str, int] | None = None) -> dict[str, float]:
+    """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, k]``; ``columns``:
+    module name -> its cost column (default: the three-module graph's encoder and generator)."""
+    out: dict[str, float] = {}
+    n = costs.shape[0]
+    for module, col in (COLUMNS if columns is None else columns).items():
+        highs, lows, means = [], [], []
+        for start in range(0, n, slot):
+            loads = np.array([costs[start + b.start : start + b.stop, col].sum() for b in blocks(slot, dp[module])])
+            mean = loads.mean()
+            highs.append(loads.max() / mean if mean else 1.0)  # nothing to do is perfectly balanced
+            lows.append(loads.min() / mean if mean else 1.0)
+            means.append(mean)
+        out[f"balance/{module}_load_max"] = float(np.mean(highs))
+        out[f"balance/{module}_load_min"] = float(np.mean(lows))
+        out[f"balance/{module}_load_mean"] = float(np.mean(means))
+    return out
