@@ -30,8 +30,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from disttrain_ds.samples import doc_ids
 from disttrain_ds.models.doc_mask import doc_attention, doc_block_mask, doc_causal_mask, doc_spans
+from disttrain_ds.samples import doc_ids
 
 
 def saved_bytes(fn) -> tuple[torch.Tensor, int]:

@@ -35,7 +35,7 @@ from PIL import Image  # noqa: E402
 from disttrain_ds.data.config import DataConfig  # noqa: E402
 from disttrain_ds.data.images import to_tensor  # noqa: E402
 from disttrain_ds.data.registry import open_source  # noqa: E402
-from disttrain_ds.data.source import ShapeSpec  # noqa: E402
+from disttrain_ds.samples import ShapeSpec  # noqa: E402
 
 PATCH = 14
 INPUT_SIDES = (224, 336, 448)
@@ -117,8 +117,7 @@ def source_rate(tar: Path, sequences: int, cache: str) -> tuple[float, float, fl
 def mllm9b_step() -> dict:
     """MLLM-9B's step from the planner (our plan, simulated, reordered) and from the paper's Fig. 15/16."""
     from disttrain_ds.data.paper_stats import draw_sequence_layouts
-    from disttrain_ds.paper import load_paper_figures
-    from disttrain_ds.paper import scale
+    from disttrain_ds.paper import load_paper_figures, scale
     from disttrain_ds.planner.optimize import plan
 
     paper = load_paper_figures()

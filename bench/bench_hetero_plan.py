@@ -30,11 +30,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
-from disttrain_ds.paper import load_paper_figures  # noqa: E402
-from disttrain_ds.paper import scale  # noqa: E402
-from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
 from disttrain_ds.cost.profile import MODULES, profile_from_dict  # noqa: E402
+from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
+from disttrain_ds.paper import (
+    load_paper_figures,  # noqa: E402
+    scale,  # noqa: E402
+)
+from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
 
 DRAW = 1024
 """Samples in the profile's draw."""

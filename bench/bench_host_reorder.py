@@ -22,9 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disttrain_ds.reorder.inter import _span, batch_order  # noqa: E402
-from disttrain_ds.data.paper_stats import draw_sample_stats  # noqa: E402
 from disttrain_ds.cost.graph_costs import as_graph_costs  # noqa: E402
+from disttrain_ds.data.paper_stats import draw_sample_stats  # noqa: E402
+from disttrain_ds.reorder.inter import _span, batch_order  # noqa: E402
 
 
 def split_of(order: list[int], groups: int, per_group: int) -> list[list[list[int]]]:

@@ -80,18 +80,18 @@ def above_baseline(rec: dict) -> tuple[float, float]:
 
 def modules_of(overrides: list[str]) -> dict[str, range]:
     """Global ranks of each module."""
+    from disttrain_ds.recipe.graph import topology_of
     from disttrain_ds.recipe.schema import load_recipe
-    from disttrain_ds.topology import Topology
 
-    topo = Topology.from_recipe(load_recipe("tiny_cpu", overrides))
+    topo = topology_of(load_recipe("tiny_cpu", overrides))
     return {g.name: range(g.rank(stage=0, dp=0), g.rank(stage=g.pp - 1, dp=g.dp - 1, tp=g.tp - 1) + 1)
             for g in topo.modules}
 
 
 def estimated(overrides: list[str]) -> dict[str, float]:
     """Largest per-rank estimate of each module, bytes."""
-    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.estimate.memory import estimate
+    from disttrain_ds.recipe.schema import load_recipe
 
     out: dict[str, float] = {}
     for row in estimate(load_recipe("tiny_cpu", overrides)):

@@ -40,13 +40,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.configtools import ConfigError  # noqa: E402
+from disttrain_ds.cost.profile import Profile, profile_from_dict, profile_to_dict, save_profile
 from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
-from disttrain_ds.paper import scale  # noqa: E402
-from disttrain_ds.paper import load_paper_figures  # noqa: E402
+from disttrain_ds.errors import ConfigError  # noqa: E402
+from disttrain_ds.paper import (
+    load_paper_figures,  # noqa: E402
+    scale,  # noqa: E402
+)
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
-from disttrain_ds.cost.profile import Profile, profile_from_dict, profile_to_dict, save_profile
 
 TP_EFFICIENCY = 0.9
 VOCAB = 128256  # Llama 3 tokenizer

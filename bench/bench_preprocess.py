@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec
+from disttrain_ds.samples import ShapeSpec
 
 
 def run(cfg: DataConfig, shape: ShapeSpec, batch: int, steps: int, compute_s: float) -> dict:

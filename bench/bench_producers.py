@@ -139,8 +139,7 @@ def mllm9b() -> dict[str, float]:
     """MLLM-9B at the paper's scale: simulated step time of the planner's plan, GPUs, samples and
     images (each also generated) per sequence."""
     from disttrain_ds.data.paper_stats import draw_sequence_layouts
-    from disttrain_ds.paper import load_paper_figures
-    from disttrain_ds.paper import scale
+    from disttrain_ds.paper import load_paper_figures, scale
 
     paper = load_paper_figures(None)
     spec = scale.model_specs(paper)["MLLM-9B"]

@@ -36,9 +36,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from disttrain_ds.cost.profile import Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.planner.baselines import megatron_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
-from disttrain_ds.cost.profile import Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.schedule import replay  # noqa: E402
 
 RECIPES = {"tiny_cpu": "recipes/tiny_cpu.yaml", "tiny_vlm": "recipes/tiny_vlm.yaml"}
@@ -77,10 +77,9 @@ def paper_profile(paper_path: Path | None) -> Profile:
     """MLLM-9B from the paper's figures (``planner.scale``), TP=1 costs only, memory unchecked.
 
     ``paper_path`` None reads the figures shipped in ``disttrain_ds/paper``."""
-    from disttrain_ds.configtools import ConfigError
     from disttrain_ds.data.paper_stats import draw_sequence_layouts
-    from disttrain_ds.paper import load_paper_figures, packaged_figures_name
-    from disttrain_ds.paper import scale
+    from disttrain_ds.errors import ConfigError
+    from disttrain_ds.paper import load_paper_figures, packaged_figures_name, scale
 
     try:
         paper = load_paper_figures(paper_path)
@@ -179,8 +178,8 @@ class Config:
         return sum(p.module(m).dp * p.module(m).pp for m in p.graph.names)
 
     def overrides(self, run_dir: Path, steps: int, batch: int) -> list[str]:
-        from disttrain_ds.recipe.schema import load_recipe
         from disttrain_ds.recipe.graph import module_key, parallel_key
+        from disttrain_ds.recipe.schema import load_recipe
 
         p, recipe = self.plan, load_recipe(REPO / RECIPE)
         llm = p.graph.llm

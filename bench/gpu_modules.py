@@ -42,8 +42,7 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
 from disttrain_ds.cost.mfu import module_mfu, tflops_per_gpu  # noqa: E402
 from disttrain_ds.cost.peak import resolve_peak  # noqa: E402
-from disttrain_ds.models.configs import (  # noqa: E402
-    ENCODER_PRESETS, GENERATOR_PRESETS, EncoderConfig, GeneratorConfig, LLMConfig)
+from disttrain_ds.models.configs import ENCODER_PRESETS, GENERATOR_PRESETS, EncoderConfig, GeneratorConfig, LLMConfig  # noqa: E402
 from disttrain_ds.models.layers import Sequential  # noqa: E402
 
 # The model modules pull in transformers / diffusers (seconds to import): each case imports its
@@ -102,10 +101,10 @@ class Result:
 
 
 def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention: str = "auto") -> Case:
-    from disttrain_ds.samples import doc_ids
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.llama.model import llm_layers
     from disttrain_ds.models.objectives import lm_loss
+    from disttrain_ds.samples import doc_ids
 
     cfg = LLMConfig(preset="bench", doc_attention=doc_attention, **(LLM_TINY if tiny else LLM_1B))
     cfg.max_position = max(cfg.max_position, seq_len)
@@ -131,8 +130,8 @@ def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention:
 def vit_case(tiny: bool, batch: int) -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.vit.model import encoder_layers
-    from disttrain_ds.models.projectors import InputProjector
     from disttrain_ds.models.pixels import pack_images
+    from disttrain_ds.models.projectors import InputProjector
 
     cfg = EncoderConfig() if tiny else EncoderConfig(preset="vit-h-14", **ENCODER_PRESETS["vit-h-14"])
     width, side = PROJ_WIDTH[tiny], cfg.image_size
@@ -158,8 +157,8 @@ def vit_case(tiny: bool, batch: int) -> Case:
 def unet_case(name: str, tiny: bool, batch: int) -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.unet.model import generator_layers, unet_kwargs
-    from disttrain_ds.models.projectors import ConditionProjector
     from disttrain_ds.models.objectives import diffusion_loss
+    from disttrain_ds.models.projectors import ConditionProjector
 
     latent = LATENT[tiny][name]
     base = GeneratorConfig() if tiny else GeneratorConfig(preset="sd21", **GENERATOR_PRESETS["sd21"])

@@ -28,12 +28,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.configtools import ConfigError  # noqa: E402
-from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
-from disttrain_ds.paper import load_paper_figures  # noqa: E402
-from disttrain_ds.paper import scale  # noqa: E402
-from disttrain_ds.planner.optimize import Plan, plan  # noqa: E402
 from disttrain_ds.cost.profile import MODULES, Profile  # noqa: E402
+from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
+from disttrain_ds.errors import ConfigError  # noqa: E402
+from disttrain_ds.paper import (
+    load_paper_figures,  # noqa: E402
+    scale,  # noqa: E402
+)
+from disttrain_ds.planner.optimize import Plan, plan  # noqa: E402
 
 PLANS = {"ours": "ours", "draw": "ours + draw", "megatron": "Megatron-LM",
          "ratio": "ratio (GPU-time)", "flops": "ratio (FLOPs)"}

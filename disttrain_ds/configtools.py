@@ -18,18 +18,13 @@ from typing import Any, TypeVar
 
 import yaml
 
+from disttrain_ds.errors import ConfigError
+
 T = TypeVar("T")
 
 
-_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
 
 
-class ConfigError(ValueError):
-    """A recipe or config file is invalid; the message is one line naming the key and file."""
-
-    def __init__(self, message: object = "", *args: object):
-        # Values quoted into messages (paths, strings from the file) may hold line breaks: escape them.
-        super().__init__(str(message).translate(_LINE_BREAKS), *args)
 
 
 def _type_name(tp: Any) -> str:

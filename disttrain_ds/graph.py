@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 
 ROLES = ("encoder", "llm", "generator")
 """Roles in data-flow order."""

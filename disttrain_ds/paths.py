@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 """The package, with its shipped ``recipes/*.yaml`` and ``ds_configs/*.json``."""

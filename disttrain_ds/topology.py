@@ -7,16 +7,10 @@ graph's data-flow order (encoders -> LLM -> generators). Inside a module, ranks 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.graph import ModuleGraph
-from disttrain_ds.recipe.graph import graph_of, module_degrees
-
-if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
-    from disttrain_ds.recipe.schema import Recipe
 
 MODULES = ("encoder", "llm", "generator")
 """The three-module graph's module names."""
@@ -149,18 +143,16 @@ class Topology:
         return (ups[0] if ups else None), (downs[0] if downs else None)
 
     @staticmethod
-    def from_recipe(recipe: Recipe) -> "Topology":
-        """Derive the rank map from ``parallel.*`` (monolithic: encoder and generator take the LLM's DP/TP, PP 1)."""
-        if recipe.layout == "reference":
-            raise ConfigError(f"{recipe.source_file}: 'layout' reference runs in one process and has no rank map")
-        graph, degrees = graph_of(recipe), module_degrees(recipe)
+    def build(graph: ModuleGraph, degrees: dict[str, tuple[int, int, int]], layout: str) -> "Topology":
+        """The modules of ``graph`` on consecutive rank ranges in data-flow order, each with its
+        ``(dp, pp, tp)`` from ``degrees`` (a recipe's: ``recipe/graph.py::topology_of``)."""
         grids, first = [], 0
         for name in graph.names:
             dp, pp, tp = degrees[name]
             g = ModuleGrid(name, first, dp, pp, tp)
             grids.append(g)
             first += g.size
-        return Topology(tuple(grids), recipe.layout, tuple(graph.role(n) for n in graph.names))
+        return Topology(tuple(grids), layout, tuple(graph.role(n) for n in graph.names))
 
     def check_world(self, world_size: int, src: str = "<recipe>") -> None:
         if world_size != self.world_size:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from disttrain_ds.models.layers import Sequential
+from disttrain_ds.recipe.graph import topology_of
 
 
 def perturbed_states(spec, modules, seed: int = 7) -> dict[str, dict[str, torch.Tensor]]:
@@ -31,14 +32,13 @@ def perturbed_states(spec, modules, seed: int = 7) -> dict[str, dict[str, torch.
 def write_step_dir(root: Path, recipe, spec, states: dict, step: int = 1) -> Path:
     """A complete step directory holding ``states`` in DeepSpeed's file layout (one file per layer
     and TP rank, cut by ``shard_layer`` as the runtime cuts it) with a checksummed manifest."""
-    from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
     from disttrain_ds.checkpoint.files import CHECKSUM, file_entry
     from disttrain_ds.checkpoint.manifest import FORMAT, MANIFEST, fingerprint, step_dir_name
+    from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 
-    from disttrain_ds.topology import Topology
 
     step_dir = root / step_dir_name(step)
-    topology = Topology.from_recipe(recipe)
+    topology = topology_of(recipe)
     for m, state in states.items():
         par = topology.module(m)
         (step_dir / m).mkdir(parents=True)

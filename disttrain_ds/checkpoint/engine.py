@@ -17,8 +17,8 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.checkpoint.files import CheckpointFileError, safe_load
+from disttrain_ds.errors import ConfigError
 
 DEEPSPEED_TYPES = (ZeroStageEnum, LossScaler, fragment_address)
 """Non-tensor types in DeepSpeed 0.19 checkpoints: ZeRO/bf16 optimizer states hold the ZeRO stage,

@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.mllm.weights import map_key
-from disttrain_ds.recipe.graph import graph_of, module_config, module_family
 from disttrain_ds.checkpoint.manifest import inspect_step_dir
 from disttrain_ds.checkpoint.read import read_module_state, step_modules, step_recipe, verified_manifest
+from disttrain_ds.data.tokenizer import load_tokenizer
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.mllm.weights import map_key
+from disttrain_ds.recipe.graph import encoder_of, graph_of, module_config, module_family
+from disttrain_ds.samples import SpecialTokens
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
     from disttrain_ds.recipe.schema import Recipe
@@ -82,12 +84,8 @@ def export_module(recipe: Recipe, module: str, state: dict[str, torch.Tensor], o
 
 def export_tokenizer(recipe: Recipe, out: Path, vocab: int) -> None:
     """The LLM's tokenizer beside its weights: ``tokens.json`` always, the HF files when it has them."""
-    from disttrain_ds.data.tokenizer import load_tokenizer
-    from disttrain_ds.samples import SpecialTokens
-
     name = recipe.data.tokenizer
     tok = load_tokenizer(name, recipe.data.cache_dir)
-    from disttrain_ds.recipe.graph import encoder_of
 
     special = SpecialTokens.after(tok.vocab_size, audio=encoder_of(recipe, "audio") is not None,
                                   generators=len(graph_of(recipe).generators))  # as the run built it

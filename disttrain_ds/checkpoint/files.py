@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 
 CHECKSUM = "sha256"
 """Digest of every file in the manifest (with SHA extensions it outruns BLAKE2b: docs/reliability.md)."""

@@ -13,10 +13,12 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.configtools import ConfigError, to_dict
-from disttrain_ds.recipe.graph import as_written
 from disttrain_ds.checkpoint.files import CHECKSUM, first_problem, valid_entry
+from disttrain_ds.configtools import to_dict
+from disttrain_ds.data.config import DataConfig
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.graph import as_written
+from disttrain_ds.recipe.schema import Recipe
 
 MANIFEST = "manifest.json"
 FORMAT = 2
@@ -109,8 +111,6 @@ _MISSING = object()
 
 
 def _data_defaults() -> dict:
-    from disttrain_ds.data.config import DataConfig
-
     return to_dict(DataConfig())
 
 

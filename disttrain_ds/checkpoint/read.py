@@ -21,9 +21,14 @@ from pathlib import Path
 
 import torch
 
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.checkpoint.files import CheckpointFileError, file_problem, first_problem, safe_load
 from disttrain_ds.checkpoint.manifest import MANIFEST, inspect_step_dir
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.families import clear_build_caches
+from disttrain_ds.mllm.recipe_spec import meta_spec
+from disttrain_ds.parallel.tensor_parallel import TPContext, merge_shards, shard_layer, tp_split
+from disttrain_ds.recipe.graph import graph_of, topology_of
+from disttrain_ds.recipe.schema import recipe_from_data
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 """DeepSpeed's per-layer file name (``PipelineModule.ckpt_layer_path``): layer index, TP rank."""
@@ -73,8 +78,6 @@ def verified_manifest(step_dir: str | Path, module: str, full: bool = True) -> d
 def step_recipe(manifest: dict):
     """The recipe sections that wrote a checkpoint (model, data, parallel degrees, seed), rebuilt from
     its manifest: what shapes and splits its layers have."""
-    from disttrain_ds.recipe.schema import recipe_from_data
-
     fp = copy.deepcopy(manifest["fingerprint"])
     graph_form = "modules" in fp["model"]
     data = {"name": "checkpoint", "layout": fp["layout"], "seed": fp["seed"], "model": fp["model"], "data": fp["data"],
@@ -124,8 +127,6 @@ def _vocab_rows(files: dict[int, dict[int, Path]]) -> int:
 
 def _meta_layer(layer_def, tp: int):
     """(whole layer, this layer cut for ``tp`` ranks) on the meta device."""
-    from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
-
     with torch.device("meta"):
         return layer_def.build(), shard_layer(layer_def.build(), TPContext(None, 0, tp))
 
@@ -134,15 +135,11 @@ def _meta_layer(layer_def, tp: int):
 def _layout(step_dir: str, folder: str) -> tuple[list, int, dict[int, dict[int, Path]]]:
     """(layer defs, TP degree, layer files) of a module folder (once per process: the LLM's
     vocabulary is read from its embedding file)."""
-    from disttrain_ds.recipe.graph import graph_of
-    from disttrain_ds.estimate.memory import meta_spec
-    from disttrain_ds.topology import Topology
-
     manifest = verified_manifest(step_dir, folder, full=False)  # each file's checksum: as it is read
     recipe = step_recipe(manifest)
     if folder not in recipe.model.modules:
         raise CheckpointFileError(f"{step_dir}: its manifest has no module '{folder}'")
-    tp = Topology.from_recipe(recipe).module(folder).tp  # monolithic: encoders and generators take the LLM's
+    tp = topology_of(recipe).module(folder).tp  # monolithic: encoders and generators take the LLM's
     files = layer_files(Path(step_dir), folder)
     llm = graph_of(recipe).llm
     vocab = _vocab_rows(files if folder == llm else layer_files(Path(step_dir), llm)) if llm in step_modules(manifest) else 1
@@ -161,9 +158,6 @@ def read_module_state(step_dir: str | Path, module: str, layers: list[str] | Non
     ``folder``: the module folder to read when it differs from ``module`` (a checkpoint of another
     graph). Every file is verified against the manifest first; a missing TP shard, a missing or
     unexpected tensor, or a shape the model does not have is a ``CheckpointFileError`` naming it."""
-    from disttrain_ds.families import clear_build_caches
-    from disttrain_ds.parallel.tensor_parallel import merge_shards, tp_split
-
     step_dir, folder = Path(step_dir), folder or module
     defs, tp, files = _layout(str(step_dir.resolve()), folder)
     out: dict[str, torch.Tensor] = {}
@@ -199,8 +193,6 @@ def read_module_state(step_dir: str | Path, module: str, layers: list[str] | Non
 def module_shapes(step_dir: str | Path, module: str, folder: str | None = None) -> dict[str, tuple]:
     """``{layer/param: full shape}`` of a module in a step directory, from its manifest's model (no
     tensor is read; every layer file present at its recorded size)."""
-    from disttrain_ds.families import clear_build_caches
-
     folder = folder or module
     defs, tp, files = _layout(str(Path(step_dir).resolve()), folder)
     out = {}

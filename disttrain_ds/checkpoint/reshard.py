@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from disttrain_ds.checkpoint.read import LAYER_FILE
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.parallel.tensor_parallel import merge_shards, shard_rows
 
 MODEL_FILE = re.compile(r"^mp_rank_\d+_model_states\.pt$")

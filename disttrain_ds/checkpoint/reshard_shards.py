@@ -12,12 +12,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from disttrain_ds.topology import Topology
 from disttrain_ds.checkpoint.engine import DEEPSPEED_TYPES
 from disttrain_ds.checkpoint.files import CheckpointFileError, safe_load
 from disttrain_ds.checkpoint.reshard import (
-    describe_rank, files_fit, load_into_engine, read_module, restore_schedule, scheduler_state
+    describe_rank,
+    files_fit,
+    load_into_engine,
+    read_module,
+    restore_schedule,
+    scheduler_state,
 )
+from disttrain_ds.recipe.graph import topology_of
 
 
 def must_reshard(ckpt, manifest: dict) -> bool:
@@ -27,7 +32,7 @@ def must_reshard(ckpt, manifest: dict) -> bool:
     saved = manifest.get("shards")
     fits = True
     if isinstance(saved, dict):
-        grid = Topology.from_recipe(ckpt.recipe).module(ckpt.module)
+        grid = topology_of(ckpt.recipe).module(ckpt.module)
         mine = describe_rank(ckpt.engine.module, ckpt.engine.optimizer, grid.coords(ckpt.rank),
                              (grid.pp, grid.dp, grid.tp), [])
         # DeepSpeed 0.19.8 cannot read its own bf16-optimizer files back under ZeRO stage 0 (it looks
@@ -54,7 +59,7 @@ def reader(path: Path, manifest: dict):
 def load_resharded(ckpt, path: Path, manifest: dict) -> list[str]:
     """Load this rank's shards of its module from ``path`` (written by another layout); returns
     what was set."""
-    pm, grid = ckpt.engine.module, Topology.from_recipe(ckpt.recipe).module(ckpt.module)
+    pm, grid = ckpt.engine.module, topology_of(ckpt.recipe).module(ckpt.module)
     records = manifest["shards"].get(ckpt.module, [])
     load = reader(path, manifest)
     layers = set(range(pm._local_start, pm._local_stop))

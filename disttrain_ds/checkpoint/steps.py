@@ -33,20 +33,40 @@ from typing import Callable
 
 import torch.distributed as tdist
 
-from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.data.host_read import merge_states
-from disttrain_ds.topology import Topology
-from disttrain_ds.checkpoint.reshard_shards import load_resharded, must_reshard, resume_line
-from disttrain_ds.checkpoint.reshard import describe_rank
 from disttrain_ds.checkpoint.files import (
-    CHECKSUM, DATA_STATE, RNG_DIR, file_entry, first_problem, load_data_state, load_rng, rng_file, save_data_state,
-    save_rng, size_problem
+    CHECKSUM,
+    DATA_STATE,
+    RNG_DIR,
+    file_entry,
+    first_problem,
+    load_data_state,
+    load_rng,
+    rng_file,
+    save_data_state,
+    save_rng,
+    size_problem,
 )
 from disttrain_ds.checkpoint.manifest import (
-    FORMAT, MANIFEST, Log, checkpoint_root, complete_checkpoints, fingerprint, inspect_step_dir, layout_changes,
-    newest_intact, read_manifest, resolve_resume, set_aside, step_dir_name
+    FORMAT,
+    MANIFEST,
+    Log,
+    checkpoint_root,
+    complete_checkpoints,
+    fingerprint,
+    inspect_step_dir,
+    layout_changes,
+    newest_intact,
+    read_manifest,
+    resolve_resume,
+    set_aside,
+    step_dir_name,
 )
+from disttrain_ds.checkpoint.reshard import describe_rank
+from disttrain_ds.checkpoint.reshard_shards import load_resharded, must_reshard, resume_line
+from disttrain_ds.data.host_read import merge_states
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.recipe.schema import Recipe
 
 
 def share(files: dict[str, dict], names: list[str], parts: int, index: int) -> list[str]:
@@ -144,7 +164,7 @@ class Checkpointer:
         self.engine.save_checkpoint(str(partial), tag=self.module, client_state={"step": step}, save_latest=False)
         written = take_saved() if take_saved else []
         engine_files = [Path(os.path.relpath(os.path.abspath(p), os.path.abspath(partial))).as_posix() for p in written]
-        grid = Topology.from_recipe(self.recipe).module(self.module)
+        grid = topology_of(self.recipe).module(self.module)
         record = describe_rank(self.engine.module, self.engine.optimizer, grid.coords(self.rank),
                                (grid.pp, grid.dp, grid.tp), engine_files)
         record["module"] = self.module
@@ -251,7 +271,7 @@ class Checkpointer:
     def my_files(self, files: dict[str, dict]) -> list[str]:
         """What this rank checks: an equal share (by size) of its module's files among the module's
         ranks, its own RNG file, the data state, and (rank 0) anything else outside module folders."""
-        ranks = list(Topology.from_recipe(self.recipe).module(self.module).ranks)
+        ranks = list(topology_of(self.recipe).module(self.module).ranks)
         ours = [n for n in files if n.startswith(self.module + "/")]
         mine = share(files, ours, len(ranks), ranks.index(self.rank))
         mine += [n for n in (rng_file(self.rank), DATA_STATE) if n in files]
@@ -266,7 +286,7 @@ class Checkpointer:
         needed = (DATA_STATE,) if self._moved else (rng_file(self.rank), DATA_STATE)  # RNG files are per rank
         problem = next((f"{n} is not in the manifest" for n in needed if n not in files), None)
         problem = problem or first_problem(path, files, mine)
-        if problem is None and self.rank == Topology.from_recipe(self.recipe).module(self.module).ranks[0]:
+        if problem is None and self.rank == topology_of(self.recipe).module(self.module).ranks[0]:
             problem = self._unlisted(path, files)
         results = self._gather((problem, sum(files[n]["size"] for n in mine), time.perf_counter() - t0))
         total, slowest = sum(r[1] for r in results), max(r[2] for r in results)

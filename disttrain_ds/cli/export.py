@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="new directory for the exported modules")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="tensor dtype written (default fp32)")
     args = ap.parse_args(argv)
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.checkpoint.export import export_checkpoint
 
     try:

@@ -31,12 +31,13 @@ import sys
 from pathlib import Path
 
 from disttrain_ds.cli import OneLineParser, prog_name
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.launcher.hostfile import Host, LaunchError, parse_hostfile, plural, select_slots, slots_summary
 from disttrain_ds.launcher.layout_fit import check_memory, check_slots, required_ranks, tp_span_problems
 from disttrain_ds.launcher.netenv import SocketEnv, apply_socket_env, plan_socket_env
 from disttrain_ds.launcher.reachability import check_reachability, local_names
 from disttrain_ds.launcher.supervise import check_restartable, start
+from disttrain_ds.recipe.schema import load_recipe
 
 __all__ = ["Host", "LaunchError", "TRAIN_MODULE", "check_reachability", "launcher_command", "local_names",
            "main", "parse_hostfile", "prepare", "select_slots"]
@@ -145,8 +146,6 @@ def _interfaces() -> list[str] | None:
 def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple[list[str], list[str], SocketEnv]:
     """Run every check; return the lines reporting them, the launcher command, and what to set in
     its environment (``apply_socket_env``)."""
-    from disttrain_ds.recipe.schema import load_recipe
-
     _check_options(args, train_script)
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe is the first thing reported
     ranks, breakdown = required_ranks(recipe)

@@ -26,14 +26,16 @@ from typing import Any
 import yaml
 
 from disttrain_ds.cli import OneLineParser, prog_name
-from disttrain_ds.recipe.schema import Recipe, find_recipe, load_recipe
-from disttrain_ds.configtools import ConfigError, load_yaml
+from disttrain_ds.configtools import load_yaml
+from disttrain_ds.cost.profile import Profile, load_profile
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.legal import LeftOut, measured_only, restrict_to_runtime
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
-from disttrain_ds.cost.profile import Profile, load_profile
 from disttrain_ds.planner.recipe_memory import fit_plan, with_recipe_memory
+from disttrain_ds.recipe.checks import graph_problem
 from disttrain_ds.recipe.graph import family_named
+from disttrain_ds.recipe.schema import Recipe, find_recipe, load_recipe
 
 PROG = prog_name("disttrain-plan", "python -m disttrain_ds.cli.plan")
 
@@ -191,8 +193,6 @@ def check_runtime_graph(graph: ModuleGraph, src: str, modality=None) -> None:
     """One-line ConfigError when the runtime cannot train ``graph`` (the runtime's own rule,
     ``validate.graph_problem``; ``modality``: encoder name -> what it reads, when a base recipe
     says), so a recipe for it would not load."""
-    from disttrain_ds.recipe.checks import graph_problem
-
     bad = graph_problem(graph, modality)
     if bad is not None:
         raise ConfigError(f"{src}: cannot write a recipe for the module graph {', '.join(graph.names)}: {bad}, "
@@ -222,6 +222,7 @@ def memory_problem(path: Path, profile: Profile) -> str:
     refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). With
     ``--recipe`` the plan already passed that check (``planner/recipe_memory.fit_plan``); this
     stays as the last word on the file actually written."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import check_fits
 

@@ -24,14 +24,15 @@ from pathlib import Path
 
 import torch
 
-from disttrain_ds.recipe.schema import Recipe, load_recipe
 from disttrain_ds.cli import OneLineParser, prog_name
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.cost.peak import resolve_peak
-from disttrain_ds.cost.profile import GIB, TP_DEGREES, Profile, ModuleProfile, save_profile
+from disttrain_ds.cost.profile import GIB, TP_DEGREES, ModuleProfile, Profile, save_profile
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.estimate.activations import module_layers
+from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.profiler.measure import ModuleResult, Options, profile_recipe
 from disttrain_ds.profiler.tp import cost_table, measure_tp
+from disttrain_ds.recipe.schema import Recipe, load_recipe
 
 PROG = prog_name("disttrain-profile", "python -m disttrain_ds.cli.profile")
 
@@ -43,7 +44,7 @@ def checkpointing_fields(recipe: Recipe, module: str) -> dict[str, float]:
     every = recipe.parallel.modules[module].activation_checkpointing
     if not every:
         return {}
-    from disttrain_ds.estimate.activations import module_layers
+    # deferred: loads diffusers (safetensors too)
     from disttrain_ds.estimate.memory import vocab_size
 
     outputs = module_layers(recipe, module, vocab_size(recipe)).outputs

@@ -19,10 +19,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from disttrain_ds.metrics.rundir import make_run_dir
 from disttrain_ds.report.figures import loss_panels, plot_balance, plot_loss, plot_mfu, plot_step_time, plot_traces
 from disttrain_ds.report.runs import ReportError, Run, load_runs, module_names
 from disttrain_ds.report.summary import format_table, summary_rows, write_html
-from disttrain_ds.metrics.rundir import make_run_dir
 
 __all__ = ["ReportError", "Run", "build_parser", "loss_panels", "main", "module_names"]
 

@@ -17,6 +17,10 @@ import argparse
 import os
 import sys
 
+from disttrain_ds.console import tell_launcher
+from disttrain_ds.errors import ConfigError, TrainingDiverged
+from disttrain_ds.runtime.entry import dry_run, run
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
@@ -37,17 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     # Set before torch is imported: several ranks on few cores crawl without it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from disttrain_ds.configtools import ConfigError
-    from disttrain_ds.runtime.entry import dry_run, run
-    from disttrain_ds.runtime.guards import TrainingDiverged
 
     try:
         if args.dry_run:
             return dry_run(args.recipe, args.overrides)
         return run(args.recipe, args.overrides)
     except ConfigError as exc:
-        from disttrain_ds.console import tell_launcher
-
         tell_launcher(f"error: {exc}")  # torchrun's failure summary shows it as the root cause
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
             print(f"error: {exc}", file=sys.stderr)

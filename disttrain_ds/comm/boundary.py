@@ -23,9 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from disttrain_ds.topology import ModuleGrid
 from disttrain_ds.comm.p2p import ACT, GRAD, P2P, PendingRecv
 from disttrain_ds.comm.routes import blocks, routes, routes_from, routes_to, split_rows
+from disttrain_ds.topology import ModuleGrid
 
 
 class BoundaryComm:

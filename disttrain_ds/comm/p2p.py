@@ -28,6 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from disttrain_ds.errors import CommTimeoutError
+
 ACT, GRAD = "activations", "gradients"
 CHANNELS = (ACT, GRAD)
 
@@ -52,13 +54,6 @@ def waiting_for(peer: int | None):
         _waiting[0] = before
 
 
-class CommTimeoutError(RuntimeError):
-    """A peer did not send or receive in time (stuck or dead)."""
-
-    def __init__(self, message: str, peer: int | None = None):
-        super().__init__(message)
-        self.peer = peer
-        """The global rank that did not answer (the suspect, not the rank that waited)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch import nn
 
 from disttrain_ds.cost.backward import MODE_MULTIPLIER
 from disttrain_ds.cost.model import TransformerDims, patch_embed_flops
-
+from disttrain_ds.models.vae import vae_kwargs
 
 
 def training_flops(forward_flops: float, *, mode: str = "train") -> float:
@@ -337,8 +337,6 @@ def vae_encode_flops(cfg, side: int, cache_path: str | os.PathLike | None = None
     """Measured forward FLOPs of the frozen VAE (``models/vae_config.py::VaeConfig``) encoding one
     ``side`` x ``side`` RGB image to its posterior (encoder and quant conv; no backward: it is
     frozen and nothing upstream trains). Reported apart from the model FLOPs that MFU counts."""
-    from disttrain_ds.models.vae import vae_kwargs
-
     _positive(side=side)
     kwargs = vae_kwargs(cfg)
     key = _stable_key({"class": "AutoencoderKL.encode", "config": kwargs, "side": side})

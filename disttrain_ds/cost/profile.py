@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from disttrain_ds.configtools import ConfigError, load_json
+from disttrain_ds.configtools import load_json
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.graph import DEFAULT_ROLES, ROLES, ModuleGraph
 
 if TYPE_CHECKING:

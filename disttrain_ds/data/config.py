@@ -8,6 +8,7 @@ from typing import Literal
 
 from disttrain_ds.data.fields import FieldsConfig
 from disttrain_ds.data.reader import RECORD_SUFFIXES
+from disttrain_ds.data.shards import list_shards
 
 SOURCES = ("synthetic", "paper_stats", "mmc4", "laion", "local", "webdataset", "parquet", "folder", "hf")
 """Values of ``data.source``."""
@@ -103,8 +104,6 @@ def path_problem(cfg: DataConfig) -> str | None:
 
 def shards_problem(cfg: DataConfig) -> str | None:
     """Why a shard source's ``data.path`` names no shards, or None (names only: nothing is opened)."""
-    from disttrain_ds.data.shards import list_shards
-
     suffixes = {"webdataset": (".tar",), "parquet": (".parquet",), "hf": (".arrow", ".parquet")}
     path = Path(cfg.path).expanduser()
     if cfg.source == "folder" or (cfg.source == "hf" and path.is_dir() and

@@ -27,10 +27,23 @@ import json
 import numpy as np
 
 from disttrain_ds.data import blobs
+from disttrain_ds.data.audio import clip_frames, clip_frames_bytes
 from disttrain_ds.data.fields import FieldsConfig, first, lookup
 from disttrain_ds.data.formats import (
-    AudioSeg, Bad, Document, ParseContext, Segment, TextSeg, _BadRecord, _check_fits, _generating, _image, _pair,
-    _text, generator_of, is_mark
+    AudioSeg,
+    Bad,
+    Document,
+    ParseContext,
+    Segment,
+    TextSeg,
+    _BadRecord,
+    _check_fits,
+    _generating,
+    _image,
+    _pair,
+    _text,
+    generator_of,
+    is_mark,
 )
 from disttrain_ds.data.images import ImageRef, check_file
 from disttrain_ds.data.tables import BlobAt
@@ -65,8 +78,6 @@ def _ref(value: object, record: dict, ctx: ParseContext) -> ImageRef:
 def _clip(value: object, record: dict, ctx: ParseContext) -> AudioSeg:
     """A checked audio clip for a field value (``BlobAt``, or a member name in this key), from its
     header: frames at the encoder's ``max_frames``, even."""
-    from disttrain_ds.data.audio import clip_frames, clip_frames_bytes
-
     if isinstance(value, str) and isinstance(record.get(value.lower()), BlobAt):
         value = record[value.lower()]
     if not isinstance(value, BlobAt):

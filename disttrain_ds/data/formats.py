@@ -30,6 +30,7 @@ from typing import Callable, Union
 
 import numpy as np
 
+from disttrain_ds.data.audio import clip_frames
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.images import ImageRef, check_file
 from disttrain_ds.data.reader import RawRecord
@@ -196,8 +197,6 @@ def _file_ref(value: object, base: Path, ctx: ParseContext) -> ImageRef:
 
 
 def _audio(ctx: ParseContext, value: object, base: Path) -> AudioSeg:
-    from disttrain_ds.data.audio import clip_frames
-
     if ctx.audio_mels == 0:
         raise _BadRecord("no_audio_encoder")
     if not isinstance(value, str) or not value.strip():

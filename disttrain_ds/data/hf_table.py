@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from disttrain_ds.data import blob_io
 from disttrain_ds.data.shards import list_shards
 from disttrain_ds.data.tables import ShardTable, blob_cells
-from disttrain_ds.data import blob_io
 
 ROWS_PER_SHARD = 1024
 """Rows per shard of a ``datasets`` table (the unit of the per-part split and of shuffling)."""

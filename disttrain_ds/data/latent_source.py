@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from disttrain_ds.data.source import SampleSource
+from disttrain_ds.models.vae import LatentEncoder
 from disttrain_ds.samples import PackedSample
 
 
@@ -21,8 +22,6 @@ class LatentSource(SampleSource):
     @property
     def encoder(self):
         if self._encoder is None:
-            from disttrain_ds.models.vae import LatentEncoder
-
             self._encoder = LatentEncoder(self.vae_cfg, self.seed)
         return self._encoder
 

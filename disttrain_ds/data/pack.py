@@ -24,12 +24,12 @@ from typing import Callable
 
 import torch
 
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data import blobs
 from disttrain_ds.data.audio import load_clip, load_clip_bytes
 from disttrain_ds.data.formats import AudioSeg, Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
 from disttrain_ds.data.images import load_image
 from disttrain_ds.data.source import labels_for
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.samples import PackedSample, SpecialTokens
 
 

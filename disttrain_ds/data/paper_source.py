@@ -20,10 +20,10 @@ import torch
 
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.paper_stats import packed_layouts
-from disttrain_ds.data.source import _WORDS, SampleSource, ShapeSpec, labels_for, smooth_image
+from disttrain_ds.data.source import _WORDS, SampleSource, labels_for, smooth_image
 from disttrain_ds.data.split import TRAIN, Split
 from disttrain_ds.data.tokenizer import Tokenizer, load_tokenizer
-from disttrain_ds.samples import PackedSample, SpecialTokens
+from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
 
 
 def patch_grid(tokens: int) -> tuple[int, int]:

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data import spool
-from disttrain_ds.reorder.inter import reorder_batch
+from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.registry import open_source, resolve
+from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import TRAIN, Split
-from disttrain_ds.data.source import SampleSource, ShapeSpec
 from disttrain_ds.data.spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
-from disttrain_ds.samples import PackedSample
+from disttrain_ds.reorder.inter import reorder_batch
+from disttrain_ds.samples import PackedSample, ShapeSpec
 
 _POLL_S = 0.2
 _BEAT_S = 0.5

@@ -22,10 +22,10 @@ from disttrain_ds.data.formats import Bad, Document, ParseContext, parse_record
 from disttrain_ds.data.images import PHOTOS
 from disttrain_ds.data.pack import Cursor, Packer, Piece, materialise
 from disttrain_ds.data.reader import RecordTable, record_files
-from disttrain_ds.data.source import SampleSource, ShapeSpec
+from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import TRAIN, Split, split_records
 from disttrain_ds.data.tokenizer import default_cache_dir, load_tokenizer
-from disttrain_ds.samples import PackedSample, SpecialTokens
+from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
 
 _DOC_CACHE = 4096
 _PLAN_CACHE = 16

@@ -10,8 +10,9 @@ from disttrain_ds.data.latent_source import LatentSource
 from disttrain_ds.data.paper_source import PaperStatsSource
 from disttrain_ds.data.record_source import RecordSource
 from disttrain_ds.data.shard_source import open_shard_source
-from disttrain_ds.data.source import SampleSource, ShapeSpec, SyntheticSource
+from disttrain_ds.data.source import SampleSource, SyntheticSource
 from disttrain_ds.data.split import TRAIN, Split
+from disttrain_ds.samples import ShapeSpec
 
 
 def resolve(cfg: DataConfig) -> DataConfig:

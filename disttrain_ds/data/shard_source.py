@@ -18,17 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.entry_parse import parse_entry
 from disttrain_ds.data.fields import expected
 from disttrain_ds.data.formats import Bad, Document
-from disttrain_ds.data.record_source import RecordSource
+from disttrain_ds.data.hf_table import HfTable
 from disttrain_ds.data.host_read import column_positions
+from disttrain_ds.data.record_source import RecordSource
 from disttrain_ds.data.shards import assign_shards, block_order
-from disttrain_ds.data.source import SampleSource, ShapeSpec
+from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import TRAIN, Split
-from disttrain_ds.samples import PackedSample
+from disttrain_ds.data.tables import FolderTable, ParquetTable, TarTable
+from disttrain_ds.data.tokenizer import default_cache_dir
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.samples import PackedSample, ShapeSpec
 
 SHARD_SOURCES = ("webdataset", "parquet", "folder", "hf")
 """Values of ``data.source`` read by this module."""
@@ -36,21 +39,12 @@ SHARD_SOURCES = ("webdataset", "parquet", "folder", "hf")
 
 def open_table(cfg: DataConfig, selected: list[int] | None = None):
     """The ``cfg.source`` table over the ``selected`` shards (None: all)."""
-    from disttrain_ds.data.tokenizer import default_cache_dir
-
     if cfg.source == "webdataset":
-        from disttrain_ds.data.tables import TarTable
-
         return TarTable(cfg.path, selected, default_cache_dir(cfg.cache_dir))
     if cfg.source == "parquet":
-        from disttrain_ds.data.tables import ParquetTable
-
         return ParquetTable(cfg.path, selected)
     if cfg.source == "folder":
-        from disttrain_ds.data.tables import FolderTable
-
         return FolderTable(cfg.path, selected)
-    from disttrain_ds.data.hf_table import HfTable
 
     return HfTable(cfg.path, selected, str(default_cache_dir(cfg.cache_dir) / "datasets"))
 

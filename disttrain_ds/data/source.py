@@ -6,8 +6,7 @@ order, which is what makes the reference, monolithic and disaggregated runs comp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -15,74 +14,13 @@ import torch
 from disttrain_ds.data.audio import synthetic_clip
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.split import TRAIN, Split
-from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
+from disttrain_ds.samples import IGNORE_INDEX, PackedSample, ShapeSpec, SpecialTokens
 
 _WORDS = (
     "the a of and to in is was for on with as by at from that this it an be are image photo picture shows "
     "red green blue small large old new city river mountain dog cat bird tree house car street people man "
     "woman child sky water light dark white black yellow near under over beside two three many one"
 ).split()
-
-
-@dataclass(frozen=True)
-class GenShape:
-    """What one generator's targets look like."""
-
-    resolution: int
-    """Side of each image to generate."""
-    channels: int
-    """Channels of each image to generate."""
-    query_tokens: int
-    """Generation-query tokens per generated image."""
-    name: str = ""
-    """The generator's module name (records name the generator a target is for by it)."""
-
-
-@dataclass(frozen=True)
-class ShapeSpec:
-    """Model facts a source needs to lay out samples."""
-
-    patch_size: int
-    """Encoder patch side: one image placeholder per patch."""
-    gen_resolution: int
-    """Side of each image to generate."""
-    gen_channels: int
-    """Channels of each image to generate."""
-    query_tokens: int
-    """Generation-query tokens per generated image."""
-    audio_mels: int = 0
-    """Log-mel bins of the audio encoder's input; 0: the model has no audio encoder (no clips,
-    no audio placeholder id)."""
-    audio_max_frames: int = 0
-    """Longest clip the audio encoder reads, in log-mel frames (real clips are cut to it)."""
-    dp_size: int = 1
-    """LLM data-parallel degree a global batch is split over (used by ``data.reorder``)."""
-    micro_batch: int = 0
-    """Samples per microbatch per DP rank (used by ``data.reorder``); 0: one microbatch per batch."""
-    cost_model: Any = None
-    """``disttrain_ds.cost.graph_costs.GraphCosts`` (or a three-module ``cost.model.CostModel``) for
-    ``data.reorder``; None: the paper's MLLM in FLOPs."""
-    vae: Any = None
-    """``VaeConfig`` the source's batches go through (``data/latent_source.py``): ``gen_resolution``
-    and ``gen_channels`` are then the RGB images it encodes; None: targets as made."""
-    more_gens: tuple[GenShape, ...] = ()
-    """The second, third, ... generator's targets (graph order; the first one's are the ``gen_*``
-    fields above); each has its own query token (``SpecialTokens.query``)."""
-    gen_name: str = ""
-    """The first generator's module name (records name the generator a target is for by it)."""
-
-    columns: int = 1
-    """Equal blocks each microbatch slot (``dp_size * micro_batch`` samples) is cut into, the lcm of
-    the modules' DP degrees: ``data.shard_parts`` parts fill whole blocks (``data/host_read.py``),
-    so a host reading its ranks' blocks reads whole parts."""
-
-    def gen_shapes(self) -> tuple[GenShape, ...]:
-        """Every generator's target shape, in graph order."""
-        return (GenShape(self.gen_resolution, self.gen_channels, self.query_tokens, self.gen_name), *self.more_gens)
-
-    def slot(self, batch: int) -> int:
-        """Samples per microbatch slot of a global batch of ``batch``."""
-        return self.dp_size * self.micro_batch if self.micro_batch else batch
 
 
 class SampleSource:

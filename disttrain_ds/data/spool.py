@@ -30,8 +30,19 @@ from typing import Callable
 import torch
 
 from disttrain_ds.data.spool_files import (
-    FORMAT, KEY, SpoolBatch, SpoolError, _check_base, _ours, _step_file, _write_atomic, _write_text, check_private,
-    encode_batch, load_batch, plain_problem
+    FORMAT,
+    KEY,
+    SpoolBatch,
+    SpoolError,
+    _check_base,
+    _ours,
+    _step_file,
+    _write_atomic,
+    _write_text,
+    check_private,
+    encode_batch,
+    load_batch,
+    plain_problem,
 )
 
 PREFIX = "disttrain-spool-"

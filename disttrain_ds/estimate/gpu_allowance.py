@@ -21,7 +21,9 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Mapping, NamedTuple
 
+from disttrain_ds.comm.boundary import boundary_links
 from disttrain_ds.estimate.memory import GIB, _size, backward_modules
+from disttrain_ds.recipe.graph import topology_of
 
 MIB = 2**20
 
@@ -131,10 +133,8 @@ def rank_links(recipe) -> dict[int, NcclLinks]:
     """Every rank's NCCL connections under ``recipe``'s rank map (the reference layout: none)."""
     if recipe.layout == "reference":
         return {0: NcclLinks(0, 0)}
-    from disttrain_ds.comm.boundary import boundary_links
-    from disttrain_ds.topology import Topology
 
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     backward = backward_modules(recipe)
     slot = recipe.parallel.llm.dp * recipe.train.micro_batch
     boundary: Counter[int] = Counter()

@@ -10,13 +10,21 @@ before building anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from disttrain_ds.models.configs import trains
-from disttrain_ds.recipe.graph import graph_of
-from disttrain_ds.cost.memory_model import StageBytes, in_flight, with_buckets
-from disttrain_ds.estimate.activations import LayerBytes, module_layers
 from disttrain_ds.console import prefer_cpu_accelerator
+from disttrain_ds.cost import memory_model as mm
+from disttrain_ds.cost.memory_model import StageBytes, in_flight, with_buckets
+from disttrain_ds.data.tokenizer import SMOLLM2_VOCAB, ByteTokenizer, load_tokenizer
+from disttrain_ds.estimate.activations import LayerBytes, module_layers
+from disttrain_ds.families import clear_build_caches
+from disttrain_ds.mllm.recipe_spec import meta_spec
+from disttrain_ds.models.configs import trains
+from disttrain_ds.models.vae import vae_memory_bytes
+from disttrain_ds.recipe.deepspeed import load_ds_config
+from disttrain_ds.recipe.graph import encoder_of, graph_of, topology_of
+from disttrain_ds.recipe.schema import resolve_path
+from disttrain_ds.samples import SpecialTokens
 
 GIB = 2**30
 CPU_PROCESS_GIB = 0.5
@@ -71,8 +79,6 @@ def _zero_config(recipe, module: str) -> dict:
     """The ``zero_optimization`` section of ``module``'s DeepSpeed config ({} in the reference layout)."""
     if recipe.layout == "reference":
         return {}
-    from disttrain_ds.recipe.schema import resolve_path
-    from disttrain_ds.recipe.deepspeed import load_ds_config
 
     path = recipe.parallel.modules[module].ds_config or recipe.deepspeed_config
     return load_ds_config(resolve_path(path, recipe.source_file)).get("zero_optimization", {})
@@ -119,42 +125,19 @@ def vocab_size(recipe) -> int:
     """The LLM vocabulary the runtime will build (``model.llm.vocab_size``, or the tokenizer's)."""
     if recipe.model.llm.vocab_size:
         return recipe.model.llm.vocab_size
-    from disttrain_ds.data.tokenizer import SMOLLM2_VOCAB, ByteTokenizer, load_tokenizer
-    from disttrain_ds.samples import SpecialTokens
 
     name = recipe.data.tokenizer
     base = {"byte": ByteTokenizer.vocab_size, "smollm2": SMOLLM2_VOCAB}.get(name)
     if base is None:
         base = load_tokenizer(name, recipe.data.cache_dir).vocab_size
-    from disttrain_ds.recipe.graph import encoder_of
 
     return SpecialTokens.after(base, audio=encoder_of(recipe, "audio") is not None,
                                generators=len(graph_of(recipe).generators)).vocab_size
 
 
-def meta_spec(recipe, vocab: int):
-    """The recipe's model spec with nothing to read (no checkpoints), for builds on the meta device."""
-    from disttrain_ds.samples import SpecialTokens
-    from disttrain_ds.families import FAMILIES
-    from disttrain_ds.mllm.model import MLLMSpec
-
-    graph = graph_of(recipe)
-    roles = {n: graph.role(n) for n in graph.names}
-    by_name = {n: replace(recipe.model.modules[n], checkpoint="") for n in roles}
-    by_name[graph.llm] = replace(by_name[graph.llm], vocab_size=vocab)
-    modality = {n: FAMILIES[by_name[n].family].modality for n in graph.encoders}
-    image = next((n for n in graph.encoders if modality[n] == "image"), None)
-    gen = graph.generators[0] if graph.generators else None
-    return MLLMSpec(by_name.get(image), by_name[graph.llm], by_name.get(gen),
-                    SpecialTokens.after(0, audio="audio" in modality.values()), recipe.seed, roles=roles,
-                    configs={n: by_name[n] for n in (*graph.encoders, *graph.generators) if n not in (image, gen)})
-
-
 def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> list:
     """``count(layer)`` of each pipeline layer of ``module`` built on the meta device (no memory)."""
     import torch
-
-    from disttrain_ds.families import clear_build_caches
 
     try:
         with torch.device("meta"):
@@ -190,8 +173,6 @@ def _per_gpu(params: float, kept: float, per_param: tuple, dp: int, tp: int, sam
              workspace: float = 0.0) -> list[float]:
     """(weights, grads, optimizer, activations) bytes of one rank by the shared per-rank formula
     (``planner.memory_model``): ``kept`` and ``workspace`` are per-sample bytes on one TP rank."""
-    from disttrain_ds.cost import memory_model as mm
-
     w, g, o, sharded = per_param
     return [*mm.state_bytes(params, tp, w, g, o, dp if sharded else 1),
             mm.activation_bytes(kept, workspace, samples, k)]
@@ -255,9 +236,8 @@ def estimate(recipe) -> list[StageMemory]:
             rows.append(StageMemory(name, 0, range(1), range(len(params)), sum(params), *parts, 1, micro,
                                     extra_bytes(recipe, name)))
         return rows
-    from disttrain_ds.topology import Topology
 
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     slot = recipe.parallel.llm.dp * micro
     for grid in topo.modules:
         params, lb = layer_params(recipe, grid.name, vocab), module_layers(recipe, grid.name, vocab)
@@ -282,7 +262,6 @@ def _vae_bytes(recipe, module: str) -> float:
     vae = getattr(cfg, "vae", None)
     if vae is None or not vae.enabled or vae.placement != "generator":
         return 0.0
-    from disttrain_ds.models.vae import vae_memory_bytes
 
     elem = 2 if recipe.train.dtype == "bf16" else 4
     return sum(vae_memory_bytes(vae, cfg.resolution * vae.downsample, vae.batch_on("cuda"), elem))

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import os
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.estimate.gpu_allowance import AllowanceFigures, rank_allowances
 from disttrain_ds.estimate.memory import (
-    CPU_PROCESS_GIB, GIB, StageMemory, _size, per_rank_totals, state_bytes, zero_stage
+    CPU_PROCESS_GIB,
+    GIB,
+    StageMemory,
+    _size,
+    per_rank_totals,
+    state_bytes,
+    zero_stage,
 )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import dit, llama, qwen2, unet, vit, whisper
 from disttrain_ds.families.base import BuildContext, Family
 

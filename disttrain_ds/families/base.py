@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from disttrain_ds.models.layers import LayerDef
     from disttrain_ds.cost.activations import LayerBytes, SampleShape
+    from disttrain_ds.models.layers import LayerDef
 
 
 @dataclass(frozen=True)

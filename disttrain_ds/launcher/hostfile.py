@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 
 _SLOTS = re.compile(r"slots=(\S*)")
 _MAX_LISTED = 4  # hosts named in a one-line summary before "+N more"

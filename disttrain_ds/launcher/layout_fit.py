@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from disttrain_ds.launcher.hostfile import Host, LaunchError, plural, slots_summary
+from disttrain_ds.recipe.graph import topology_of
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
     from disttrain_ds.recipe.schema import Recipe
@@ -18,9 +19,8 @@ def required_ranks(recipe: Recipe) -> tuple[int, str]:
     """Ranks a recipe's layout needs, and the per-module breakdown that explains the number."""
     if recipe.layout == "reference":
         return 1, "reference: one process"
-    from disttrain_ds.topology import Topology
 
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     return topo.world_size, " + ".join(f"{m.name} {m.size}" for m in topo.modules)
 
 
@@ -31,6 +31,7 @@ def check_memory(recipe: Recipe) -> str:
     field the launching machine says nothing about the nodes: each rank checks at start-up."""
     if recipe.train.device_memory_gib <= 0:
         return "memory: checked by every rank at start-up (set train.device_memory_gib to check here)"
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.estimate.gpu_allowance import rank_allowances
     from disttrain_ds.estimate.memory import GIB, estimate, per_rank_totals
     from disttrain_ds.estimate.memory_check import check_fits, per_rank_needs
@@ -50,11 +51,10 @@ def tp_span_problems(recipe: Recipe, active: dict[str, list[int]]) -> list[str]:
     hostfile order, as DeepSpeed's runner assigns them): "module ranks a-b (host x, host y)"."""
     if recipe.layout == "reference":
         return []
-    from disttrain_ds.topology import Topology
 
     host_of = [name for name, slots in active.items() for _ in slots]
     out = []
-    for m in Topology.from_recipe(recipe).modules:
+    for m in topology_of(recipe).modules:
         for group in m.tp_groups() if m.tp > 1 else ():
             hosts = list(dict.fromkeys(host_of[r] for r in group if r < len(host_of)))
             if len(hosts) > 1:

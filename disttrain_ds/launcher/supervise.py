@@ -22,7 +22,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.runtime.preempt import EXIT_PREEMPTED
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business

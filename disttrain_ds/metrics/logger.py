@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from disttrain_ds.recipe.graph import as_written, graph_of
 from disttrain_ds.metrics.rundir import MetricsWriter
+from disttrain_ds.metrics.wandb_workspace import apply_workspace, graph_dashboard, workspace_name
+from disttrain_ds.recipe.graph import as_written, graph_of
 
 WANDB_MODES = ("offline", "online", "disabled")
 # wandb's own older spellings of the modes.
@@ -122,8 +123,6 @@ class RunLogger:
         """Logger for a :class:`~disttrain_ds.recipe.schema.Recipe`: project, run name, wandb mode and
         step count from the recipe; wandb config is the recipe plus ``resolved`` (world size,
         topology), the same content as ``recipe.yaml``."""
-        from disttrain_ds.metrics.wandb_workspace import graph_dashboard, workspace_name
-
         config = as_written(recipe)
         if resolved:
             config["resolved"] = dict(resolved)
@@ -157,7 +156,6 @@ class RunLogger:
         project to save it to). Failures are one note on stderr; training goes on."""
         if self.wandb_mode != "online" or not self.options.dashboard:
             return
-        from disttrain_ds.metrics.wandb_workspace import apply_workspace
 
         url = apply_workspace(self.options.project, getattr(self.wandb_run, "entity", None) or None,
                               name=self.options.dashboard_name, sections=self.options.dashboard)

@@ -10,13 +10,18 @@ upstream needs gradients through them.
 
 from __future__ import annotations
 
-from disttrain_ds.samples import PackedSample
-from disttrain_ds.mllm.model import MLLMSpec
-from disttrain_ds.families import get_family
 from disttrain_ds.cost.flops import (
-    llm_flops_packed, projector_flops_per_token, training_flops, vae_encode_flops, vit_flops
+    llm_flops_packed,
+    projector_flops_per_token,
+    training_flops,
+    vae_encode_flops,
+    vit_flops,
 )
 from disttrain_ds.cost.mfu import StepFlops, module_mfu, overall_mfu, tflops_per_gpu
+from disttrain_ds.cost.peak import resolve_peak
+from disttrain_ds.families import get_family
+from disttrain_ds.mllm.model import MLLMSpec
+from disttrain_ds.samples import PackedSample
 
 
 def flops_modes(spec: MLLMSpec) -> dict[str, str]:
@@ -146,8 +151,6 @@ class MfuMeter:
     """``perf/mfu/*`` and ``perf/tflops_per_gpu/*`` of a step from its samples and duration."""
 
     def __init__(self, spec: MLLMSpec, gpus: dict[str, int], world: int, peak_override: float, device_name: str | None):
-        from disttrain_ds.cost.peak import resolve_peak
-
         self.count = StepFlopsCounter(spec)
         self.gpus, self.world = gpus, world
         self.peak, self.peak_source = resolve_peak(peak_override or None, device_name)

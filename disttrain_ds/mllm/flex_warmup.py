@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from disttrain_ds.samples import doc_ids
 from disttrain_ds.models.doc_mask import doc_attention, doc_attention_path, doc_block_mask
+from disttrain_ds.samples import doc_ids
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,12 @@ def flex_shapes(stage: nn.Module, *, batch: int, seq_len: int, tp: int = 1,
     """The distinct shapes flex attention will see in ``stage``: one per LLM block configuration
     whose ``doc_attention`` takes the flex path on ``device_type`` (none on a stage without LLM
     blocks, or where every block runs ``spans``)."""
-    from disttrain_ds.families.llama.model import LlmBlock
-
     device, out = torch.device(device_type), list[FlexShape]()
     for block in stage.modules():
-        if not isinstance(block, LlmBlock) or doc_attention_path(block.doc_attention, device) != "flex":
+        # A block that attends per document carries its ``doc_attention`` setting (the decoder
+        # families' blocks, whichever family built them).
+        setting = getattr(block, "doc_attention", None)
+        if not isinstance(setting, str) or doc_attention_path(setting, device) != "flex":
             continue
         attn = block.layer.self_attn
         dtype = next(attn.parameters()).dtype

@@ -14,9 +14,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
-from disttrain_ds.families import BuildContext, Family, get_family
-from disttrain_ds.families.whisper import rows as audio_rows
+from disttrain_ds.families import FAMILIES, BuildContext, Family, get_family
 from disttrain_ds.mllm.weights import StepDirs, with_checkpoint
 from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
 from disttrain_ds.models.layers import LayerDef, Sequential, seeded
@@ -24,6 +22,7 @@ from disttrain_ds.models.objectives import add_noise, diffusion_loss, gen_condit
 from disttrain_ds.models.packed import pack_clips
 from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.models.projectors import ConditionProjector, InputProjector
+from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
 
 MODULES = ("encoder", "llm", "generator")
 """The three-module graph's module names (each named after its role)."""
@@ -295,7 +294,8 @@ def collate(
     vit = spec.encoder_of("image")
     p = vit.patch_size if vit is not None else 1
     flat, shapes = pack_clips([c for s in samples for c in s.audio])
-    wh = spec.encoder_of("audio")
+    ear = spec.encoder_of("audio")
+    rows = FAMILIES[ear.family].rows if ear is not None else None  # output rows of one clip, by its family
     return MicroBatch(
         pixels=pixels.to(dtype),
         image_hw=hw,
@@ -308,7 +308,7 @@ def collate(
             "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],
             "gen_states": [int(s.gen_targets.shape[0]) for s in samples],
             **gen_rows,
-            "audio_embeds": [sum(audio_rows(wh, int(c.shape[1])) for c in s.audio) for s in samples],
+            "audio_embeds": [sum(rows(ear, int(c.shape[1])) for c in s.audio) for s in samples],
         },
         audio=flat.to(dtype),
         audio_shapes=shapes,

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.layers import LayerDef
 
 Rules = Sequence[tuple[str, str]]
@@ -215,8 +216,6 @@ def check_checkpoint(module: str, layers: list[tuple[str, nn.Module]], path: str
     ``layers``: (layer name, layer) pairs, built on the meta device (only names and shapes are
     read). A projector is expected only from a checkpoint that has one (a training step directory,
     an exported directory); otherwise it keeps its seeded init."""
-    from disttrain_ds.configtools import ConfigError
-
     try:
         src = open_source(path, module, tuple(rules), step_dirs)
         shapes = src.shapes()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.packed import per_item
 
 DOC_ATTENTION = "disttrain_doc_spans"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.vae_config import VaeConfig, checkpoint_config
 
 VAE_SEED_SALT = 0x5AE

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 
 VAE_PRESETS: dict[str, dict] = {
     # Two levels of 8 and 16 channels, 4 latent channels, 2x downsampling: ~20 ms per 16 px image on one CPU core.

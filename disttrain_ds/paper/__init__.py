@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 
 PAPER_FILE = "disttrain_paper.json"
 """File name of the packaged figures inside ``disttrain_ds.paper``."""

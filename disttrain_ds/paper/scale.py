@@ -43,19 +43,31 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from disttrain_ds.cost.model import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel
-from disttrain_ds.data.paper_stats import Subsequence, layout_to_stats
-from disttrain_ds.samples import SampleStats
-from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
-from disttrain_ds.planner.optimize import Plan, plan
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
+from disttrain_ds.cost.model import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel
+
 # MODULES: the paper models' modules, the columns of SampleCosts.flops.
 from disttrain_ds.cost.profile import MODULES, Profile, profile_from_dict  # noqa: F401
+from disttrain_ds.data.paper_stats import Subsequence, layout_to_stats
+
 # Steps 4-5 live in scale_sim; their names stay reachable from here.
 from disttrain_ds.paper.scale_sim import (
-    VARIANTS, IterationSim, balance_step, balance_steps, group_stage_times, replica_groups, replica_max,
-    sample_times, simulate_iteration, split_fwd_bwd, stage_times, straggler_factors
+    VARIANTS,
+    IterationSim,
+    balance_step,
+    balance_steps,
+    group_stage_times,
+    replica_groups,
+    replica_max,
+    sample_times,
+    simulate_iteration,
+    split_fwd_bwd,
+    stage_times,
+    straggler_factors,
 )
+from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
+from disttrain_ds.planner.optimize import Plan, plan
+from disttrain_ds.samples import SampleStats
 
 TP_EFFICIENCY = 0.9
 """Assumed speed-up efficiency per doubling of TP (the paper publishes one TP degree only)."""

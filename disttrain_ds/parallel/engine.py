@@ -20,6 +20,7 @@ import json
 import time
 from dataclasses import is_dataclass, replace
 from types import MethodType
+from typing import Callable
 
 import torch
 import torch.utils.checkpoint
@@ -32,15 +33,20 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
 from disttrain_ds.comm.boundary import BoundaryComm
 from disttrain_ds.comm.p2p import waiting_for
-from disttrain_ds.models.layers import LayerDef
 from disttrain_ds.mllm.model import MicroBatch
-from disttrain_ds.checkpoint.engine import install as install_safe_checkpoint_engine
+from disttrain_ds.models.layers import LayerDef
 from disttrain_ds.parallel.grid import OffsetTopology, subset_grid_for_pipeline_module
 from disttrain_ds.parallel.roles import Role
 from disttrain_ds.parallel.tensor_parallel import TPContext, mark_norm_owners, shard_layer
 from disttrain_ds.schedule.onef1b import (
-    BoundaryRecvActivation, BoundaryRecvGrad, BoundarySendGrad, LoadData, StagePlace, engine_schedule, eval_schedule,
-    num_buffers
+    BoundaryRecvActivation,
+    BoundaryRecvGrad,
+    BoundarySendGrad,
+    LoadData,
+    StagePlace,
+    engine_schedule,
+    eval_schedule,
+    num_buffers,
 )
 
 
@@ -382,9 +388,12 @@ def _marked(transfer):
     return call
 
 
-def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> ModuleEngine:
-    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class and a
-    checkpoint engine that reads files back without running code (``checkpoint/engine.py``)."""
+def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict,
+                install_checkpoint_engine: Callable[[ModuleEngine], None]) -> ModuleEngine:
+    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class.
+    ``install_checkpoint_engine`` gives the engine the checkpointer's file format (the runtime hands
+    in ``checkpoint/engine.py::install``, which reads files back without running code): the engine
+    knows no checkpoint format."""
     ds_p2p.send, ds_p2p.recv = _marked(ds_p2p.send), _marked(ds_p2p.recv)
     mpu = pm.mpu()
     config_class = DeepSpeedConfig(config, mpu)
@@ -401,5 +410,5 @@ def make_engine(pm: PipelineModule, optimizer, lr_scheduler, config: dict) -> Mo
         config=config,
         config_class=config_class,
     )
-    install_safe_checkpoint_engine(engine)
+    install_checkpoint_engine(engine)
     return engine

@@ -21,8 +21,8 @@ from typing import Callable
 import torch.distributed as tdist
 
 from disttrain_ds.comm.p2p import CHANNELS
-from disttrain_ds.topology import ModuleGrid
 from disttrain_ds.parallel.grid import GRID_AXES, grid_groups
+from disttrain_ds.topology import ModuleGrid
 
 META = "meta"
 """Key of the job-wide gloo group for step figures and bookkeeping (small CPU tensors)."""

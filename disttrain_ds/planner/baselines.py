@@ -20,11 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from disttrain_ds.planner.objective import (Degrees, memory_per_gpu, module_terms,
-                                            straggler_table, t_iter)
+from disttrain_ds.cost.profile import GIB, Profile
+from disttrain_ds.planner.objective import Degrees, memory_per_gpu, module_terms, straggler_table, t_iter
 from disttrain_ds.planner.optimize import ModulePlan, Plan, PlanError, plan, predicted_mfu
 from disttrain_ds.planner.pipeline import predict
-from disttrain_ds.cost.profile import GIB, Profile
 
 
 def megatron_plan(profile: Profile, *, tp: int, pp: int) -> Plan:

@@ -37,8 +37,8 @@ import math
 
 import numpy as np
 
-from disttrain_ds.reorder.intra import lpt_rows
 from disttrain_ds.cost.profile import Profile
+from disttrain_ds.reorder.intra import lpt_rows
 
 SAMPLES = 2048
 """Samples balanced per (dp, m) with m >= 2 (``max(MIN_STEPS, ceil(SAMPLES / D))`` steps)."""

@@ -18,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from disttrain_ds.planner.optimize import PlanError
 from disttrain_ds.cost.profile import TP_DEGREES, Profile
+from disttrain_ds.models.configs import trains
+from disttrain_ds.planner.optimize import PlanError
+from disttrain_ds.recipe.checks import layer_counts, tp_shape_problem
+from disttrain_ds.recipe.graph import graph_of, module_config
 
 if TYPE_CHECKING:
     from disttrain_ds.recipe.schema import Recipe
@@ -47,10 +50,6 @@ class LeftOut:
 def runtime_limits(recipe: Recipe) -> tuple[dict[str, tuple[int, ...]], dict[str, int], list[LeftOut]]:
     """Per module of ``recipe``: the TP degrees its sizes split, the largest PP the runtime
     accepts, and the degrees left out with their reasons."""
-    from disttrain_ds.models.configs import trains
-    from disttrain_ds.recipe.graph import graph_of, module_config
-    from disttrain_ds.recipe.checks import layer_counts, tp_shape_problem
-
     graph, counts = graph_of(recipe), layer_counts(recipe)
     tps: dict[str, tuple[int, ...]] = {}
     max_pp: dict[str, int] = {}

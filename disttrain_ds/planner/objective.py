@@ -27,10 +27,10 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.cost import memory_model as mm
-from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.cost.profile import ModuleProfile, Profile
+from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.hetero import StragglerTable
 
 
 class Degrees(NamedTuple):

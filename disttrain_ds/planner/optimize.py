@@ -18,14 +18,24 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from disttrain_ds.cost.profile import GIB, Profile
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.hetero import StragglerTable
-from disttrain_ds.planner.objective import (Degrees, IterTime, combine, divisors,  # noqa: F401
-                                            layout_key, layout_memory, memory_per_gpu, samples_per_step,
-                                            module_terms, straggler_table, t_iter)
+from disttrain_ds.planner.objective import (  # noqa: F401
+    Degrees,
+    IterTime,
+    combine,
+    divisors,
+    layout_key,
+    layout_memory,
+    memory_per_gpu,
+    module_terms,
+    samples_per_step,
+    straggler_table,
+    t_iter,
+)
 from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
-from disttrain_ds.cost.profile import GIB, Profile
 from disttrain_ds.planner.search import batch_splits, options, search
 
 

@@ -37,12 +37,12 @@ from typing import Mapping
 
 import numpy as np
 
+# Backward time as a multiple of forward, as the runtime's emulated compute charges it.
+from disttrain_ds.cost.backward import BACKWARD_FACTOR
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.objective import combine
 from disttrain_ds.schedule.simulate import graph_stages
 from disttrain_ds.schedule.sweep import makespans
-# Backward time as a multiple of forward, as the runtime's emulated compute charges it.
-from disttrain_ds.cost.backward import BACKWARD_FACTOR
 
 
 def split_fwd_bwd(stage_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """Where a plan's modules sit on the ranks, and the rule that keeps TP groups inside a node.
 
 Modules take contiguous rank ranges from rank 0 in the graph's data-flow order (encoders, the LLM,
-generators), as ``topology.Topology.from_recipe`` lays them out, and a TP group is TP consecutive
+generators), as ``recipe/graph.py::topology_of`` lays them out, and a TP group is TP consecutive
 ranks. A module whose first rank is a multiple of its TP degree, with TP dividing
 ``gpus_per_node``, never puts a TP group across two nodes: the planner only returns such plans
 (``search.py`` restricts to them; nothing is padded, no GPU is left idle for it).
@@ -36,7 +36,7 @@ def start_masks(tp: np.ndarray, align: int) -> np.ndarray:
 
 def first_ranks(layout: Mapping[str, Degrees], names: Sequence[str]) -> dict[str, int]:
     """Each module's first global rank: contiguous ranges from 0 in ``names`` order, as
-    ``topology.Topology.from_recipe`` lays them out."""
+    ``recipe/graph.py::topology_of`` lays them out."""
     out, first = {}, 0
     for n in names:
         out[n] = first

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
-from disttrain_ds.planner.optimize import Plan, PlanError
 from disttrain_ds.cost.profile import GIB, Profile
+from disttrain_ds.planner.optimize import Plan, PlanError
 
 if TYPE_CHECKING:
     from disttrain_ds.recipe.schema import Recipe
@@ -30,9 +30,17 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
     optimizer and ZeRO stage; per-sample activations of its largest sample, and the part TP
     splits; activation checkpointing; per TP and pipeline degree, the runtime's stages), replacing
     whatever the profile said."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.estimate.memory import (
-        backward_modules, extra_bytes, layer_params, module_layers, module_stages, reduce_bucket_bytes, stage_bounds,
-        state_bytes, vocab_size
+        backward_modules,
+        extra_bytes,
+        layer_params,
+        module_layers,
+        module_stages,
+        reduce_bucket_bytes,
+        stage_bounds,
+        state_bytes,
+        vocab_size,
     )
 
     vocab, backward = vocab_size(recipe), backward_modules(recipe)
@@ -62,6 +70,7 @@ def runtime_peaks(recipe: Recipe) -> dict[str, float]:
     """The largest per-rank figure the runtime's memory check holds to a GPU's memory for each
     module of ``recipe``, in bytes: estimate plus allowance (``estimate/gpu_allowance.py``; a
     rank several modules share counts for each of them)."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import per_rank_needs
 

@@ -50,12 +50,11 @@ from typing import Mapping
 
 import numpy as np
 
-from disttrain_ds.planner.objective import (Degrees, Roles, combine_arrays, divisors,
-                                            layout_key, memory_bytes)
 from disttrain_ds.cost import memory_model as mm
-from disttrain_ds.planner.hetero import StragglerTable
-from disttrain_ds.planner.placement import alignment
 from disttrain_ds.cost.profile import Profile
+from disttrain_ds.planner.hetero import StragglerTable
+from disttrain_ds.planner.objective import Degrees, Roles, combine_arrays, divisors, layout_key, memory_bytes
+from disttrain_ds.planner.placement import alignment
 from disttrain_ds.planner.units import Opts, Unit, pareto, role_unit
 
 

@@ -20,7 +20,6 @@ import numpy as np
 from disttrain_ds.planner.objective import Roles, combine_arrays
 from disttrain_ds.planner.placement import start_masks
 
-
 PARETO_MAX = 20_000
 """Largest option list the O(n^2) dominance test runs on."""
 _CHUNK = 4_000_000  # boolean cells per dominance block

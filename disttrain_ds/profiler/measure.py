@@ -17,17 +17,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, training_flops, vit_flops
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.configs import trains
-from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.models.vae import generator_vae
-from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, training_flops, unet_flops, vit_flops
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.recipe.graph import graph_of, module_config
+from disttrain_ds.models.vae import generator_vae
+from disttrain_ds.recipe.graph import graph_of, module_config, module_family
+from disttrain_ds.recipe.schema import Recipe
+from disttrain_ds.runtime.emulate import patch_size, sample_flops
 
 if TYPE_CHECKING:  # the model modules load transformers and diffusers; see profile_recipe
-    from disttrain_ds.samples import PackedSample
     from disttrain_ds.mllm.model import MicroBatch, MLLMSpec
+    from disttrain_ds.samples import PackedSample
 
 Grads = tuple[list[torch.Tensor], list[torch.Tensor | None]]
 
@@ -218,10 +219,9 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     Modules in ``whole`` run with whole layers and no ``opts.sync`` (they only feed the next module).
     """
     graph = graph_of(recipe)
-    # Model code pulls in transformers and diffusers (seconds): imported only once the recipe and
-    # arguments are known to be good, so errors come back at once.
+    # Model code is imported only once the recipe and arguments are known to be good, so errors come back at once.
+    # deferred: loads transformers and diffusers (seconds)
     from disttrain_ds.mllm.model import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
-    from disttrain_ds.families.unet.model import build_unet
     from disttrain_ds.models.objectives import diffusion_loss, gen_condition
     from disttrain_ds.runtime.setup import build_data_and_spec
 
@@ -285,10 +285,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
 
     def generator_passes(name: str, states: list[torch.Tensor]) -> list[Pass]:
         g, gen_mode = module_config(recipe, name), mode[name][0]
-        with torch.device("meta"):  # only the U-Net's config is needed: allocate nothing
-            unet_config = {k: v for k, v in build_unet(g).config.items() if not k.startswith("_")}
-        per_image = unet_flops(unet_config, batch=1, resolution=g.resolution, cond_tokens=g.query_tokens,
-                               mode=gen_mode) + g.query_tokens * projector_flops_per_token(
+        per_image = module_family(recipe, name).image_flops(g, gen_mode) + g.query_tokens * projector_flops_per_token(
             in_dim=lm.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim, mode=gen_mode)
 
         def one(mb: MicroBatch, x: torch.Tensor) -> Pass:
@@ -312,7 +309,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     results.append(res)
     for name in gens:
         results.append(measure_module(recipe, spec, name, generator_passes(name, states), o(name))[0])
-    from disttrain_ds.runtime.emulate import patch_size, sample_flops
+    # deferred: loads diffusers (safetensors too)
     from disttrain_ds.runtime.setup import cost_model
 
     model = cost_model(recipe)

@@ -9,20 +9,26 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.cost.profile import load_profile
 from disttrain_ds.data.config import RECORD_SOURCES, SHARD_PATHS, data_problem
-from disttrain_ds.recipe.deepspeed import load_ds_config
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.vae_config import checkpoint_config, vae_problem
 from disttrain_ds.paths import require_file
-from disttrain_ds.cost.profile import load_profile
+from disttrain_ds.recipe.deepspeed import load_ds_config
 from disttrain_ds.recipe.graph import (
-    graph_of, module_config, module_degrees, module_family, module_key, module_parallel, parallel_key
+    graph_of,
+    module_config,
+    module_degrees,
+    module_family,
+    module_key,
+    module_parallel,
+    parallel_key,
 )
 
 if TYPE_CHECKING:
-    from disttrain_ds.recipe.schema import ModuleParallel, Recipe
     from disttrain_ds.graph import ModuleGraph
+    from disttrain_ds.recipe.schema import ModuleParallel, Recipe
 
 AUDIO_SOURCES = ("synthetic", "local", "webdataset", "parquet", "folder", "hf")
 MULTI_GEN_SOURCES = ("synthetic", "local", "webdataset", "parquet", "folder", "hf")
@@ -173,7 +179,7 @@ def validate(r: Recipe) -> None:
                f"{t.init_from} is not a checkpoint step directory (no manifest.json)")
     d = r.data
     _check(d.seq_len >= 16, src, "data.seq_len", f"must be >= 16, got {d.seq_len}")
-    images = [n for n in graph.encoders if module_family(r, n).name == "vit"]
+    images = [n for n in graph.encoders if module_family(r, n).modality == "image"]
     for name in images:
         patch = module_config(r, name).patch_size
         for s in d.image_sizes:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from disttrain_ds.configtools import ConfigError, load_json
+from disttrain_ds.configtools import load_json
+from disttrain_ds.errors import ConfigError
 
 KNOWN_KEYS = frozenset(
     """

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from disttrain_ds.configtools import ConfigError, from_dict, to_dict
+from disttrain_ds.configtools import from_dict, to_dict
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import DEFAULT_FAMILY, FAMILIES, Family, get_family
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.topology import Topology
 
 if TYPE_CHECKING:  # annotations only: config imports this module
     from disttrain_ds.recipe.schema import Recipe
@@ -148,3 +150,10 @@ def as_written(recipe: Recipe) -> dict:
         for key in (ROLE_KEYS if graph_form else ("modules",)):
             data[section].pop(key, None)
     return data
+
+
+def topology_of(recipe: Recipe) -> Topology:
+    """The recipe's rank map from ``parallel.*`` (monolithic: encoder and generator take the LLM's DP/TP, PP 1)."""
+    if recipe.layout == "reference":
+        raise ConfigError(f"{recipe.source_file}: 'layout' reference runs in one process and has no rank map")
+    return Topology.build(graph_of(recipe), module_degrees(recipe), recipe.layout)

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from disttrain_ds.configtools import ConfigError, apply_overrides, from_dict, load_yaml
+from disttrain_ds.configtools import apply_overrides, from_dict, load_yaml
 from disttrain_ds.data.config import DataConfig
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import DEFAULT_FAMILY, get_family
 from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig, LLMConfig
 from disttrain_ds.paths import PACKAGE_DIR, path_candidates, require_file, resolve_path
-from disttrain_ds.recipe.graph import expand_graph_sections, link_sections
 from disttrain_ds.recipe.checks import RUN_NAME, layer_counts, tp_shape_problem, validate
+from disttrain_ds.recipe.graph import expand_graph_sections, link_sections
 
 __all__ = ["RUN_NAME", "PACKAGE_DIR", "layer_counts", "load_recipe", "path_candidates", "require_file",
            "resolve_path", "tp_shape_problem", "validate"]

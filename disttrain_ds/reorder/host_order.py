@@ -13,17 +13,15 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as tdist
 
+from disttrain_ds.cost.graph_costs import as_graph_costs
 from disttrain_ds.reorder.inter import batch_order
-from disttrain_ds.data.source import ShapeSpec
-from disttrain_ds.samples import SpecialTokens
+from disttrain_ds.samples import ShapeSpec, SpecialTokens
 
 
 class HostOrder:
     """Callable ``samples -> samples`` for ``ProducedSource.order_with``."""
 
     def __init__(self, shape: ShapeSpec, special: SpecialTokens, labels: list[int], counted: list[int], group):
-        from disttrain_ds.cost.graph_costs import as_graph_costs
-
         self.shape, self.special, self.labels, self.counted, self.group = shape, special, labels, counted, group
         self.model = as_graph_costs(shape.cost_model)
 

@@ -22,9 +22,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from disttrain_ds.cost.graph_costs import STAGE_ROLES, as_graph_costs
 from disttrain_ds.reorder.host import check_classes, class_lpt, host_microbatches, place
-from disttrain_ds.data.source import ShapeSpec
-from disttrain_ds.samples import PackedSample, SpecialTokens
+from disttrain_ds.reorder.intra import build_microbatches, inter_microbatch_reorder
+from disttrain_ds.reorder.module_balance import refine_split
+from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
+from disttrain_ds.schedule.simulate import makespan_batch
 
 INTER_TIME_BUDGET_S = 1.0
 """Search budget of the inter-microbatch order; small batches finish far below it."""
@@ -33,16 +36,12 @@ REFINE_TIME_BUDGET_S = 1.0
 
 
 def _cost_model(shape: ShapeSpec):
-    from disttrain_ds.cost.graph_costs import as_graph_costs
-
     return as_graph_costs(shape.cost_model)
 
 
 def _per_module(per_module: np.ndarray, mb: list[list[int]], stages: list[int], deadline: float,
                 labels: np.ndarray | None = None) -> list[list[int]]:
     """One microbatch's DP groups (global sample indices) refined module by module."""
-    from disttrain_ds.reorder.module_balance import refine_split
-
     flat = [i for group in mb for i in group]
     at = {i: p for p, i in enumerate(flat)}
     classes = None if labels is None else labels[flat]
@@ -67,10 +66,6 @@ def batch_order(per_module: np.ndarray, model, groups: int, per_group: int, labe
     order is never slower (simulated 1F1B) than no reordering. ``budget_s`` bounds each search
     (``math.inf``: iteration limits only, the same result on every machine); ``regroup`` False
     keeps the loader's microbatches (with ``labels``; whole-batch reordering always does)."""
-    from disttrain_ds.cost.graph_costs import STAGE_ROLES
-
-    from disttrain_ds.reorder.intra import build_microbatches
-
     n = per_module.shape[0]
     slot = groups * (per_group or n // groups)
     if slot < 1 or n % slot:
@@ -105,8 +100,6 @@ def _slowest(per_module: np.ndarray, split: list[list[list[int]]]) -> np.ndarray
 
 def _in_order(per_module: np.ndarray, model, split: list, budget_s: float) -> list:
     """Microbatches in the order minimising the simulated 1F1B makespan (a stage's time = its slowest module)."""
-    from disttrain_ds.reorder.intra import inter_microbatch_reorder
-
     fwd = model.stage_times(_slowest(per_module, split))
     order = inter_microbatch_reorder(fwd, fwd * model.backward_factor, time_budget_s=budget_s)
     return [split[j] for j in order]
@@ -114,7 +107,5 @@ def _in_order(per_module: np.ndarray, model, split: list, budget_s: float) -> li
 
 def _span(per_module: np.ndarray, model, split: list) -> float:
     """Simulated 1F1B makespan of the microbatches in the given order."""
-    from disttrain_ds.schedule.simulate import makespan_batch
-
     fwd = model.stage_times(_slowest(per_module, split))
     return float(makespan_batch(fwd, fwd * model.backward_factor, np.arange(len(split))[None, :])[0])

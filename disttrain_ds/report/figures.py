@@ -8,6 +8,7 @@ from pathlib import Path
 
 from disttrain_ds.metrics.logger import merge_chrome_traces
 from disttrain_ds.report.runs import Run, is_number, module_names
+from disttrain_ds.schedule.timeline import write_gantt_png
 
 MAX_GANTT_EVENTS = 4000  # beyond this a Gantt is unreadable and slow to draw
 # Per-rank trace names -> the names the Gantt helper colours.
@@ -169,8 +170,6 @@ def _gantt_event(e: dict, t0: float) -> dict:
 
 def plot_traces(run: Run, out: Path) -> list[Path]:
     """Merge ``trace/*.json`` of a run and draw its pipeline Gantt; a bad trace only warns."""
-    from disttrain_ds.schedule.timeline import write_gantt_png
-
     files = sorted((run.path / "trace").glob("*.json"))
     if not files:
         return []

@@ -17,24 +17,33 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+from disttrain_ds.checkpoint.engine import install as install_safe_checkpoint_engine
+from disttrain_ds.checkpoint.steps import Checkpointer, resolve_resume
 from disttrain_ds.comm.boundary import BoundaryComm, boundary_links
 from disttrain_ds.comm.p2p import CHANNELS, P2P, PeerInfo, waiting_on
-from disttrain_ds.recipe.schema import Recipe, resolve_path
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.console import Console, tell_launcher
 from disttrain_ds.data.config import SHARD_PATHS
 from disttrain_ds.data.host_read import (
-    EMULATED_HOSTS_ENV, aligned_parts, host_names, plan_reading, rank_positions, reader_classes
+    EMULATED_HOSTS_ENV,
+    aligned_parts,
+    host_names,
+    plan_reading,
+    rank_positions,
+    reader_classes,
 )
 from disttrain_ds.data.spool import default_base, host_key, plan_shares
-from disttrain_ds.recipe.deepspeed import engine_config, load_ds_config
-from disttrain_ds.models.configs import trains
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.estimate.memory_check import startup_memory_problem
 from disttrain_ds.mllm.flex_warmup import warm_up_stage
+from disttrain_ds.models.configs import trains
 from disttrain_ds.parallel.engine import build_pipeline_module, make_engine
 from disttrain_ds.parallel.groups import META, ProcessGroups, plan_groups
 from disttrain_ds.parallel.roles import ROLES
-from disttrain_ds.schedule.onef1b import StagePlace
 from disttrain_ds.parallel.tensor_parallel import TPContext, full_state
-from disttrain_ds.topology import Topology
+from disttrain_ds.recipe.deepspeed import engine_config, load_ds_config
+from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.recipe.schema import Recipe, resolve_path
+from disttrain_ds.reorder.host_order import HostOrder
 from disttrain_ds.runtime.callbacks.balance import Balance
 from disttrain_ds.runtime.callbacks.checkpoint import Checkpointing
 from disttrain_ds.runtime.callbacks.emulation import EmulationRecords
@@ -44,19 +53,24 @@ from disttrain_ds.runtime.callbacks.health import Heartbeat
 from disttrain_ds.runtime.callbacks.metrics import MetricsLog, open_pipeline_run
 from disttrain_ds.runtime.callbacks.preemption import FaultInjection, PreemptionStop, stop_line
 from disttrain_ds.runtime.callbacks.trace import TraceWriter
-from disttrain_ds.checkpoint.steps import Checkpointer, resolve_resume
-from disttrain_ds.console import Console, tell_launcher
 from disttrain_ds.runtime.emulate import Emulator
-from disttrain_ds.estimate.memory_check import startup_memory_problem
 from disttrain_ds.runtime.health import Watchdog, connect_store
-from disttrain_ds.reorder.host_order import HostOrder
 from disttrain_ds.runtime.pipeline_step import PipelineExecutor
 from disttrain_ds.runtime.preempt import EXIT_PREEMPTED, Preemption
-from disttrain_ds.runtime.startup import init_processes, nccl_timeout_s
+from disttrain_ds.runtime.rank_context import RankContext
 from disttrain_ds.runtime.setup import (
-    build_data_and_spec, build_eval_source, build_optimizer, cost_model, grad_accum_steps, lr_lambda, param_groups
+    build_data_and_spec,
+    build_eval_source,
+    build_optimizer,
+    cost_model,
+    grad_accum_steps,
+    lr_lambda,
+    param_groups,
 )
+from disttrain_ds.runtime.startup import init_processes, nccl_timeout_s
 from disttrain_ds.runtime.trainer import Trainer
+from disttrain_ds.schedule.onef1b import StagePlace
+from disttrain_ds.topology import Topology
 
 
 def needs_backward(recipe: Recipe, topo: Topology) -> dict[str, bool]:
@@ -171,7 +185,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     preempt = Preemption(recipe.checkpoint.sigterm_grace_s).install()  # SIGTERM: save at the next step, stop
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     topo.check_world(world, recipe.source_file)
     resume_from, manifest = resolve_resume(recipe, world)
     device = init_processes(recipe.parallel.comm_timeout_s, recipe.parallel.startup_timeout_s)
@@ -250,8 +264,10 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
         backward=backward[grid.name],
         upstream_backward=any(backward[up.name] for up in up_grids),
     )
+    ctx = RankContext(recipe, topo, rank, world, device, names, grid, stage, dp_index, tp_index, place, groups,
+                      meta_group, tp, p2p)
 
-    engine = _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstreams, frozen)
+    engine = _engine(ctx, spec, pm, upstreams, downstreams, frozen)
     # Compiled kernels (flex attention) are built now, not inside step 1 under the step's deadlines;
     # the broadcast below is the last start-up collective, so no rank's step waits on a compile.
     warm_up_stage(pm, batch=slot // grid.dp, seq_len=recipe.data.seq_len, device=device, tp=grid.tp,
@@ -273,10 +289,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     watchdog.failure_dir = dirs[0]
     console.move_to(dirs[0])
 
-    executor = PipelineExecutor(recipe, topo, grid, place, tp_index, dp_index, spec, engine, p2p, meta_group, preempt,
-                                counted)
-    callbacks = _callbacks(recipe, topo, rank, spec, engine, ckpt, watchdog, preempt, writer, mfu, meta_group,
-                           dirs[0], names[rank])
+    executor = PipelineExecutor(ctx, spec, engine, preempt, counted)
+    callbacks = _callbacks(ctx, spec, engine, ckpt, watchdog, preempt, writer, mfu, dirs[0])
     trainer = Trainer(recipe, source, executor, callbacks, start, echo=writer.echo if writer else None)
     trainer.fit()
     if export_dir and not trainer.preempted:
@@ -300,9 +314,10 @@ def check_free_memory(recipe: Recipe, rows: list | None, rank: int, device: torc
         raise ConfigError(problem)
 
 
-def _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstreams, frozen: bool):
+def _engine(ctx: RankContext, spec, pm, upstreams, downstreams, frozen: bool):
     """This stage's ``ModuleEngine``: optimizer and LR schedule unless frozen, the module's DeepSpeed
     config completed for its DP and accumulation, boundary links, emulated compute if asked."""
+    recipe, grid = ctx.recipe, ctx.grid
     optimizer = scheduler = None
     if not frozen:
         defs = spec.layers(grid.name)
@@ -311,30 +326,31 @@ def _engine(recipe, topo, grid, rank, spec, pm, place, upstreams, downstreams, f
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     mp = recipe.parallel.modules[grid.name]
     base = load_ds_config(resolve_path(mp.ds_config or recipe.deepspeed_config))
-    micro = recipe.parallel.llm.dp * recipe.train.micro_batch // grid.dp
+    micro = ctx.slot // grid.dp
     cfg = engine_config(
         base, micro_batch=micro, grad_accum=grad_accum_steps(recipe), dp=grid.dp, dtype=recipe.train.dtype,
         grad_clip=recipe.optim.grad_clip, frozen=frozen,
     )
-    engine = make_engine(pm, optimizer, scheduler, cfg)
-    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name), place, upstreams, downstreams, frozen)
+    engine = make_engine(pm, optimizer, scheduler, cfg, install_safe_checkpoint_engine)
+    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name), ctx.place, upstreams, downstreams,
+                               frozen)
     if recipe.emulate.enabled:
-        engine.emulator = Emulator.for_rank(recipe, topo, rank, spec, place.backward)
+        engine.emulator = Emulator.for_rank(recipe, ctx.topo, ctx.rank, spec, ctx.place.backward)
     return engine
 
 
-def _callbacks(recipe, topo, rank, spec, engine, ckpt, watchdog, preempt, writer, mfu, group, run_dir: str,
-               label: str) -> list:
+def _callbacks(ctx: RankContext, spec, engine, ckpt, watchdog, preempt, writer, mfu, run_dir: str) -> list:
     """The loop's concerns on this rank, in the order they see each step (metrics on rank 0 only)."""
+    recipe, rank = ctx.recipe, ctx.rank
     callbacks = [Heartbeat(watchdog)]
     if recipe.eval.every > 0:
         callbacks.append(Evaluation(recipe, build_eval_source(recipe)))
     if writer is not None:
-        slot, dps = recipe.parallel.llm.dp * recipe.train.micro_batch, {m.name: m.dp for m in topo.modules}
-        callbacks += [Balance(cost_model(recipe), spec, slot, dps),
+        dps = {m.name: m.dp for m in ctx.topo.modules}
+        callbacks += [Balance(cost_model(recipe), spec, ctx.slot, dps),
                       MetricsLog(recipe, spec.special.pad, writer, mfu, writer.echo)]
     callbacks += [NonFiniteGuard(recipe.train.on_nonfinite), PreemptionStop(preempt), Checkpointing(ckpt, run_dir),
-                  TraceWriter(engine, group, run_dir, rank, label)]
+                  TraceWriter(engine, ctx.meta_group, run_dir, rank, ctx.label)]
     if engine.emulator is not None:
         callbacks.append(EmulationRecords(engine.emulator, run_dir, rank))
     return callbacks + [FaultInjection(rank)]

@@ -39,10 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
+from disttrain_ds.cost.profile import load_profile
+from disttrain_ds.models.configs import EncoderConfig
 from disttrain_ds.recipe.graph import graph_of, module_config
+from disttrain_ds.recipe.schema import resolve_path
+from disttrain_ds.runtime.guards import fresh_path
 from disttrain_ds.topology import Topology
-
-
 
 # --------------------------------------------------------------------------- recipe checks
 
@@ -122,8 +124,6 @@ def wait_until(deadline: float) -> float:
 def patch_size(recipe, name: str) -> int:
     """The patch size a sample's image statistics are taken at for module ``name``: an
     encoder's own; any other module's cost does not depend on it (the default encoder's)."""
-    from disttrain_ds.models.configs import EncoderConfig
-
     return getattr(module_config(recipe, name), "patch_size", None) or EncoderConfig().patch_size
 
 
@@ -137,6 +137,7 @@ def calibration_flops(recipe) -> dict[str, np.ndarray]:
     """Per module name, the cost-model forward FLOPs of each sample of the first
     ``emulate.calibration_batches`` global batches of the recipe's data (in-process, unreordered:
     the same samples in any setting)."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 
     plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, producers=0, reorder=False))
@@ -152,9 +153,6 @@ def calibration_flops(recipe) -> dict[str, np.ndarray]:
 
 def recipe_rates(recipe, topo: Topology) -> dict[str, float]:
     """``module_rates`` of a recipe (loads its profile and calibration data)."""
-    from disttrain_ds.recipe.schema import resolve_path
-    from disttrain_ds.cost.profile import load_profile
-
     e = recipe.emulate
     if not e.profile:
         return module_rates(e, topo, None)
@@ -177,6 +175,7 @@ class Emulator:
 
     @classmethod
     def for_rank(cls, recipe, topo: Topology, rank: int, spec, backward: bool) -> "Emulator":
+        # deferred: loads torch (diffusers, safetensors too)
         from disttrain_ds.runtime.setup import cost_model
 
         grid = topo.module_of(rank)
@@ -213,8 +212,6 @@ class Emulator:
     def save(self, directory: str | os.PathLike, rank: int) -> Path:
         """``<directory>/rank<r>.json`` (``rank<r>-2.json``, ... when an earlier launch wrote one):
         module, stage, replica, rate and every step's times."""
-        from disttrain_ds.runtime.guards import fresh_path
-
         path = fresh_path(Path(directory) / f"rank{rank}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({

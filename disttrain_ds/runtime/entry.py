@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import time
 
+from disttrain_ds.console import Console
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.metrics.rundir import make_run_dir, write_resolved_recipe
+from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import Recipe, load_recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.topology import Topology
+from disttrain_ds.runtime import guards
 
 
 def world_size_from_env() -> int:
@@ -46,8 +49,8 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
         rows = check_memory(recipe, ranks_per_host=1)
         check_output_dirs(recipe, rows)
         check_imports(recipe)
+        # deferred: loads torch (diffusers, safetensors too)
         from disttrain_ds.runtime.reference import train_reference
-        from disttrain_ds.metrics.rundir import make_run_dir, write_resolved_recipe
 
         run_dir = make_run_dir(recipe.logging.dir, recipe.name)
         write_resolved_recipe(run_dir, recipe)
@@ -56,13 +59,13 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
         print(f"metrics: {run_dir / 'metrics.jsonl'}", flush=True)
         return 0
     # Before the runtime (DeepSpeed) is imported and before any process group starts.
-    Topology.from_recipe(recipe).check_world(world, recipe.source_file)
+    topology_of(recipe).check_world(world, recipe.source_file)
     rows = check_memory(recipe, ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     check_output_dirs(recipe, rows)  # writable run and checkpoint directories, room for a checkpoint
     check_imports(recipe)  # the weights it starts from cover every module they are given for
-    from disttrain_ds.console import Console
 
     console = Console.start(int(os.environ.get("RANK", "0")))  # library output to a log from here on
+    # deferred: loads torch (deepspeed, diffusers, safetensors, transformers too)
     from disttrain_ds.runtime.distributed import train_distributed
 
     try:
@@ -75,6 +78,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
 def check_memory(recipe: Recipe, ranks_per_host: int) -> list:
     """Stop with one line naming the rank and module whose estimated peak memory does not fit;
     returns the estimate's rows."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import check_fits, device_limit_gib, limit_is_gpu
 
@@ -87,6 +91,7 @@ def check_memory(recipe: Recipe, ranks_per_host: int) -> list:
 def check_imports(recipe: Recipe) -> None:
     """Stop with one line naming ``model.<module>.checkpoint`` when it would leave weights at random
     init or does not fit the module's shapes."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.runtime.imports import check_imports as check
 
     check(recipe)
@@ -95,15 +100,14 @@ def check_imports(recipe: Recipe) -> None:
 def check_output_dirs(recipe: Recipe, rows: list) -> None:
     """Stop with one line naming ``logging.dir`` or ``checkpoint.dir`` when it cannot be written or
     (checkpoints) has no room for one checkpoint."""
-    from disttrain_ds.runtime.guards import check_output_dirs as check
-
-    check(recipe, rows)
+    guards.check_output_dirs(recipe, rows)
 
 
 def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:
     """Print the rank map and every rank's estimated peak memory; no processes, no weights.
 
     Raises ``ConfigError`` (one line naming the rank and module) when a rank does not fit."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import check_fits, describe, device_limit_gib, limit_is_gpu
 
@@ -112,7 +116,7 @@ def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:
         ranks = 1
         out("layout reference: 1 rank (encoder, llm and generator in one process)")
     else:
-        topo = Topology.from_recipe(recipe)
+        topo = topology_of(recipe)
         ranks = topo.world_size
         out(topo.describe())
     limit, source = device_limit_gib(recipe, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))

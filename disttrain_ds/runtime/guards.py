@@ -13,11 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from disttrain_ds.configtools import ConfigError
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss of a step is NaN or infinite; the message is one line naming the step."""
+from disttrain_ds.errors import ConfigError, TrainingDiverged
 
 
 def check_finite_loss(rec: dict, step: int, policy: str = "stop") -> None:
@@ -59,6 +55,7 @@ def checkpoint_bytes(recipe, rows) -> float:
     """Estimated bytes of one checkpoint: weights and optimizer states of every stage, counted once
     per tensor-parallel shard (DP replicas save one copy) and per DP shard where the optimizer is
     sharded (ZeRO-1, bf16), from the memory estimate's per-rank figures (``estimate/memory.py``)."""
+    # deferred: loads torch (diffusers, safetensors too)
     from disttrain_ds.estimate.memory import state_bytes
 
     total = 0.0
@@ -85,6 +82,7 @@ def check_disk_space(path: str | Path, need_bytes: float, key: str, src: str) ->
 def check_output_dirs(recipe, rows=None) -> None:
     """Before training: ``logging.dir`` and, with checkpoints on, ``checkpoint.dir`` are writable,
     and the checkpoint directory has room for one checkpoint (``rows``: the memory estimate)."""
+    # deferred: loads torch
     from disttrain_ds.checkpoint.manifest import checkpoint_root
 
     src = recipe.source_file or "<recipe>"
@@ -95,6 +93,7 @@ def check_output_dirs(recipe, rows=None) -> None:
     root = checkpoint_root(recipe)
     check_writable_dir(root, "checkpoint.dir", src)
     if rows is None:
+        # deferred: loads torch (diffusers, safetensors too)
         from disttrain_ds.estimate.memory import estimate
 
         rows = estimate(recipe)

@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Callable
 
 from disttrain_ds.console import Console, tell_launcher
+from disttrain_ds.errors import CommTimeoutError, ConfigError, TrainingDiverged
 from disttrain_ds.runtime.heartbeat import Heartbeat, hb_key, stuck_rank
 from disttrain_ds.runtime.verdict import Verdict, pointer_line, terminal_line
 
@@ -304,10 +305,6 @@ class Watchdog:
     def handle(self, exc: BaseException, blame_wait_s: float) -> None:
         """End this rank after ``exc`` with one line; returns only for ``ConfigError`` (re-raised by
         the caller so the entry point prints it)."""
-        from disttrain_ds.comm.p2p import CommTimeoutError
-        from disttrain_ds.configtools import ConfigError
-        from disttrain_ds.runtime.guards import TrainingDiverged
-
         here = self.who(self.rank)
         if isinstance(exc, ConfigError):
             self.fail(str(exc))
@@ -385,8 +382,6 @@ def store_host_name() -> str:
 def waits_for_peer(exc: BaseException) -> bool:
     """Whether ``exc`` may be a neighbour's death seen from here (a broken or timed-out connection),
     so the heartbeats should get time to name the culprit; False for errors that are this rank's own."""
-    from disttrain_ds.configtools import ConfigError
-
     for e in (exc, exc.__cause__):
         if e is None or isinstance(e, (ConfigError, ValueError, KeyError, TypeError, AssertionError)):
             continue

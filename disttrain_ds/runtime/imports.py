@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from disttrain_ds.checkpoint.read import STEP_DIRS
+from disttrain_ds.estimate.memory import meta_layers, vocab_size
+from disttrain_ds.mllm.recipe_spec import meta_spec
 from disttrain_ds.mllm.weights import check_checkpoint
 from disttrain_ds.recipe.graph import graph_of, module_family, module_key
-from disttrain_ds.estimate.memory import meta_layers, meta_spec, vocab_size
 
 
 def check_imports(recipe) -> None:

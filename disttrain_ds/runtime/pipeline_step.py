@@ -13,6 +13,7 @@ from disttrain_ds.data.outline import outline, stand_in
 from disttrain_ds.mllm.model import BatchNorms, collate
 from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.runtime.callbacks.evaluation import eval_figures
+from disttrain_ds.runtime.rank_context import RankContext
 from disttrain_ds.runtime.setup import grad_accum_steps
 from disttrain_ds.runtime.step_record import gather_losses, gather_step_record
 
@@ -24,15 +25,14 @@ class PipelineExecutor:
     own ranks (None elsewhere): the batch-wide counts are summed over the ranks, each position
     counted by one rank (``counted`` lists this rank's)."""
 
-    def __init__(self, recipe, topo, grid, place, tp_index: int, dp_index: int, spec, engine, p2p, group, preempt,
-                 counted: list[int] | None = None):
-        self.counted = counted
-        self.topo, self.grid, self.place, self.tp_index, self.spec = topo, grid, place, tp_index, spec
-        self.engine, self.p2p, self.group, self.preempt = engine, p2p, group, preempt
+    def __init__(self, ctx: RankContext, spec, engine, preempt, counted: list[int] | None = None):
+        recipe, topo, grid, place = ctx.recipe, ctx.topo, ctx.grid, ctx.place
+        self.ctx, self.counted, self.spec, self.engine, self.preempt = ctx, counted, spec, engine, preempt
+        self.grid, self.group = grid, ctx.meta_group
         self.gas = grad_accum_steps(recipe)
-        self.slot = recipe.parallel.llm.dp * recipe.train.micro_batch
+        self.slot = ctx.slot
         self.chunks = self.gas * recipe.parallel.llm.dp
-        self.block = blocks(self.slot, grid.dp)[dp_index]
+        self.block = blocks(self.slot, grid.dp)[ctx.dp_index]
         self.dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
         llm_dp = topo.module(spec.name_of("llm")).dp
         self.gen_dp_scale = {g: topo.module(g).dp / llm_dp for g in spec.generators}  # each generator's DP / the LLM's
@@ -94,8 +94,8 @@ class PipelineExecutor:
         stats = self.engine.run_step(batches)
         stats["data_wait_s"] = data_wait
         elapsed = time.perf_counter() - t0
-        rec = gather_step_record(self.topo, self.grid, self.place, self.tp_index, stats, elapsed, self.chunks,
-                                 self.gen_dp_scale, self.group, self.preempt.requested, self.spec.roles)
+        rec = gather_step_record(self.ctx, stats, elapsed, self.chunks, self.gen_dp_scale, self.preempt.requested,
+                                 self.spec.roles)
         return rec, rec.pop("preempt")  # any rank got SIGTERM
 
     def evaluate(self, batches: list[list]) -> dict[str, float]:
@@ -103,9 +103,8 @@ class PipelineExecutor:
         # Held-out batches are read whole by every rank (``build_eval_source``).
         norms = [BatchNorms.of(samples, self.chunks, len(self.spec.generators)) for samples in batches]
         own = sum(self.engine.run_eval(self._batches(samples, n))["own_loss"] for samples, n in zip(batches, norms))
-        lm, gens = gather_losses(self.topo, self.grid, self.place, self.tp_index, own / len(batches), self.chunks,
-                                self.gen_dp_scale, self.group, self.spec.roles)
+        lm, gens = gather_losses(self.ctx, own / len(batches), self.chunks, self.gen_dp_scale, self.spec.roles)
         return eval_figures(lm, gens, self.spec)
 
     def finish(self) -> None:
-        self.p2p.flush_sends()
+        self.ctx.p2p.flush_sends()

@@ -13,16 +13,21 @@ from pathlib import Path
 
 import torch
 
-from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
-from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.metrics.logger import RunLogger
 from disttrain_ds.metrics.step_flops import MfuMeter
+from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
+from disttrain_ds.models.vae import generator_vae
+from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.runtime.callbacks.evaluation import Evaluation, eval_figures
 from disttrain_ds.runtime.callbacks.guard import NonFiniteGuard
 from disttrain_ds.runtime.callbacks.metrics import MetricsLog
 from disttrain_ds.runtime.setup import (
-    build_data_and_spec, build_eval_source, build_optimizer, grad_accum_steps, lr_lambda, param_groups
+    build_data_and_spec,
+    build_eval_source,
+    build_optimizer,
+    grad_accum_steps,
+    lr_lambda,
+    param_groups,
 )
 from disttrain_ds.runtime.trainer import Trainer
 
@@ -86,7 +91,7 @@ class ReferenceExecutor:
 def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[list[dict], ReferenceMLLM]:
     """Train for ``train.steps`` optimizer steps; returns the per-step records and the model.
 
-    Raises ``guards.TrainingDiverged`` after logging a step whose loss is not finite (unless
+    Raises ``errors.TrainingDiverged`` after logging a step whose loss is not finite (unless
     ``train.on_nonfinite`` is ``continue``)."""
     torch.manual_seed(recipe.seed)
     source, spec = build_data_and_spec(recipe)

@@ -7,24 +7,26 @@ import math
 
 import torch
 
-from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.cost.model import CostModel, TransformerDims, UNetDims
 from disttrain_ds.checkpoint.read import STEP_DIRS
-from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import GenShape, SampleSource, ShapeSpec
-from disttrain_ds.data.host_read import slot_columns
-from disttrain_ds.data.split import Split
-from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig
-from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.cost.graph_costs import GraphCosts
+from disttrain_ds.cost.model import CostModel, TransformerDims, UNetDims
+from disttrain_ds.data.host_read import slot_columns
+from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.registry import open_source, resolve
+from disttrain_ds.data.source import SampleSource
+from disttrain_ds.data.split import Split
+from disttrain_ds.families import get_family
+from disttrain_ds.mllm.model import MLLMSpec
+from disttrain_ds.mllm.recipe_spec import recipe_spec
+from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
+from disttrain_ds.recipe.schema import Recipe
+from disttrain_ds.samples import GenShape, ShapeSpec
 
 
 def cost_model(recipe: Recipe) -> GraphCosts:
     """Per-sample cost of each module of the recipe's graph, by name (forward FLOPs), for
     reordering, balance, emulation and the profiler's draws."""
-    from disttrain_ds.families import get_family
-
     graph = graph_of(recipe)
     # A graph without an image encoder (or a generator) has no images (or targets) for it, so the
     # stand-in default sizes below cost nothing for any of its samples.
@@ -87,7 +89,6 @@ def reorder_groups(recipe: Recipe) -> int:
 
 def shape_spec(recipe: Recipe) -> ShapeSpec:
     """The model facts the recipe's sample source lays samples out by."""
-    m = recipe.model
     groups = reorder_groups(recipe)
     e, g = encoder_of(recipe, "image") or EncoderConfig(), first_generator(recipe) or GeneratorConfig()  # stand-ins: no images / targets
     audio = encoder_of(recipe, "audio")
@@ -113,31 +114,19 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
 def build_data_and_spec(recipe: Recipe) -> tuple[SampleSource, MLLMSpec]:
     """The training sample source (less any held-out records) and the model spec (LLM vocabulary
     sized from the tokenizer)."""
-    m = recipe.model
     split = Split(fraction=recipe.eval.holdout_fraction)
     source = build_source(recipe.data, shape_spec(recipe), recipe.train.global_batch, recipe.seed, split)
     need = source.special.vocab_size
-    llm = m.llm
-    if llm.vocab_size == 0:
-        llm = dataclasses.replace(llm, vocab_size=need)
-    elif llm.vocab_size < need:
-        raise ValueError(f"model.llm.vocab_size {llm.vocab_size} is smaller than the tokenizer's {need} ids")
-    graph = graph_of(recipe)
-    image = encoder_of(recipe, "image")
-    first = first_generator(recipe)
-    spec = MLLMSpec(image, llm, first, source.special, recipe.seed, m.gen_loss_weight,
-                    roles={n: graph.role(n) for n in graph.names},
-                    configs={n: m.modules[n] for n in (*graph.encoders, *graph.generators)
-                             if m.modules[n] is not image and m.modules[n] is not first},
-                    step_dirs=STEP_DIRS)  # a checkpoint may be a training step directory
+    vocab = recipe.model.llm.vocab_size or need
+    if vocab < need:
+        raise ValueError(f"model.llm.vocab_size {vocab} is smaller than the tokenizer's {need} ids")
+    spec = recipe_spec(recipe, source.special, vocab, step_dirs=STEP_DIRS)  # a checkpoint may be a step directory
     return source, spec
 
 
 def build_eval_source(recipe: Recipe) -> SampleSource:
     """The held-out split (``data/split.py``), read in-process: evaluation batches ``0 ..
     eval.batches - 1``, each one global batch, never overlapping the training stream."""
-    from disttrain_ds.data.registry import open_source, resolve
-
     cfg = dataclasses.replace(recipe.data, producers=0, reorder=False)  # a few batches: no processes
     split = Split(held_out=True, fraction=recipe.eval.holdout_fraction)
     return open_source(resolve(cfg), shape_spec(recipe), recipe.train.global_batch, recipe.seed, split)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as tdist
 
 from disttrain_ds.comm import nccl_emulation
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.parallel.groups import device_bound, refuse_member_only_groups
 
 NCCL_ERROR_HANDLING = "2"

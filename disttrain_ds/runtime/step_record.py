@@ -6,9 +6,10 @@ import torch
 import torch.distributed as tdist
 
 from disttrain_ds.mllm.model import MODULES
+from disttrain_ds.runtime.rank_context import RankContext
 
 
-def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_dp_scale, group,
+def gather_step_record(ctx: RankContext, stats: dict, elapsed: float, chunks: int, gen_dp_scale,
                        preempt: bool = False, roles: dict[str, str] | None = None) -> dict:
     """All ranks contribute their figures; every rank gets the step record (rank 0 writes it).
     ``preempt``: this rank got SIGTERM; the record's ``preempt`` is whether any rank did.
@@ -17,8 +18,8 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
     names = list(roles)
     mine = torch.tensor(
         [
-            names.index(grid.name),
-            1.0 if place.last_of_engine and tp_index == 0 else 0.0,  # TP ranks hold the same loss
+            names.index(ctx.grid.name),
+            1.0 if ctx.place.last_of_engine and ctx.tp_index == 0 else 0.0,  # TP ranks hold the same loss
             stats["own_loss"],
             elapsed,
             stats["compute_s"],
@@ -29,7 +30,7 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
         ],
         dtype=torch.float64,
     )
-    table = _gather_rows(mine, topo.world_size, group)
+    table = _gather_rows(mine, ctx.topo.world_size, ctx.meta_group)
     lm, gens = _module_losses(table, roles, chunks, gen_dp_scale)
     gen = sum(gens.values(), 0.0)
     step = float(table[:, 3].max())
@@ -56,13 +57,13 @@ def gather_step_record(topo, grid, place, tp_index, stats, elapsed, chunks, gen_
     return rec
 
 
-def gather_losses(topo, grid, place, tp_index, own_loss: float, chunks: int, gen_dp_scale, group,
+def gather_losses(ctx: RankContext, own_loss: float, chunks: int, gen_dp_scale,
                   roles: dict[str, str]) -> tuple[float, dict[str, float]]:
     """(LM loss, diffusion loss per generator) of one global batch from every rank's ``own_loss``,
     normalised as in the step record (evaluation; every rank calls it and gets the same figures)."""
-    holder = 1.0 if place.last_of_engine and tp_index == 0 else 0.0
-    mine = torch.tensor([list(roles).index(grid.name), holder, own_loss], dtype=torch.float64)
-    return _module_losses(_gather_rows(mine, topo.world_size, group), roles, chunks, gen_dp_scale)
+    holder = 1.0 if ctx.place.last_of_engine and ctx.tp_index == 0 else 0.0
+    mine = torch.tensor([list(roles).index(ctx.grid.name), holder, own_loss], dtype=torch.float64)
+    return _module_losses(_gather_rows(mine, ctx.topo.world_size, ctx.meta_group), roles, chunks, gen_dp_scale)
 
 
 def _gather_rows(mine: torch.Tensor, world: int, group) -> torch.Tensor:

@@ -46,10 +46,10 @@ def test_batched_bf16_latents_on_cuda_match_per_image_fp32_latents_on_cpu():
 
 def test_generator_placement_collate_on_cuda_gives_bf16_latents_of_the_latent_shape():
     _needs_cuda()
-    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.data.registry import open_source, resolve
     from disttrain_ds.mllm.model import BatchNorms, collate
     from disttrain_ds.models.vae import generator_vae
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.setup import build_data_and_spec, shape_spec
 
     r = load_recipe("tiny_cpu_latent", ["model.generator.vae.placement=generator"])

@@ -19,11 +19,11 @@ import json
 import numpy as np
 import pytest
 
+from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime import emulate
-from disttrain_ds.schedule import replay
 from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
-from disttrain_ds.topology import Topology
+from disttrain_ds.schedule import replay
 
 from .conftest import REPO, launch
 
@@ -112,7 +112,7 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", [*LAYOUT, *emu])
     source, _ = build_data_and_spec(recipe)
     samples = source.global_batch(2)
-    rates = emulate.recipe_rates(recipe, Topology.from_recipe(recipe))
+    rates = emulate.recipe_rates(recipe, topology_of(recipe))
     cm, special = cost_model(recipe), source.special
     llm_dp1 = next(r for r in recs[3] if r.module == "llm" and r.dp == 1)
     expected = [rates["llm"] * cm.model.llm_cost(samples[2 * g + 1].stats(8, special)) for g in range(4)]
@@ -158,7 +158,7 @@ def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run
     recipe = load_recipe(REPO / "recipes" / "tiny_vlm.yaml", [*VLM_LAYOUT, *emu])
     source, _ = build_data_and_spec(recipe)
     samples = source.global_batch(2)
-    rates = emulate.recipe_rates(recipe, Topology.from_recipe(recipe))
+    rates = emulate.recipe_rates(recipe, topology_of(recipe))
     cm, special = cost_model(recipe), source.special
     vision = next(r for r in recs[3] if r.module == "vision")
     expected = [rates["vision"] * cm.model.encoder_cost(s.stats(recipe.model.modules["vision"].patch_size, special))
@@ -220,7 +220,7 @@ def test_emulated_image_and_audio_encoders_run_matches_the_simulator(tmp_path, r
     recipe = load_recipe(REPO / "recipes" / "tiny_omni.yaml", [*OMNI_LAYOUT, *emu])
     source, _ = build_data_and_spec(recipe)
     samples = source.global_batch(2)
-    rate = emulate.recipe_rates(recipe, Topology.from_recipe(recipe))["ear"]
+    rate = emulate.recipe_rates(recipe, topology_of(recipe))["ear"]
     cfg = recipe.model.modules["ear"]
     per = [rate * sum(forward_flops_per_clip(cfg, c.shape[1]) for c in s.audio) for s in samples]
     ear = next(r for r in recs[3] if r.module == "ear")

@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from export_checks import output_diff
 
 from .conftest import launch, metrics_steps
@@ -35,7 +34,7 @@ def _module_state(params: dict, module: str) -> dict[str, torch.Tensor]:
 def test_export_of_a_tp_pp_checkpoint_loads_with_from_pretrained_and_matches_the_trained_modules(trained, tmp_path):
     from disttrain_ds.checkpoint.export import export_checkpoint
     from disttrain_ds.checkpoint.read import read_module_state, step_recipe, verified_manifest
-    from disttrain_ds.estimate.memory import meta_spec
+    from disttrain_ds.mllm.recipe_spec import meta_spec
 
     step, params = trained
     recipe = step_recipe(verified_manifest(step, "llm"))
@@ -53,9 +52,10 @@ def test_export_of_a_tp_pp_checkpoint_loads_with_from_pretrained_and_matches_the
 
 def test_exported_and_step_directories_import_to_the_trained_tensors(trained, tmp_path):
     from disttrain_ds.checkpoint.export import export_checkpoint
+    from disttrain_ds.estimate.memory import vocab_size
+    from disttrain_ds.mllm.recipe_spec import meta_spec
     from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.imports import check_imports
-    from disttrain_ds.estimate.memory import meta_spec, vocab_size
 
     step, params = trained
     out = export_checkpoint(step, tmp_path / "exported", log=lambda line: None)
@@ -94,7 +94,7 @@ def test_bf16_checkpoint_exports_in_bf16_and_fp32_that_compute_what_the_bf16_mod
 
     from disttrain_ds.checkpoint.export import export_checkpoint
     from disttrain_ds.checkpoint.read import read_module_state, step_recipe, verified_manifest
-    from disttrain_ds.estimate.memory import meta_spec
+    from disttrain_ds.mllm.recipe_spec import meta_spec
 
     _, params, _ = launch(tmp_path / "run", 4, ["layout=disaggregated", "train.dtype=bf16", "train.steps=2",
                                                 "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}"])

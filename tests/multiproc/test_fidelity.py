@@ -84,8 +84,8 @@ FROZEN_CASES = {
 
 @pytest.mark.parametrize("case", sorted(FROZEN_CASES))
 def test_frozen_parts_stay_bit_identical_while_the_rest_trains(case, tmp_path, reference_run):
-    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.mllm.model import ReferenceMLLM
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.reference import reference_layer_state
     from disttrain_ds.runtime.setup import build_data_and_spec
 

@@ -53,9 +53,9 @@ def test_two_hosts_read_disjoint_samples_and_train_the_reference(tmp_path, refer
 def expected_orders(overrides: list[str], steps: int, labels: list[int]) -> tuple[list[list[int]], list[list[int]]]:
     """The host-constrained order of each step's batch and its read order (sample ids), from one
     whole-batch read."""
+    from disttrain_ds.cost.graph_costs import as_graph_costs
     from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.reorder.inter import batch_order
-    from disttrain_ds.cost.graph_costs import as_graph_costs
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     source, _ = build_data_and_spec(load_recipe("tiny_cpu", [*overrides, "data.reorder=false"]))

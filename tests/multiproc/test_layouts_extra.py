@@ -21,8 +21,8 @@ def test_every_module_pipelined_matches_reference(tmp_path, reference_run):
 
 
 def test_frozen_llm_passes_gradients_to_trainable_encoder(tmp_path, reference_run):
-    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.mllm.model import ReferenceMLLM
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.reference import reference_layer_state
     from disttrain_ds.runtime.setup import build_data_and_spec
 

@@ -39,8 +39,8 @@ def test_llm_estimate_is_within_15_percent_of_its_measured_peak_in_the_readme_la
     assert abs(est - live) <= TOLERANCE * live, (est / 2**20, live / 2**20)
     # Negative control: the estimate with about one microbatch in flight instead of the ones 1F1B
     # keeps misses the measured peak by far more than the tolerance.
-    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.estimate.memory import estimate
+    from disttrain_ds.recipe.schema import load_recipe
 
     def one_in_flight(ov):
         rows = [r for r in estimate(load_recipe("tiny_cpu", ov)) if r.module == "llm"]

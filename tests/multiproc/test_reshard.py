@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from .conftest import launch, max_param_mismatch, metrics_steps

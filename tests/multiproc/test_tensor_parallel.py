@@ -12,8 +12,8 @@ import json
 
 import pytest
 
+from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.topology import Topology
 
 from .conftest import REPO, launch, max_param_mismatch
 from .test_fidelity import SGD, STEPS
@@ -55,7 +55,7 @@ def _check(name: str, layouts: dict, tmp_path, reference_run) -> None:
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
 
     # No duplicated boundary traffic: only TP index 0 ranks send across module boundaries.
-    topo = Topology.from_recipe(load_recipe(REPO / "recipes" / "tiny_cpu.yaml", overrides))
+    topo = topology_of(load_recipe(REPO / "recipes" / "tiny_cpu.yaml", overrides))
     senders = set()
     for rank in range(nproc):
         sends = json.loads((tmp_path / f"sends_rank{rank}.json").read_text())

@@ -10,9 +10,9 @@ import torch
 
 from disttrain_ds.data.audio import HOP, SAMPLE_RATE, load_clip, log_mel, read_wav, synthetic_clip
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.source import ShapeSpec, SyntheticSource
-from disttrain_ds.samples import PackedSample, SpecialTokens
+from disttrain_ds.data.source import SyntheticSource
 from disttrain_ds.data.validate import sample_problems
+from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
 
 
 def _tone(frames: int, hz: float = 440.0) -> np.ndarray:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from disttrain_ds.reorder.intra import build_microbatches
 from disttrain_ds.reorder.balance import dp_balance
+from disttrain_ds.reorder.intra import build_microbatches
 
 
 def test_balance_uses_contiguous_blocks_per_slot():

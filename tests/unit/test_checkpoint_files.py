@@ -11,10 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.checkpoint.files import (
-    CheckpointFileError, file_entry, file_problem, load_data_state, load_rng, safe_load, save_data_state, save_rng
+    CheckpointFileError,
+    file_entry,
+    file_problem,
+    load_data_state,
+    load_rng,
+    safe_load,
+    save_data_state,
+    save_rng,
 )
+from disttrain_ds.errors import ConfigError
 
 
 class OpensAFile:

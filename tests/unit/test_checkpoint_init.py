@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from disttrain_ds.samples import doc_ids
-from disttrain_ds.models.layers import Sequential
 from disttrain_ds.mllm.model import MLLMSpec
+from disttrain_ds.models.layers import Sequential
+from disttrain_ds.samples import doc_ids
 
 
 def test_llm_layers_load_transformers_save_pretrained(tmp_path, tiny_spec):
@@ -72,8 +72,8 @@ def test_shape_mismatch_names_the_layer(tmp_path, tiny_spec):
 def test_missing_checkpoint_is_a_recipe_error():
     from pathlib import Path
 
+    from disttrain_ds.errors import ConfigError
     from disttrain_ds.recipe.schema import load_recipe
-    from disttrain_ds.configtools import ConfigError
 
     tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
     with pytest.raises(ConfigError, match="'model.llm.checkpoint'"):
@@ -83,8 +83,8 @@ def test_missing_checkpoint_is_a_recipe_error():
 def _saved_llama(tmp_path, name: str, **changes) -> str:
     from transformers import LlamaForCausalLM
 
-    from disttrain_ds.families.llama.model import hf_config
     from disttrain_ds.estimate.memory import vocab_size
+    from disttrain_ds.families.llama.model import hf_config
 
     recipe = load_recipe_tiny([])
     cfg = dataclasses.replace(recipe.model.llm, vocab_size=vocab_size(recipe), **changes)
@@ -114,7 +114,7 @@ def test_a_checkpoint_covering_the_module_passes_the_import_check(tmp_path):
 def test_a_checkpoint_that_would_leave_weights_random_is_refused_in_one_line(tmp_path, case, needle):
     from transformers import ViTModel
 
-    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.errors import ConfigError
     from disttrain_ds.families.vit.model import hf_config
     from disttrain_ds.runtime.imports import check_imports
 

@@ -10,16 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.checkpoint.steps import (
-    FORMAT, MANIFEST, Checkpointer, checkpoint_root, complete_checkpoints, fingerprint, read_manifest,
-    resolve_resume
-)
 from disttrain_ds.checkpoint.files import CheckpointFileError, file_entry
+from disttrain_ds.checkpoint.steps import (
+    FORMAT,
+    MANIFEST,
+    Checkpointer,
+    checkpoint_root,
+    complete_checkpoints,
+    fingerprint,
+    read_manifest,
+    resolve_resume,
+)
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.metrics.rundir import reopen_run_dir
-from disttrain_ds.topology import Topology
-
+from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -185,7 +190,7 @@ class FakeSource:
 
 
 def rank_ckpt(rec, rank: int, log=None) -> Checkpointer:
-    module = Topology.from_recipe(rec).module_of(rank).name
+    module = topology_of(rec).module_of(rank).name
     return Checkpointer(rec, FakeEngine(rank), module, rank, WORLD, None, log=log or (lambda line: None))
 
 
@@ -363,6 +368,6 @@ def test_a_file_the_manifest_does_not_list_in_a_module_folder_is_refused(tmp_pat
     rec = recipe(tmp_path)
     d = real_checkpoint(rec, 2)
     torch.save({"module": None}, d / "llm/mp_rank_07_model_states.pt")  # DeepSpeed would glob it up
-    first_llm_rank = Topology.from_recipe(rec).module("llm").ranks[0]
+    first_llm_rank = topology_of(rec).module("llm").ranks[0]
     with pytest.raises(ConfigError, match="llm/mp_rank_07_model_states.pt is not listed in the manifest"):
         rank_ckpt(rec, first_llm_rank).resume(d, FakeSource())

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.recipe.deepspeed import load_ds_config
+from disttrain_ds.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"

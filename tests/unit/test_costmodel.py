@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from disttrain_ds.cost.model import (
-    LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel, TransformerDims, UNetDims, flops_to_ms
+    LLAMA_PRESETS,
+    SD21_UNET,
+    VIT_HUGE_14,
+    CostModel,
+    TransformerDims,
+    UNetDims,
+    flops_to_ms,
 )
 from disttrain_ds.samples import SampleStats
 

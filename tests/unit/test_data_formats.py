@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.config import DataConfig, data_problem
 from disttrain_ds.data.fields import FieldsConfig
 from disttrain_ds.data.registry import open_source
 from disttrain_ds.data.shards import assign_shards, expand_braces, list_shards
-from disttrain_ds.data.source import ShapeSpec
 from disttrain_ds.data.validate import sample_problems
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.samples import ShapeSpec
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 COLOURS = [(255, 0, 0), (0, 0, 255), (0, 255, 0), (255, 255, 0)]

@@ -14,7 +14,7 @@ from PIL import Image, ImageFile
 from disttrain_ds.data.config import DataConfig, data_problem
 from disttrain_ds.data.images import ImageDecodeError, ImageRef, check_file, load_image
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec
+from disttrain_ds.samples import ShapeSpec
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 BOM = b"\xef\xbb\xbf"

@@ -11,8 +11,8 @@ from PIL import Image
 
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec
 from disttrain_ds.data.validate import sample_problems
+from disttrain_ds.samples import ShapeSpec
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 RED, BLUE = (255, 0, 0), (0, 0, 255)

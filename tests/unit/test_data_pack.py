@@ -13,12 +13,11 @@ from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.formats import Bad, Document, ImageSeg, ParseContext, TextSeg, parse_record
 from disttrain_ds.data.images import ImageRef
 from disttrain_ds.data.pack import Cursor, Packer, materialise
-from disttrain_ds.data.reader import RawRecord
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec
+from disttrain_ds.data.reader import RawRecord
 from disttrain_ds.data.tokenizer import ByteTokenizer
-from disttrain_ds.samples import SpecialTokens
 from disttrain_ds.data.validate import sample_problems
+from disttrain_ds.samples import ShapeSpec, SpecialTokens
 
 SPECIAL = SpecialTokens.after(256)
 PATCH, QUERY, GEN_RES = 8, 4, 16

@@ -9,11 +9,10 @@ import signal
 import pytest
 import torch
 
-from disttrain_ds.reorder.inter import reorder_batch
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.producers import ProducerError
-from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec
+from disttrain_ds.data.producers import ProducerError, build_source
+from disttrain_ds.reorder.inter import reorder_batch
+from disttrain_ds.samples import ShapeSpec
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 

@@ -10,15 +10,14 @@ import wave
 import numpy as np
 import pytest
 import torch
+from test_data_formats import jpeg, write_tar  # tests/unit is on sys.path under pytest
 
 from disttrain_ds.data.audio import HOP, SAMPLE_RATE, load_clip
 from disttrain_ds.data.config import DataConfig, data_problem
 from disttrain_ds.data.fields import FieldsConfig
 from disttrain_ds.data.registry import open_source
-from disttrain_ds.data.source import ShapeSpec
 from disttrain_ds.data.validate import sample_problems
-
-from test_data_formats import jpeg, write_tar  # tests/unit is on sys.path under pytest
+from disttrain_ds.samples import ShapeSpec
 
 EAR = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, audio_mels=16, audio_max_frames=64)
 NO_EAR = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)

@@ -8,8 +8,9 @@ import torch
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.images import ImageRef, load_image
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec, SyntheticSource
+from disttrain_ds.data.source import SyntheticSource
 from disttrain_ds.data.validate import sample_problems
+from disttrain_ds.samples import ShapeSpec
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
 BATCH = 4

@@ -10,13 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_data_producers import SHAPE, mmc4, same
 
 from disttrain_ds.data import spool
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.producers import ProducerError
-from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.producers import ProducerError, build_source
 
-from test_data_producers import SHAPE, mmc4, same
 
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -10,15 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_data_producers import SHAPE
+from test_data_spool import dead_pid
 
 from disttrain_ds.data import spool
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.producers import ProducerError
-from disttrain_ds.data.producers import build_source
+from disttrain_ds.data.producers import ProducerError, build_source
 from disttrain_ds.data.spool import SpoolBatch, SpoolError, SpoolWriter
-
-from test_data_producers import SHAPE
-from test_data_spool import dead_pid
 
 
 class Payload:

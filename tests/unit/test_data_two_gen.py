@@ -14,14 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.config import DataConfig
-from disttrain_ds.data.registry import open_source
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import GenShape, ShapeSpec
+from disttrain_ds.data.registry import open_source
 from disttrain_ds.data.validate import sample_problems
-
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.samples import GenShape, ShapeSpec
 
 # The painter: 16 x 16 targets, 4 queries; the sketcher: 8 x 8 targets, 2 queries.
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, gen_name="painter",

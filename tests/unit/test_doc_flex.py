@@ -10,12 +10,20 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.samples import doc_ids
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.models import doc_mask
-from disttrain_ds.models.doc_mask import (doc_attention, doc_attention_kwargs, doc_attention_path, doc_block_mask,
-                                          doc_causal_mask, doc_mask_mod, doc_runs, doc_spans)
+from disttrain_ds.models.doc_mask import (
+    doc_attention,
+    doc_attention_kwargs,
+    doc_attention_path,
+    doc_block_mask,
+    doc_causal_mask,
+    doc_mask_mod,
+    doc_runs,
+    doc_spans,
+)
 from disttrain_ds.models.layers import Sequential
+from disttrain_ds.samples import doc_ids
 
 LAYOUTS = [
     ([(5, 3, 5), (2, 14)], 16),  # padding at the end of row 0, none in row 1

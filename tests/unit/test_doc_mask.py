@@ -9,12 +9,12 @@ import torch
 
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec, SyntheticSource, labels_for
-from disttrain_ds.samples import IGNORE_INDEX, NO_DOC, SpecialTokens, doc_ids
+from disttrain_ds.data.source import SyntheticSource, labels_for
 from disttrain_ds.data.validate import sample_problems
+from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
 from disttrain_ds.models.doc_mask import doc_attention, doc_causal_mask, doc_positions, doc_spans
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
+from disttrain_ds.samples import IGNORE_INDEX, NO_DOC, ShapeSpec, SpecialTokens, doc_ids
 
 
 def test_doc_ids_number_the_documents_and_leave_the_padding_out():

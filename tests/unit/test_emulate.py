@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.schedule.simulate import makespan_1f1b
 from disttrain_ds.runtime import emulate
-from disttrain_ds.schedule import replay
 from disttrain_ds.runtime.emulate import Emulator
+from disttrain_ds.schedule import replay
 from disttrain_ds.schedule.replay import Overheads, RankCosts
-from disttrain_ds.topology import Topology
+from disttrain_ds.schedule.simulate import makespan_1f1b
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"
@@ -240,7 +240,7 @@ def test_records_missing_is_a_clear_error(tmp_path):
 def test_rank_costs_follow_the_recipe_data_and_average_to_the_profile(tmp_path):
     recipe = load_recipe(TINY, [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}",
                                 "emulate.time_scale=0.5", "emulate.calibration_batches=3"])
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     rates = emulate.recipe_rates(recipe, topo)
     flops = emulate.calibration_flops(recipe)
     per_sample = np.stack([flops[m] * rates[m] for m in ("encoder", "llm", "generator")], axis=1) * 3.0  # fwd + 2 x fwd
@@ -294,7 +294,7 @@ def _vlm_profile(tmp_path: Path, costs={"vision": 30.0, "llm": 80.0}) -> Path:
 
 def test_a_graph_recipe_emulates_its_own_modules_by_name(tmp_path):
     recipe = load_recipe(VLM, [*VLM_DISAGG, f"emulate.profile={_vlm_profile(tmp_path)}", "emulate.calibration_batches=2"])
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     rates = emulate.recipe_rates(recipe, topo)
     flops = emulate.calibration_flops(recipe)
     assert set(rates) == set(flops) == {"vision", "llm"}
@@ -316,7 +316,7 @@ def test_a_graph_recipe_emulates_its_own_modules_by_name(tmp_path):
 
 def test_a_graph_recipe_runs_emulated_on_tflops_and_refuses_a_profile_of_other_modules(tmp_path):
     ok = load_recipe(VLM, [*VLM_DISAGG, "emulate.tflops=1"])
-    assert set(emulate.recipe_rates(ok, Topology.from_recipe(ok))) == {"vision", "llm"}
+    assert set(emulate.recipe_rates(ok, topology_of(ok))) == {"vision", "llm"}
     with pytest.raises(ConfigError) as exc:
         load_recipe(VLM, [*VLM_DISAGG, f"emulate.profile={_profile(tmp_path)}"])
     assert "'emulate.profile'" in str(exc.value) and "'vision'" in str(exc.value) and "\n" not in str(exc.value)
@@ -349,7 +349,7 @@ def test_a_generation_only_graph_costs_its_generator_by_the_images_it_generates(
     path = tmp_path / "t2i.yaml"
     path.write_text(T2I)
     recipe = load_recipe(path, ["layout=disaggregated", "emulate.enabled=true", "emulate.tflops=1"])
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     flops = emulate.calibration_flops(recipe)
     assert set(flops) == set(emulate.recipe_rates(recipe, topo)) == {"llm", "painter"}
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec
 from disttrain_ds.data.split import TRAIN, Split, held_out_records, split_records
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime.callbacks.evaluation import eval_due
 from disttrain_ds.runtime.reference import train_reference
+from disttrain_ds.samples import ShapeSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"

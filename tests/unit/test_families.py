@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain_ds.recipe.schema import layer_counts, load_recipe, tp_shape_problem
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import FAMILIES, family_names
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.parallel.tensor_parallel import ColumnParallelLinear, TPContext, shard_layer
+from disttrain_ds.recipe.schema import layer_counts, load_recipe, tp_shape_problem
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
 FAMILIES_DIR = Path(__file__).resolve().parents[2] / "disttrain_ds" / "families"

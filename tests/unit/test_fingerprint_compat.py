@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.checkpoint.manifest import FORMAT, MANIFEST, fingerprint, resolve_resume, step_dir_name
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.schema import load_recipe
 
 
 def _written_before_vae(fp: dict, audio_keys: bool = True) -> dict:
@@ -98,7 +98,7 @@ def test_a_record_sources_data_state_from_before_the_vae_still_loads(tmp_path):
 
     from disttrain_ds.data.config import DataConfig
     from disttrain_ds.data.registry import open_source, resolve
-    from disttrain_ds.data.source import ShapeSpec
+    from disttrain_ds.samples import ShapeSpec
 
     (tmp_path / "images").mkdir()
     Image.new("RGB", (40, 30), (255, 0, 0)).save(tmp_path / "images" / "red.png")

@@ -10,8 +10,14 @@ import torch
 
 from disttrain_ds.cost import flops as F
 from disttrain_ds.cost.flops import (
-    clear_flops_cache, llm_flops_packed, llm_flops_per_token, measure_module_flops, projector_flops_per_token,
-    training_flops, unet_flops, vit_flops
+    clear_flops_cache,
+    llm_flops_packed,
+    llm_flops_per_token,
+    measure_module_flops,
+    projector_flops_per_token,
+    training_flops,
+    unet_flops,
+    vit_flops,
 )
 
 

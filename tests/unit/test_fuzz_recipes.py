@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disttrain_ds.recipe.graph import expand_graph_sections, link_sections
+from disttrain_ds.configtools import from_dict
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.graph import expand_graph_sections, link_sections, topology_of
 from disttrain_ds.recipe.schema import ModuleParallel, Recipe, _apply_presets, load_recipe, validate
-from disttrain_ds.configtools import ConfigError, from_dict
-from disttrain_ds.topology import Topology
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = {p.name: yaml.safe_load(p.read_text()) for p in sorted((REPO / "recipes").glob("*.yaml"))}
@@ -300,7 +300,7 @@ def world_cases(rng: random.Random) -> list[Case]:
         if key in seen or not valid(recipe):
             continue
         seen.add(key)
-        need = Topology.from_recipe(in_memory(recipe)).world_size
+        need = topology_of(in_memory(recipe)).world_size
         world = rng.choice([w for w in (need - 1, need + 1, 2 * need, 1, 0) if w != need])
         out.append(Case(f"world-{layout}-{need}-vs-{world}", recipe, ("'parallel'", f"needs {need} ranks", f"has {world}"),
                         world=world))
@@ -497,7 +497,7 @@ def attempt(case: Case, path: Path, tmp: Path) -> None:
     recipe = load_recipe(path, [fill(o, tmp) for o in case.overrides])
     if case.world is None:
         raise AssertionError(f"{case.id}: load_recipe accepted a malformed recipe")
-    Topology.from_recipe(recipe).check_world(case.world, recipe.source_file)
+    topology_of(recipe).check_world(case.world, recipe.source_file)
     raise AssertionError(f"{case.id}: check_world accepted world size {case.world}")
 
 

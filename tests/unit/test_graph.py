@@ -2,7 +2,7 @@
 
 import pytest
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.graph import ModuleGraph
 
 

@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError, load_yaml
-from disttrain_ds.runtime import guards, health
-from disttrain_ds.runtime.guards import TrainingDiverged, check_finite_loss, check_output_dirs, fresh_path
-
 from test_health import FakeStore, dog  # noqa: E402 - tests/unit is on sys.path under pytest
+
+from disttrain_ds.configtools import load_yaml
+from disttrain_ds.errors import ConfigError, TrainingDiverged
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.runtime import guards, health
+from disttrain_ds.runtime.guards import check_finite_loss, check_output_dirs, fresh_path
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"

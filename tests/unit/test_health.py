@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as tdist
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.runtime.health import EXIT_FAILED, EXIT_PEER_FAILED, Watchdog, one_line, waits_for_peer
 from disttrain_ds.runtime.verdict import Verdict, pointer_line, role, terminal_line
 
@@ -93,7 +93,7 @@ def test_handle_blames_a_dead_neighbour_for_a_broken_connection():
 
 
 def test_handle_blames_the_peer_a_deadline_waited_for_not_the_waiting_rank():
-    from disttrain_ds.comm.p2p import CommTimeoutError
+    from disttrain_ds.errors import CommTimeoutError
 
     store, lines, codes = FakeStore(), [], []
     w = dog(store, rank=0, emit=lines.append, exit_fn=codes.append)
@@ -106,7 +106,7 @@ def test_handle_blames_the_peer_a_deadline_waited_for_not_the_waiting_rank():
 
 def test_handle_blames_the_end_of_a_chain_of_waiting_ranks():
     """Rank 0 ran out of time waiting for rank 1, which itself waits for rank 2: rank 2 is blamed."""
-    from disttrain_ds.comm.p2p import CommTimeoutError
+    from disttrain_ds.errors import CommTimeoutError
 
     store, lines, codes = FakeStore(), [], []
     store.set("hb/1", "30 w2")
@@ -121,7 +121,7 @@ def test_handle_blames_the_end_of_a_chain_of_waiting_ranks():
 
 def test_handle_without_a_known_peer_reports_the_timeout_as_this_ranks_failure(tmp_path):
     """Negative control: a deadline that names no peer blames nobody else."""
-    from disttrain_ds.comm.p2p import CommTimeoutError
+    from disttrain_ds.errors import CommTimeoutError
 
     store, lines, codes = FakeStore(), [], []
     w = dog(store, rank=0, emit=lines.append, exit_fn=codes.append)

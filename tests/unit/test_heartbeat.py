@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.runtime.heartbeat import WATCHERS, Heartbeat, watched_ranks
 from disttrain_ds.runtime.health import Watchdog
+from disttrain_ds.runtime.heartbeat import WATCHERS, Heartbeat, watched_ranks
 from disttrain_ds.runtime.verdict import Verdict
 
 # The watch ring, pure.

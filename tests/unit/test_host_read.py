@@ -10,13 +10,20 @@ import torch
 
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.host_read import (
-    aligned_parts, column_positions, host_names, merge_states, plan_reading, rank_positions, slot_columns)
+    aligned_parts,
+    column_positions,
+    host_names,
+    merge_states,
+    plan_reading,
+    rank_positions,
+    slot_columns,
+)
 from disttrain_ds.data.outline import outline, stand_in
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.data.source import ShapeSpec
-from disttrain_ds.samples import batch_bytes
 from disttrain_ds.metrics.step_flops import StepFlopsCounter
 from disttrain_ds.mllm.model import BatchNorms
+from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.samples import ShapeSpec, batch_bytes
 from disttrain_ds.topology import ModuleGrid
 
 SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
@@ -156,11 +163,10 @@ def _two_hosts_recipe(tmp_path, *overrides):
 def _read_by_host(recipe, log=print, ordered: list | None = None):
     from disttrain_ds.runtime.distributed import read_by_host
     from disttrain_ds.runtime.setup import build_data_and_spec
-    from disttrain_ds.topology import Topology
 
     source, _ = build_data_and_spec(recipe)
     with source:
-        got = read_by_host(recipe, Topology.from_recipe(recipe), source, 0, ["a", "b"] * 3, None, log), source.host_units
+        got = read_by_host(recipe, topology_of(recipe), source, 0, ["a", "b"] * 3, None, log), source.host_units
         if ordered is not None:
             ordered.append(source._order)
         return got
@@ -191,7 +197,7 @@ def test_each_host_gets_its_units_and_counts_once(tmp_path):
 
 
 def test_per_host_reading_refuses_what_would_read_other_hosts_samples(tmp_path):
-    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.errors import ConfigError
 
     with pytest.raises(ConfigError, match="'data.read' host: data.source paper_stats reads each global batch as one stream"):
         _read_by_host(_two_hosts_recipe(tmp_path, "data.read=host", "data.source=paper_stats"))

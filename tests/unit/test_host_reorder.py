@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from disttrain_ds.reorder.inter import _span, batch_order
-from disttrain_ds.data.host_read import reader_classes, rank_positions
-from disttrain_ds.reorder.host import check_classes, class_lpt, host_microbatches
-from disttrain_ds.reorder.module_balance import refine_split
-from disttrain_ds.data.paper_stats import draw_sample_stats
 from disttrain_ds.cost.graph_costs import as_graph_costs
+from disttrain_ds.data.host_read import rank_positions, reader_classes
+from disttrain_ds.data.paper_stats import draw_sample_stats
+from disttrain_ds.reorder.host import check_classes, class_lpt, host_microbatches
+from disttrain_ds.reorder.inter import _span, batch_order
+from disttrain_ds.reorder.module_balance import refine_split
 
 MODEL = as_graph_costs(None)
 GROUPS, PER_GROUP = 4, 2

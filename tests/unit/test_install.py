@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from disttrain_ds.cli import train as train_cli
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.recipe.schema import PACKAGE_DIR, RECIPES_DIR, find_recipe, load_recipe, shipped_recipes
-from disttrain_ds.configtools import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

@@ -14,8 +14,16 @@ import pytest
 from disttrain_ds.cli import launch
 from disttrain_ds.launcher import netenv
 from disttrain_ds.launcher.hostfile import LaunchError
-from disttrain_ds.launcher.netenv import (GLOO, NCCL, apply_socket_env, gloo_from_nccl, interface_problem,
-                                          nccl_matches, plan_socket_env, read_env_files)
+from disttrain_ds.launcher.netenv import (
+    GLOO,
+    NCCL,
+    apply_socket_env,
+    gloo_from_nccl,
+    interface_problem,
+    nccl_matches,
+    plan_socket_env,
+    read_env_files,
+)
 
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml")
 NAMES = ["lo", "docker0", "eth0", "ib0"]

@@ -11,8 +11,7 @@ import types
 
 import pytest
 
-from disttrain_ds.metrics.logger import (
-    LoggerOptions, RunLogger, merge_chrome_traces, resolve_wandb_mode, wandb_payload)
+from disttrain_ds.metrics.logger import LoggerOptions, RunLogger, merge_chrome_traces, resolve_wandb_mode, wandb_payload
 from disttrain_ds.metrics.wandb_workspace import DASHBOARD, apply_workspace, dashboard_keys
 
 STEP1 = {"step": 1, "loss": 6.5, "loss/lm": 5.5, "loss/gen": 1.0, "step_seconds": 0.5,
@@ -260,10 +259,9 @@ def test_dashboard_of_a_module_graph_plots_its_module_names():
 
 def test_an_online_run_saves_its_graphs_own_dashboard_and_an_offline_one_saves_none(tmp_path, fake_wandb, monkeypatch):
     from disttrain_ds.recipe.schema import load_recipe
-    from disttrain_ds.metrics import wandb_workspace
 
     saved = []
-    monkeypatch.setattr(wandb_workspace, "apply_workspace",
+    monkeypatch.setattr("disttrain_ds.metrics.logger.apply_workspace",
                         lambda project, entity=None, name="", sections=(): saved.append((project, name, sections)) or "url")
     vlm = load_recipe("tiny_vlm")  # vision -> llm, no generator
     RunLogger.from_recipe(tmp_path / "offline", vlm, progress=False).close()
@@ -291,9 +289,9 @@ def test_graph_dashboard_of_the_three_module_graph_is_the_default_dashboard():
 def test_graph_dashboard_plots_the_validation_loss_keys_the_runtime_logs(name):
     from types import SimpleNamespace
 
-    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.metrics.wandb_workspace import graph_dashboard
     from disttrain_ds.recipe.graph import graph_of
+    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.runtime.callbacks.evaluation import eval_figures
 
     graph = graph_of(load_recipe(name))

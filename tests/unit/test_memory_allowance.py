@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from disttrain_ds.cli import launch
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.runtime.entry import dry_run
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.estimate import gpu_allowance as ga
 from disttrain_ds.estimate import memory, memory_check
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.runtime.entry import dry_run
 
 MIB, GIB = 2**20, 2**30
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml")

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.cost import memory_model as mm
-from disttrain_ds.planner.objective import Degrees, module_in_flight
 from disttrain_ds.cost.activations import LayerBytes
 from disttrain_ds.estimate.memory import _stage_activations
+from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.objective import Degrees, module_in_flight
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disttrain_ds.samples import SpecialTokens
+from disttrain_ds.families.unet.model import build_unet
+from disttrain_ds.families.vit.model import hf_config as vit_hf_config
+from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.models.configs import (
     ENCODER_PRESETS,
     GENERATOR_PRESETS,
@@ -15,9 +17,7 @@ from disttrain_ds.models.configs import (
     LLMConfig,
 )
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.mllm.model import MLLMSpec
-from disttrain_ds.families.unet.model import build_unet
-from disttrain_ds.families.vit.model import hf_config as vit_hf_config
+from disttrain_ds.samples import SpecialTokens
 
 
 def _meta_params(module: str, llm: str = "llama-7b") -> int:

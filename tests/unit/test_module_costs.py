@@ -8,15 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.reorder.inter import reorder_batch
-from disttrain_ds.data.source import ShapeSpec
-from disttrain_ds.samples import PackedSample, SpecialTokens
+from disttrain_ds.cost.graph_costs import GraphCosts
 from disttrain_ds.families.whisper import AudioEncoderConfig
 from disttrain_ds.families.whisper.estimates import cost_terms, forward_flops_per_clip
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.reorder.balance import dp_balance, module_columns
-from disttrain_ds.cost.graph_costs import GraphCosts
+from disttrain_ds.reorder.inter import reorder_batch
 from disttrain_ds.runtime.setup import cost_model
+from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
 
 SPECIAL = SpecialTokens.after(256, audio=True)
 
@@ -139,7 +138,7 @@ def test_a_split_even_in_total_is_refined_until_each_encoder_is_even():
 
 def test_reordering_evens_each_encoder_where_summed_costs_tie(monkeypatch):
     from disttrain_ds.cost.model import CostModel
-    from disttrain_ds.reorder import module_balance
+    from disttrain_ds.reorder import inter
 
     # One FLOP per patch and per frame, nothing else: an image of 16 patches costs what a 16-frame clip does.
     unit = CostModel(enc_per_patch=1.0, enc_per_patch_sq=0.0, llm_per_token=0.0, llm_per_doc_token_sq=0.0,
@@ -158,6 +157,6 @@ def test_reordering_evens_each_encoder_where_summed_costs_tie(monkeypatch):
     for name in ("vision", "ear"):
         assert _rank_loads(out, costs, name, 2).tolist() == [16.0, 16.0], name
     # Negative control: the split by summed cost alone leaves each encoder's work on one replica.
-    monkeypatch.setattr(module_balance, "refine_split", lambda c, groups, stages, **kw: [list(g) for g in groups])
+    monkeypatch.setattr(inter, "refine_split", lambda c, groups, stages, **kw: [list(g) for g in groups])
     summed = reorder_batch(samples, shape, SPECIAL)
     assert sorted(_rank_loads(summed, costs, "vision", 2).tolist()) == [0.0, 32.0]

@@ -6,17 +6,18 @@ import dataclasses
 
 import pytest
 import torch
+from deepspeed.runtime.pipe import schedule as ds
 
 from disttrain_ds.comm.boundary import boundary_links
 from disttrain_ds.comm.p2p import ACT, GRAD
+from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.schedule.onef1b import BoundaryRecvActivation, StagePlace, engine_schedule
 from disttrain_ds.topology import Topology
-from deepspeed.runtime.pipe import schedule as ds
 
 
 def _topo(*overrides: str) -> Topology:
-    return Topology.from_recipe(load_recipe("tiny_omni", ["layout=disaggregated", *overrides]))
+    return topology_of(load_recipe("tiny_omni", ["layout=disaggregated", *overrides]))
 
 
 def test_a_shorter_encoder_starts_later_on_the_longest_path():
@@ -86,8 +87,8 @@ def test_a_frozen_encoder_runs_no_backward_whatever_the_other_encoder_does():
 
 
 def test_audio_encoder_flops_and_memory_come_from_its_family():
-    from disttrain_ds.metrics.step_flops import StepFlopsCounter
     from disttrain_ds.estimate.memory import estimate
+    from disttrain_ds.metrics.step_flops import StepFlopsCounter
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     def ear_flops(*overrides):
@@ -111,7 +112,7 @@ def test_emulating_the_audio_encoder_waits_the_cost_of_its_clips():
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     recipe = load_recipe("tiny_omni", ["layout=disaggregated", "emulate.enabled=true", "emulate.tflops=1"])
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     flops = emulate.calibration_flops(recipe)
     assert set(flops) == set(emulate.recipe_rates(recipe, topo)) == {"vision", "ear", "llm", "painter"}
     assert (flops["ear"] > 0).all()

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.paper import PAPER_FILE, load_paper_figures, packaged_figures_name
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from disttrain_ds.data import paper_stats as ps
-from disttrain_ds.data.paper_stats import (
-    Subsequence, draw_sample_stats, draw_sequence_layouts, layout_to_stats)
+from disttrain_ds.data.paper_stats import Subsequence, draw_sample_stats, draw_sequence_layouts, layout_to_stats
 from disttrain_ds.paper import load_paper_figures
 
 
@@ -136,7 +134,7 @@ def test_short_sequences_are_packed_as_densely_as_the_papers_8k_ones():
 def test_paper_stats_source_fills_1024_token_sequences_with_several_documents():
     from disttrain_ds.data.config import DataConfig
     from disttrain_ds.data.producers import build_source
-    from disttrain_ds.data.source import ShapeSpec
+    from disttrain_ds.samples import ShapeSpec
 
     # Image-to-text pairs only: a text-to-image pair puts its caption and queries in the sequence,
     # not its image, so it takes less room than the layout gave it.

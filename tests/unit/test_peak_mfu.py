@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from disttrain_ds.cost import peak

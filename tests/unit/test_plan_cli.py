@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 import json
 import subprocess
 import sys
@@ -13,9 +12,9 @@ import pytest
 import yaml
 
 from disttrain_ds.cli import plan as cli
-from disttrain_ds.recipe.schema import find_recipe, load_recipe
-from disttrain_ds.planner import optimize
 from disttrain_ds.cost.profile import load_profile
+from disttrain_ds.planner import optimize
+from disttrain_ds.recipe.schema import find_recipe, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = Path(optimize.__file__).parent / "examples" / "tiny_cpu.json"

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from disttrain_ds.cli import plan as cli
-from disttrain_ds.recipe.schema import find_recipe, load_recipe
+from disttrain_ds.cost.profile import GIB, MODULES, Profile, load_profile, profile_from_dict
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.legal import restrict_to_runtime
+from disttrain_ds.planner.optimize import Degrees, PlanError, exhaustive_plan, first_ranks, plan, tp_aligned
 from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peak, with_recipe_memory
-from disttrain_ds.planner.optimize import (Degrees, PlanError, exhaustive_plan, first_ranks, plan,
-                                           tp_aligned)
-from disttrain_ds.cost.profile import GIB, MODULES, Profile, load_profile, profile_from_dict
+from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.recipe.schema import find_recipe, load_recipe
 from disttrain_ds.topology import Topology
 
 EXAMPLES = Path(optimize.__file__).parent / "examples"
@@ -41,7 +41,7 @@ def written_recipe_checks(path: Path, result: optimize.Plan, gpus_per_node: int)
     """The written recipe loads with the real loader, its rank map is the plan's, and no TP
     group spans two nodes of ``gpus_per_node``."""
     recipe = load_recipe(path)
-    topo = Topology.from_recipe(recipe)
+    topo = topology_of(recipe)
     assert topo.world_size == result.gpus
     for m in topo.modules:
         assert (m.dp, m.tp, m.pp) == (result.module(m.name).dp, result.module(m.name).tp,

@@ -11,14 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from disttrain_ds.cost.profile import (
+    GIB,
+    MODULES,
+    Profile,
+    ProfileError,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
 from disttrain_ds.paper import load_paper_figures
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan, ratio_split
-from disttrain_ds.planner.optimize import (Degrees, PlanError, divisors, exhaustive_plan,
-                                           memory_per_gpu, plan, t_iter)
-from disttrain_ds.cost.profile import (
-    GIB, MODULES, Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict, save_profile
-)
+from disttrain_ds.planner.optimize import Degrees, PlanError, divisors, exhaustive_plan, memory_per_gpu, plan, t_iter
 
 EXAMPLES = Path(optimize.__file__).parent / "examples"
 

@@ -9,15 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from disttrain_ds.cost.profile import (
+    ModuleProfile,
+    Profile,
+    ProfileError,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+)
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan, ratio_split
 from disttrain_ds.planner.objective import combine, combine_arrays
-from disttrain_ds.planner.optimize import (Degrees, PlanError, build_plan, exhaustive_plan, plan,
-                                           t_iter)
-from disttrain_ds.cost.profile import (
-    ModuleProfile, Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
-)
+from disttrain_ds.planner.optimize import Degrees, PlanError, build_plan, exhaustive_plan, plan, t_iter
 
 EXAMPLES = Path(optimize.__file__).parent / "examples"
 

@@ -10,15 +10,15 @@ import random
 import numpy as np
 import pytest
 
-from disttrain_ds.reorder.intra import lpt_equal_count, lpt_rows
-from disttrain_ds.planner import hetero
+from disttrain_ds.cost.profile import Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.paper import scale
-from disttrain_ds.planner.hetero import StragglerTable, expected_max
-from disttrain_ds.schedule.simulate import makespan_1f1b
+from disttrain_ds.planner import hetero
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
+from disttrain_ds.planner.hetero import StragglerTable, expected_max
 from disttrain_ds.planner.objective import combine, samples_per_step, straggler_table, t_iter
 from disttrain_ds.planner.optimize import PlanError, build_plan, exhaustive_plan, plan
-from disttrain_ds.cost.profile import Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.reorder.intra import lpt_equal_count, lpt_rows
+from disttrain_ds.schedule.simulate import makespan_1f1b
 
 GRAPHS = {
     "chain": {"encoder": "encoder", "llm": "llm", "generator": "generator"},

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.runtime.preempt import EXIT_PREEMPTED, Preemption
 
 
@@ -76,17 +77,10 @@ def test_step_record_says_whether_any_rank_was_signalled(monkeypatch):
 
     monkeypatch.setattr(d.tdist, "all_gather", fake_all_gather)
 
-    class Topo:
-        world_size = 3
-
-    class Grid:
-        name = "llm"
-
-    class Place:
-        last_of_engine = True
-
+    ctx = SimpleNamespace(topo=SimpleNamespace(world_size=3), grid=SimpleNamespace(name="llm"),
+                          place=SimpleNamespace(last_of_engine=True), tp_index=0, meta_group=None)
     stats = {"own_loss": 1.0, "compute_s": 0.1, "comm_wait_s": 0.0, "data_wait_s": 0.0}
-    rec = d.gather_step_record(Topo, Grid, Place, 0, stats, 0.2, 1, 1.0, None, preempt=False)
+    rec = d.gather_step_record(ctx, stats, 0.2, 1, 1.0, preempt=False)
     assert rec["preempt"] is True
     flags[1] = 0.0
-    assert d.gather_step_record(Topo, Grid, Place, 0, stats, 0.2, 1, 1.0, None)["preempt"] is False
+    assert d.gather_step_record(ctx, stats, 0.2, 1, 1.0)["preempt"] is False

@@ -16,9 +16,9 @@ import torch
 
 from disttrain_ds.cli import plan as plan_cli
 from disttrain_ds.cli import profile as cli
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.planner.optimize import plan
 from disttrain_ds.cost.profile import load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.planner.optimize import plan
+from disttrain_ds.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"
@@ -218,10 +218,10 @@ def test_the_draw_follows_the_runtimes_cost_model_not_the_useful_flops():
 
 
 def test_profile_carries_the_recipes_activation_checkpointing_for_the_memory_model():
-    from disttrain_ds.recipe.schema import load_recipe
     from disttrain_ds.cli.profile import checkpointing_fields
     from disttrain_ds.estimate.activations import module_layers
     from disttrain_ds.estimate.memory import vocab_size
+    from disttrain_ds.recipe.schema import load_recipe
 
     plain = load_recipe("tiny_cpu")
     assert checkpointing_fields(plain, "llm") == {}

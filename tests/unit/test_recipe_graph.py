@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.families.whisper import AudioEncoderConfig
-from disttrain_ds.recipe.graph import graph_of, module_config, module_parallel
-from disttrain_ds.topology import Topology
+from disttrain_ds.recipe.graph import graph_of, module_config, module_parallel, topology_of
+from disttrain_ds.recipe.schema import load_recipe
 
 
 def test_three_module_recipes_become_a_graph_of_their_roles():
     r = load_recipe("tiny_cpu", ["layout=disaggregated"])
     assert graph_of(r).names == ("encoder", "llm", "generator")
     assert module_config(r, "encoder") is r.model.encoder and module_parallel(r, "llm") is r.parallel.llm
-    assert [g.name for g in Topology.from_recipe(r).modules] == ["encoder", "llm", "generator"]
+    assert [g.name for g in topology_of(r).modules] == ["encoder", "llm", "generator"]
 
 
 def test_graph_recipe_names_its_modules_and_maps_single_roles_back():
@@ -25,7 +24,7 @@ def test_graph_recipe_names_its_modules_and_maps_single_roles_back():
     assert g.names == ("vision", "llm") and g.generators == ()
     assert r.model.encoder is module_config(r, "vision") and r.model.generator is None
     assert module_parallel(r, "vision").dp == 2 and r.parallel.generator is None
-    assert Topology.from_recipe(r).world_size == 2 + 2
+    assert topology_of(r).world_size == 2 + 2
 
 
 def _write(tmp_path, data: dict) -> str:
@@ -81,9 +80,9 @@ def test_family_with_its_own_settings_parses_them(tmp_path):
 
 
 def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
-    from disttrain_ds.samples import SampleStats
     from disttrain_ds.families.dit import DiTConfig, forward_flops
     from disttrain_ds.runtime.setup import cost_model
+    from disttrain_ds.samples import SampleStats
 
     data = _graph(llm={"family": "llama"}, art={"family": "dit", "layers": 3})
     data["parallel"] = {"modules": {"art": {"pp": 2}}}
@@ -91,7 +90,7 @@ def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
     art = module_config(r, "art")
     assert isinstance(art, DiTConfig) and r.model.generator is art and art.layers == 3
     assert graph_of(r).generators == ("art",) and module_parallel(r, "art").pp == 2
-    assert [g.name for g in Topology.from_recipe(r).modules] == ["llm", "art"]
+    assert [g.name for g in topology_of(r).modules] == ["llm", "art"]
     # Balancing costs one generated image at the DiT's forward FLOPs.
     one = SampleStats(text_tokens=128, image_patches=(), gen_images=1, gen_resolution=art.resolution, seq_len=128)
     assert cost_model(r).model.generator_cost(one) == pytest.approx(forward_flops(art))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from disttrain_ds.metrics.rundir import make_run_dir
 from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime.reference import train_reference
-from disttrain_ds.metrics.rundir import make_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"
@@ -153,7 +153,7 @@ def torch_close(a, b) -> bool:
 def test_module_learning_rate_must_name_a_module_or_projector():
     import pytest
 
-    from disttrain_ds.configtools import ConfigError
+    from disttrain_ds.errors import ConfigError
 
     with pytest.raises(ConfigError, match="'optim.module_lr.llm/projector' names no module or projector"):
         load_recipe(TINY, ["optim.module_lr.llm/projector=0.1"])

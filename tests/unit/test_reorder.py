@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 from disttrain_ds.reorder.intra import (
-    apply_order, balanced_differencing, build_microbatches, inter_microbatch_reorder, intra_microbatch_reorder,
-    lpt_equal_count, paper_inter_order
+    apply_order,
+    balanced_differencing,
+    build_microbatches,
+    inter_microbatch_reorder,
+    intra_microbatch_reorder,
+    lpt_equal_count,
+    paper_inter_order,
 )
 from disttrain_ds.schedule.simulate import makespan_1f1b, makespan_batch
 

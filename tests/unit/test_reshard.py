@@ -9,13 +9,18 @@ import pytest
 import torch
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
-from disttrain_ds.checkpoint.manifest import layout_changes
-from disttrain_ds.checkpoint.manifest import _check_usable, fingerprint
+from disttrain_ds.checkpoint.manifest import _check_usable, fingerprint, layout_changes
 from disttrain_ds.checkpoint.reshard import (
-    ReshardError, cut_tp, files_fit, join_tp, read_module, torch_optimizer_states, zero_states
+    ReshardError,
+    cut_tp,
+    files_fit,
+    join_tp,
+    read_module,
+    torch_optimizer_states,
+    zero_states,
 )
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,7 +142,7 @@ def test_record_data_state_resumes_under_another_dp_split_with_the_same_batches(
 
     from disttrain_ds.data.config import DataConfig
     from disttrain_ds.data.producers import build_source
-    from disttrain_ds.data.source import ShapeSpec
+    from disttrain_ds.samples import ShapeSpec
 
     cfg = DataConfig(source="mmc4", path=str(fixtures_dir / "mmc4_sample.jsonl"), seq_len=256, image_sizes=[16, 32])
     one = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)

@@ -7,12 +7,11 @@ import random
 import numpy as np
 import pytest
 
+from disttrain_ds.cost.profile import Profile, profile_from_dict
 from disttrain_ds.data.paper_stats import draw_sequence_layouts
-from disttrain_ds.paper import load_paper_figures
-from disttrain_ds.paper import scale
+from disttrain_ds.paper import load_paper_figures, scale
 from disttrain_ds.planner.baselines import ratio_plan
 from disttrain_ds.planner.optimize import Degrees, PlanError, build_plan, plan, t_iter
-from disttrain_ds.cost.profile import Profile, profile_from_dict
 from disttrain_ds.schedule.simulate import makespan_1f1b
 
 MODELS = ("MLLM-9B", "MLLM-15B", "MLLM-72B")

@@ -10,8 +10,16 @@ import pytest
 
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.schedule.simulate import (
-    chain_preds, dag_edges, graph_stages, is_chain, makespan_1f1b, makespan_batch, makespan_dag, simulate_1f1b,
-    simulate_dag, stage_order
+    chain_preds,
+    dag_edges,
+    graph_stages,
+    is_chain,
+    makespan_1f1b,
+    makespan_batch,
+    makespan_dag,
+    simulate_1f1b,
+    simulate_dag,
+    stage_order,
 )
 
 # Heterogeneous example: 4 stages, 6 microbatches, each microbatch as slow on every stage.

@@ -10,16 +10,17 @@ import pytest
 import torch.distributed as tdist
 
 from disttrain_ds.comm import nccl_emulation as emu
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.parallel import groups as pg
 from disttrain_ds.parallel.grid import GRID_AXES
+from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime import startup
 from disttrain_ds.topology import ModuleGrid, Topology
 
 
 def _mixed_tp() -> Topology:
-    return Topology.from_recipe(load_recipe("tiny_cpu", ["layout=disaggregated", "parallel.llm.tp=2",
+    return topology_of(load_recipe("tiny_cpu", ["layout=disaggregated", "parallel.llm.tp=2",
                                                          "parallel.encoder.dp=2", "train.micro_batch=2"]))
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.launcher import supervise
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.launcher.supervise import check_restartable, resume_command, should_restart
+from disttrain_ds.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"

@@ -6,16 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.comm.routes import blocks
-from disttrain_ds.topology import ModuleGrid, Topology
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.topology import ModuleGrid
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
 
 
 def test_tiny_disaggregated_layout_is_encoder1_llm_pp2_generator1():
-    topo = Topology.from_recipe(load_recipe(TINY, ["layout=disaggregated"]))
+    topo = topology_of(load_recipe(TINY, ["layout=disaggregated"]))
     assert topo.world_size == 4
     assert [(m.name, list(m.ranks)) for m in topo.modules] == [
         ("encoder", [0]),
@@ -33,14 +34,14 @@ def test_tiny_disaggregated_layout_is_encoder1_llm_pp2_generator1():
     ],
 )
 def test_five_rank_layouts(overrides, sizes):
-    topo = Topology.from_recipe(load_recipe(TINY, ["layout=disaggregated", *overrides]))
+    topo = topology_of(load_recipe(TINY, ["layout=disaggregated", *overrides]))
     assert [m.size for m in topo.modules] == sizes and topo.world_size == 5
     seen = [r for m in topo.modules for r in m.ranks]
     assert seen == list(range(5))
 
 
 def test_monolithic_gives_encoder_and_generator_the_llm_dp():
-    topo = Topology.from_recipe(load_recipe(TINY, ["layout=monolithic", "parallel.llm.dp=2", "parallel.llm.pp=1"]))
+    topo = topology_of(load_recipe(TINY, ["layout=monolithic", "parallel.llm.dp=2", "parallel.llm.pp=1"]))
     assert [(m.dp, m.pp) for m in topo.modules] == [(2, 1), (2, 1), (2, 1)]
 
 
@@ -54,7 +55,7 @@ def test_coordinates_round_trip_like_deepspeed_pipe_data_model_axes():
 
 
 def test_world_size_mismatch_is_one_line_error():
-    topo = Topology.from_recipe(load_recipe(TINY, ["layout=disaggregated"]))
+    topo = topology_of(load_recipe(TINY, ["layout=disaggregated"]))
     with pytest.raises(ConfigError, match="needs 4 ranks .* but the job has 3"):
         topo.check_world(3, "tiny_cpu.yaml")
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from disttrain_ds.cli import plan as cli
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
 from disttrain_ds.data.producers import _decode, _encode
-from disttrain_ds.samples import PackedSample, SpecialTokens
 from disttrain_ds.data.validate import sample_problems
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
 from disttrain_ds.parallel.roles import LLMRole
 from disttrain_ds.planner import optimize
+from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime.setup import build_data_and_spec, shape_spec
+from disttrain_ds.samples import PackedSample, SpecialTokens
 
 TINY = Path(optimize.__file__).parent / "examples" / "tiny_cpu.json"
 
@@ -134,7 +134,8 @@ def test_both_generators_export_by_module_name_and_the_tokens_name_both_queries(
     from export_checks import output_diff, perturbed_states, write_step_dir
 
     from disttrain_ds.checkpoint.export import export_checkpoint
-    from disttrain_ds.estimate.memory import meta_spec, vocab_size
+    from disttrain_ds.estimate.memory import vocab_size
+    from disttrain_ds.mllm.recipe_spec import meta_spec
 
     recipe = load_recipe("tiny_two_gen", ["layout=disaggregated", "parallel.modules.sketcher.tp=2"])
     spec = meta_spec(recipe, vocab_size(recipe))

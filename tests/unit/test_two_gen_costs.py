@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.reorder.inter import reorder_batch
-from disttrain_ds.data.source import GenShape, ShapeSpec
-from disttrain_ds.samples import PackedSample, SpecialTokens
-from disttrain_ds.families.dit.estimates import forward_flops
-from disttrain_ds.reorder.balance import dp_balance, module_columns
 from disttrain_ds.cost.graph_costs import GraphCosts
+from disttrain_ds.families.dit.estimates import forward_flops
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.reorder.balance import dp_balance, module_columns
+from disttrain_ds.reorder.inter import reorder_batch
 from disttrain_ds.runtime.setup import cost_model
+from disttrain_ds.samples import GenShape, PackedSample, ShapeSpec, SpecialTokens
 
 SPECIAL = SpecialTokens.after(256, generators=2)
 SEQ = 64

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.configtools import ConfigError
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.vae import LatentEncoder, build_vae, encode, vae_kwargs
 from disttrain_ds.models.vae_config import VaeConfig
+from disttrain_ds.recipe.schema import load_recipe
 
 TINY = VaeConfig(preset="tiny")
 

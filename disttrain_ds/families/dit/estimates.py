@@ -44,6 +44,7 @@ def forward_flops(cfg: DiTConfig) -> float:
 
 def image_flops(cfg: DiTConfig, mode: str) -> float:
     """Training FLOPs of one generated image in ``mode`` (train | frozen_passthrough | frozen)."""
+    # deferred: loads torch
     from disttrain_ds.cost.flops import training_flops  # torch: only when a meter asks
 
     return training_flops(forward_flops(cfg), mode=mode)

@@ -37,9 +37,9 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
 
-from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.dit.config import DiTConfig
+from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 
 
 def pixart_kwargs(cfg: DiTConfig) -> dict:

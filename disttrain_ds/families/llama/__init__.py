@@ -1,9 +1,9 @@
 """Llama decoder LLM (transformers ``LlamaDecoderLayer``) with embedding, image scatter and LM head."""
 
-from disttrain_ds.models.configs import LLM_PRESETS, LLMConfig
 from disttrain_ds.cost.activations import LayerBytes, SampleShape
-from disttrain_ds.families.llama.estimates import decoder_activations
 from disttrain_ds.families.base import Family
+from disttrain_ds.families.llama.estimates import decoder_activations
+from disttrain_ds.models.configs import LLM_PRESETS, LLMConfig
 
 
 def decoder_tp_sizes(cfg: LLMConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:

@@ -6,10 +6,10 @@ layer class) reuses it by passing its own ``Decoder`` (see ``families/qwen2``).
 
 from __future__ import annotations
 
-from torch import nn
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -19,10 +19,10 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from disttrain_ds.families.base import BuildContext
 from disttrain_ds.models.configs import LLMConfig
 from disttrain_ds.models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
 from disttrain_ds.models.layers import LayerDef, seeded
-from disttrain_ds.families.base import BuildContext
 
 
 def hf_kwargs(cfg: LLMConfig) -> dict:

@@ -3,11 +3,15 @@
 Everything but the transformers classes and the presets is the Llama family's code.
 """
 
-from disttrain_ds.models.configs import LLMConfig
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.llama import (
-    DECODER_HF_RULES, DECODER_VOCAB_PARAMS, decoder_activation_layers, decoder_problems, decoder_tp_sizes
+    DECODER_HF_RULES,
+    DECODER_VOCAB_PARAMS,
+    decoder_activation_layers,
+    decoder_problems,
+    decoder_tp_sizes,
 )
+from disttrain_ds.models.configs import LLMConfig
 
 PRESETS: dict[str, dict] = {
     "tiny": {},

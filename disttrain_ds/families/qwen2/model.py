@@ -11,10 +11,10 @@ from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2RotaryEmbedding,
 )
 
-from disttrain_ds.models.configs import LLMConfig
-from disttrain_ds.models.layers import LayerDef
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.llama.model import Decoder, LlmHead, decoder_layers, hf_kwargs
+from disttrain_ds.models.configs import LLMConfig
+from disttrain_ds.models.layers import LayerDef
 
 
 def hf_config(cfg: LLMConfig) -> Qwen2Config:

@@ -3,13 +3,14 @@ activation bytes (what the MFU meter, data balancing and the memory estimate rea
 
 from __future__ import annotations
 
-from disttrain_ds.models.configs import GeneratorConfig
 from disttrain_ds.cost.activations import LayerBytes, SampleShape
+from disttrain_ds.models.configs import GeneratorConfig
 
 
 def image_flops(cfg: GeneratorConfig, mode: str) -> float:
     """Training FLOPs of one generated image in ``mode`` (train | frozen_passthrough | frozen):
     the U-Net has no trusted closed form, so one image is counted once (cached) on the meta device."""
+    # deferred: loads torch (diffusers too)
     from disttrain_ds.cost.flops import unet_flops  # torch and diffusers: only when a meter asks
     from disttrain_ds.families.unet.model import unet_kwargs
 
@@ -19,6 +20,7 @@ def image_flops(cfg: GeneratorConfig, mode: str) -> float:
 def cost_terms(cfg: GeneratorConfig) -> dict[str, float]:
     """``CostModel`` generator coefficients of one denoising step (:meth:`UNetDims.per_latent_flops`);
     generated samples already have the U-Net's input size (no VAE), so ``gen_downsample`` is 1."""
+    # deferred: loads torch
     from disttrain_ds.cost.model import UNetDims  # numpy and scipy: only when a cost model is built
 
     per_latent, per_latent_sq = UNetDims(

@@ -19,9 +19,9 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
 
+from disttrain_ds.families.base import BuildContext
 from disttrain_ds.models.configs import GeneratorConfig
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
-from disttrain_ds.families.base import BuildContext
 
 
 def build_unet(cfg: GeneratorConfig) -> UNet2DConditionModel:

@@ -25,10 +25,10 @@ from torch import nn
 from transformers import WhisperConfig
 from transformers.models.whisper.modeling_whisper import WhisperAttention, WhisperEncoder, WhisperEncoderLayer
 
-from disttrain_ds.models.packed import by_length, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
-from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.whisper.config import AudioEncoderConfig
+from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
+from disttrain_ds.models.packed import by_length, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
 
 
 def hf_config(cfg: AudioEncoderConfig) -> WhisperConfig:

@@ -8,12 +8,12 @@ from typing import Callable
 
 import torch
 
-from disttrain_ds.samples import batch_bytes
 from disttrain_ds.metrics.logger import RunLogger
-from disttrain_ds.metrics.step_flops import MfuMeter
 from disttrain_ds.metrics.rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
+from disttrain_ds.metrics.step_flops import MfuMeter
 from disttrain_ds.runtime.setup import lr_lambda
 from disttrain_ds.runtime.trainer import Callback
+from disttrain_ds.samples import batch_bytes
 
 
 def step_tokens(samples, pad_id: int) -> int:
