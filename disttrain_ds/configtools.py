@@ -23,10 +23,6 @@ from disttrain_ds.errors import ConfigError
 T = TypeVar("T")
 
 
-
-
-
-
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 

@@ -25,6 +25,8 @@ MODULE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 DEFAULT_ROLES: dict[str, str] = {"encoder": "encoder", "llm": "llm", "generator": "generator"}
 """The three-module graph every recipe without a graph section describes."""
+MODULES: tuple[str, ...] = tuple(DEFAULT_ROLES)
+"""The three-module graph's module names (each named after its role)."""
 
 
 @dataclass(frozen=True)

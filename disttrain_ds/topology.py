@@ -12,9 +12,6 @@ from dataclasses import dataclass
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.graph import ModuleGraph
 
-MODULES = ("encoder", "llm", "generator")
-"""The three-module graph's module names."""
-
 
 @dataclass(frozen=True)
 class ModuleGrid:

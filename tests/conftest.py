@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,16 @@ SHARED_FIXTURES = REPO_ROOT.parent / "shared" / "fixtures"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def ig():
+    """``tools/import_graph.py`` (the package's import graph and floors), loaded as a module."""
+    spec = importlib.util.spec_from_file_location("import_graph", REPO_ROOT / "tools" / "import_graph.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("import_graph", mod)  # dataclasses look their module up while it executes
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="session")

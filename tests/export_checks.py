@@ -36,7 +36,6 @@ def write_step_dir(root: Path, recipe, spec, states: dict, step: int = 1) -> Pat
     from disttrain_ds.checkpoint.manifest import FORMAT, MANIFEST, fingerprint, step_dir_name
     from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 
-
     step_dir = root / step_dir_name(step)
     topology = topology_of(recipe)
     for m, state in states.items():

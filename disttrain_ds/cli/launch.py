@@ -102,7 +102,6 @@ def _parser() -> OneLineParser:
     return p
 
 
-
 def _check_options(args: argparse.Namespace, train_script: Path | None) -> None:
     if not 1 <= args.ssh_port <= 65535:
         raise LaunchError(f"--ssh-port must be 1-65535, got {args.ssh_port}")

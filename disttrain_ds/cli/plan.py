@@ -34,7 +34,7 @@ from disttrain_ds.planner.legal import LeftOut, measured_only, restrict_to_runti
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
 from disttrain_ds.planner.recipe_memory import fit_plan, with_recipe_memory
 from disttrain_ds.recipe.checks import graph_problem
-from disttrain_ds.recipe.graph import family_named
+from disttrain_ds.recipe.graph import raw_module_family, raw_module_sections
 from disttrain_ds.recipe.schema import Recipe, find_recipe, load_recipe
 
 PROG = prog_name("disttrain-plan", "python -m disttrain_ds.cli.plan")
@@ -165,28 +165,17 @@ def _describe(graph: ModuleGraph) -> str:
 def base_recipe_graph(base: dict[str, Any], src: str) -> ModuleGraph | None:
     """The module graph of a graph-form recipe's raw data (``model.modules``; each module's role
     is its family's), or None for a three-module recipe."""
-    model = base.get("model")
-    if not isinstance(model, dict) or "modules" not in model:
+    sections = raw_module_sections(base, src)
+    if sections is None:
         return None
-    sections = model["modules"]
-    if not isinstance(sections, dict) or not sections:
-        raise ConfigError(f"{src}: 'model.modules' must be a mapping of module names to sections")
-    roles = {}
-    for name, section in sections.items():
-        if not isinstance(section, dict):
-            raise ConfigError(f"{src}: 'model.modules.{name}' must be a mapping")
-        roles[name] = family_named(section.get("family"), src, f"model.modules.{name}.family").role
-    return ModuleGraph.from_roles(roles, src)
+    return ModuleGraph.from_roles({n: raw_module_family(sections, n, src).role for n in sections}, src)
 
 
 def base_modalities(base: dict[str, Any], src: str) -> dict[str, str]:
     """Encoder name -> what it reads (its family's modality) in a graph-form recipe's raw data;
     empty for a three-module recipe."""
-    model = base.get("model")
-    if base_recipe_graph(base, src) is None or not isinstance(model, dict):
-        return {}
-    return {name: family_named(section.get("family"), src, f"model.modules.{name}.family").modality
-            for name, section in model["modules"].items()}
+    sections = raw_module_sections(base, src)
+    return {n: raw_module_family(sections, n, src).modality for n in sections} if sections is not None else {}
 
 
 def check_runtime_graph(graph: ModuleGraph, src: str, modality=None) -> None:

@@ -54,8 +54,6 @@ def waiting_for(peer: int | None):
         _waiting[0] = before
 
 
-
-
 @dataclass
 class PeerInfo:
     """How to name a rank in error messages."""
@@ -79,7 +77,6 @@ class P2P:
         self.groups, self.rank, self.device, self.timeout_s, self.peers = groups, rank, device, timeout_s, peers
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sends: list[tuple[object, torch.Tensor, str, int]] = []
-
 
     def _on_side(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()

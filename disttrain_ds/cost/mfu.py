@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-MODULES = ("encoder", "llm", "generator")
+from disttrain_ds.graph import MODULES
 
 
 def _check(flops: float, gpus: int, peak_tflops: float, step_seconds: float, gpus_name: str) -> None:

@@ -32,9 +32,6 @@ from disttrain_ds.graph import DEFAULT_ROLES, ROLES, ModuleGraph
 if TYPE_CHECKING:
     from disttrain_ds.cost.memory_model import StageTable
 
-MODULES: tuple[str, ...] = ("encoder", "llm", "generator")
-"""Module names of the classic three-module graph, in pipeline order: modality encoder -> LLM
-backbone -> modality generator (a profile's own names are ``Profile.graph.names``)."""
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 """Tensor-parallel degrees the planner considers (TP stays inside one node)."""

@@ -82,4 +82,3 @@ class HfTable(ShardTable):
         values = self.ds[row]
         out = {c: blob_cells(v, lambda i, c=c: blob_io.key("hf", self.path, self.cache_dir, row, c, i)) for c, v in values.items()}
         return out, f"{self.path}:row {row}"
-

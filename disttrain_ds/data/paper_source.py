@@ -93,4 +93,3 @@ class PaperStatsSource(SampleSource):
         rng = np.random.default_rng(self.split.seed(self.seed, step, 5))
         layouts = packed_layouts(self.batch, self.cfg.seq_len, rng, markers=3)  # boi, eoi, eod
         return [self.sample(lay, rng, self.split.sample_id(step * self.batch + i)) for i, lay in enumerate(layouts)]
-

@@ -135,7 +135,6 @@ def select_slots(
     return active
 
 
-
 def plural(count: int, word: str) -> str:
     """``"1 host"``, ``"2 hosts"``."""
     return f"{count} {word}" + ("" if count == 1 else "s")

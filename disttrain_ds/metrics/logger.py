@@ -10,7 +10,6 @@ logger says in one line where its run is.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -23,6 +22,7 @@ from typing import Any, TextIO
 from disttrain_ds.metrics.rundir import MetricsWriter
 from disttrain_ds.metrics.wandb_workspace import apply_workspace, graph_dashboard, workspace_name
 from disttrain_ds.recipe.graph import as_written, graph_of
+from disttrain_ds.schedule.timeline import read_trace_events, write_trace_events
 
 WANDB_MODES = ("offline", "online", "disabled")
 # wandb's own older spellings of the modes.
@@ -237,18 +237,6 @@ def _bar_postfix(record: Mapping[str, Any]) -> dict[str, str]:
 # --------------------------------------------------------------------------- traces
 
 
-def _read_trace(path: Path) -> list[dict]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable JSON trace ({_one_line(exc)})") from None
-    # Both Chrome-trace layouts are valid: {"traceEvents": [...]} and a bare list.
-    events = data.get("traceEvents") if isinstance(data, dict) else data
-    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
-        raise ValueError(f"{path}: expected a list of trace events or {{'traceEvents': [...]}}")
-    return events
-
-
 def _rank_of(path: Path, position: int) -> int:
     match = re.search(r"rank[_-]?(\d+)", path.stem)
     return int(match.group(1)) if match else position
@@ -273,7 +261,7 @@ def merge_chrome_traces(paths: Iterable[str | Path], out: str | Path) -> Path:
             raise ValueError(f"{path} and {seen[rank]} are both rank {rank}")
         seen[rank] = path
         name = f"rank {rank}"
-        for ev in _read_trace(path):
+        for ev in read_trace_events(path):
             if ev.get("ph") == "M" and ev.get("name") == "process_name":
                 name = str((ev.get("args") or {}).get("name", name))
             elif ev.get("ph") != "M" or ev.get("name") != "process_sort_index":
@@ -282,7 +270,4 @@ def merge_chrome_traces(paths: Iterable[str | Path], out: str | Path) -> Path:
                        "args": {"name": name}})
         merged.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"sort_index": rank}})
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))
-    return out
+    return write_trace_events(merged, out)

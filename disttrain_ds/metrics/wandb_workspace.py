@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-MODULES = ("encoder", "llm", "generator")
+from disttrain_ds.graph import MODULES
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from disttrain_ds.families import FAMILIES, BuildContext, Family, get_family
+from disttrain_ds.graph import MODULES
 from disttrain_ds.mllm.weights import StepDirs, with_checkpoint
 from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
 from disttrain_ds.models.layers import LayerDef, Sequential, seeded
@@ -23,9 +24,6 @@ from disttrain_ds.models.packed import pack_clips
 from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.models.projectors import ConditionProjector, InputProjector
 from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
-
-MODULES = ("encoder", "llm", "generator")
-"""The three-module graph's module names (each named after its role)."""
 
 
 @dataclass

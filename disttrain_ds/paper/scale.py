@@ -44,11 +44,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
+from disttrain_ds.cost.mfu import overall_mfu
 from disttrain_ds.cost.model import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel
+from disttrain_ds.cost.profile import Profile, profile_from_dict
 
 # MODULES: the paper models' modules, the columns of SampleCosts.flops.
-from disttrain_ds.cost.profile import MODULES, Profile, profile_from_dict  # noqa: F401
+from disttrain_ds.cost.tp_scaling import tp_scaled
 from disttrain_ds.data.paper_stats import Subsequence, layout_to_stats
+from disttrain_ds.graph import MODULES  # noqa: F401
 
 # Steps 4-5 live in scale_sim; their names stay reachable from here.
 from disttrain_ds.paper.scale_sim import (
@@ -171,8 +174,7 @@ def fig3_forward_ms(paper: Mapping, resolution: int, images: float) -> dict[str,
 
 def tp_costs(cost: float, at_tp: int) -> dict[str, float]:
     """C(t) for t in 1, 2, 4, 8 from C(at_tp): C(t) = C(1) / (t * TP_EFFICIENCY ** log2 t)."""
-    c1 = cost * at_tp * TP_EFFICIENCY ** math.log2(at_tp)
-    return {str(t): c1 / (t * TP_EFFICIENCY ** math.log2(t)) for t in (1, 2, 4, 8)}
+    return {str(t): tp_scaled(cost, at_tp, t, TP_EFFICIENCY) for t in (1, 2, 4, 8)}
 
 
 def _llm_params(arch: Mapping) -> float:
@@ -276,7 +278,7 @@ def full_attention_llm_flops(backbone: str, seq_len: int) -> float:
 
 def mfu(flops: float, gpus: int, t_ms: float, peak_tflops: float) -> float:
     """Model FLOPs utilisation: ``flops`` done in ``t_ms`` over ``gpus`` GPUs' peak."""
-    return flops / (gpus * peak_tflops * 1e12 * t_ms * 1e-3)
+    return overall_mfu(flops, gpus, peak_tflops, t_ms * 1e-3)
 
 
 def tokens_per_s(sequences: int, seq_len: int, t_ms: float) -> float:

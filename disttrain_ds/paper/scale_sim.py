@@ -61,8 +61,6 @@ class IterationSim:
     """Execution order of the steps (indices of the arrangement's steps)."""
 
 
-
-
 def sample_times(flops: np.ndarray, plan_: Plan) -> np.ndarray:
     """``[n, modules]`` per-sample fwd+bwd ms of each module under ``plan_`` (columns in the
     plan's module order, as ``flops``'): the FLOPs rescaled so each column's mean is the plan's

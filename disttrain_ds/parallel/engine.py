@@ -16,7 +16,6 @@ gradient accumulation, DP all-reduce, intra-engine P2P and checkpoint files. Wha
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import is_dataclass, replace
 from types import MethodType
@@ -48,6 +47,7 @@ from disttrain_ds.schedule.onef1b import (
     eval_schedule,
     num_buffers,
 )
+from disttrain_ds.schedule.timeline import write_trace_events
 
 
 class DefSpec(LayerSpec):
@@ -354,8 +354,7 @@ def write_trace(spans: list[dict], path: str, rank: int, label: str, origin: flo
             "ts": (sp["start"] - origin) * 1e6, "dur": (sp["end"] - sp["start"]) * 1e6,
             "args": {"microbatch": sp["mb"]},
         })
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    write_trace_events(events, path)
 
 
 def _to_device_mb(mb: MicroBatch, device) -> MicroBatch:

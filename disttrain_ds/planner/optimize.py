@@ -18,6 +18,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from disttrain_ds.cost.mfu import overall_mfu
 from disttrain_ds.cost.profile import GIB, Profile
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.hetero import StragglerTable
@@ -133,7 +134,7 @@ def predicted_mfu(profile: Profile, t_iter_ms: float, gpus: int) -> float | None
     flops = [s.flops_per_sample for s in profile.modules.values() if s.flops_per_sample is not None]
     if not flops or profile.peak_tflops is None:
         return None
-    return sum(flops) * profile.global_batch / (t_iter_ms * 1e-3 * gpus * profile.peak_tflops * 1e12)
+    return overall_mfu(sum(flops) * profile.global_batch, gpus, profile.peak_tflops, t_iter_ms * 1e-3)
 
 
 def build_plan(profile: Profile, layout: Mapping[str, Degrees],

@@ -24,6 +24,7 @@ from disttrain_ds.planner.optimize import Plan, PlanError
 if TYPE_CHECKING:
     from disttrain_ds.recipe.schema import Recipe
 
+
 def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
     """``profile`` with every module's memory figures as the runtime estimates them for
     ``recipe``'s model (parameters counted on the meta device; bytes per parameter from its dtype,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from disttrain_ds.cost.profile import TP_DEGREES
+from disttrain_ds.cost.tp_scaling import tp_scaled
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.profiler.measure import Options, profile_recipe
 from disttrain_ds.recipe.graph import graph_of
@@ -55,7 +55,7 @@ def cost_table(recipe: Recipe, c1: dict[str, float], measured: dict[int, dict[st
                 row[t] = measured[t][m]
             else:
                 b = max(d for d in row if d < t and (d == 1 or d in measured))
-                row[t] = row[b] / ((t / b) * efficiency ** math.log2(t / b))
+                row[t] = tp_scaled(row[b], b, t, efficiency)
         costs[m] = row
     text = ""
     if measured:

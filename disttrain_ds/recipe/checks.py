@@ -83,19 +83,43 @@ def graph_problem(graph: ModuleGraph, modality: Callable[[str], str] | None = No
 
 
 def validate(r: Recipe) -> None:
-    """Cross-field checks that need no processes."""
+    """Cross-field checks that need no processes, section by section (the first problem is
+    raised as one line naming its key)."""
     src = r.source_file or "<recipe>"
     graph = graph_of(r)
+    check_families(r, graph, src)
+    check_run(r, graph, src)
+    check_sizes(r, graph, src)
+    check_train(r, graph, src)
+    check_parallel(r, graph, src)
+    check_optim(r, graph, src)
+    check_runtime(r, graph, src)
+    check_eval(r, src)
+    check_emulation(r, graph, src)
+    check_resume(r, graph, src)
+    check_data(r, graph, src)
+    check_weights(r, graph, src)
+    check_deepspeed(r, graph, src)
+
+
+def check_families(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """Every module's family can be trained."""
     for name in graph.names:
         fam = module_family(r, name)  # also catches a family override that skipped the preset expansion
         _check(not fam.not_trainable, src, f"{module_key(r, name)}.family",
                f"{fam.name} cannot be trained yet: {fam.not_trainable}")
-    t, p = r.train, r.parallel
+
+
+def check_run(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``name`` and ``seed``."""
     _check(RUN_NAME.fullmatch(r.name) is not None, src, "name", f"must be a plain name (letters, digits, '._-', "
            f"not starting with '.', 1 to 100 characters): it names the run directory, got {r.name!r}")
     _check(0 <= r.seed < 2**63, src, "seed", f"must be in [0, 2**63), got {r.seed}")
-    # Model sizes first: the layer counts and patch size below depend on them.
-    m = r.model
+
+
+def check_sizes(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """Every module's sizes: positive integers, and its family's own rules (checked first: layer
+    counts and patch sizes depend on them)."""
     for name in graph.names:
         cfg, key = module_config(r, name), module_key(r, name)
         for f, v in vars(cfg).items():
@@ -103,6 +127,13 @@ def validate(r: Recipe) -> None:
                 _check(v >= 1, src, f"{key}.{f}", f"must be >= 1, got {v}")
         for bad_key, msg in module_family(r, name).problems(cfg, key):
             raise ConfigError(f"{src}: '{bad_key}' {msg}")
+
+
+def check_train(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``train`` and ``model.gen_loss_weight``: counts, and a global batch that fills whole microbatch
+    slots of the LLM's DP."""
+    t = r.train
+    m = r.model
     llm_parallel = module_parallel(r, graph.llm)
     _check(m.gen_loss_weight >= 0, src, "model.gen_loss_weight", f"must be >= 0, got {m.gen_loss_weight}")
     _check(t.steps >= 1, src, "train.steps", f"must be >= 1, got {t.steps}")
@@ -119,6 +150,14 @@ def validate(r: Recipe) -> None:
         "train.global_batch",
         f"{t.global_batch} must be divisible by {llm_dp_key} * train.micro_batch = {slot}",
     )
+
+
+def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``parallel.<module>``: degrees, partitions, DP degrees that divide a slot, and TP degrees each
+    module's shapes allow."""
+    llm_parallel = module_parallel(r, graph.llm)
+    slot = module_parallel(r, graph.llm).dp * r.train.micro_batch
+    llm_dp_key = f"{parallel_key(r, graph.llm)}.dp"
     counts = layer_counts(r)
     for name in graph.names:
         mp: ModuleParallel = module_parallel(r, name)
@@ -140,6 +179,10 @@ def validate(r: Recipe) -> None:
             bad = tp_shape_problem(r, name, tp) if tp > 1 else None
             if bad:
                 raise ConfigError(f"{src}: '{bad[0]}' {bad[1]}")
+
+
+def check_optim(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``optim``: rates (per module and projector), betas, decay, warm-up, clipping."""
     _check(r.optim.lr > 0, src, "optim.lr", f"must be > 0, got {r.optim.lr}")
     for key, lr in r.optim.module_lr.items():
         module, _, part = key.partition("/")
@@ -154,6 +197,10 @@ def validate(r: Recipe) -> None:
     _check(o.weight_decay >= 0, src, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _check(o.warmup_steps >= 0, src, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _check(o.grad_clip >= 0, src, "optim.grad_clip", f"must be >= 0 (0: no clipping), got {o.grad_clip}")
+
+
+def check_runtime(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """Deadlines, logging and checkpoint cadence."""
     _check(r.parallel.comm_timeout_s > 0, src, "parallel.comm_timeout_s", "must be > 0")
     _check(r.parallel.heartbeat_timeout_s > 0, src, "parallel.heartbeat_timeout_s", "must be > 0")
     _check(r.parallel.startup_timeout_s > 0, src, "parallel.startup_timeout_s", "must be > 0")
@@ -162,12 +209,22 @@ def validate(r: Recipe) -> None:
     _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")
     _check(c.keep >= 0, src, "checkpoint.keep", f"must be >= 0, got {c.keep}")
     _check(c.sigterm_grace_s >= 0, src, "checkpoint.sigterm_grace_s", f"must be >= 0, got {c.sigterm_grace_s:g}")
-    check_eval(r, src)
+
+
+def check_emulation(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``emulate``: its scale and calibration, and its cross-section rules when on."""
     e = r.emulate
     _check(e.time_scale >= 0, src, "emulate.time_scale", f"must be >= 0, got {e.time_scale}")
     _check(e.calibration_batches >= 1, src, "emulate.calibration_batches", f"must be >= 1, got {e.calibration_batches}")
     if e.enabled:
         check_emulate(r, src)
+
+
+def check_resume(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``train.resume`` and ``train.init_from`` name what exists; the reference layout writes no
+    checkpoints."""
+    t = r.train
+    c = r.checkpoint
     _check(bool(t.resume), src, "train.resume", "must be auto, none or a checkpoint path")
     if r.layout == "reference":
         _check(c.every == 0, src, "checkpoint.every", "checkpoints are written by the monolithic and disaggregated layouts; "
@@ -177,6 +234,12 @@ def validate(r: Recipe) -> None:
     if t.init_from:
         _check((Path(t.init_from) / "manifest.json").is_file(), src, "train.init_from",
                f"{t.init_from} is not a checkpoint step directory (no manifest.json)")
+
+
+def check_data(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``data`` against the model: image sizes by patch, images and audio only for encoders that read them,
+    generation targets for the generators there are (their VAEs, query tokens, sources that name a
+    target's generator)."""
     d = r.data
     _check(d.seq_len >= 16, src, "data.seq_len", f"must be >= 16, got {d.seq_len}")
     images = [n for n in graph.encoders if module_family(r, n).modality == "image"]
@@ -223,6 +286,11 @@ def validate(r: Recipe) -> None:
            f"{d.source} gives generation targets to one generator only; the generators "
            f"{', '.join(graph.generators)} need data.source {' | '.join(MULTI_GEN_SOURCES)} "
            f"(records name a target's generator in their generate field, docs/data.md)")
+
+
+def check_weights(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """``model.<module>.checkpoint`` paths exist, something trains, and a frozen module whose projector
+    trains is one pipeline stage."""
     for name in graph.names:
         ckpt = module_config(r, name).checkpoint
         _check(not ckpt or Path(ckpt).exists(), src, f"{module_key(r, name)}.checkpoint", f"{ckpt} does not exist")
@@ -235,6 +303,10 @@ def validate(r: Recipe) -> None:
         _check(not (cfg.frozen and trains(cfg)) or r.layout != "disaggregated" or pp == 1, src,
                f"{parallel_key(r, name)}.pp",
                f"must be 1 when {module_key(r, name)}.frozen is set and its projector trains (got {pp})")
+
+
+def check_deepspeed(r: Recipe, graph: ModuleGraph, src: str) -> None:
+    """Every engine's DeepSpeed JSON reads and passes its checks."""
     for name in graph.names:
         mp = module_parallel(r, name)
         path = mp.ds_config or r.deepspeed_config

@@ -30,15 +30,33 @@ ROLE_KEYS = tuple(DEFAULT_FAMILY)
 """The three-module form's section names (one per role)."""
 
 
-def expand_graph_sections(data: dict, src: str) -> dict:
-    """Parse ``model.modules`` sections with their families' config types (presets expanded);
-    refuse the three-module keys beside them. Raw data in, raw data with parsed sections out."""
+def raw_module_sections(data: dict, src: str) -> dict[str, dict] | None:
+    """A graph-form recipe's ``model.modules`` sections as written (raw data, each a mapping), or
+    None for a three-module recipe; a one-line ConfigError for anything else."""
     model = data.get("model")
     if not isinstance(model, dict) or "modules" not in model:
-        return data
+        return None
     sections = model["modules"]
     if not isinstance(sections, dict) or not sections:
         raise ConfigError(f"{src}: 'model.modules' must be a mapping of module names to sections")
+    for name, section in sections.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"{src}: 'model.modules.{name}' must be a mapping")
+    return sections
+
+
+def raw_module_family(sections: dict[str, dict], name: str, src: str) -> Family:
+    """The family a raw ``model.modules.<name>`` section names (one line if it names none)."""
+    return family_named(sections[name].get("family"), src, f"model.modules.{name}.family")
+
+
+def expand_graph_sections(data: dict, src: str) -> dict:
+    """Parse ``model.modules`` sections with their families' config types (presets expanded);
+    refuse the three-module keys beside them. Raw data in, raw data with parsed sections out."""
+    sections = raw_module_sections(data, src)
+    if sections is None:
+        return data
+    model = data["model"]
     parallel = data.get("parallel") if isinstance(data.get("parallel"), dict) else {}
     for where, keys in (("model", model), ("parallel", parallel)):
         for key in ROLE_KEYS:
@@ -48,9 +66,7 @@ def expand_graph_sections(data: dict, src: str) -> dict:
     parsed: dict[str, Any] = {}
     for name, section in sections.items():
         key = f"model.modules.{name}"
-        if not isinstance(section, dict):
-            raise ConfigError(f"{src}: '{key}' must be a mapping")
-        fam = family_named(section.get("family"), src, f"{key}.family")
+        fam = raw_module_family(sections, name, src)
         preset = section.get("preset", "tiny")
         if not isinstance(preset, str) or preset not in fam.presets:
             raise ConfigError(f"{src}: '{key}.preset' must be one of {' | '.join(fam.presets)}, got {preset!r}")

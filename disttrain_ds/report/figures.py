@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from disttrain_ds.metrics.logger import merge_chrome_traces
 from disttrain_ds.report.runs import Run, is_number, module_names
-from disttrain_ds.schedule.timeline import write_gantt_png
+from disttrain_ds.schedule.timeline import read_trace_events, write_gantt_png
 
 MAX_GANTT_EVENTS = 4000  # beyond this a Gantt is unreadable and slow to draw
 # Per-rank trace names -> the names the Gantt helper colours.
@@ -179,7 +178,7 @@ def plot_traces(run: Run, out: Path) -> list[Path]:
     except ValueError as exc:
         print(f"warning: {run.path}: no Gantt chart ({exc})", file=sys.stderr)
         return []
-    events = json.loads(merged.read_text())["traceEvents"]
+    events = read_trace_events(merged)
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     spans = sorted((e for e in events if e.get("ph") == "X" and is_number(e.get("ts"))
                     and is_number(e.get("dur")) and e["dur"] >= 0), key=lambda e: e["ts"])
@@ -191,4 +190,3 @@ def plot_traces(run: Run, out: Path) -> list[Path]:
     gantt = [_gantt_event(e, spans[0]["ts"]) for e in spans]
     png = write_gantt_png(gantt, out / f"gantt_{stem}.png", unit="ms", title=title, stage_names=names)
     return [merged, png]
-

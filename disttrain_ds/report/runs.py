@@ -12,8 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-MODULES = ("encoder", "llm", "generator")
-"""The three-module model's module names; other graphs' names are read from the metrics."""
+from disttrain_ds.graph import MODULES
 
 
 def module_names(runs: list["Run"], prefix: str = "time/", suffix: str = "_compute") -> list[str]:
@@ -120,4 +119,3 @@ def load_runs(dirs: list[str]) -> list[Run]:
         r.name = r.path.name if names.count(r.path.name) == 1 else str(r.path)
         r.label = f"{r.name} ({r.layout})"
     return runs
-

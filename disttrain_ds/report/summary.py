@@ -57,4 +57,3 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:10
     path = out / "index.html"
     path.write_text(page)
     return path
-

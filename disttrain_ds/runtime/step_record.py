@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from disttrain_ds.mllm.model import MODULES
+from disttrain_ds.graph import MODULES
 from disttrain_ds.runtime.rank_context import RankContext
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from disttrain_ds.comm.routes import blocks
 from disttrain_ds.schedule.simulate import BWD, FWD, SimResult, simulate_1f1b, stage_order
+from disttrain_ds.schedule.timeline import read_trace_events
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ def measured_costs(spans: dict[int, list[dict]], ranks: Sequence[RankCosts]) -> 
 
 def read_trace(path: str | os.PathLike) -> list[dict]:
     """One rank's spans from ``<run>/trace/rank<r>.json`` as ``name``/``mb``/``start``/``end`` (ms)."""
-    events = json.loads(Path(path).read_text())["traceEvents"]
+    events = read_trace_events(path)
     return [{"name": e["name"], "mb": (e.get("args") or {}).get("microbatch"),
              "start": e["ts"] / 1e3, "end": (e["ts"] + e["dur"]) / 1e3}
             for e in events if e.get("ph") == "X"]

@@ -57,6 +57,33 @@ def _label(e: dict) -> str:
     return e["name"] if e["microbatch"] is None else f"{e['name']} {e['microbatch']}"
 
 
+def trace_file(trace_events: list[dict]) -> dict:
+    """The Chrome trace-event file around ``trace_events`` (``ts`` / ``dur`` in microseconds)."""
+    return {"traceEvents": trace_events, "displayTimeUnit": "ms"}
+
+
+def write_trace_events(trace_events: list[dict], path: str | Path) -> Path:
+    """Write ``trace_events`` as one Chrome trace file (every trace this package writes)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(trace_file(trace_events)))
+    return path
+
+
+def read_trace_events(path: str | Path) -> list[dict]:
+    """The events of a Chrome trace file, in either layout (``{"traceEvents": [...]}`` or a bare
+    list); ValueError naming the file if it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable JSON trace ({' '.join(str(exc).split())})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError(f"{path}: expected a list of trace events or {{'traceEvents': [...]}}")
+    return events
+
+
 def to_chrome_trace(events: Iterable[Any], unit: str = "ms",
                     stage_names: Mapping[int, str] | None = None) -> dict:
     """Chrome trace-event JSON object: one complete ("X") event per op, one process per stage."""
@@ -79,16 +106,13 @@ def to_chrome_trace(events: Iterable[Any], unit: str = "ms",
         if e["name"] in _TRACE_COLOURS:
             ev["cname"] = _TRACE_COLOURS[e["name"]]
         trace.append(ev)
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+    return trace_file(trace)
 
 
 def write_chrome_trace(events: Iterable[Any], path: str | Path, unit: str = "ms",
                        stage_names: Mapping[int, str] | None = None) -> Path:
     """Write :func:`to_chrome_trace` to ``path`` (open it in ui.perfetto.dev)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_chrome_trace(events, unit, stage_names)))
-    return path
+    return write_trace_events(to_chrome_trace(events, unit, stage_names)["traceEvents"], path)
 
 
 def write_gantt_png(events: Iterable[Any], path: str | Path, unit: str = "ms",

@@ -63,6 +63,7 @@ def test_long_interleaved_document_continues_in_next_sequence_without_losing_tok
     assert seqs[2].doc_lens == (6, 20)  # the next document starts in the room left ...
     assert (cur.pos, cur.seg, cur.off) == (1, 1, 0)  # ... and continues at its image next time
 
+
 def test_image_never_straddles_sequences():
     ctx = ctx_for()
     doc = Document((text(28), image(), text(3)), splittable=True)  # 28 + 6 > 31 usable slots

@@ -5,13 +5,10 @@ folder or names a family, so adding a family is one folder and one registry line
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
 from pathlib import Path
 
 from disttrain_ds.families import FAMILIES
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 PACKAGE = Path(__file__).resolve().parents[2] / "disttrain_ds"
 
 DEFAULT_FAMILIES = {"disttrain_ds/models/configs.py": {"vit", "llama", "unet"}}
@@ -19,18 +16,7 @@ DEFAULT_FAMILIES = {"disttrain_ds/models/configs.py": {"vit", "llama", "unet"}}
 ...); those defaults are the only family names written outside ``families/``."""
 
 
-def _graph_module():
-    spec = importlib.util.spec_from_file_location("import_graph", TOOLS / "import_graph.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("import_graph", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ig = _graph_module()
-
-
-def family_mentions(root: Path, names: set[str]) -> dict[str, set[str]]:
+def family_mentions(ig, root: Path, names: set[str]) -> dict[str, set[str]]:
     """File (relative to the package's parent) -> the family names it imports or writes as a string,
     for files outside ``families/``."""
     g = ig.read_graph(root)
@@ -49,14 +35,14 @@ def family_mentions(root: Path, names: set[str]) -> dict[str, set[str]]:
     return out
 
 
-def test_no_module_outside_families_imports_a_family_folder_or_names_a_family():
-    found = family_mentions(PACKAGE, set(FAMILIES))
+def test_no_module_outside_families_imports_a_family_folder_or_names_a_family(ig):
+    found = family_mentions(ig, PACKAGE, set(FAMILIES))
     extra = {f: names - DEFAULT_FAMILIES.get(f, set()) for f, names in found.items()}
     extra = {f: sorted(n) for f, n in extra.items() if n}
     assert not extra, f"family code or names outside families/ (move it into the family's folder or its record): {extra}"
 
 
-def test_a_family_named_outside_its_folder_is_found(tmp_path):
+def test_a_family_named_outside_its_folder_is_found(ig, tmp_path):
     """Negative control: an import of a family's folder and a family's name as a string are both caught."""
     pkg = tmp_path / "disttrain_ds"
     (pkg / "families" / "vit").mkdir(parents=True)
@@ -64,4 +50,4 @@ def test_a_family_named_outside_its_folder_is_found(tmp_path):
         (pkg / f).write_text("")
     (pkg / "user.py").write_text("from disttrain_ds.families.vit import X\n")
     (pkg / "other.py").write_text("KIND = 'vit'\n")
-    assert family_mentions(pkg, {"vit"}) == {"disttrain_ds/other.py": {"vit"}, "disttrain_ds/user.py": {"vit"}}
+    assert family_mentions(ig, pkg, {"vit"}) == {"disttrain_ds/other.py": {"vit"}, "disttrain_ds/user.py": {"vit"}}

@@ -6,47 +6,31 @@ slow third-party library (and say so), never to dodge a cycle.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
-
-def _graph_module():
-    spec = importlib.util.spec_from_file_location("import_graph", TOOLS / "import_graph.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("import_graph", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ig = _graph_module()
 
 @pytest.fixture(scope="module")
-def graph():
+def graph(ig):
     return ig.read_graph()
 
 
-def test_the_package_has_no_import_cycle(graph):
+def test_the_package_has_no_import_cycle(ig, graph):
     found = ig.cycles(graph.edges)
     assert not found, "import cycles (imports inside functions counted): " + "; ".join(" -> ".join(c) for c in found)
 
 
-def test_every_import_points_down_a_floor(graph):
+def test_every_import_points_down_a_floor(ig, graph):
     up = ig.upward(graph.edges, ig.LAYERS)
     assert not up, "imports to the same floor or a higher one (move the definition down, or hand it in): " + "; ".join(
         f"{a} -> {b}" for a, b in up)
 
 
-def test_every_module_stands_on_a_floor(graph):
+def test_every_module_stands_on_a_floor(ig, graph):
     loose = ig.unplaced(graph.edges, ig.LAYERS)
     assert not loose, f"modules on no floor of tools/import_graph.py::FLOORS: {loose}"
 
 
-def test_internal_imports_inside_functions_defer_a_slow_library_and_say_so(graph):
+def test_internal_imports_inside_functions_defer_a_slow_library_and_say_so(ig, graph):
     lazy = ig.undeferred(graph)
     assert not lazy, "imports inside functions that defer nothing slow (import at module level): " + "; ".join(
         f"{m}:{line} -> {t}" for m, line, t in lazy)
@@ -55,7 +39,7 @@ def test_internal_imports_inside_functions_defer_a_slow_library_and_say_so(graph
         f"{m}:{line}" for m, line, _ in silent)
 
 
-def test_third_party_imports_inside_functions_defer_heavy_libraries_only(graph):
+def test_third_party_imports_inside_functions_defer_heavy_libraries_only(ig, graph):
     light = sorted({(m, line, t) for m, line, t in graph.local_third_party if t not in ig.HEAVY})
     allowed = {"importlib", "tempfile", "traceback", "subprocess", "multiprocessing", "inspect", "shutil",
                "socket", "signal", "platform", "ctypes", "resource", "getpass", "gc", "tracemalloc", "random"}
@@ -63,7 +47,7 @@ def test_third_party_imports_inside_functions_defer_heavy_libraries_only(graph):
     assert not odd, "imports inside functions of libraries that cost nothing to import at the top: " + "; ".join(odd)
 
 
-def test_cycle_finder_catches_a_cycle_through_an_import_inside_a_function(tmp_path):
+def test_cycle_finder_catches_a_cycle_through_an_import_inside_a_function(ig, tmp_path):
     """Negative control: a loop closed by a function-local import is a cycle."""
     pkg = tmp_path / "disttrain_ds"
     pkg.mkdir()
@@ -75,18 +59,18 @@ def test_cycle_finder_catches_a_cycle_through_an_import_inside_a_function(tmp_pa
     assert found.local == [("disttrain_ds.b", 2, "disttrain_ds.a")]
 
 
-def test_upward_imports_are_found_from_a_layer_map():
+def test_upward_imports_are_found_from_a_layer_map(ig):
     edges = {"p.low": {"p.high"}, "p.high": {"p.low"}}
     assert ig.upward(edges, {"p.low": 1, "p.high": 2}) == [("p.low", "p.high")]
 
 
-def test_an_import_between_folders_of_one_floor_is_not_down():
+def test_an_import_between_folders_of_one_floor_is_not_down(ig):
     edges = {"p.a.x": {"p.b.y"}, "p.b.y": set()}
     assert ig.upward(edges, {"p.a": 1, "p.b": 1}) == [("p.a.x", "p.b.y")]
     assert ig.upward(edges, {"p.a": 2, "p.b": 1}) == []
 
 
-def test_an_import_inside_a_function_that_defers_nothing_slow_is_found(tmp_path):
+def test_an_import_inside_a_function_that_defers_nothing_slow_is_found(ig, tmp_path):
     """Negative control: a function-local import of a light module is flagged; one of a module
     that loads torch, with its comment, is not."""
     pkg = tmp_path / "disttrain_ds"

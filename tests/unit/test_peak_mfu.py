@@ -101,4 +101,3 @@ def test_step_flops_overall_uses_given_world_and_skips_absent_modules():
     assert set(out) == {"perf/mfu/llm", "perf/tflops_per_gpu/llm", "perf/mfu/overall",
                         "perf/tflops_per_gpu/overall"}
     assert out["perf/mfu/overall"] == pytest.approx(0.5 * out["perf/mfu/llm"])
-

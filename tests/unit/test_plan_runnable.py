@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from disttrain_ds.cli import plan as cli
-from disttrain_ds.cost.profile import GIB, MODULES, Profile, load_profile, profile_from_dict
+from disttrain_ds.cost.profile import GIB, Profile, load_profile, profile_from_dict
+from disttrain_ds.graph import MODULES
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.optimize import Degrees, PlanError, exhaustive_plan, first_ranks, plan, tp_aligned

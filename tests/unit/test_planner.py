@@ -13,7 +13,6 @@ import pytest
 
 from disttrain_ds.cost.profile import (
     GIB,
-    MODULES,
     Profile,
     ProfileError,
     load_profile,
@@ -21,6 +20,7 @@ from disttrain_ds.cost.profile import (
     profile_to_dict,
     save_profile,
 )
+from disttrain_ds.graph import MODULES
 from disttrain_ds.paper import load_paper_figures
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan, ratio_split

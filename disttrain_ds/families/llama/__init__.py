@@ -28,6 +28,7 @@ DECODER_HF_RULES = (
 DECODER_VOCAB_PARAMS = ("embed/embed_tokens.weight", "head/lm_head.weight")
 """The decoder's tensors with one row per vocabulary id."""
 
+
 def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
     """Size rules of a Llama-shaped decoder."""
     out = []
@@ -40,6 +41,7 @@ def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
     if cfg.rope_theta <= 0:
         out.append((f"{prefix}.rope_theta", f"must be > 0, got {cfg.rope_theta}"))
     return out
+
 
 FAMILY = Family(
     name="llama",

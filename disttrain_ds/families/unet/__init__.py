@@ -29,6 +29,7 @@ def _problems(g: GeneratorConfig, prefix: str) -> list[tuple[str, str]]:
                     f"{g.resolution} must be divisible by {2 ** (levels - 1)} (halved once per level after the first)"))
     return out
 
+
 FAMILY = Family(
     name="unet",
     role="generator",

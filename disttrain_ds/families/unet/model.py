@@ -49,7 +49,6 @@ def unet_kwargs(cfg: GeneratorConfig) -> dict:
     )
 
 
-
 def _cache_key(cfg) -> str:
     """The config's own fields as JSON (the projector is not part of this network)."""
     return json.dumps({k: v for k, v in cfg.__dict__.items() if k not in ("projector", "vae")}, sort_keys=True)

@@ -6,11 +6,13 @@ from disttrain_ds.models.configs import ENCODER_PRESETS, EncoderConfig
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
 
+
 def _problems(cfg: EncoderConfig, prefix: str) -> list[tuple[str, str]]:
     out = []
     if cfg.hidden_size % cfg.heads:
         out.append((f"{prefix}.heads", f"{cfg.heads} must divide hidden_size {cfg.hidden_size}"))
     return out
+
 
 FAMILY = Family(
     name="vit",

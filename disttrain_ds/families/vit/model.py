@@ -38,7 +38,6 @@ def hf_config(cfg: EncoderConfig) -> ViTConfig:
     )
 
 
-
 def hf_model(cfg: EncoderConfig) -> ViTModel:
     """The whole transformers model this family's layers are cut from (what export writes)."""
     return ViTModel(hf_config(cfg), add_pooling_layer=False)
@@ -60,8 +59,6 @@ def _full_vit(cfg_json: str, seed: int) -> ViTModel:
 def _vit_part(cfg: EncoderConfig, seed: int, pick):
     """A private copy of one part of the cached initial ViT (the cache itself is never trained)."""
     return copy.deepcopy(pick(_full_vit(_cache_key(cfg), seed)))
-
-
 
 
 class VitEmbed(nn.Module):

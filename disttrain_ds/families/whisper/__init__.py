@@ -28,6 +28,7 @@ def rows(cfg: AudioEncoderConfig, frames: int) -> int:
 # ``model.encoder.`` (WhisperForConditionalGeneration); decoder keys match no rule.
 _P = r"^(?:(?:model\.)?encoder\.)?"
 
+
 def _problems(cfg: AudioEncoderConfig, prefix: str) -> list[tuple[str, str]]:
     out = []
     if cfg.hidden_size % cfg.heads:
@@ -35,6 +36,7 @@ def _problems(cfg: AudioEncoderConfig, prefix: str) -> list[tuple[str, str]]:
     if cfg.max_frames % 2:
         out.append((f"{prefix}.max_frames", f"must be even (the stride-2 convolution halves it), got {cfg.max_frames}"))
     return out
+
 
 FAMILY = Family(
     name="whisper",
