@@ -7,6 +7,7 @@ see ``base.py``) and list it below; recipes then pick it with ``model.<module>.f
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import dit, llama, qwen2, unet, vit, whisper
@@ -38,9 +39,11 @@ def get_family(name: str, role: str, src: str = "<recipe>", key: str = "model.fa
     return fam
 
 
-def tp_plans() -> list[tuple[type, dict[str, str]]]:
-    """Every family's tensor-parallel plan entries."""
-    return [entry for f in FAMILIES.values() for entry in f.tp_plan()]
+def tp_plans(loaded_only: bool = False) -> list[tuple[type, Any]]:
+    """Every family's tensor-parallel plan entries; ``loaded_only``: only those of the families
+    whose network code this process has imported (no layer of another family can exist here, so
+    sharding imports nothing: a rank of the LLM never loads diffusers)."""
+    return [entry for f in FAMILIES.values() if not loaded_only or f.model in sys.modules for entry in f.tp_plan()]
 
 
 def clear_build_caches() -> None:

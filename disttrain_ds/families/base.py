@@ -107,6 +107,10 @@ class Family:
         ``disttrain-export`` fills and saves."""
         return importlib.import_module(self.model).hf_model(cfg)
 
-    def tp_plan(self) -> Sequence[tuple[type, dict[str, str]]]:
-        """Which linears of which submodule classes tensor parallelism splits."""
+    def tp_plan(self) -> Sequence[tuple[type, Any]]:
+        """Which linears of which submodule classes tensor parallelism splits: (class, plan), the
+        plan mapping a linear's submodule path to ``col`` | ``row`` | ``col_gather`` | ``col_pairs``
+        (a column split that keeps a stacked (hidden, gate) projection's halves apart) and an int
+        attribute to ``divide`` (a head count each TP rank holds 1/TP of); a plan that depends on
+        the instance is a function of the module returning that mapping."""
         return importlib.import_module(self.model).TP_PLAN

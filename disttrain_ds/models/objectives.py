@@ -7,7 +7,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler
 
 from disttrain_ds.samples import IGNORE_INDEX
 
@@ -35,7 +34,10 @@ def diffusion_loss(noise_pred: torch.Tensor, noise: torch.Tensor, weights: torch
 
 
 @functools.lru_cache(maxsize=4)
-def scheduler(train_timesteps: int) -> DDPMScheduler:
+def scheduler(train_timesteps: int):
+    """diffusers' DDPM noise schedule (``DDPMScheduler``)."""
+    from diffusers import DDPMScheduler  # deferred: only generator ranks load diffusers
+
     return DDPMScheduler(num_train_timesteps=train_timesteps)
 
 

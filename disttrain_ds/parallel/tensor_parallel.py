@@ -17,12 +17,11 @@ optimizer need no change. Layers without a plan (embeddings, norms, convolutions
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from diffusers.models.activations import GEGLU
-from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
 
 from disttrain_ds.families import tp_plans
@@ -146,15 +145,18 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-# Which linears of which module types are split, by submodule path: "col" | "row" | "col_gather".
-# The families own theirs; projectors are shared by all.
-_PLANS: list[tuple[type, dict[str, str]]] = [*tp_plans(), (MLPProjector, {"0": "col", "2": "row"})]
+PROJECTOR_PLAN = (MLPProjector, {"0": "col", "2": "row"})
+"""The projectors' split, shared by every family (the families own theirs: ``Family.tp_plan``)."""
 
 
-def _plan_for(module: nn.Module) -> dict[str, str] | None:
-    for cls, plan in _PLANS:
+def _plans() -> list[tuple[type, Any]]:
+    return [*tp_plans(loaded_only=True), PROJECTOR_PLAN]
+
+
+def _plan_for(module: nn.Module, plans: list[tuple[type, Any]]) -> dict[str, str] | None:
+    for cls, plan in plans:
         if isinstance(module, cls):
-            return plan
+            return plan(module) if callable(plan) else plan
     return None
 
 
@@ -167,27 +169,29 @@ def shard_layer(layer: nn.Module, tp: TPContext) -> nn.Module:
     """Replace the planned linears of ``layer`` (in place) by this rank's shards."""
     if tp.size == 1:
         return layer
+    plans = _plans()
     for name, module in list(layer.named_modules()):
-        plan = _plan_for(module)
+        plan = _plan_for(module, plans)
         if plan is None:
             continue
         for path, style in plan.items():
+            if style == "divide":  # a head count: its processor derives the head size from it
+                count = getattr(module, path)
+                if count % tp.size:
+                    raise ValueError(f"{name}: {count} attention heads do not split over tensor-parallel degree {tp.size}")
+                setattr(module, path, count // tp.size)
+                continue
             full = module.get_submodule(path)
             if not isinstance(full, nn.Linear):
                 raise TypeError(f"{name}.{path}: expected nn.Linear to shard, found {type(full).__name__}")
-            # GEGLU's projection stacks (hidden, gate): split both halves the same way.
-            pieces = 2 if path == "net.0.proj" and isinstance(module.get_submodule("net.0"), GEGLU) else 1
             if style == "col_gather" and full.out_features % tp.size:
                 continue  # e.g. a vocabulary that does not split evenly: this head stays replicated
             if style == "row":
                 new = RowParallelLinear(full, tp)
             else:
-                new = ColumnParallelLinear(full, tp, gather_output=style == "col_gather", pieces=pieces)
+                new = ColumnParallelLinear(full, tp, gather_output=style == "col_gather",
+                                           pieces=2 if style == "col_pairs" else 1)
             _set(module, path, new)
-        if isinstance(module, DiffusersAttention):
-            if module.heads % tp.size:
-                raise ValueError(f"{name}: {module.heads} attention heads do not split over tensor-parallel degree {tp.size}")
-            module.heads //= tp.size  # its processor derives the head size from this
     return layer
 
 

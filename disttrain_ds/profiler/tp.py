@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,15 @@ def measure_tp(args: argparse.Namespace, recipe: Recipe, device_kind: str) -> di
     return out
 
 
+def worker_error(output: str) -> str:
+    """The line of the workers' output that says what failed: the last exception a worker raised
+    (torchrun's own summary lines, ``error_file: <N/A>`` and the like, say nothing)."""
+    lines = [x.strip() for x in output.splitlines() if x.strip()]
+    raised = [x for x in lines if re.search(r"\b\w*(Error|Exception|Interrupt)\b:", x) and "error_file" not in x
+              and "ChildFailedError" not in x]
+    return (raised or [x for x in lines if "error" in x.lower() and "error_file" not in x] or lines or ["no output"])[-1]
+
+
 def measure(args: argparse.Namespace, tp: int, device_kind: str, out: Path) -> dict[str, float]:
     """Run the ``tp`` workers; per module the median ms per sample (modules that do not split: absent)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
@@ -94,9 +104,8 @@ def measure(args: argparse.Namespace, tp: int, device_kind: str, out: Path) -> d
         raise ConfigError(f"--measure-tp {tp}: the {tp} worker processes did not finish within "
                           f"{WORKER_TIMEOUT_S} s") from None
     if proc.returncode or not out.is_file():
-        lines = [x for x in (proc.stderr + proc.stdout).splitlines() if "error" in x.lower()] or \
-            (proc.stderr + proc.stdout).strip().splitlines() or ["no output"]
-        raise ConfigError(f"--measure-tp {tp}: worker processes failed (exit {proc.returncode}): {lines[-1].strip()}")
+        raise ConfigError(f"--measure-tp {tp}: worker processes failed (exit {proc.returncode}): "
+                          f"{worker_error(proc.stderr + proc.stdout)}")
     return {m: float(v) for m, v in json.loads(out.read_text())["median_ms"].items()}
 
 

@@ -15,6 +15,7 @@ import pytest
 from .conftest import metrics_steps, start_ranks
 
 
+@pytest.mark.slow
 def test_diverged_loss_stops_every_rank_with_one_line(tmp_path):
     run = tmp_path / "run"
     procs = start_ranks(run, 4, ["optim.lr=1.0e+30", "train.steps=8", "parallel.heartbeat_timeout_s=10"])

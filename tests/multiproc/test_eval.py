@@ -67,6 +67,7 @@ def _ref_evals(recipe: str, overrides: list[str], keys: tuple[str, ...]) -> dict
     return {r["step"]: [r[k] for k in keys] for r in rows if "eval/loss" in r}
 
 
+@pytest.mark.slow
 def test_eval_loss_without_a_generator_equals_the_reference(tmp_path):
     """tiny_vlm (vision -> llm, no generator): the LLM's last stage sends nothing downstream and the
     evaluation record has no generator loss."""

@@ -101,6 +101,7 @@ def _wait_all(procs: list[subprocess.Popen], ranks: list[int], bound: float) -> 
     return time.monotonic() - t0, results
 
 
+@pytest.mark.slow
 def test_stopped_data_producer_stops_every_rank_naming_it_once(tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()
@@ -124,6 +125,7 @@ def test_stopped_data_producer_stops_every_rank_naming_it_once(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_stopped_store_host_stops_every_other_rank_naming_it_once(tmp_path):
     overrides = ["train.steps=100000", "parallel.heartbeat_timeout_s=10", "parallel.comm_timeout_s=300"]
     procs = start_ranks(tmp_path / "run", WORLD, overrides)

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO, metrics_steps, nccl_rules
 
 
@@ -18,6 +20,7 @@ def _run(overrides: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_graph_run_resumes_from_its_checkpoint_to_the_straight_runs_losses(tmp_path):
     straight = _run(["train.steps=4", f"logging.dir={tmp_path / 'straight'}"])
     assert straight.returncode == 0, straight.stderr[-3000:]

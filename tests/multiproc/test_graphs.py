@@ -49,6 +49,7 @@ def test_understanding_only_graph_with_encoder_fan_in_matches_reference(tmp_path
     assert last["loss/gen"] == 0.0 and "perf/mfu/vision" in last and "time/vision_compute" in last
 
 
+@pytest.mark.slow
 def test_generation_only_graph_matches_reference(tmp_path, reference_run):
     recipe = tmp_path / "tiny_t2i.yaml"
     recipe.write_text(T2I.replace("ds_configs/cpu_fp32.json", str(REPO / "ds_configs" / "cpu_fp32.json")))
@@ -56,7 +57,7 @@ def test_generation_only_graph_matches_reference(tmp_path, reference_run):
     assert last["loss/gen"] > 0 and "time/painter_compute" in last
 
 
-@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("pp", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_generation_only_graph_with_a_split_dit_matches_reference(tmp_path, reference_run, pp):
     # Projector, dit_in, block0, block1, dit_out split in two stages send (hidden, t_mod, t_emb,
     # cond) from block0 to block1; in three, that tuple from dit_in and (hidden, t_emb) from the last block.

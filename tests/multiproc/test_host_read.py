@@ -36,6 +36,7 @@ def check_disjoint_halves(out: Path, steps: int, batch: int) -> None:
     assert {s for s, _ in reads["a"] | reads["b"]} == set(range(steps))
 
 
+@pytest.mark.slow
 def test_two_hosts_read_disjoint_samples_and_train_the_reference(tmp_path, reference_run):
     out = tmp_path / "job"
     rows, params, _ = launch(out, 6, [STEPS, *SGD, *LAYOUT], env_extra=HOSTS)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from disttrain_ds.runtime.preempt import EXIT_PREEMPTED
 
 from .conftest import metrics_steps, start_ranks, wait_until
@@ -41,6 +43,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_matches_straight_run(tmp_
     assert [r["loss"] for r in rows] == expected  # bit-identical
 
 
+@pytest.mark.slow
 def test_sigterm_without_checkpoints_stops_cleanly(tmp_path):
     run = tmp_path / "run"
     procs = start_ranks(run, 4, ["train.steps=100000"])

@@ -15,6 +15,7 @@ from .conftest import REPO, metrics_steps
 from .test_resume import BASE, _torchrun
 
 
+@pytest.mark.slow
 def test_torchrun_restart_after_a_killed_rank_matches_straight_run(tmp_path):
     straight = _torchrun(["train.steps=6", f"logging.dir={tmp_path / 'straight'}"])
     assert straight.returncode == 0, straight.stderr[-3000:]

@@ -21,6 +21,7 @@ def _torchrun(overrides: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path):
     straight = _torchrun(["train.steps=6", f"logging.dir={tmp_path / 'straight'}"])
     assert straight.returncode == 0, straight.stderr[-3000:]

@@ -61,6 +61,7 @@ def test_member_only_group_is_refused_in_one_line_on_a_device_bound_world(tmp_pa
     assert "did not take part" not in said  # refused before the emulated split could time out
 
 
+@pytest.mark.slow
 def test_aborted_communicator_is_reported_by_its_rank_and_nobody_else_is_blamed(tmp_path):
     """Rank 2 (llm stage 1) has its communicators aborted after step 1, as NCCL's watchdog does:
     it says so in one line and lives to say it; every other rank stops naming rank 2."""

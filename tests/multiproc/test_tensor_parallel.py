@@ -20,8 +20,7 @@ from .test_fidelity import SGD, STEPS
 
 LAYOUTS = {
     # name: (ranks, overrides)
-    "llm_tp2_pp2": (6, ["layout=disaggregated", "parallel.llm.tp=2"]),
-    # A second LLM family: Qwen2's biased q/k/v shard with their rows.
+    # Qwen2 (a second LLM family): its biased q/k/v shard with their rows; LLM TP=2 x PP=2.
     "qwen2_llm_tp2_pp2": (6, ["layout=disaggregated", "model.llm.family=qwen2", "parallel.llm.tp=2"]),
     # Fan-in from two encoder replicas into a TP group, and TP on both sides of the second boundary.
     "enc_dp2_llm_tp2_gen_tp2": (
@@ -31,6 +30,7 @@ LAYOUTS = {
     ),
 }
 SLOW_LAYOUTS = {
+    "llm_tp2_pp2": (6, ["layout=disaggregated", "parallel.llm.tp=2"]),
     "enc_tp2_llm_tp2_pp2_gen1": (7, ["layout=disaggregated", "parallel.encoder.tp=2", "parallel.llm.tp=2"]),
     # Monolithic: encoder and generator stages share the LLM's TP (and DP) degree.
     "monolithic_tp2_pp2": (8, ["layout=monolithic", "parallel.llm.tp=2"]),
@@ -78,6 +78,7 @@ def test_more_tensor_parallel_layouts_match_reference(name, tmp_path, reference_
     _check(name, SLOW_LAYOUTS, tmp_path, reference_run)
 
 
+@pytest.mark.slow
 def test_boundary_traffic_is_the_same_with_and_without_tp(tmp_path, reference_run):
     """Same elements cross each boundary whether the LLM is sharded over 2 TP ranks or not."""
     base = ["layout=disaggregated", "train.steps=1", *SGD]

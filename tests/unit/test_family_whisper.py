@@ -192,11 +192,10 @@ def test_preset_sizes(preset, real):
 
 
 @pytest.fixture
-def tp(monkeypatch):
-    """tensor_parallel with this family's plan (the registry adds it once the family is listed)."""
+def tp():
+    """tensor_parallel, which takes this family's plan from the registry (its network code is loaded here)."""
     from disttrain_ds.parallel import tensor_parallel
 
-    monkeypatch.setattr(tensor_parallel, "_PLANS", [*wm.TP_PLAN, *tensor_parallel._PLANS])
     return tensor_parallel
 
 

@@ -311,3 +311,16 @@ def test_an_image_and_audio_graph_is_profiled_and_planned_into_a_recipe_that_loa
     planned = load_recipe(written)
     assert tuple(planned.parallel.modules) == ("vision", "ear", "llm", "painter") and planned.layout == "disaggregated"
     assert sum(m.dp * m.tp * m.pp for m in planned.parallel.modules.values()) <= profile.gpus
+
+
+def test_a_failed_tp_worker_is_reported_by_its_own_exception_not_torchruns_summary():
+    from disttrain_ds.profiler.tp import worker_error
+
+    output = ("[rank1]: Traceback (most recent call last):\n"
+              "[rank1]:   File \"x.py\", line 3, in <module>\n"
+              "[rank1]: RuntimeError: Connection closed by peer\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "  error_file: <N/A>\n"
+              "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
+    assert worker_error(output) == "[rank1]: RuntimeError: Connection closed by peer"
+    assert worker_error("") == "no output"

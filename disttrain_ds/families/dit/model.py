@@ -33,6 +33,7 @@ import math
 
 import torch
 from diffusers import PixArtTransformer2DModel
+from diffusers.models.activations import GEGLU
 from diffusers.models.attention import FeedForward
 from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
@@ -177,10 +178,16 @@ def clear_caches() -> None:
 
 layers = dit_layers
 
+
 # The same diffusers classes (and plan) as the U-Net family's: ``shard_layer`` takes the first
 # matching entry, so the repeat is harmless, and this family stays complete on its own.
 # adaLN-single, the patch embedding and the head stay replicated (small next to the blocks).
+def feed_forward_plan(ff: FeedForward) -> dict[str, str]:
+    """A GEGLU feed-forward's first projection stacks (hidden, gate): both halves split alike."""
+    return {"net.0.proj": "col_pairs" if isinstance(ff.net[0], GEGLU) else "col", "net.2": "row"}
+
+
 TP_PLAN = (
-    (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row"}),
-    (FeedForward, {"net.0.proj": "col", "net.2": "row"}),
+    (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row", "heads": "divide"}),
+    (FeedForward, feed_forward_plan),
 )

@@ -15,6 +15,7 @@ import json
 
 import torch
 from diffusers import UNet2DConditionModel
+from diffusers.models.activations import GEGLU
 from diffusers.models.attention import FeedForward
 from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
@@ -191,7 +192,13 @@ def clear_caches() -> None:
 
 layers = generator_layers
 
+
+def feed_forward_plan(ff: FeedForward) -> dict[str, str]:
+    """A GEGLU feed-forward's first projection stacks (hidden, gate): both halves split alike."""
+    return {"net.0.proj": "col_pairs" if isinstance(ff.net[0], GEGLU) else "col", "net.2": "row"}
+
+
 TP_PLAN = (
-    (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row"}),
-    (FeedForward, {"net.0.proj": "col", "net.2": "row"}),
+    (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row", "heads": "divide"}),
+    (FeedForward, feed_forward_plan),
 )
