@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="new directory for the exported modules")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="tensor dtype written (default fp32)")
     args = ap.parse_args(argv)
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.checkpoint.export import export_checkpoint
 
     try:

@@ -211,7 +211,7 @@ def memory_problem(path: Path, profile: Profile) -> str:
     refuse the recipe at ``path``, or "" (also when ``train.device_memory_gib`` is unset). With
     ``--recipe`` the plan already passed that check (``planner/recipe_memory.fit_plan``); this
     stays as the last word on the file actually written."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import check_fits
 

@@ -44,7 +44,7 @@ def checkpointing_fields(recipe: Recipe, module: str) -> dict[str, float]:
     every = recipe.parallel.modules[module].activation_checkpointing
     if not every:
         return {}
-    # deferred: loads diffusers (safetensors too)
+    # deferred: loads safetensors
     from disttrain_ds.estimate.memory import vocab_size
 
     outputs = module_layers(recipe, module, vocab_size(recipe)).outputs

@@ -31,7 +31,7 @@ def check_memory(recipe: Recipe) -> str:
     field the launching machine says nothing about the nodes: each rank checks at start-up."""
     if recipe.train.device_memory_gib <= 0:
         return "memory: checked by every rank at start-up (set train.device_memory_gib to check here)"
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.estimate.gpu_allowance import rank_allowances
     from disttrain_ds.estimate.memory import GIB, estimate, per_rank_totals
     from disttrain_ds.estimate.memory_check import check_fits, per_rank_needs

@@ -31,7 +31,7 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
     optimizer and ZeRO stage; per-sample activations of its largest sample, and the part TP
     splits; activation checkpointing; per TP and pipeline degree, the runtime's stages), replacing
     whatever the profile said."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.estimate.memory import (
         backward_modules,
         extra_bytes,
@@ -71,7 +71,7 @@ def runtime_peaks(recipe: Recipe) -> dict[str, float]:
     """The largest per-rank figure the runtime's memory check holds to a GPU's memory for each
     module of ``recipe``, in bytes: estimate plus allowance (``estimate/gpu_allowance.py``; a
     rank several modules share counts for each of them)."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import per_rank_needs
 

@@ -25,6 +25,7 @@ from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.recipe.graph import graph_of, module_config, module_family
 from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.runtime.emulate import patch_size, sample_flops
+from disttrain_ds.models.objectives import diffusion_loss, gen_condition
 
 if TYPE_CHECKING:  # the model modules load transformers and diffusers; see profile_recipe
     from disttrain_ds.mllm.model import MicroBatch, MLLMSpec
@@ -220,9 +221,8 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     """
     graph = graph_of(recipe)
     # Model code is imported only once the recipe and arguments are known to be good, so errors come back at once.
-    # deferred: loads transformers and diffusers (seconds)
+    # deferred: loads safetensors
     from disttrain_ds.mllm.model import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
-    from disttrain_ds.models.objectives import diffusion_loss, gen_condition
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     torch.manual_seed(recipe.seed)
@@ -309,7 +309,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     results.append(res)
     for name in gens:
         results.append(measure_module(recipe, spec, name, generator_passes(name, states), o(name))[0])
-    # deferred: loads diffusers (safetensors too)
+    # deferred: loads safetensors
     from disttrain_ds.runtime.setup import cost_model
 
     model = cost_model(recipe)

@@ -32,6 +32,7 @@ from disttrain_ds.errors import ConfigError
 from disttrain_ds.profiler.measure import Options, profile_recipe
 from disttrain_ds.recipe.graph import graph_of
 from disttrain_ds.recipe.schema import Recipe, load_recipe, tp_shape_problem
+from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 
 WORKER_TIMEOUT_S = 3600
 
@@ -112,8 +113,7 @@ def measure(args: argparse.Namespace, tp: int, device_kind: str, out: Path) -> d
 def _worker(argv: list[str]) -> int:
     import torch.distributed as dist
 
-    # deferred: loads deepspeed (diffusers too)
-    from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
+    # deferred: loads deepspeed
     from disttrain_ds.runtime.startup import device_index
 
     ap = argparse.ArgumentParser(prog="python -m disttrain_ds.profiler.tp")

@@ -137,7 +137,7 @@ def calibration_flops(recipe) -> dict[str, np.ndarray]:
     """Per module name, the cost-model forward FLOPs of each sample of the first
     ``emulate.calibration_batches`` global batches of the recipe's data (in-process, unreordered:
     the same samples in any setting)."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 
     plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, producers=0, reorder=False))
@@ -175,7 +175,7 @@ class Emulator:
 
     @classmethod
     def for_rank(cls, recipe, topo: Topology, rank: int, spec, backward: bool) -> "Emulator":
-        # deferred: loads torch (diffusers, safetensors too)
+        # deferred: loads torch (safetensors too)
         from disttrain_ds.runtime.setup import cost_model
 
         grid = topo.module_of(rank)

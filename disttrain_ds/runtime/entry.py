@@ -49,7 +49,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
         rows = check_memory(recipe, ranks_per_host=1)
         check_output_dirs(recipe, rows)
         check_imports(recipe)
-        # deferred: loads torch (diffusers, safetensors too)
+        # deferred: loads torch (safetensors too)
         from disttrain_ds.runtime.reference import train_reference
 
         run_dir = make_run_dir(recipe.logging.dir, recipe.name)
@@ -65,7 +65,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
     check_imports(recipe)  # the weights it starts from cover every module they are given for
 
     console = Console.start(int(os.environ.get("RANK", "0")))  # library output to a log from here on
-    # deferred: loads torch (deepspeed, diffusers, safetensors, transformers too)
+    # deferred: loads torch (deepspeed, safetensors, transformers too)
     from disttrain_ds.runtime.distributed import train_distributed
 
     try:
@@ -78,7 +78,7 @@ def _run(recipe_path: str, overrides: list[str]) -> int:
 def check_memory(recipe: Recipe, ranks_per_host: int) -> list:
     """Stop with one line naming the rank and module whose estimated peak memory does not fit;
     returns the estimate's rows."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import check_fits, device_limit_gib, limit_is_gpu
 
@@ -91,7 +91,7 @@ def check_memory(recipe: Recipe, ranks_per_host: int) -> list:
 def check_imports(recipe: Recipe) -> None:
     """Stop with one line naming ``model.<module>.checkpoint`` when it would leave weights at random
     init or does not fit the module's shapes."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.runtime.imports import check_imports as check
 
     check(recipe)
@@ -107,7 +107,7 @@ def dry_run(recipe_path: str, overrides: list[str], out=print) -> int:
     """Print the rank map and every rank's estimated peak memory; no processes, no weights.
 
     Raises ``ConfigError`` (one line naming the rank and module) when a rank does not fit."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import check_fits, describe, device_limit_gib, limit_is_gpu
 

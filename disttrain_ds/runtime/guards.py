@@ -55,7 +55,7 @@ def checkpoint_bytes(recipe, rows) -> float:
     """Estimated bytes of one checkpoint: weights and optimizer states of every stage, counted once
     per tensor-parallel shard (DP replicas save one copy) and per DP shard where the optimizer is
     sharded (ZeRO-1, bf16), from the memory estimate's per-rank figures (``estimate/memory.py``)."""
-    # deferred: loads torch (diffusers, safetensors too)
+    # deferred: loads torch (safetensors too)
     from disttrain_ds.estimate.memory import state_bytes
 
     total = 0.0
@@ -93,7 +93,7 @@ def check_output_dirs(recipe, rows=None) -> None:
     root = checkpoint_root(recipe)
     check_writable_dir(root, "checkpoint.dir", src)
     if rows is None:
-        # deferred: loads torch (diffusers, safetensors too)
+        # deferred: loads torch (safetensors too)
         from disttrain_ds.estimate.memory import estimate
 
         rows = estimate(recipe)
