@@ -91,6 +91,10 @@ class Family:
     (the input projector is counted apart); what MFU reads."""
     rows: Callable[[Any, int], int] | None = None
     """Audio encoders: (cfg, log-mel frames) -> output rows (LLM tokens) of one clip."""
+    checkpoint_fields: Callable[[dict, str], dict[str, Any]] | None = None
+    """A checkpoint directory's ``config.json`` (as a dict; the str names the file in errors) ->
+    this family's section fields it fixes; a one-line ConfigError for a setting the family cannot
+    reproduce. None: the family reads no config.json (the recipe gives the shapes)."""
     modality: str = ""
     """Encoders: what the module reads (image | audio): which sample field feeds it and which
     placeholder token its output rows fill in the LLM's sequence."""

@@ -74,6 +74,8 @@ class LLMConfig:
     """Largest position for rotary embeddings."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (transformers' Llama default; Llama 2 and 3 checkpoints say 1e-5)."""
     doc_attention: Literal["auto", "spans", "flex"] = "auto"
     """How attention stays inside each packed document (``models/doc_mask.py``): ``spans`` runs
     causal SDPA per document span, ``flex`` compiled flex attention with a block mask (CUDA only:
@@ -82,7 +84,9 @@ class LLMConfig:
     frozen: bool = False
     """Keep the backbone's weights fixed (gradients still flow through to the encoders' projectors)."""
     checkpoint: str = ""
-    """Local Llama weights (.safetensors file or save_pretrained directory); empty: seeded random init."""
+    """Local Llama weights (.safetensors file or save_pretrained directory); empty: seeded random init.
+    A directory's ``config.json`` fixes the shapes and settings (fields left out of the recipe are
+    read from it; one written differently is an error)."""
 
 
 @dataclass

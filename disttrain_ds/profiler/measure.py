@@ -21,11 +21,11 @@ from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token,
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.layers import Sequential
+from disttrain_ds.models.objectives import diffusion_loss, gen_condition
 from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.recipe.graph import graph_of, module_config, module_family
 from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.runtime.emulate import patch_size, sample_flops
-from disttrain_ds.models.objectives import diffusion_loss, gen_condition
 
 if TYPE_CHECKING:  # the model modules load transformers and diffusers; see profile_recipe
     from disttrain_ds.mllm.model import MicroBatch, MLLMSpec

@@ -29,10 +29,10 @@ import torch
 from disttrain_ds.cost.profile import TP_DEGREES
 from disttrain_ds.cost.tp_scaling import tp_scaled
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 from disttrain_ds.profiler.measure import Options, profile_recipe
 from disttrain_ds.recipe.graph import graph_of
 from disttrain_ds.recipe.schema import Recipe, load_recipe, tp_shape_problem
-from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 
 WORKER_TIMEOUT_S = 3600
 

@@ -21,6 +21,7 @@ from disttrain_ds.configtools import from_dict, to_dict
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import DEFAULT_FAMILY, FAMILIES, Family, get_family
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.recipe.checkpoint_settings import checkpoint_fields
 from disttrain_ds.topology import Topology
 
 if TYPE_CHECKING:  # annotations only: config imports this module
@@ -70,7 +71,8 @@ def expand_graph_sections(data: dict, src: str) -> dict:
         preset = section.get("preset", "tiny")
         if not isinstance(preset, str) or preset not in fam.presets:
             raise ConfigError(f"{src}: '{key}.preset' must be one of {' | '.join(fam.presets)}, got {preset!r}")
-        parsed[name] = from_dict(fam.config_type, {**fam.presets[preset], **section, "preset": preset},
+        fixed = checkpoint_fields(fam, section, key, src)  # the checkpoint's config.json, over the preset
+        parsed[name] = from_dict(fam.config_type, {**fam.presets[preset], **fixed, **section, "preset": preset},
                                  src=src, prefix=key + ".")
     graph = ModuleGraph.from_roles({n: FAMILIES[c.family].role for n, c in parsed.items()}, src)
     for name in (parallel.get("modules") or {}):

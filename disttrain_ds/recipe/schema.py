@@ -18,6 +18,7 @@ from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import DEFAULT_FAMILY, get_family
 from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig, LLMConfig
 from disttrain_ds.paths import PACKAGE_DIR, path_candidates, require_file, resolve_path
+from disttrain_ds.recipe.checkpoint_settings import checkpoint_fields
 from disttrain_ds.recipe.checks import RUN_NAME, layer_counts, tp_shape_problem, validate
 from disttrain_ds.recipe.graph import expand_graph_sections, link_sections
 
@@ -262,8 +263,9 @@ class Recipe:
 
 
 def _apply_presets(data: dict, src: str) -> dict:
-    """Expand ``model.<module>.preset`` (a preset of the module's family) into its field values;
-    explicit fields win."""
+    """Expand ``model.<module>.preset`` (a preset of the module's family) into its field values,
+    then the checkpoint's ``config.json`` over them (``recipe/checkpoint_settings.py``); explicit
+    fields win where they agree with the checkpoint."""
     model = data.get("model")
     if not isinstance(model, dict):
         return data
@@ -281,7 +283,8 @@ def _apply_presets(data: dict, src: str) -> dict:
         name = section.get("preset", "tiny")
         if not isinstance(name, str) or name not in presets:
             raise ConfigError(f"{src}: 'model.{module}.preset' must be one of {' | '.join(presets)}, got {name!r}")
-        model[module] = {**presets[name], **section, "preset": name}
+        fixed = checkpoint_fields(fam, section, f"model.{module}", src)  # its config.json, over the preset
+        model[module] = {**presets[name], **fixed, **section, "preset": name}
     return data
 
 

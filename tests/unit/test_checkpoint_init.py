@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,23 +108,28 @@ def test_a_checkpoint_covering_the_module_passes_the_import_check(tmp_path):
 
 
 @pytest.mark.parametrize("case, needle", [
-    ("vit", "holds none of the llm's"),
+    ("vit", "this family reads llama checkpoints"),  # its config.json says what it is
+    ("vit_weights", "holds none of the llm's"),  # the same weights without their config.json
     ("fewer_layers", "lacks 18 of the llm's"),
     ("wider", "has shape"),
 ])
 def test_a_checkpoint_that_would_leave_weights_random_is_refused_in_one_line(tmp_path, case, needle):
+    """Weights that do not cover the module are refused; the shape cases are weights directories
+    without a config.json (with one, the module takes the checkpoint's shapes)."""
     from transformers import ViTModel
 
     from disttrain_ds.errors import ConfigError
     from disttrain_ds.families.vit.model import hf_config
     from disttrain_ds.runtime.imports import check_imports
 
-    if case == "vit":
+    if case.startswith("vit"):
         recipe = load_recipe_tiny([])
         ViTModel(hf_config(recipe.model.encoder), add_pooling_layer=False).save_pretrained(tmp_path / "vit")
         path = str(tmp_path / "vit")
     else:
         path = _saved_llama(tmp_path, case, **({"layers": 2} if case == "fewer_layers" else {"ffn_hidden": 256}))
+    if case != "vit":
+        (Path(path) / "config.json").unlink()
     with pytest.raises(ConfigError) as e:
         check_imports(load_recipe_tiny([f"model.llm.checkpoint={path}"]))
     msg = str(e.value)

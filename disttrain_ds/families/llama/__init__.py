@@ -3,6 +3,7 @@
 from disttrain_ds.cost.activations import LayerBytes, SampleShape
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.llama.estimates import decoder_activations
+from disttrain_ds.families.llama.hf_settings import decoder_fields
 from disttrain_ds.models.configs import LLM_PRESETS, LLMConfig
 
 
@@ -40,6 +41,8 @@ def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
         out.append((f"{prefix}.vocab_size", f"must be >= 0 (0: the tokenizer's size), got {cfg.vocab_size}"))
     if cfg.rope_theta <= 0:
         out.append((f"{prefix}.rope_theta", f"must be > 0, got {cfg.rope_theta}"))
+    if not cfg.rms_norm_eps > 0:
+        out.append((f"{prefix}.rms_norm_eps", f"must be > 0, got {cfg.rms_norm_eps}"))
     return out
 
 
@@ -58,4 +61,5 @@ FAMILY = Family(
     vocab_params=DECODER_VOCAB_PARAMS,
     activation_layers=decoder_activation_layers,
     hf_formats="transformers LlamaForCausalLM or LlamaModel",
+    checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("llama",)),
 )

@@ -38,6 +38,7 @@ def hf_kwargs(cfg: LLMConfig) -> dict:
         num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=cfg.max_position,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rms_norm_eps=cfg.rms_norm_eps,
         attention_dropout=0.0,
         attn_implementation="sdpa",
     )
@@ -61,7 +62,7 @@ class Decoder:
     layer: type
     """Decoder layer class, constructed as ``layer(hf_config, index)``."""
     norm: type
-    """Final RMSNorm class, constructed as ``norm(hidden_size)``."""
+    """Final RMSNorm class, constructed as ``norm(hidden_size, eps=...)``."""
     rotary: type
     """Rotary embedding class, constructed as ``rotary(hf_config)``."""
 
@@ -128,7 +129,7 @@ class LlmHead(nn.Module):
 
     def __init__(self, cfg: LLMConfig, decoder: Decoder = LLAMA):
         super().__init__()
-        self.norm = decoder.norm(cfg.hidden_size)
+        self.norm = decoder.norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, inputs):

@@ -11,6 +11,7 @@ from disttrain_ds.families.llama import (
     decoder_problems,
     decoder_tp_sizes,
 )
+from disttrain_ds.families.llama.hf_settings import decoder_fields
 from disttrain_ds.models.configs import LLMConfig
 
 PRESETS: dict[str, dict] = {
@@ -35,4 +36,5 @@ FAMILY = Family(
     vocab_params=DECODER_VOCAB_PARAMS,
     activation_layers=decoder_activation_layers,  # Qwen2's q/k/v biases are parameters only
     hf_formats="transformers Qwen2ForCausalLM or Qwen2Model",
+    checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("qwen2",)),
 )

@@ -1,0 +1,68 @@
+"""What a Llama-shaped decoder's ``config.json`` says, as this family's section fields.
+
+Every setting that changes the math is either carried into the section (shapes, RoPE base,
+RMSNorm eps) or refused in one line naming it: a checkpoint is never trained as another model.
+No torch import: the recipe loader reads this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disttrain_ds.errors import ConfigError
+
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+"""config.json keys a decoder checkpoint must have."""
+
+
+def _rope(hf: dict[str, Any]) -> tuple[str, float]:
+    """(rope type, rope base) in either layout transformers writes (``rope_parameters`` since 5.0,
+    ``rope_scaling`` + ``rope_theta`` before)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return str(kind), float(theta)
+
+
+def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...]) -> dict[str, Any]:
+    """Section fields of a decoder LLM from its checkpoint's ``config.json`` (``where`` names the
+    file in errors); a one-line ConfigError for a setting this family cannot reproduce."""
+
+    def refuse(key: str, why: str) -> None:
+        raise ConfigError(f"{where}: '{key}' {why}")
+
+    if hf.get("model_type") not in model_types:
+        refuse("model_type", f"is {hf.get('model_type')!r}; this family reads {' | '.join(model_types)} checkpoints")
+    for key in REQUIRED:
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
+            refuse(key, f"must be a positive integer, got {hf.get(key)!r}")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kind, theta = _rope(hf)
+    if kind != "default":
+        refuse("rope_scaling", f"rope_type {kind} is not reproduced yet (plain RoPE only)")
+    if hf.get("tie_word_embeddings", False):
+        refuse("tie_word_embeddings", "is true: tied input and output embeddings are not trained yet")
+    if hf.get("head_dim") not in (None, hidden // heads):
+        refuse("head_dim", f"{hf['head_dim']} differs from hidden_size / num_attention_heads = {hidden // heads}, "
+                           "which is not reproduced yet")
+    if hf.get("attention_bias", False):
+        refuse("attention_bias", "is true: biased attention projections are not reproduced by this family")
+    if hf.get("mlp_bias", False):
+        refuse("mlp_bias", "is true: biased MLP projections are not reproduced yet")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", f"is {hf['hidden_act']!r}; the decoder's MLP is SwiGLU (silu)")
+    if hf.get("attention_dropout", 0.0):
+        refuse("attention_dropout", f"is {hf['attention_dropout']}; training here runs without dropout")
+    if hf.get("use_sliding_window", False):
+        refuse("use_sliding_window", "is true: sliding-window attention is not reproduced yet")
+    return {
+        "hidden_size": hidden,
+        "layers": hf["num_hidden_layers"],
+        "heads": heads,
+        "kv_heads": hf.get("num_key_value_heads") or heads,
+        "ffn_hidden": hf["intermediate_size"],
+        "max_position": hf.get("max_position_embeddings", 8192),
+        "rope_theta": theta,
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+    }

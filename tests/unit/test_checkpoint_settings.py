@@ -1,0 +1,106 @@
+"""A checkpoint's config.json fixes its module: shapes and settings read from it, the library's
+logits reproduced, contradictions and settings the family cannot reproduce refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.estimate.memory import vocab_size
+from disttrain_ds.models.layers import Sequential
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.runtime.setup import build_data_and_spec
+
+SETTINGS = dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=96,
+                num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=256)
+"""Not the tiny preset's shapes: grouped-query attention 9 / 3, eps and RoPE base off their defaults."""
+
+
+def _llama_dir(tmp_path, vocab: int, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+                      tie_word_embeddings=False, **{**SETTINGS, **overrides})
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama", hf
+
+
+def _logits(spec, ids):
+    llm = Sequential([d.build() for d in spec.layers("llm")])
+    return llm((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))[0]
+
+
+def test_a_llama_checkpoints_config_fixes_the_llm_and_its_logits_match_transformers(tmp_path):
+    vocab = vocab_size(load_recipe("tiny_cpu"))
+    path, hf = _llama_dir(tmp_path, vocab)
+    recipe = load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}"])
+    llm = recipe.model.llm
+    assert (llm.hidden_size, llm.heads, llm.kv_heads, llm.ffn_hidden, llm.layers) == (72, 9, 3, 96, 2)
+    assert (llm.rms_norm_eps, llm.rope_theta, llm.max_position) == (1e-5, 1e5, 256)
+    spec = build_data_and_spec(recipe)[1]
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = _logits(spec, ids), hf(ids).logits
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        # Negative control: the same weights under the default eps (what dropping the setting gives) differ.
+        dropped = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, rms_norm_eps=1e-6))
+        assert (_logits(dropped, ids) - theirs).abs().max() > 1e-4
+
+
+def test_the_graph_form_reads_the_checkpoint_too(tmp_path):
+    vocab = vocab_size(load_recipe("tiny_vlm"))
+    path, _ = _llama_dir(tmp_path, vocab)
+    recipe = load_recipe("tiny_vlm", [f"model.modules.llm.checkpoint={path}"])
+    assert (recipe.model.modules["llm"].heads, recipe.model.modules["llm"].rms_norm_eps) == (9, 1e-5)
+
+
+def test_a_recipe_field_that_contradicts_the_checkpoint_is_one_line_naming_both(tmp_path):
+    path, _ = _llama_dir(tmp_path, 300)
+    assert load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}", "model.llm.heads=9"]).model.llm.heads == 9
+    with pytest.raises(ConfigError) as err:
+        load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}", "model.llm.heads=4"])
+    msg = str(err.value)
+    assert "'model.llm.heads' is 4 but its checkpoint says 9" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, "rope_scaling"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"head_dim": 16}, "head_dim"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "mistral"}, "model_type"),
+])
+def test_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_path, change, key):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    config = {"model_type": "llama", "vocab_size": 300, **SETTINGS, **change}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}"])
+    msg = str(err.value)
+    assert f"'{key}'" in msg and "model.llm.checkpoint" in msg and "\n" not in msg
+
+
+def test_qwen2_reads_its_own_checkpoints_and_refuses_a_sliding_window(tmp_path):
+    path = tmp_path / "qwen2"
+    path.mkdir()
+    config = {"model_type": "qwen2", "vocab_size": 300, **SETTINGS, "rope_theta": 1e6}
+    (path / "config.json").write_text(json.dumps(config))
+    recipe = load_recipe("tiny_cpu", ["model.llm.family=qwen2", f"model.llm.checkpoint={path}"])
+    assert (recipe.model.llm.heads, recipe.model.llm.rope_theta) == (9, 1e6)
+    (path / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
+    with pytest.raises(ConfigError, match="'use_sliding_window'"):
+        load_recipe("tiny_cpu", ["model.llm.family=qwen2", f"model.llm.checkpoint={path}"])
+    # The Llama family does not read a Qwen2 checkpoint as its own.
+    with pytest.raises(ConfigError, match="'model_type' is 'qwen2'"):
+        load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}"])
