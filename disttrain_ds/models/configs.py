@@ -74,6 +74,12 @@ class LLMConfig:
     """Largest position for rotary embeddings."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rope_type: Literal["default", "linear", "dynamic", "llama3", "yarn"] = "default"
+    """RoPE variant as transformers names it (``rope_type``): plain, or a context-extension scaling
+    whose parameters are ``rope_scaling`` (Llama 3.1+ checkpoints say llama3)."""
+    rope_scaling: dict[str, int | float | bool] = field(default_factory=dict)
+    """The scaling's parameters under transformers' names (``factor``, ``original_max_position_embeddings``,
+    ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``, ...); empty for the default RoPE."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm (transformers' Llama default; Llama 2 and 3 checkpoints say 1e-5)."""
     doc_attention: Literal["auto", "spans", "flex"] = "auto"

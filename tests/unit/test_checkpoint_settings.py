@@ -23,8 +23,8 @@ SETTINGS = dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, in
 def _llama_dir(tmp_path, vocab: int, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
-                      tie_word_embeddings=False, **{**SETTINGS, **overrides})
+    settings = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}, **SETTINGS, **overrides}
+    cfg = LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **settings)
     with torch.random.fork_rng():
         torch.manual_seed(3)
         hf = LlamaForCausalLM(cfg).eval()
@@ -54,6 +54,32 @@ def test_a_llama_checkpoints_config_fixes_the_llm_and_its_logits_match_transform
         assert (_logits(dropped, ids) - theirs).abs().max() > 1e-4
 
 
+ROPES = {
+    "linear": {"factor": 4.0},
+    "dynamic": {"factor": 2.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_each_rope_scaling_of_a_checkpoint_gives_transformers_logits(tmp_path, kind):
+    vocab = vocab_size(load_recipe("tiny_cpu"))
+    # 40 positions over a 32-position model: dynamic NTK rescales, and llama3 / yarn reach past 16.
+    path, hf = _llama_dir(tmp_path, vocab, max_position_embeddings=32,
+                          rope_parameters={"rope_type": kind, "rope_theta": 1e4, **ROPES[kind]})
+    recipe = load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}"])
+    assert (recipe.model.llm.rope_type, recipe.model.llm.rope_scaling) == (kind, ROPES[kind])
+    spec = build_data_and_spec(recipe)[1]
+    ids = torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        torch.testing.assert_close(_logits(spec, ids), theirs, rtol=1e-5, atol=1e-5)
+        # Negative control: the same weights under plain RoPE (the scaling dropped) differ.
+        plain = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, rope_type="default", rope_scaling={}))
+        assert (_logits(plain, ids) - theirs).abs().max() > 1e-4
+
+
 def test_the_graph_form_reads_the_checkpoint_too(tmp_path):
     vocab = vocab_size(load_recipe("tiny_vlm"))
     path, _ = _llama_dir(tmp_path, vocab)
@@ -71,8 +97,10 @@ def test_a_recipe_field_that_contradicts_the_checkpoint_is_one_line_naming_both(
 
 
 @pytest.mark.parametrize("change, key", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [2.0],
+                          "original_max_position_embeddings": 64}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5}},
+     "rope_scaling"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),

@@ -3,7 +3,7 @@
 from disttrain_ds.cost.activations import LayerBytes, SampleShape
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.llama.estimates import decoder_activations
-from disttrain_ds.families.llama.hf_settings import decoder_fields
+from disttrain_ds.families.llama.hf_settings import decoder_fields, rope_problem
 from disttrain_ds.models.configs import LLM_PRESETS, LLMConfig
 
 
@@ -41,6 +41,9 @@ def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
         out.append((f"{prefix}.vocab_size", f"must be >= 0 (0: the tokenizer's size), got {cfg.vocab_size}"))
     if cfg.rope_theta <= 0:
         out.append((f"{prefix}.rope_theta", f"must be > 0, got {cfg.rope_theta}"))
+    bad = rope_problem(cfg.rope_type, cfg.rope_scaling)
+    if bad:
+        out.append((f"{prefix}.rope_scaling", bad))
     if not cfg.rms_norm_eps > 0:
         out.append((f"{prefix}.rms_norm_eps", f"must be > 0, got {cfg.rms_norm_eps}"))
     return out

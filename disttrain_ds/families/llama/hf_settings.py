@@ -1,7 +1,7 @@
 """What a Llama-shaped decoder's ``config.json`` says, as this family's section fields.
 
-Every setting that changes the math is either carried into the section (shapes, RoPE base,
-RMSNorm eps) or refused in one line naming it: a checkpoint is never trained as another model.
+Every setting that changes the math is either carried into the section (shapes, RoPE base and
+scaling, RMSNorm eps) or refused in one line naming it: a checkpoint is never trained as another model.
 No torch import: the recipe loader reads this.
 """
 
@@ -14,15 +14,39 @@ from disttrain_ds.errors import ConfigError
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 """config.json keys a decoder checkpoint must have."""
 
+ROPE_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "default": (frozenset(), frozenset()),
+    "linear": (frozenset({"factor"}), frozenset()),
+    "dynamic": (frozenset({"factor"}), frozenset()),
+    "llama3": (frozenset({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}),
+               frozenset()),
+    "yarn": (frozenset({"factor", "original_max_position_embeddings"}),
+             frozenset({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"})),
+}
+"""RoPE types the decoder families reproduce (transformers computes them): required and optional
+parameters of each (``rope_theta`` aside)."""
 
-def _rope(hf: dict[str, Any]) -> tuple[str, float]:
-    """(rope type, rope base) in either layout transformers writes (``rope_parameters`` since 5.0,
-    ``rope_scaling`` + ``rope_theta`` before)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return str(kind), float(theta)
+
+def rope_problem(kind: str, params: dict[str, Any]) -> str | None:
+    """Why ``(kind, params)`` is not a RoPE this family reproduces, or None."""
+    if kind not in ROPE_KEYS:
+        return f"rope_type {kind} is not reproduced (one of {' | '.join(ROPE_KEYS)})"
+    required, optional = ROPE_KEYS[kind]
+    if required - set(params):
+        return f"rope_type {kind} needs {', '.join(sorted(required - set(params)))}"
+    if set(params) - required - optional:
+        return f"rope_type {kind} does not take {', '.join(sorted(set(params) - required - optional))}"
+    return None
+
+
+def _rope(hf: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+    """(rope type, rope base, scaling parameters) in either layout transformers writes
+    (``rope_parameters`` since 5.0, ``rope_scaling`` + ``rope_theta`` before)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    return str(kind), float(theta), params
 
 
 def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...]) -> dict[str, Any]:
@@ -38,9 +62,10 @@ def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...])
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
             refuse(key, f"must be a positive integer, got {hf.get(key)!r}")
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    kind, theta = _rope(hf)
-    if kind != "default":
-        refuse("rope_scaling", f"rope_type {kind} is not reproduced yet (plain RoPE only)")
+    kind, theta, scaling = _rope(hf)
+    bad = rope_problem(kind, scaling)
+    if bad:
+        refuse("rope_scaling", bad)
     if hf.get("tie_word_embeddings", False):
         refuse("tie_word_embeddings", "is true: tied input and output embeddings are not trained yet")
     if hf.get("head_dim") not in (None, hidden // heads):
@@ -64,5 +89,7 @@ def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...])
         "ffn_hidden": hf["intermediate_size"],
         "max_position": hf.get("max_position_embeddings", 8192),
         "rope_theta": theta,
+        "rope_type": kind,
+        "rope_scaling": scaling,
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
     }

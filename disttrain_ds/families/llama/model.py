@@ -37,7 +37,7 @@ def hf_kwargs(cfg: LLMConfig) -> dict:
         num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=cfg.max_position,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters={"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **cfg.rope_scaling},
         rms_norm_eps=cfg.rms_norm_eps,
         attention_dropout=0.0,
         attn_implementation="sdpa",
