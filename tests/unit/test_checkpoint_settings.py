@@ -132,3 +132,58 @@ def test_qwen2_reads_its_own_checkpoints_and_refuses_a_sliding_window(tmp_path):
     # The Llama family does not read a Qwen2 checkpoint as its own.
     with pytest.raises(ConfigError, match="'model_type' is 'qwen2'"):
         load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}"])
+
+
+def test_a_vit_checkpoints_config_fixes_the_encoder_and_its_features_match_transformers(tmp_path):
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=3, intermediate_size=80, patch_size=8,
+                    image_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        hf = ViTModel(cfg, add_pooling_layer=False).eval()
+    hf.save_pretrained(tmp_path / "vit")
+    recipe = load_recipe("tiny_cpu", [f"model.encoder.checkpoint={tmp_path / 'vit'}"])
+    e = recipe.model.encoder
+    assert (e.hidden_size, e.layers, e.heads, e.ffn_hidden, e.patch_size, e.image_size) == (48, 3, 3, 80, 8, 32)
+    spec = build_data_and_spec(recipe)[1]
+    image = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(2))
+    vit = Sequential([d.build() for d in spec.layers("encoder")[:-1]])  # the projector aside
+    with torch.no_grad():
+        ours = vit((image.reshape(-1), torch.tensor([[32, 32]])))
+        theirs = hf(image[None], interpolate_pos_encoding=True).last_hidden_state[0, 1:]  # CLS dropped
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # Negative control: read with the recipe's own shapes it would not even load.
+    with pytest.raises(ConfigError, match="'model.encoder.heads' is 2 but its checkpoint says 3"):
+        load_recipe("tiny_cpu", [f"model.encoder.checkpoint={tmp_path / 'vit'}", "model.encoder.heads=2"])
+
+
+@pytest.mark.parametrize("family, config, key", [
+    ("vit", {"model_type": "vit", "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 3,
+             "intermediate_size": 80, "patch_size": 8, "image_size": 32, "hidden_act": "relu"}, "hidden_act"),
+    ("vit", {"model_type": "clip_vision_model", "hidden_size": 48}, "model_type"),
+    ("whisper", {"model_type": "whisper", "d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2,
+                 "encoder_ffn_dim": 64, "num_mel_bins": 16, "max_source_positions": 32, "scale_embedding": True},
+     "scale_embedding"),
+])
+def test_encoder_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_path, family, config, key):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    module = "model.encoder" if family == "vit" else "model.modules.ear"
+    with pytest.raises(ConfigError) as err:
+        load_recipe("tiny_cpu" if family == "vit" else "tiny_omni", [f"{module}.checkpoint={path}"])
+    msg = str(err.value)
+    assert f"'{key}'" in msg and f"{module}.checkpoint" in msg and "\n" not in msg
+
+
+def test_a_whisper_checkpoints_config_fixes_the_audio_encoder(tmp_path):
+    from transformers import WhisperConfig, WhisperModel
+
+    cfg = WhisperConfig(d_model=48, encoder_layers=3, encoder_attention_heads=3, encoder_ffn_dim=80, num_mel_bins=16,
+                        max_source_positions=40, decoder_layers=1, decoder_attention_heads=3, decoder_ffn_dim=16,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    WhisperModel(cfg).save_pretrained(tmp_path / "whisper")
+    recipe = load_recipe("tiny_omni", [f"model.modules.ear.checkpoint={tmp_path / 'whisper'}"])
+    ear = recipe.model.modules["ear"]
+    assert (ear.hidden_size, ear.layers, ear.heads, ear.ffn_hidden, ear.n_mels, ear.max_frames) == (48, 3, 3, 80, 16, 80)

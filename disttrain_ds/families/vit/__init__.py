@@ -2,6 +2,7 @@
 
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.vit.estimates import encoder_activations
+from disttrain_ds.families.vit.hf_settings import vit_fields
 from disttrain_ds.models.configs import ENCODER_PRESETS, EncoderConfig
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
@@ -43,5 +44,6 @@ FAMILY = Family(
         (r"^(?:vit\.)?layernorm\.(.*)$", r"head/layernorm.\1"),
     ),
     hf_formats="transformers ViTModel",
+    checkpoint_fields=vit_fields,
     activation_layers=encoder_activations,
 )

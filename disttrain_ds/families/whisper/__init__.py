@@ -8,6 +8,7 @@ of the system needs to know about the encoder's input and output.
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.whisper.config import AUDIO_ENCODER_PRESETS, AudioEncoderConfig
 from disttrain_ds.families.whisper.estimates import activation_layers, cost_terms, forward_flops_per_clip
+from disttrain_ds.families.whisper.hf_settings import whisper_fields
 
 modality = "audio"
 """What the encoder reads: log-mel clips [n_mels, frames], packed by ``model.pack_clips``."""
@@ -57,6 +58,7 @@ FAMILY = Family(
         (_P + r"layer_norm\.(.*)$", r"head/layer_norm.\1"),
     ),
     hf_formats="transformers WhisperEncoder / WhisperModel / WhisperForConditionalGeneration",
+    checkpoint_fields=whisper_fields,
     modality=modality,
     clip_flops=forward_flops_per_clip,
     rows=rows,
