@@ -119,6 +119,8 @@ class GeneratorConfig:
     """GroupNorm groups."""
     use_linear_projection: bool = False
     """Linear instead of 1x1-conv projections in transformer blocks (SD 2.x uses linear)."""
+    upcast_attention: bool = False
+    """Attention scores computed in fp32 under a lower-precision dtype (SD 2.1 sets it)."""
     in_channels: int = 3
     """Channels of the generated sample: 3 = pixel space; a latent space needs ``vae`` for real images."""
     resolution: int = 16

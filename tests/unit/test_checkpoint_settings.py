@@ -13,6 +13,7 @@ from disttrain_ds.errors import ConfigError
 from disttrain_ds.estimate.memory import vocab_size
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.runtime.imports import check_imports
 from disttrain_ds.runtime.setup import build_data_and_spec
 
 SETTINGS = dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=96,
@@ -187,3 +188,41 @@ def test_a_whisper_checkpoints_config_fixes_the_audio_encoder(tmp_path):
     recipe = load_recipe("tiny_omni", [f"model.modules.ear.checkpoint={tmp_path / 'whisper'}"])
     ear = recipe.model.modules["ear"]
     assert (ear.hidden_size, ear.layers, ear.heads, ear.ffn_hidden, ear.n_mels, ear.max_frames) == (48, 3, 3, 80, 16, 80)
+
+
+def test_a_unet_checkpoints_config_fixes_the_generator(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32, 32),
+                                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+                                layers_per_block=1, attention_head_dim=4, cross_attention_dim=24, norm_num_groups=8,
+                                use_linear_projection=True, upcast_attention=True)
+    unet.save_pretrained(tmp_path / "unet")
+    recipe = load_recipe("tiny_cpu", [f"model.generator.checkpoint={tmp_path / 'unet'}"])
+    g = recipe.model.generator
+    assert (g.resolution, g.in_channels, g.block_out_channels, g.layers_per_block) == (8, 4, [16, 32, 32], 1)
+    assert (g.attention_head_dim, g.cross_attention_dim, g.use_linear_projection, g.upcast_attention) == (
+        [4, 4, 4], 24, True, True)
+    check_imports(recipe)  # the layers the generator builds hold every tensor of the checkpoint's shapes
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"act_fn": "gelu"}, "act_fn"),
+    ({"_class_name": "UNet2DModel"}, "_class_name"),
+    ({"class_embed_type": "timestep"}, "class_embed_type"),
+    ({"out_channels": 8}, "out_channels"),
+])
+def test_unet_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_path, change, key):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    config = {"_class_name": "UNet2DConditionModel", "sample_size": 16, "in_channels": 3, "out_channels": 3,
+              "block_out_channels": [16, 32], "layers_per_block": 1, "attention_head_dim": 8,
+              "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+              "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "cross_attention_dim": 32, "norm_num_groups": 8,
+              "use_linear_projection": False, **change}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load_recipe("tiny_cpu", [f"model.generator.checkpoint={path}"])
+    msg = str(err.value)
+    assert f"'{key}'" in msg and "model.generator.checkpoint" in msg and "\n" not in msg

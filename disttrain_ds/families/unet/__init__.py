@@ -2,6 +2,7 @@
 
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.unet.estimates import activation_layers, cost_terms, image_flops
+from disttrain_ds.families.unet.hf_settings import unet_fields
 from disttrain_ds.models.configs import GENERATOR_PRESETS, GeneratorConfig
 
 
@@ -50,6 +51,7 @@ FAMILY = Family(
         (r"^(conv_norm_out|conv_out)\.(.*)$", r"unet_out/\1.\2"),
     ),
     hf_formats="diffusers UNet2DConditionModel",
+    checkpoint_fields=unet_fields,
     image_flops=image_flops,
     activation_layers=activation_layers,
     cost_terms=cost_terms,

@@ -47,6 +47,7 @@ def unet_kwargs(cfg: GeneratorConfig) -> dict:
         cross_attention_dim=cfg.cross_attention_dim,
         norm_num_groups=cfg.norm_num_groups,
         use_linear_projection=cfg.use_linear_projection,
+        upcast_attention=cfg.upcast_attention,
     )
 
 
