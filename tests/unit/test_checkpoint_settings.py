@@ -226,3 +226,21 @@ def test_unet_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_p
         load_recipe("tiny_cpu", [f"model.generator.checkpoint={path}"])
     msg = str(err.value)
     assert f"'{key}'" in msg and "model.generator.checkpoint" in msg and "\n" not in msg
+
+
+def test_a_dit_checkpoints_config_fixes_the_generator_and_its_extras_are_refused(tmp_path):
+    from diffusers import PixArtTransformer2DModel
+
+    PixArtTransformer2DModel(num_attention_heads=3, attention_head_dim=8, in_channels=2, out_channels=4, num_layers=3,
+                             cross_attention_dim=24, sample_size=8, patch_size=2, caption_channels=None,
+                             use_additional_conditions=False).save_pretrained(tmp_path / "dit")
+    recipe = load_recipe("tiny_two_gen", [f"model.modules.sketcher.checkpoint={tmp_path / 'dit'}"])
+    d = recipe.model.modules["sketcher"]
+    assert (d.heads, d.head_dim, d.layers, d.in_channels, d.resolution, d.learn_sigma) == (3, 8, 3, 2, 8, True)
+    check_imports(recipe)
+    config = json.loads((tmp_path / "dit" / "config.json").read_text())
+    for change, key in (({"norm_type": "ada_norm_zero"}, "norm_type"), ({"use_additional_conditions": True},
+                        "use_additional_conditions"), ({"out_channels": 3}, "out_channels")):
+        (tmp_path / "dit" / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match=f"'{key}'"):
+            load_recipe("tiny_two_gen", [f"model.modules.sketcher.checkpoint={tmp_path / 'dit'}"])

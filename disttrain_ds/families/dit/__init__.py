@@ -6,6 +6,7 @@ from __future__ import annotations
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.dit.config import DIT_PRESETS, DiTConfig
 from disttrain_ds.families.dit.estimates import activation_layers, cost_terms, forward_flops, image_flops
+from disttrain_ds.families.dit.hf_settings import dit_fields
 
 
 def width(cfg: DiTConfig) -> int:
@@ -54,6 +55,7 @@ FAMILY = Family(
     problems=shape_problems,
     hf_rules=HF_RULES,
     hf_formats="diffusers PixArtTransformer2DModel",
+    checkpoint_fields=dit_fields,
     image_flops=image_flops,
     activation_layers=activation_layers,
     cost_terms=cost_terms,
