@@ -49,7 +49,8 @@ def test_a_receive_posted_ahead_blocks_later_sends_to_that_peer():
     assert run_ranks(2, _receive_ahead_case, emulate=False, pg_timeout_s=5) == {0: ("ok", [14.0] * 3), 1: ("ok", [7.0] * 3)}
     res = run_ranks(2, _receive_ahead_case, emulate=True, pg_timeout_s=5)
     assert all(status == "error" for status, _ in res.values()), res
-    assert "timed out" in res[1][1].lower() or "timeout" in res[1][1].lower(), res
+    # The rank whose deadline passes first says so; the other may see the pair close before its own.
+    assert any("timed out" in msg.lower() or "timeout" in msg.lower() for _, msg in res.values()), res
 
 
 def _completion_case(rank):
