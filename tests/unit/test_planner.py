@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import json
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -152,15 +151,11 @@ def test_t_iter_uses_cost_at_tp_as_given_without_dividing_by_tp():
     assert got.total_ms == pytest.approx(got.warmup_ms + got.steady_ms)
 
 
-def test_paper_scale_instance_plans_in_seconds_not_minutes():
+def test_paper_scale_instance_plans_within_its_gpus():
+    """Its planning time is a benchmark's figure (``bench/bench_planner.py``), not a test's."""
     profile = load_profile(EXAMPLES / "mllm_72b_1296gpus.json")
     assert (profile.gpus, profile.global_batch) == (1296, 1920)
-    plan(profile)  # first call pays numpy's one-off start-up
-    start = time.process_time()  # CPU time: other processes' load does not count
     result = plan(profile)
-    # Well under a second of CPU on an idle machine (bench/bench_planner.py prints it); the bound
-    # catches a regression to exhaustive search (minutes) with room for a loaded machine.
-    assert time.process_time() - start < 3.0
     assert result.gpus <= 1296
 
 
