@@ -82,7 +82,8 @@ FROZEN_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(FROZEN_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "frozen_encoder" else c
+                                  for c in sorted(FROZEN_CASES)])  # projector_only freezes whole engines too
 def test_frozen_parts_stay_bit_identical_while_the_rest_trains(case, tmp_path, reference_run):
     from disttrain_ds.mllm.model import ReferenceMLLM
     from disttrain_ds.recipe.schema import load_recipe

@@ -14,6 +14,7 @@ from .test_resume import _torchrun
 STEPS = 8
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_step_boundary_and_resume_matches_straight_run(tmp_path):
     straight = _torchrun([f"train.steps={STEPS}", f"logging.dir={tmp_path / 'straight'}"])
     assert straight.returncode == 0, straight.stderr[-3000:]

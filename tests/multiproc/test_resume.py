@@ -61,6 +61,7 @@ def test_killed_and_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path):
     assert list(spool_dir.iterdir()) == []  # the killed run's spool removed, and the resumed run's own
 
 
+@pytest.mark.slow
 def test_resume_auto_refuses_a_checkpoint_of_a_different_model_naming_every_field(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = _torchrun(["train.steps=1", "checkpoint.every=1", f"checkpoint.dir={ckpt}", f"logging.dir={tmp_path / 'a'}"])
