@@ -33,6 +33,18 @@ def _llama_dir(tmp_path, vocab: int, **overrides):
     return tmp_path / "llama", hf
 
 
+def _assert_refused(tmp_path, config: dict, recipe: str, module_key: str, key: str) -> None:
+    """A checkpoint directory holding only ``config``, given to ``module_key``, stops the recipe's
+    load in one line naming ``key`` and the module's checkpoint."""
+    path = tmp_path / "ckpt"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load_recipe(recipe, [f"{module_key}.checkpoint={path}"])
+    msg = str(err.value)
+    assert f"'{key}'" in msg and f"{module_key}.checkpoint" in msg and "\n" not in msg
+
+
 def _logits(spec, ids):
     llm = Sequential([d.build() for d in spec.layers("llm")])
     return llm((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))[0]
@@ -110,14 +122,8 @@ def test_a_recipe_field_that_contradicts_the_checkpoint_is_one_line_naming_both(
     ({"model_type": "mistral"}, "model_type"),
 ])
 def test_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_path, change, key):
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    config = {"model_type": "llama", "vocab_size": 300, **SETTINGS, **change}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError) as err:
-        load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}"])
-    msg = str(err.value)
-    assert f"'{key}'" in msg and "model.llm.checkpoint" in msg and "\n" not in msg
+    _assert_refused(tmp_path, {"model_type": "llama", "vocab_size": 300, **SETTINGS, **change}, "tiny_cpu",
+                    "model.llm", key)
 
 
 def test_qwen2_reads_its_own_checkpoints_and_refuses_a_sliding_window(tmp_path):
@@ -168,14 +174,8 @@ def test_a_vit_checkpoints_config_fixes_the_encoder_and_its_features_match_trans
      "scale_embedding"),
 ])
 def test_encoder_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_path, family, config, key):
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    module = "model.encoder" if family == "vit" else "model.modules.ear"
-    with pytest.raises(ConfigError) as err:
-        load_recipe("tiny_cpu" if family == "vit" else "tiny_omni", [f"{module}.checkpoint={path}"])
-    msg = str(err.value)
-    assert f"'{key}'" in msg and f"{module}.checkpoint" in msg and "\n" not in msg
+    recipe, module = ("tiny_cpu", "model.encoder") if family == "vit" else ("tiny_omni", "model.modules.ear")
+    _assert_refused(tmp_path, config, recipe, module, key)
 
 
 def test_a_whisper_checkpoints_config_fixes_the_audio_encoder(tmp_path):
@@ -214,18 +214,12 @@ def test_a_unet_checkpoints_config_fixes_the_generator(tmp_path):
     ({"out_channels": 8}, "out_channels"),
 ])
 def test_unet_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_path, change, key):
-    path = tmp_path / "ckpt"
-    path.mkdir()
     config = {"_class_name": "UNet2DConditionModel", "sample_size": 16, "in_channels": 3, "out_channels": 3,
               "block_out_channels": [16, 32], "layers_per_block": 1, "attention_head_dim": 8,
               "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
               "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "cross_attention_dim": 32, "norm_num_groups": 8,
               "use_linear_projection": False, **change}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError) as err:
-        load_recipe("tiny_cpu", [f"model.generator.checkpoint={path}"])
-    msg = str(err.value)
-    assert f"'{key}'" in msg and "model.generator.checkpoint" in msg and "\n" not in msg
+    _assert_refused(tmp_path, config, "tiny_cpu", "model.generator", key)
 
 
 def test_a_dit_checkpoints_config_fixes_the_generator_and_its_extras_are_refused(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.families.hf_config_checks import refuse_other_settings, require_kind, require_positive_ints
 
 FIELDS = {"num_attention_heads": "heads", "attention_head_dim": "head_dim", "num_layers": "layers",
           "cross_attention_dim": "cross_attention_dim", "in_channels": "in_channels", "sample_size": "resolution",
@@ -24,16 +25,9 @@ projection (``caption_channels``) is replaced by the module's output projector b
 
 def dit_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Section fields of a DiT generator from its checkpoint's ``config.json`` (``where`` names it)."""
-    if hf.get("_class_name") != "PixArtTransformer2DModel":
-        raise ConfigError(f"{where}: '_class_name' is {hf.get('_class_name')!r}; this family reads "
-                          "PixArtTransformer2DModel checkpoints")
-    for key in FIELDS:
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
-            raise ConfigError(f"{where}: '{key}' must be a positive integer, got {hf.get(key)!r}")
-    for key, value in FIXED.items():
-        if hf.get(key, value) != value:
-            raise ConfigError(f"{where}: '{key}' is {hf[key]!r}; this family builds PixArt with {value!r} "
-                              "(not reproduced)")
+    require_kind(hf, "_class_name", ("PixArtTransformer2DModel",), where)
+    require_positive_ints(hf, FIELDS, where)
+    refuse_other_settings(hf, FIXED, where, "PixArt")
     extra = hf.get("use_additional_conditions")
     if extra or (extra is None and hf["sample_size"] == 128):  # diffusers turns them on for PixArt 1024
         raise ConfigError(f"{where}: 'use_additional_conditions' is on; the data path has no resolution or "

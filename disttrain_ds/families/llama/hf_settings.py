@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.families.hf_config_checks import require_kind, require_positive_ints
 
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 """config.json keys a decoder checkpoint must have."""
@@ -56,11 +57,8 @@ def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...])
     def refuse(key: str, why: str) -> None:
         raise ConfigError(f"{where}: '{key}' {why}")
 
-    if hf.get("model_type") not in model_types:
-        refuse("model_type", f"is {hf.get('model_type')!r}; this family reads {' | '.join(model_types)} checkpoints")
-    for key in REQUIRED:
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
-            refuse(key, f"must be a positive integer, got {hf.get(key)!r}")
+    require_kind(hf, "model_type", model_types, where)
+    require_positive_ints(hf, REQUIRED, where)
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kind, theta, scaling = _rope(hf)
     bad = rope_problem(kind, scaling)

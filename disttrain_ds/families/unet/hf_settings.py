@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.families.hf_config_checks import refuse_other_settings, require_kind
 
 FIELDS = {"sample_size": "resolution", "in_channels": "in_channels", "block_out_channels": "block_out_channels",
           "layers_per_block": "layers_per_block", "down_block_types": "down_block_types",
@@ -33,19 +34,11 @@ them, so a checkpoint that sets one differently is refused rather than trained a
 
 def unet_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Section fields of a U-Net generator from its checkpoint's ``config.json`` (``where`` names it)."""
-    if hf.get("_class_name") != "UNet2DConditionModel":
-        raise ConfigError(f"{where}: '_class_name' is {hf.get('_class_name')!r}; this family reads "
-                          "UNet2DConditionModel checkpoints")
+    require_kind(hf, "_class_name", ("UNet2DConditionModel",), where)
     if hf.get("out_channels", hf.get("in_channels")) != hf.get("in_channels"):
         raise ConfigError(f"{where}: 'out_channels' {hf.get('out_channels')} differs from in_channels "
                           f"{hf.get('in_channels')}; the generator predicts noise of its input's shape")
-    for key, value in FIXED.items():
-        given = hf.get(key, value)
-        if isinstance(given, list) and given and all(v == value for v in given):
-            given = value  # one value per level, each the default
-        if given != value:
-            raise ConfigError(f"{where}: '{key}' is {hf[key]!r}; this family builds the U-Net with {value!r} "
-                              "(not reproduced)")
+    refuse_other_settings(hf, FIXED, where, "the U-Net")
     missing = [k for k in FIELDS if k not in hf and k != "upcast_attention"]
     if missing:
         raise ConfigError(f"{where}: '{missing[0]}' is missing")

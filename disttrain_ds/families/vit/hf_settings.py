@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disttrain_ds.errors import ConfigError
+from disttrain_ds.families.hf_config_checks import refuse_other_settings, require_kind, require_positive_ints
 
 FIELDS = {"hidden_size": "hidden_size", "num_hidden_layers": "layers", "num_attention_heads": "heads",
           "intermediate_size": "ffn_hidden", "patch_size": "patch_size", "image_size": "image_size"}
@@ -19,12 +19,7 @@ checkpoint that says otherwise is refused rather than trained as another model."
 
 def vit_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Section fields of a ViT encoder from its checkpoint's ``config.json`` (``where`` names it)."""
-    if hf.get("model_type") != "vit":
-        raise ConfigError(f"{where}: 'model_type' is {hf.get('model_type')!r}; this family reads vit checkpoints")
-    for key in FIELDS:
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
-            raise ConfigError(f"{where}: '{key}' must be a positive integer, got {hf.get(key)!r}")
-    for key, value in FIXED.items():
-        if hf.get(key, value) != value:
-            raise ConfigError(f"{where}: '{key}' is {hf[key]!r}; this family runs ViT with {value!r} (not reproduced)")
+    require_kind(hf, "model_type", ("vit",), where)
+    require_positive_ints(hf, FIELDS, where)
+    refuse_other_settings(hf, FIXED, where, "ViT")
     return {field: hf[key] for key, field in FIELDS.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disttrain_ds.errors import ConfigError
+from disttrain_ds.families.hf_config_checks import refuse_other_settings, require_kind, require_positive_ints
 
 FIELDS = {"d_model": "hidden_size", "encoder_layers": "layers", "encoder_attention_heads": "heads",
           "encoder_ffn_dim": "ffn_hidden", "num_mel_bins": "n_mels", "max_source_positions": "max_frames"}
@@ -19,15 +19,9 @@ refused rather than trained as another model."""
 
 def whisper_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Section fields of a Whisper encoder from its checkpoint's ``config.json`` (``where`` names it)."""
-    if hf.get("model_type") != "whisper":
-        raise ConfigError(f"{where}: 'model_type' is {hf.get('model_type')!r}; this family reads whisper checkpoints")
-    for key in FIELDS:
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
-            raise ConfigError(f"{where}: '{key}' must be a positive integer, got {hf.get(key)!r}")
-    for key, value in FIXED.items():
-        if hf.get(key, value) != value:
-            raise ConfigError(f"{where}: '{key}' is {hf[key]!r}; this family runs Whisper's encoder with {value!r} "
-                              "(not reproduced)")
+    require_kind(hf, "model_type", ("whisper",), where)
+    require_positive_ints(hf, FIELDS, where)
+    refuse_other_settings(hf, FIXED, where, "Whisper's encoder")
     out = {field: hf[key] for key, field in FIELDS.items()}
     out["max_frames"] = 2 * hf["max_source_positions"]
     return out
