@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -103,16 +102,6 @@ def test_every_split_passes_tensors_that_all_get_gradients(split):
             assert x.grad is not None and x.grad.abs().sum() > 0, f"split {split}: tensor {i} got no gradient"
     if split == 1:
         assert [x.dtype for x in sent] == [torch.float32] * 4  # hidden, t_mod, t_emb, cond
-
-
-def test_tiny_step_is_well_under_a_second_on_cpu():
-    cfg = DiTConfig()
-    model = _ours(cfg)
-    cond, noisy, t = _inputs(cfg)
-    model((cond, noisy, t)).square().mean().backward()  # warm-up
-    start = time.process_time()  # CPU time: other processes' load does not count
-    model((cond, noisy, t)).square().mean().backward()
-    assert time.process_time() - start < 0.5
 
 
 def test_tensor_parallel_shards_block_attention_and_mlp():

@@ -4,7 +4,6 @@ for a checkpoint, YAML alias bombs; and end-of-run files that never replace earl
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -144,10 +143,8 @@ def test_yaml_alias_bomb_is_refused_fast(tmp_path):
     lines += [f"k{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]  # 9^10 nodes
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("\n".join(lines) + "\n")
-    t0 = time.perf_counter()
-    with pytest.raises(ConfigError) as exc:
+    with pytest.raises(ConfigError) as exc:  # refused before the aliases expand (9^10 nodes would never end)
         load_recipe(bomb)
-    assert time.perf_counter() - t0 < 1.0
     msg = _one_line(exc)
     assert str(bomb) in msg and "aliases expand to more than" in msg
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter
 
 import numpy as np
@@ -97,11 +96,9 @@ def test_intra_reorder_rejects_indivisible_batch():
         intra_microbatch_reorder([1.0, -2.0], 2)
 
 
-def test_intra_reorder_large_batch_is_fast_and_near_average():
+def test_intra_reorder_large_batch_is_near_average():
     costs = np.random.default_rng(8).lognormal(0, 1, 1920)
-    t = time.perf_counter()
-    groups = intra_microbatch_reorder(costs, 16)
-    assert time.perf_counter() - t < 2.0
+    groups = intra_microbatch_reorder(costs, 16)  # its time: bench/bench_reorder.py
     _assert_equal_count_partition(groups, 1920, 16)
     assert _max_load(costs, groups) < 1.001 * costs.sum() / 16
 
@@ -201,12 +198,19 @@ def test_paper_order_improves_on_sorted_descending_input():
     assert _span(fwd, 2 * fwd, paper_inter_order(fwd, 2 * fwd)) < _span(fwd, 2 * fwd, range(16))
 
 
-def test_inter_reorder_240x10_returns_within_budget():
+def test_inter_reorder_240x10_stops_at_its_time_budget():
+    """Measured on a clock that advances 10 ms per reading: the search reads it about
+    budget / 10 ms times and stops (wall time would make the test depend on the machine's load)."""
     rng = np.random.default_rng(12)
     fwd, bwd = _random_case(rng, 240, 10, 2)
-    t = time.perf_counter()
-    order = inter_microbatch_reorder(fwd, bwd, time_budget_s=0.5)
-    assert time.perf_counter() - t < 1.5
+    reads = []
+
+    def clock() -> float:
+        reads.append(None)
+        return 0.01 * len(reads)
+
+    order = inter_microbatch_reorder(fwd, bwd, time_budget_s=0.5, clock=clock)
+    assert 0.5 / 0.01 <= len(reads) <= 0.5 / 0.01 + 3  # stopped within a step of its deadline
     assert sorted(order) == list(range(240))
     assert _span(fwd, bwd, order) <= _span(fwd, bwd, paper_inter_order(fwd, bwd)) + 1e-9
 
