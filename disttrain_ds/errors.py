@@ -25,3 +25,9 @@ class CommTimeoutError(RuntimeError):
         super().__init__(message)
         self.peer = peer
         """The global rank that did not answer (the suspect, not the rank that waited)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of its message`` (the type alone for an empty message)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

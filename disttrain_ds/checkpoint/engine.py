@@ -10,6 +10,7 @@ rank wrote, so each rank checksums its own files after a save.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -18,7 +19,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from disttrain_ds.checkpoint.files import CheckpointFileError, safe_load
-from disttrain_ds.errors import ConfigError
+from disttrain_ds.errors import ConfigError, first_line
 
 DEEPSPEED_TYPES = (ZeroStageEnum, LossScaler, fragment_address)
 """Non-tensor types in DeepSpeed 0.19 checkpoints: ZeRO/bf16 optimizer states hold the ZeRO stage,
@@ -34,10 +35,26 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
         """Absolute paths this engine wrote since the last ``take_saved``."""
         self.expected: dict[str, int] | None = None
         """Absolute path -> size of every file a load may read; None: no manifest given."""
+        self.failure: str | None = None
+        """The first write that failed since the last ``take_failure`` (no space, quota, read-only)."""
 
     def save(self, state_dict, path: str) -> None:
-        super().save(state_dict, path)
+        # A failed write is recorded, not raised: DeepSpeed's save ends in a barrier the other ranks
+        # wait at, so this rank must reach it too; the checkpointer then stops every rank alike.
+        if self.failure is not None:
+            return
+        try:
+            super().save(state_dict, path)
+        except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as RuntimeError
+            self.failure = f"{path}: {first_line(exc)}"
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return
         self.saved.append(os.path.abspath(path))
+
+    def take_failure(self) -> str | None:
+        failure, self.failure = self.failure, None
+        return failure
 
     def take_saved(self) -> list[str]:
         saved, self.saved = self.saved, []

@@ -64,7 +64,7 @@ from disttrain_ds.checkpoint.manifest import (
 from disttrain_ds.checkpoint.reshard import describe_rank
 from disttrain_ds.checkpoint.reshard_shards import load_resharded, must_reshard, resume_line
 from disttrain_ds.data.host_read import merge_states
-from disttrain_ds.errors import ConfigError
+from disttrain_ds.errors import ConfigError, first_line
 from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import Recipe
 
@@ -134,16 +134,49 @@ class Checkpointer:
     def save(self, step: int, source, run_dir: str) -> Path:
         final = self.root / step_dir_name(step)
         partial = final.with_name(final.name + ".partial")
+        if self.rank == 0 or self.group is None:
+            self.warn_if_short(step)
         self._on_rank0(lambda: self.prepare(final, partial), f"checkpoint.dir: cannot write {partial}")
         t0 = time.perf_counter()
+        shares = self._gather(self.write_share(partial, step, source))
+        failures = [failure for _, _, failure in shares if failure]
+        if failures:  # every rank knows: rank 0 removes the half-written step, all stop with one line
+            self._on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), "checkpoint.dir")
+            raise ConfigError(self.write_failure(final, failures[0]))
         reported, shards = {}, {}
-        for entries, record in self._gather(self.write_share(partial, step, source)):
+        for entries, record, _ in shares:
             reported.update(entries)
             shards.setdefault(record.pop("module"), []).append(record)
         self._on_rank0(lambda: (self.seal(partial, final, step, run_dir, reported, shards), self._prune()),
                        f"checkpoint.dir: could not complete {final}")
         self.seconds = time.perf_counter() - t0
         return final
+
+    def warn_if_short(self, step: int) -> None:
+        """Rank 0, before a save: a warning naming the shortfall when the file system has less room
+        than the newest complete checkpoint took."""
+        done = complete_checkpoints(self.root)
+        if not done:
+            return
+        size = sum(int(e.get("size", 0)) for e in (read_manifest(done[-1][1]) or {}).get("files", {}).values())
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return  # the save itself will say what is wrong with the directory
+        if free < size:
+            self._say(f"warning: checkpoint.dir {self.root} has {_size(free)} free, the last checkpoint took "
+                      f"{_size(size)}: step {step}'s save may not fit (short by {_size(size - free)})")
+
+    def write_failure(self, final: Path, failure: str) -> str:
+        """The one line every rank stops with when a write of ``final`` failed."""
+        try:
+            free = f"{_size(shutil.disk_usage(self.root).free)} free there"
+        except OSError:
+            free = "free space unknown"
+        done = [d for s, d in complete_checkpoints(self.root) if d != final]
+        then = (f"the newest intact checkpoint is {done[-1]} (resume: auto continues from it once there is room)"
+                if done else "there is no earlier checkpoint to resume from")
+        return f"checkpoint.dir: could not write {final.name} in {self.root} ({failure}; {free}); {then}"
 
     def prepare(self, final: Path, partial: Path) -> None:
         """Rank 0, before a save: an empty ``partial`` directory, and no leftover ``final`` in the way."""
@@ -153,36 +186,42 @@ class Checkpointer:
             shutil.rmtree(partial)
         (partial / RNG_DIR).mkdir(parents=True)
 
-    def write_share(self, partial: Path, step: int, source) -> tuple[dict[str, dict], dict]:
+    def write_share(self, partial: Path, step: int, source) -> tuple[dict[str, dict], dict, str | None]:
         """This rank's files (its engine's, its RNG states, rank 0 the data state), their manifest
-        entries, and what its engine files hold (``reshard.describe_rank``, for another layout)."""
-        take_saved = getattr(getattr(self.engine, "checkpoint_engine", None), "take_saved", None)
+        entries, what its engine files hold (``reshard.describe_rank``, for another layout), and the
+        first write that failed (None: all written). A failed write does not stop this rank here:
+        it keeps step with the others through every collective of the save."""
+        engine = getattr(self.engine, "checkpoint_engine", None)
+        take_saved, take_failure = getattr(engine, "take_saved", None), getattr(engine, "take_failure", None)
         if take_saved:
             take_saved()
         # Each engine writes its own tag directory; DeepSpeed's internal barriers span all ranks,
         # which all call this together.
         self.engine.save_checkpoint(str(partial), tag=self.module, client_state={"step": step}, save_latest=False)
         written = take_saved() if take_saved else []
+        failure = take_failure() if take_failure else None
         engine_files = [Path(os.path.relpath(os.path.abspath(p), os.path.abspath(partial))).as_posix() for p in written]
         grid = topology_of(self.recipe).module(self.module)
         record = describe_rank(self.engine.module, self.engine.optimizer, grid.coords(self.rank),
                                (grid.pp, grid.dp, grid.tp), engine_files)
         record["module"] = self.module
-        save_rng(partial / rng_file(self.rank))
+        failure = failure or _attempt(lambda: save_rng(partial / rng_file(self.rank)))
         written.append(str(partial / rng_file(self.rank)))
         state = source.state_dict()
         if getattr(source, "host_units", None) is not None:  # each host advanced only the parts it reads
             state = merge_states(self._gather(state))
         if self.rank == 0:
-            save_data_state(state, partial / DATA_STATE)
+            failure = failure or _attempt(lambda: save_data_state(state, partial / DATA_STATE))
             written.append(str(partial / DATA_STATE))
+        if failure:
+            return {}, record, f"rank {self.rank}: {failure}"
         # Checksummed by the rank that wrote them (still in its page cache), all ranks in parallel.
         base, entries = os.path.abspath(partial), {}
         for p in written:
             rel = os.path.relpath(os.path.abspath(p), base)
             if not rel.startswith(".."):
                 entries[Path(rel).as_posix()] = file_entry(Path(p))
-        return entries, record
+        return entries, record, None
 
     def _clear_leftover(self, final: Path) -> None:
         """A directory of the step being saved: refuse an intact checkpoint, set anything else aside."""
@@ -337,6 +376,24 @@ class Checkpointer:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError(f"train.resume: {path}: {exc}") from None
+
+
+def _size(n: float) -> str:
+    """Bytes as people read them (``512 B``, ``3.2 MiB``, ``41.0 GiB``)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _attempt(write: Callable[[], object]) -> str | None:
+    """Run one file write; what failed (no space, quota, read-only file system), or None."""
+    try:
+        write()
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as RuntimeError
+        return first_line(exc)
+    return None
 
 
 def _fsync_dir(path: Path) -> None:

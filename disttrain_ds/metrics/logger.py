@@ -23,6 +23,7 @@ from disttrain_ds.metrics.rundir import MetricsWriter
 from disttrain_ds.metrics.wandb_workspace import apply_workspace, graph_dashboard, workspace_name
 from disttrain_ds.recipe.graph import as_written, graph_of
 from disttrain_ds.schedule.timeline import read_trace_events, write_trace_events
+from disttrain_ds.errors import first_line
 
 WANDB_MODES = ("offline", "online", "disabled")
 # wandb's own older spellings of the modes.
@@ -33,11 +34,6 @@ _NOT_LOGGED = {"step", "time"}
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 @dataclass
@@ -147,7 +143,7 @@ class RunLogger:
                               dir=str(self.run_dir), mode=self.wandb_mode, config=config,
                               reinit="create_new")  # never finish a run the caller owns
         except Exception as exc:  # training must go on without wandb
-            self._warn(f"warning: wandb unavailable ({_one_line(exc)}); "
+            self._warn(f"warning: wandb unavailable ({first_line(exc)}); "
                        f"logging to {self.metrics_path} only")
             return None
 
@@ -181,7 +177,7 @@ class RunLogger:
             try:
                 self.wandb_run.log(wandb_payload(record), step=step)
             except Exception as exc:  # e.g. wandb's service died: keep training
-                self._warn(f"warning: wandb logging failed ({_one_line(exc)}); "
+                self._warn(f"warning: wandb logging failed ({first_line(exc)}); "
                            f"logging to {self.metrics_path} only from step {step}")
                 self._finish_wandb(exit_code=1)
         if self.bar is not None:
@@ -203,7 +199,7 @@ class RunLogger:
         try:
             run.finish(exit_code=exit_code)
         except Exception as exc:
-            self._warn(f"warning: wandb finish failed ({_one_line(exc)})")
+            self._warn(f"warning: wandb finish failed ({first_line(exc)})")
 
     def close(self, exit_code: int = 0) -> None:
         """Close the bar, finish the wandb run and close ``metrics.jsonl``; safe to call twice."""

@@ -211,6 +211,20 @@ def main() -> int:
             return original_kill(rank, step)
 
         preemption.injected_kill = stall_after_step_1
+    elif fault == "disk_full_rank2_step2":
+        import errno
+
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        original_save = TorchCheckpointEngine.save
+
+        def no_space_for_step_2(self, state_dict, path):
+            # As a file system that fills while rank 2 writes its share of step 2's checkpoint.
+            if os.environ.get("RANK") == "2" and "step_00000002" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return original_save(self, state_dict, path)
+
+        TorchCheckpointEngine.save = no_space_for_step_2
     elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
     from disttrain_ds.parallel import engine

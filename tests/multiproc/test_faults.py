@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .conftest import metrics_steps, start_ranks, wait_until
+from .conftest import launch, metrics_steps, start_ranks, wait_until
 
 WORLD = 4
 VICTIM = 2  # the LLM's second stage: not the store host, with neighbours on both sides
@@ -139,3 +139,22 @@ def test_stopped_store_host_stops_every_other_rank_naming_it_once(tmp_path):
         assert line.startswith("rank 1 ")  # nobody can publish it: the lowest rank besides the store host says it
     finally:
         _finish(procs, [])
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_every_rank_in_one_line_and_resume_auto_continues_once_there_is_room(tmp_path):
+    """Rank 2's share of step 2's checkpoint hits ENOSPC: every rank stops (none waits in DeepSpeed's
+    barrier), the line names the directory, the error, the free space and step 1's intact checkpoint;
+    the half-written step is gone; with room again, ``resume: auto`` trains on as a straight run."""
+    ckpt = tmp_path / "ckpt"
+    common = ["layout=disaggregated", "train.steps=3", "checkpoint.every=1", "checkpoint.keep=0", f"checkpoint.dir={ckpt}"]
+    failed = launch(tmp_path / "full", 4, common, fault="disk_full_rank2_step2", check=False, timeout=300)
+    assert failed.returncode != 0
+    said = [line for line in (failed.stdout + failed.stderr).splitlines() if "could not write step_00000002" in line]
+    assert said and "No space left on device" in said[0] and "free there" in said[0], said
+    assert f"the newest intact checkpoint is {ckpt / 'step_00000001'}" in said[0], said
+    assert (ckpt / "step_00000001" / "manifest.json").exists() and not list(ckpt.glob("step_00000002*"))
+    resumed, _, _ = launch(tmp_path / "resumed", 4, [*common, "train.resume=auto"])
+    straight, _, _ = launch(tmp_path / "straight", 4, ["layout=disaggregated", "train.steps=3"])
+    after_1 = [r["loss"] for r in resumed if r["step"] > 1]
+    assert after_1 == [r["loss"] for r in straight if r["step"] > 1] and len(after_1) == 2

@@ -3,13 +3,19 @@ verification and fallback on step directories written by the checkpoint code."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from disttrain_ds.checkpoint import steps
+from disttrain_ds.checkpoint.engine import SafeCheckpointEngine
 from disttrain_ds.checkpoint.files import CheckpointFileError, file_entry
 from disttrain_ds.checkpoint.steps import (
     FORMAT,
@@ -200,7 +206,8 @@ def real_checkpoint(rec, step: int) -> Path:
     rank_ckpt(rec, 0).prepare(final, partial)
     reported, shards = {}, {}
     for r in range(WORLD):
-        entries, record = rank_ckpt(rec, r).write_share(partial, step, FakeSource(step))
+        entries, record, failure = rank_ckpt(rec, r).write_share(partial, step, FakeSource(step))
+        assert failure is None
         reported.update(entries)
         shards.setdefault(record.pop("module"), []).append(record)
     rank_ckpt(rec, 0).seal(partial, final, step, str(checkpoint_root(rec)), reported, shards)
@@ -371,3 +378,57 @@ def test_a_file_the_manifest_does_not_list_in_a_module_folder_is_refused(tmp_pat
     first_llm_rank = topology_of(rec).module("llm").ranks[0]
     with pytest.raises(ConfigError, match="llm/mp_rank_07_model_states.pt is not listed in the manifest"):
         rank_ckpt(rec, first_llm_rank).resume(d, FakeSource())
+
+
+# ---- a write that fails: no space, quota, read-only ----------------------------------------------
+# Every rank stops with one line that says where, how much room there is and what is safe to resume
+# from; the half-written step goes, the intact checkpoints stay; a save that may not fit is announced.
+
+def _disk_full(self, state_dict, path):
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
+def test_a_full_disk_during_a_save_stops_with_one_line_and_leaves_the_intact_checkpoint(tmp_path, monkeypatch):
+    rec = recipe(tmp_path)
+    intact = real_checkpoint(rec, 2)
+    monkeypatch.setattr(TorchCheckpointEngine, "save", _disk_full)
+    with pytest.raises(ConfigError) as err:
+        rank_ckpt(rec, 0).save(4, FakeSource(4), str(tmp_path))
+    msg = str(err.value)
+    root = checkpoint_root(rec)
+    assert "\n" not in msg and "could not write step_00000004" in msg and str(root) in msg, msg
+    assert "No space left on device" in msg and "B free there" in msg, msg
+    assert f"the newest intact checkpoint is {intact}" in msg and "resume: auto" in msg, msg
+    assert not (root / "step_00000004.partial").exists() and not (root / "step_00000004").exists()
+    assert [d for _, d in complete_checkpoints(root)] == [intact]
+
+
+def test_a_failed_write_is_recorded_so_the_rank_keeps_step_with_the_others(tmp_path, monkeypatch):
+    engine = SafeCheckpointEngine()
+    monkeypatch.setattr(TorchCheckpointEngine, "save", lambda self, sd, path: (open(path, "wb").write(b"12"),
+                                                                            _raise_zip_error())[1])
+    engine.save({}, str(tmp_path / "a.pt"))  # no exception: DeepSpeed's barrier after it must still be reached
+    engine.save({}, str(tmp_path / "b.pt"))  # nothing more is written once one write failed
+    failure = engine.take_failure()
+    assert failure is not None and "a.pt" in failure and "unexpected pos" in failure
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b.pt").exists() and engine.take_saved() == []
+    assert engine.take_failure() is None
+
+
+def _raise_zip_error():
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 388800 vs 388688")
+
+
+def test_a_save_that_may_not_fit_is_announced_with_the_shortfall(tmp_path, monkeypatch):
+    rec = recipe(tmp_path)
+    real_checkpoint(rec, 2)
+    said, real_usage = [], shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(steps.shutil, "disk_usage", lambda p: usage(10, 10, 1000))
+    rank_ckpt(rec, 0, log=said.append).warn_if_short(4)
+    assert len(said) == 1 and "short by" in said[0] and "step 4" in said[0], said
+    # Negative control: with the room the file system really has, nothing is said.
+    monkeypatch.setattr(steps.shutil, "disk_usage", real_usage)
+    quiet = []
+    rank_ckpt(rec, 0, log=quiet.append).warn_if_short(4)
+    assert quiet == []
