@@ -112,14 +112,16 @@ def worst_stage_bytes(stages: StageTable, tp: Any, pp: Any, per_param: tuple[flo
     tp_a, pp_a = np.asarray(tp), np.asarray(pp)
     shape = np.broadcast(tp_a, pp_a, np.asarray(opt_dp), np.asarray(samples), np.asarray(to_end)).shape
     out, seen = np.zeros(shape), np.zeros(shape, dtype=bool)
+    lead = (-1,) + (1,) * len(shape)  # the stages along a new first axis, broadcast over the rest
     for (t, p), rows in stages.items():
         sel = (tp_a == t) & (pp_a == p)
         if not np.any(sel):
             continue
-        worst = np.maximum.reduce([
-            np.broadcast_to(rank_bytes(r.params, t, per_param, opt_dp, r.kept, r.workspace, samples,
-                                       in_flight(to_end - s, microbatches), bucket), shape)
-            for s, r in enumerate(rows)])
+        params, kept, workspace = (np.array(col, dtype=float).reshape(lead) for col in zip(*rows))
+        s = np.arange(len(rows)).reshape(lead)
+        every = rank_bytes(params, t, per_param, opt_dp, kept, workspace, samples,
+                           in_flight(to_end - s, microbatches), bucket)
+        worst = np.broadcast_to(np.max(np.broadcast_to(every, (len(rows), *shape)), axis=0), shape)
         out, seen = np.where(sel, worst, out), seen | sel
     if not seen.all():
         missing = sorted({(int(a), int(b)) for a, b, ok in np.broadcast(tp_a, pp_a, seen) if not ok})

@@ -10,6 +10,7 @@ before building anything.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from disttrain_ds.console import prefer_cpu_accelerator
@@ -22,7 +23,7 @@ from disttrain_ds.mllm.recipe_spec import meta_spec
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.vae import vae_memory_bytes
 from disttrain_ds.recipe.deepspeed import load_ds_config
-from disttrain_ds.recipe.graph import encoder_of, graph_of, topology_of
+from disttrain_ds.recipe.graph import as_written, encoder_of, graph_of, topology_of
 from disttrain_ds.recipe.schema import resolve_path
 from disttrain_ds.samples import SpecialTokens
 
@@ -147,8 +148,16 @@ def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> l
 
 
 def layer_params(recipe, module: str, vocab: int) -> list[int]:
-    """Parameters of each pipeline layer of ``module``, counted on the meta device."""
-    return meta_layers(recipe, module, vocab, lambda layer: sum(p.numel() for p in layer.parameters()))
+    """Parameters of each pipeline layer of ``module``, counted on the meta device once per model
+    (the planner estimates one model under many layouts; layouts and data change no layer)."""
+    key = (json.dumps(as_written(recipe)["model"], sort_keys=True, default=str), module, vocab)
+    if key not in _LAYER_PARAMS:
+        _LAYER_PARAMS[key] = tuple(meta_layers(recipe, module, vocab, lambda layer: sum(p.numel() for p in layer.parameters())))
+    return list(_LAYER_PARAMS[key])
+
+
+_LAYER_PARAMS: dict[tuple[str, str, int], tuple[int, ...]] = {}
+"""(model section as written, module, vocabulary) -> parameters per pipeline layer."""
 
 
 def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:
