@@ -52,6 +52,7 @@ def test_export_of_a_tp_pp_checkpoint_loads_with_from_pretrained_and_matches_the
 
 def test_exported_and_step_directories_import_to_the_trained_tensors(trained, tmp_path):
     from disttrain_ds.checkpoint.export import export_checkpoint
+    from disttrain_ds.checkpoint.read import STEP_DIRS
     from disttrain_ds.estimate.memory import vocab_size
     from disttrain_ds.mllm.recipe_spec import meta_spec
     from disttrain_ds.recipe.schema import load_recipe
@@ -64,7 +65,8 @@ def test_exported_and_step_directories_import_to_the_trained_tensors(trained, tm
         check_imports(recipe)
         spec = meta_spec(recipe, vocab_size(recipe))
         spec = dataclasses.replace(spec, encoder=recipe.model.encoder, generator=recipe.model.generator,
-                                   llm=dataclasses.replace(recipe.model.llm, vocab_size=spec.llm.vocab_size))
+                                   llm=dataclasses.replace(recipe.model.llm, vocab_size=spec.llm.vocab_size),
+                                   step_dirs=STEP_DIRS)  # the runtime's reader of step directories
         for m in MODULES:
             for d in spec.layers(m):
                 for k, v in d.build().state_dict().items():
