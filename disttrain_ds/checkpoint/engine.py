@@ -18,7 +18,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from disttrain_ds.checkpoint.files import CheckpointFileError, safe_load
+from disttrain_ds.checkpoint.files import WRITE_ERRORS, CheckpointFileError, safe_load
 from disttrain_ds.errors import ConfigError, first_line
 
 DEEPSPEED_TYPES = (ZeroStageEnum, LossScaler, fragment_address)
@@ -45,7 +45,7 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
             return
         try:
             super().save(state_dict, path)
-        except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as RuntimeError
+        except WRITE_ERRORS as exc:
             self.failure = f"{path}: {first_line(exc)}"
             with contextlib.suppress(OSError):
                 os.remove(path)

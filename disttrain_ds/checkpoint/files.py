@@ -29,6 +29,9 @@ CHECKSUM = "sha256"
 """Digest of every file in the manifest (with SHA extensions it outruns BLAKE2b: docs/reliability.md)."""
 RNG_DIR = "rng"
 DATA_STATE = "data.json"
+WRITE_ERRORS = (OSError, RuntimeError)
+"""What a failed checkpoint write raises: no space, quota or a read-only file system (torch's zip
+writer reports a full disk as RuntimeError)."""
 
 
 class CheckpointFileError(ConfigError):

@@ -37,6 +37,7 @@ from disttrain_ds.checkpoint.files import (
     CHECKSUM,
     DATA_STATE,
     RNG_DIR,
+    WRITE_ERRORS,
     file_entry,
     first_problem,
     load_data_state,
@@ -65,6 +66,7 @@ from disttrain_ds.checkpoint.reshard import describe_rank
 from disttrain_ds.checkpoint.reshard_shards import load_resharded, must_reshard, resume_line
 from disttrain_ds.data.host_read import merge_states
 from disttrain_ds.errors import ConfigError, first_line
+from disttrain_ds.estimate.memory import _size
 from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import Recipe
 
@@ -378,20 +380,11 @@ class Checkpointer:
             raise ConfigError(f"train.resume: {path}: {exc}") from None
 
 
-def _size(n: float) -> str:
-    """Bytes as people read them (``512 B``, ``3.2 MiB``, ``41.0 GiB``)."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _attempt(write: Callable[[], object]) -> str | None:
     """Run one file write; what failed (no space, quota, read-only file system), or None."""
     try:
         write()
-    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as RuntimeError
+    except WRITE_ERRORS as exc:
         return first_line(exc)
     return None
 

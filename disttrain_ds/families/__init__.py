@@ -39,11 +39,11 @@ def get_family(name: str, role: str, src: str = "<recipe>", key: str = "model.fa
     return fam
 
 
-def tp_plans(loaded_only: bool = False) -> list[tuple[type, Any]]:
-    """Every family's tensor-parallel plan entries; ``loaded_only``: only those of the families
-    whose network code this process has imported (no layer of another family can exist here, so
-    sharding imports nothing: a rank of the LLM never loads diffusers)."""
-    return [entry for f in FAMILIES.values() if not loaded_only or f.model in sys.modules for entry in f.tp_plan()]
+def tp_plans() -> list[tuple[type, Any]]:
+    """The tensor-parallel plan entries of the families whose network code this process has
+    imported: no layer of another family can exist here, so sharding imports nothing (a rank of
+    the LLM never loads diffusers)."""
+    return [entry for f in FAMILIES.values() if f.model in sys.modules for entry in f.tp_plan()]
 
 
 def clear_build_caches() -> None:

@@ -150,7 +150,7 @@ PROJECTOR_PLAN = (MLPProjector, {"0": "col", "2": "row"})
 
 
 def _plans() -> list[tuple[type, Any]]:
-    return [*tp_plans(loaded_only=True), PROJECTOR_PLAN]
+    return [*tp_plans(), PROJECTOR_PLAN]
 
 
 def _plan_for(module: nn.Module, plans: list[tuple[type, Any]]) -> dict[str, str] | None:
