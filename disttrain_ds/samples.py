@@ -8,6 +8,8 @@ and tokenised, so trainer ranks never touch raw data.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,9 +19,14 @@ IGNORE_INDEX = -100
 """Label value the LM loss ignores (image placeholders, generation queries, padding)."""
 
 
+OWN_SPECIALS = ("eod", "pad", "bos")
+"""Special ids a tokenizer may bring itself (end of text, padding, begin of text)."""
+
+
 @dataclass(frozen=True)
 class SpecialTokens:
-    """Token ids appended after the tokenizer's own vocabulary."""
+    """Token ids the model's sequences use beyond text: the tokenizer's own where it has them
+    (document end, padding, document begin: ``own``), the rest appended after its vocabulary."""
 
     pad: int
     """Padding at the end of a packed sequence."""
@@ -40,19 +47,37 @@ class SpecialTokens:
     """Generation queries of the second, third, ... generator (graph order): each generator has its
     own query token, as each encoder has its own placeholder; ``gen`` is the first generator's.
     Empty with at most one generator (the vocabulary stays as it was)."""
+    bos: int = -1
+    """Begin of a document: the id the tokenizer itself puts before a text (Llama's
+    ``<|begin_of_text|>``), placed at each document's start; -1 where the tokenizer puts none."""
+    own: tuple[str, ...] = ()
+    """Which of ``pad``, ``eod``, ``bos`` are the tokenizer's own ids (the rest are appended)."""
 
     @staticmethod
-    def after(base_vocab: int, audio: bool = False, generators: int = 1) -> "SpecialTokens":
+    def after(base_vocab: int, audio: bool = False, generators: int = 1,
+              own: Mapping[str, int] | None = None) -> "SpecialTokens":
         """Special ids placed right after a base vocabulary of ``base_vocab`` ids (plus an audio
-        placeholder id after them when ``audio``, then one query id per generator past the first)."""
-        nxt = base_vocab + 6 + bool(audio)
-        return SpecialTokens(*range(base_vocab, base_vocab + 6), audio=base_vocab + 6 if audio else -1,
-                             more_gens=tuple(range(nxt, nxt + max(0, generators - 1))))
+        placeholder id after them when ``audio``, then one query id per generator past the first),
+        except those the tokenizer has itself (``own``: ``eod``, ``pad``, ``bos`` -> its id). A
+        tokenizer's padding id that is also its end or begin token is not taken: padding is left out
+        of the loss, document ends are not."""
+        own = {k: int(v) for k, v in (own or {}).items() if k in OWN_SPECIALS}
+        bad = [k for k, v in own.items() if not 0 <= v < base_vocab]
+        if bad:
+            raise ValueError(f"the tokenizer's {bad[0]} id {own[bad[0]]} is outside its vocabulary of {base_vocab}")
+        if "pad" in own and own["pad"] in (own.get("eod"), own.get("bos")):
+            del own["pad"]
+        nxt = itertools.count(base_vocab)
+        ids = {name: own[name] if name in own else next(nxt) for name in ("pad", "image", "boi", "eoi", "gen", "eod")}
+        audio_id = next(nxt) if audio else -1
+        more = tuple(next(nxt) for _ in range(max(0, generators - 1)))
+        return SpecialTokens(**ids, audio=audio_id, more_gens=more, bos=own.get("bos", -1),
+                             own=tuple(k for k in OWN_SPECIALS if k in own))
 
     @property
     def vocab_size(self) -> int:
         """Smallest LLM vocabulary that holds the base vocabulary and these ids."""
-        return max(self.pad, self.image, self.boi, self.eoi, self.gen, self.eod, self.audio, *self.more_gens) + 1
+        return max(self.pad, self.image, self.boi, self.eoi, self.gen, self.eod, self.audio, self.bos, *self.more_gens) + 1
 
     @property
     def queries(self) -> tuple[int, ...]:

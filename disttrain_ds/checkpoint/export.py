@@ -25,11 +25,10 @@ import torch
 
 from disttrain_ds.checkpoint.manifest import inspect_step_dir
 from disttrain_ds.checkpoint.read import read_module_state, step_modules, step_recipe, verified_manifest
-from disttrain_ds.data.tokenizer import load_tokenizer
+from disttrain_ds.data.tokenizer import load_tokenizer, special_tokens
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.mllm.weights import map_key
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_config, module_family
-from disttrain_ds.samples import SpecialTokens
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business
     from disttrain_ds.recipe.schema import Recipe
@@ -66,6 +65,8 @@ def export_module(recipe: Recipe, module: str, state: dict[str, torch.Tensor], o
     # Built on the meta device, so the model is never in memory twice; non-persistent buffers
     # (rotary frequencies) stay unmaterialised, and save_pretrained does not write them.
     hf.load_state_dict({k: state[m].to(dtype) for k, m in keys.items()}, strict=True, assign=True)
+    if getattr(hf.config, "tie_word_embeddings", False):
+        hf.tie_weights()  # assign=True gave the head its own tensor; tied, save_pretrained writes one
     hf.save_pretrained(str(out))
     projector = {k: v.to(dtype).contiguous() for k, v in state.items() if k.startswith("projector/")}
     if projector:
@@ -87,8 +88,8 @@ def export_tokenizer(recipe: Recipe, out: Path, vocab: int) -> None:
     name = recipe.data.tokenizer
     tok = load_tokenizer(name, recipe.data.cache_dir)
 
-    special = SpecialTokens.after(tok.vocab_size, audio=encoder_of(recipe, "audio") is not None,
-                                  generators=len(graph_of(recipe).generators))  # as the run built it
+    special = special_tokens(tok, audio=encoder_of(recipe, "audio") is not None,
+                             generators=len(graph_of(recipe).generators))  # as the run built it
     if special.vocab_size != vocab:
         raise ExportError(f"export: data.tokenizer {name} gives a vocabulary of {special.vocab_size} ids, the checkpoint's "
                           f"LLM has {vocab} rows; is this the tokenizer the run used?")
@@ -101,7 +102,10 @@ def export_tokenizer(recipe: Recipe, out: Path, vocab: int) -> None:
 
             PreTrainedTokenizerFast(tokenizer_object=hf_tok).save_pretrained(str(out))
     info = {"data.tokenizer": name if hf_tok is None else "this directory", "base_vocab": tok.vocab_size,
-            "special_tokens": dataclasses.asdict(special), "vocab_size": vocab}
+            "special_tokens": dataclasses.asdict(special), "vocab_size": vocab,
+            "from_tokenizer": {k: getattr(special, k) for k in special.own},
+            "added": {k: v for k, v in dataclasses.asdict(special).items()
+                      if k not in special.own and isinstance(v, int) and v >= tok.vocab_size}}
     (out / TOKENS_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 

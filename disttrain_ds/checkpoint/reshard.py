@@ -210,6 +210,30 @@ def read_module(module: str, files: list[str], records: list[dict], load: Load, 
     return out
 
 
+def tied_layers(ties: dict[str, str], layers: set[int]) -> set[int]:
+    """``layers`` and the partner layer of every tie (``pm.tied_names``) one of them takes part in:
+    a copy of a tied weight may find its optimizer state only with its partner."""
+    out = set(layers)
+    for follower, leader in ties.items():
+        pair = {int(follower.split(".", 1)[0]), int(leader.split(".", 1)[0])}
+        if pair & layers:
+            out |= pair
+    return out
+
+
+def fill_tied(full: dict[str, ParamState], ties: dict[str, str]) -> None:
+    """A tied weight saved as one parameter (its layers on one stage) has optimizer state under its
+    leader's name only; the copy a stage of this layout holds alone takes it from there (and the
+    other way round). Both copies are the same weight, so the states are the same."""
+    for follower, leader in ties.items():
+        a, b = full.get(follower), full.get(leader)
+        if a is None or b is None:
+            continue
+        src, dst = (b, a) if a.step is None else (a, b)
+        if dst.step is None and src.step is not None:
+            dst.master, dst.optim, dst.step = src.master, dict(src.optim), src.step
+
+
 def _one(rec: dict, pattern: re.Pattern, module: str) -> str:
     found = [f for f in rec["files"] if pattern.match(f.rpartition("/")[2])]
     if len(found) != 1:

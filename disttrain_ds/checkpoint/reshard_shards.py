@@ -17,10 +17,12 @@ from disttrain_ds.checkpoint.files import CheckpointFileError, safe_load
 from disttrain_ds.checkpoint.reshard import (
     describe_rank,
     files_fit,
+    fill_tied,
     load_into_engine,
     read_module,
     restore_schedule,
     scheduler_state,
+    tied_layers,
 )
 from disttrain_ds.recipe.graph import topology_of
 
@@ -62,8 +64,10 @@ def load_resharded(ckpt, path: Path, manifest: dict) -> list[str]:
     pm, grid = ckpt.engine.module, topology_of(ckpt.recipe).module(ckpt.module)
     records = manifest["shards"].get(ckpt.module, [])
     load = reader(path, manifest)
-    layers = set(range(pm._local_start, pm._local_stop))
+    ties = getattr(pm, "tied_names", {})
+    layers = tied_layers(ties, set(range(pm._local_start, pm._local_stop)))
     full = read_module(ckpt.module, sorted(manifest["files"]), records, load, layers)
+    fill_tied(full, ties)
     _, _, tp_rank = grid.coords(ckpt.rank)
     done = load_into_engine(ckpt.engine, pm, full, tp_rank, grid.tp)
     restore_schedule(ckpt.engine, scheduler_state(ckpt.module, records, load))

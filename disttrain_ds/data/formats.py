@@ -24,7 +24,7 @@ be used becomes a ``Bad(reason)``; the reasons are the keys of ``skip_counts()``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Union
 
@@ -123,6 +123,8 @@ class ParseContext:
     more_queries: tuple[int, ...] = ()
     """Generation-query tokens per image of the second, third, ... generator (``query_tokens`` is
     the first one's)."""
+    bos: int = -1
+    """The tokenizer's begin-of-text id, put before every document (``SpecialTokens.bos``); -1: none."""
 
     def queries(self, gen: int) -> int:
         """Query tokens per image of generator ``gen`` (graph order)."""
@@ -356,6 +358,8 @@ def parse_record(fmt: str, rec: RawRecord, ctx: ParseContext, rng: np.random.Gen
         return Bad("bad_type")
     try:
         doc = PARSERS[fmt](obj, rec, ctx, rng)
+        if ctx.bos >= 0:  # as the tokenizer itself begins a text; counted in the length check below
+            doc = replace(doc, segments=(TextSeg((ctx.bos,)), *doc.segments))
         _check_fits(doc, ctx)
     except _BadRecord as bad:
         return Bad(bad.reason)

@@ -22,8 +22,8 @@ from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.paper_stats import packed_layouts
 from disttrain_ds.data.source import _WORDS, SampleSource, labels_for, smooth_image
 from disttrain_ds.data.split import TRAIN, Split
-from disttrain_ds.data.tokenizer import Tokenizer, load_tokenizer
-from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
+from disttrain_ds.data.tokenizer import Tokenizer, load_tokenizer, special_tokens
+from disttrain_ds.samples import PackedSample, ShapeSpec
 
 
 def patch_grid(tokens: int) -> tuple[int, int]:
@@ -46,7 +46,7 @@ class PaperStatsSource(SampleSource):
         self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
         self.tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
         self.base_vocab = self.tokenizer.vocab_size
-        self.special = SpecialTokens.after(self.base_vocab)
+        self.special = special_tokens(self.tokenizer)
 
     def describe(self) -> str:
         return f"paper_stats (LAION-400M layouts, seq_len {self.cfg.seq_len}, gen_prob {self.cfg.gen_prob})"

@@ -24,8 +24,8 @@ from disttrain_ds.data.pack import Cursor, Packer, Piece, materialise
 from disttrain_ds.data.reader import RecordTable, record_files
 from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import TRAIN, Split, split_records
-from disttrain_ds.data.tokenizer import default_cache_dir, load_tokenizer
-from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
+from disttrain_ds.data.tokenizer import default_cache_dir, load_tokenizer, special_tokens
+from disttrain_ds.samples import PackedSample, ShapeSpec
 
 _DOC_CACHE = 4096
 _PLAN_CACHE = 16
@@ -61,7 +61,7 @@ class RecordSource(SampleSource):
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
         self.base_vocab = tokenizer.vocab_size
         gens = shape.gen_shapes()
-        self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0, generators=len(gens))
+        self.special = special_tokens(tokenizer, audio=shape.audio_mels > 0, generators=len(gens))
         self.table = self._open_table()
         if len(self.table) == 0:
             raise ValueError(f"data.path: no records in {path}")
@@ -71,7 +71,7 @@ class RecordSource(SampleSource):
         self._in_split[self.records] = True
         names = tuple(g.name for g in gens) if all(g.name for g in gens) else ()
         self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed, shape.audio_mels,
-                                shape.audio_max_frames, names, tuple(g.query_tokens for g in gens[1:]))
+                                shape.audio_max_frames, names, tuple(g.query_tokens for g in gens[1:]), self.special.bos)
         self.packer = Packer(self.ctx, len(self.records), self._doc, self._order, self._where())
         self._cursors: dict[int, Cursor] = {0: Cursor()}
         self._plans: OrderedDict[int, list[list[Piece]]] = OrderedDict()

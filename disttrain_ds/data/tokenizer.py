@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from disttrain_ds.samples import SpecialTokens
+
 SMOLLM2_VOCAB = 49152
 """Vocabulary size of SmolLM2 (GPT-2 style byte-level BPE)."""
 
@@ -26,6 +28,8 @@ class Tokenizer(Protocol):
 
     name: str
     vocab_size: int
+    specials: dict[str, int]
+    """Its own special ids by role (``eod``, ``pad``, ``bos``: ``samples.OWN_SPECIALS``); empty: none."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -37,6 +41,7 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    specials: dict[str, int] = {}
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -48,8 +53,9 @@ class ByteTokenizer:
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` (fast, Rust) or a ``transformers`` tokenizer behind one interface."""
 
-    def __init__(self, name: str, tok, vocab_size: int, fast: bool):
+    def __init__(self, name: str, tok, vocab_size: int, fast: bool, specials: dict[str, int] | None = None):
         self.name, self._tok, self.vocab_size, self._fast = name, tok, vocab_size, fast
+        self.specials = dict(specials or {})
 
     def encode(self, text: str) -> list[int]:
         if self._fast:
@@ -143,7 +149,28 @@ def _load_directory(path: Path) -> HFTokenizer:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any loader failure becomes one config line
         raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}".splitlines()[0])
-    return HFTokenizer(str(path), tok, len(tok), fast=False)
+    return HFTokenizer(str(path), tok, len(tok), fast=False, specials=own_specials(tok))
+
+
+def own_specials(tok) -> dict[str, int]:
+    """A transformers tokenizer's own special ids by role: its end-of-text (``eod``), padding
+    (``pad``) and the one id it puts before every text itself (``bos``: Llama's ``<|begin_of_text|>``;
+    none for Qwen2, which adds nothing)."""
+    out = {}
+    if tok.eos_token_id is not None:
+        out["eod"] = int(tok.eos_token_id)
+    if tok.pad_token_id is not None:
+        out["pad"] = int(tok.pad_token_id)
+    plain, full = tok.encode("a", add_special_tokens=False), tok.encode("a", add_special_tokens=True)
+    if len(full) == len(plain) + 1 and full[1:] == plain:
+        out["bos"] = int(full[0])
+    return out
+
+
+def special_tokens(tok: Tokenizer, audio: bool = False, generators: int = 1) -> SpecialTokens:
+    """The special ids of a run reading ``tok``: the tokenizer's own end / padding / begin ids, the
+    rest appended after its vocabulary (``SpecialTokens.after``)."""
+    return SpecialTokens.after(tok.vocab_size, audio=audio, generators=generators, own=tok.specials)
 
 
 def _exported_name(path: Path) -> str | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from disttrain_ds.console import prefer_cpu_accelerator
 from disttrain_ds.cost import memory_model as mm
 from disttrain_ds.cost.memory_model import StageBytes, in_flight, with_buckets
-from disttrain_ds.data.tokenizer import SMOLLM2_VOCAB, ByteTokenizer, load_tokenizer
+from disttrain_ds.data.tokenizer import SMOLLM2_VOCAB, ByteTokenizer, load_tokenizer, special_tokens
 from disttrain_ds.estimate.activations import LayerBytes, module_layers
 from disttrain_ds.families import clear_build_caches
 from disttrain_ds.mllm.recipe_spec import meta_spec
@@ -126,14 +126,13 @@ def vocab_size(recipe) -> int:
     """The LLM vocabulary the runtime will build (``model.llm.vocab_size``, or the tokenizer's)."""
     if recipe.model.llm.vocab_size:
         return recipe.model.llm.vocab_size
-
-    name = recipe.data.tokenizer
-    base = {"byte": ByteTokenizer.vocab_size, "smollm2": SMOLLM2_VOCAB}.get(name)
-    if base is None:
-        base = load_tokenizer(name, recipe.data.cache_dir).vocab_size
-
-    return SpecialTokens.after(base, audio=encoder_of(recipe, "audio") is not None,
-                               generators=len(graph_of(recipe).generators)).vocab_size
+    audio, gens = encoder_of(recipe, "audio") is not None, len(graph_of(recipe).generators)
+    # The shipped tokenizers' sizes are known without reading them; neither brings special ids of its own.
+    known = {"byte": ByteTokenizer.vocab_size, "smollm2": SMOLLM2_VOCAB}.get(recipe.data.tokenizer)
+    if known is not None:
+        return SpecialTokens.after(known, audio=audio, generators=gens).vocab_size
+    tok = load_tokenizer(recipe.data.tokenizer, recipe.data.cache_dir)
+    return special_tokens(tok, audio=audio, generators=gens).vocab_size
 
 
 def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> list:
@@ -147,17 +146,36 @@ def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> l
         clear_build_caches()
 
 
-def layer_params(recipe, module: str, vocab: int) -> list[int]:
-    """Parameters of each pipeline layer of ``module``, counted on the meta device once per model
-    (the planner estimates one model under many layouts; layouts and data change no layer)."""
+def _layer_table(recipe, module: str, vocab: int) -> tuple[tuple[int, ...], tuple[Shared, ...]]:
     key = (json.dumps(as_written(recipe)["model"], sort_keys=True, default=str), module, vocab)
     if key not in _LAYER_PARAMS:
-        _LAYER_PARAMS[key] = tuple(meta_layers(recipe, module, vocab, lambda layer: sum(p.numel() for p in layer.parameters())))
-    return list(_LAYER_PARAMS[key])
+        built = meta_layers(recipe, module, vocab)
+        defs = meta_spec(recipe, vocab).layers(module)
+        index = {d.name: i for i, d in enumerate(defs)}
+        shared = tuple((i, index[lead.split("/", 1)[0]], built[i].get_parameter(own).numel())
+                       for i, d in enumerate(defs) for own, lead in d.ties)
+        _LAYER_PARAMS[key] = (tuple(sum(p.numel() for p in layer.parameters()) for layer in built), shared)
+    return _LAYER_PARAMS[key]
 
 
-_LAYER_PARAMS: dict[tuple[str, str, int], tuple[int, ...]] = {}
-"""(model section as written, module, vocabulary) -> parameters per pipeline layer."""
+def layer_params(recipe, module: str, vocab: int) -> list[int]:
+    """Parameters of each pipeline layer of ``module``, counted on the meta device once per model
+    (the planner estimates one model under many layouts; layouts and data change no layer). A tied
+    weight counts in both layers (two copies when they sit on two stages; ``shared_params``)."""
+    return list(_layer_table(recipe, module, vocab)[0])
+
+
+def shared_params(recipe, module: str, vocab: int) -> tuple[Shared, ...]:
+    """The tied weights of ``module``: (follower layer, leader layer, parameters) each."""
+    return _layer_table(recipe, module, vocab)[1]
+
+
+Shared = tuple[int, int, int]
+"""A tied weight: (index of the layer that follows, index of its leader, its parameters); one
+parameter, counted once, where a stage holds both layers."""
+
+_LAYER_PARAMS: dict[tuple[str, str, int], tuple[tuple[int, ...], tuple[Shared, ...]]] = {}
+"""(model section as written, module, vocabulary) -> parameters per pipeline layer, tied weights."""
 
 
 def stage_bounds(params: list[int], pp: int, method: str) -> list[int]:
@@ -210,16 +228,22 @@ def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int
     return kept, block + grads
 
 
+def stage_params(params: list[int], lo: int, hi: int, shared: tuple[Shared, ...] = ()) -> int:
+    """Parameters a stage holding layers ``lo:hi`` keeps: a tied weight whose two layers are both
+    here is one parameter."""
+    return sum(params[lo:hi]) - sum(n for f, lead, n in shared if lo <= f < hi and lo <= lead < hi)
+
+
 def module_stages(params: list[int], lb: LayerBytes, bounds: list[int], tp: int, every: int,
-                  backward: bool) -> list[StageBytes]:
+                  backward: bool, shared: tuple[Shared, ...] = ()) -> list[StageBytes]:
     """Each stage of a module split at ``bounds`` (``stage_bounds``) at TP degree ``tp``: its
-    parameters and the per-sample bytes one microbatch keeps there and one backward needs
-    (``_stage_activations``; none for a module that runs no backward). What ``estimate`` prices
-    every rank by, and the planner every layout by."""
+    parameters (``stage_params``) and the per-sample bytes one microbatch keeps there and one
+    backward needs (``_stage_activations``; none for a module that runs no backward). What
+    ``estimate`` prices every rank by, and the planner every layout by."""
     rows = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         kept, work = _stage_activations(lb, lo, hi, every, tp) if backward else (0.0, 0.0)
-        rows.append(StageBytes(float(sum(params[lo:hi])), kept, work))
+        rows.append(StageBytes(float(stage_params(params, lo, hi, shared)), kept, work))
     return rows
 
 
@@ -240,9 +264,10 @@ def estimate(recipe) -> list[StageMemory]:
     if recipe.layout == "reference":
         for name in graph_of(recipe).names:
             params, lb = layer_params(recipe, name, vocab), module_layers(recipe, name, vocab)
+            held = stage_params(params, 0, len(params), shared_params(recipe, name, vocab))
             act, work = _stage_activations(lb, 0, len(lb.saved)) if backward[name] else (0.0, 0.0)
-            parts = _per_gpu(sum(params), act, state_bytes(recipe, name), 1, 1, micro, 1, work)
-            rows.append(StageMemory(name, 0, range(1), range(len(params)), sum(params), *parts, 1, micro,
+            parts = _per_gpu(held, act, state_bytes(recipe, name), 1, 1, micro, 1, work)
+            rows.append(StageMemory(name, 0, range(1), range(len(params)), held, *parts, 1, micro,
                                     extra_bytes(recipe, name)))
         return rows
 
@@ -253,7 +278,8 @@ def estimate(recipe) -> list[StageMemory]:
         par = recipe.parallel.modules[grid.name]
         bounds = stage_bounds(params, grid.pp, par.partition)
         samples, extra, bucket = slot // grid.dp, extra_bytes(recipe, grid.name), reduce_bucket_bytes(recipe, grid.name)
-        stages = module_stages(params, lb, bounds, grid.tp, par.activation_checkpointing, backward[grid.name])
+        stages = module_stages(params, lb, bounds, grid.tp, par.activation_checkpointing, backward[grid.name],
+                               shared_params(recipe, grid.name, vocab))
         for s, st in enumerate(stages):
             k = int(in_flight(topo.total_stages - topo.stage_offset(grid.name) - s, gas))
             parts = _per_gpu(st.params, st.kept, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k,

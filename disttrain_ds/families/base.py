@@ -115,6 +115,7 @@ class Family:
         """Which linears of which submodule classes tensor parallelism splits: (class, plan), the
         plan mapping a linear's submodule path to ``col`` | ``row`` | ``col_gather`` | ``col_pairs``
         (a column split that keeps a stacked (hidden, gate) projection's halves apart) and an int
-        attribute to ``divide`` (a head count each TP rank holds 1/TP of); a plan that depends on
+        attribute to ``divide`` (a head count each TP rank holds 1/TP of), an embedding to ``vocab``
+        (its rows split as a ``col_gather`` head's, when the vocabulary divides); a plan that depends on
         the instance is a function of the module returning that mapping."""
         return importlib.import_module(self.model).TP_PLAN

@@ -18,7 +18,7 @@ from disttrain_ds.families import FAMILIES, BuildContext, Family, get_family
 from disttrain_ds.graph import MODULES
 from disttrain_ds.mllm.weights import StepDirs, with_checkpoint
 from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
-from disttrain_ds.models.layers import LayerDef, Sequential, seeded
+from disttrain_ds.models.layers import LayerDef, Sequential, seeded, tie_parameters, tied_keys
 from disttrain_ds.models.objectives import add_noise, diffusion_loss, gen_condition, noise_draw
 from disttrain_ds.models.packed import pack_clips
 from disttrain_ds.models.pixels import pack_images
@@ -116,6 +116,10 @@ class MLLMSpec:
                 proj = seeded(self.seed, module, "projector", lambda: ConditionProjector(llm, width))
                 body = [replace(proj, frozen=cfg.projector.frozen)] + body
         return with_checkpoint(module, body, cfg.checkpoint, fam.hf_rules, fam.vocab_params, self.step_dirs)
+
+    def tied_modules(self) -> frozenset[str]:
+        """Modules with a weight shared by two of their layers (tied input and output embeddings)."""
+        return frozenset(n for n in self.names if tied_keys(self.layers(n)))
 
     def frozen(self, module: str) -> bool:
         """Nothing in the module trains (neither its own layers nor its projector)."""
@@ -353,7 +357,10 @@ class ReferenceMLLM(nn.Module):
         for name in spec.names:
             if hasattr(self, name):
                 raise ValueError(f"module name {name!r} clashes with an attribute of the model")
-            setattr(self, name, Sequential([build_layer(d) for d in spec.layers(name)]))
+            defs = spec.layers(name)
+            built = {d.name: build_layer(d) for d in defs}
+            tie_parameters(built, defs)  # all layers here: every tie is one parameter
+            setattr(self, name, Sequential(list(built.values())))
 
     def part(self, role: str) -> nn.Module | None:
         name = self.spec.name_of(role)

@@ -153,14 +153,20 @@ def fits(local: str, shape: tuple, want: tuple, vocab_params: Sequence[str]) -> 
 
 
 def load_layer_weights(module: str, layer_name: str, layer: nn.Module, path: str, rules: Rules,
-                       vocab_params: Sequence[str] = (), step_dirs: StepDirs | None = None) -> int:
+                       vocab_params: Sequence[str] = (), step_dirs: StepDirs | None = None,
+                       ties: Sequence[tuple[str, str]] = ()) -> int:
     """Copy this layer's tensors from the checkpoint; returns how many were loaded (0: a projector
-    the checkpoint has none of: it keeps its seeded init)."""
+    the checkpoint has none of: it keeps its seeded init). A tied parameter (``ties``: own name,
+    ``leader_layer/param``) is read from its leader: a tied checkpoint need not hold it twice."""
     src = open_source(path, module, tuple(rules), step_dirs)
     if layer_name == "projector" and not src.has_projector:
         return 0
     own = layer.state_dict()
     found = {k.split("/", 1)[1]: v for k, v in src.read(layer_name).items()}
+    for param, lead in ties:
+        leader = src.read(lead.split("/", 1)[0])
+        if lead in leader:
+            found[param] = leader[lead]
     extra = sorted(k for k in found if k not in own)
     if extra and isinstance(src, _StepDir):  # a training checkpoint holds exactly its layers' tensors
         raise ValueError(f"{path}: {module} {layer_name} has no tensor {extra[0]} (another model's checkpoint?)")
@@ -193,7 +199,7 @@ def with_checkpoint(module: str, defs: list[LayerDef], path: str, rules: Rules,
     def wrap(d: LayerDef) -> LayerDef:
         def build() -> nn.Module:
             layer = d.build()
-            load_layer_weights(module, d.name, layer, path, rules, vocab_params, step_dirs)
+            load_layer_weights(module, d.name, layer, path, rules, vocab_params, step_dirs, d.ties)
             return layer
 
         return dataclasses.replace(d, build=build)
@@ -209,20 +215,22 @@ def save_layer_state(state: dict[str, torch.Tensor], path: str) -> None:
 
 
 def check_checkpoint(module: str, layers: list[tuple[str, nn.Module]], path: str, rules: Rules, key: str,
-                     formats: str = "", vocab_params: Sequence[str] = (), step_dirs: StepDirs | None = None) -> int:
+                     formats: str = "", vocab_params: Sequence[str] = (), step_dirs: StepDirs | None = None,
+                     ties: dict[str, str] | None = None) -> int:
     """Refuse, in one line naming ``key``, a checkpoint that would leave any weight of ``module``
     at its random init or does not fit its shapes; returns the number of tensors it provides.
 
     ``layers``: (layer name, layer) pairs, built on the meta device (only names and shapes are
     read). A projector is expected only from a checkpoint that has one (a training step directory,
-    an exported directory); otherwise it keeps its seeded init."""
+    an exported directory); otherwise it keeps its seeded init. ``ties`` (``models/layers.py::tied_keys``):
+    tied parameters, read from their leader's tensor."""
     try:
         src = open_source(path, module, tuple(rules), step_dirs)
         shapes = src.shapes()
     except (FileNotFoundError, ConfigError) as exc:
         raise ConfigError(f"'{key}' {exc}") from None
     expected = {f"{name}/{k}": tuple(v.shape) for name, layer in layers if name != "projector" or src.has_projector
-                for k, v in layer.state_dict().items()}
+                for k, v in layer.state_dict().items() if f"{name}/{k}" not in (ties or {})}
     found = {k: s for k, s in shapes.items() if k in expected}
     if not found:
         what = f" (it reads {formats} layouts and training step directories)" if formats else ""

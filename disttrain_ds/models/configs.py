@@ -82,6 +82,11 @@ class LLMConfig:
     ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``, ...); empty for the default RoPE."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm (transformers' Llama default; Llama 2 and 3 checkpoints say 1e-5)."""
+    tie_embeddings: bool = False
+    """The LM head is the input embedding (transformers' ``tie_word_embeddings``: Llama 3.2 1B/3B,
+    Qwen2.5 up to 3B, SmolLM2). One parameter where embedding and head share a pipeline stage;
+    across stages each keeps a copy and their gradients are summed before every step. Under TP the
+    embedding is then split by vocabulary rows like the head."""
     doc_attention: Literal["auto", "spans", "flex"] = "auto"
     """How attention stays inside each packed document (``models/doc_mask.py``): ``spans`` runs
     causal SDPA per document span, ``flex`` compiled flex attention with a block mask (CUDA only:

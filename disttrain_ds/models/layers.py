@@ -31,6 +31,12 @@ class LayerDef:
     """Zero-argument constructor; already seeds the RNG, so calling it twice gives equal weights."""
     frozen: bool = False
     """Keep this layer's weights fixed (no weight gradients, no optimizer state)."""
+    ties: tuple[tuple[str, str], ...] = ()
+    """(own parameter, ``leader_layer/parameter``) pairs: parameters that are another layer's
+    parameter (tied input and output embeddings). Where both layers sit in one process they are one
+    ``nn.Parameter`` (``tie_parameters``); across pipeline stages each stage keeps a copy whose
+    gradients are summed before every optimizer step. The builder starts the copy from the leader's
+    initial value."""
 
 
 def layer_seed(seed: int, module: str, name: str) -> int:
@@ -48,6 +54,49 @@ def seeded(seed: int, module: str, name: str, fn: Callable[[], nn.Module]) -> La
             return fn()
 
     return LayerDef(name, build)
+
+
+def tied_to(follower: LayerDef, param: str, leader: LayerDef, leader_param: str) -> LayerDef:
+    """``follower`` whose parameter ``param`` is ``leader``'s ``leader_param``: it starts from the
+    leader's seeded value (so every rank building either layer holds the same number) and carries
+    the tie for the places that build both (``tie_parameters``) or one (the pipeline's tied groups)."""
+
+    def build() -> nn.Module:
+        layer = follower.build()
+        with torch.no_grad():
+            layer.get_parameter(param).copy_(leader.build().get_parameter(leader_param))
+        return layer
+
+    return LayerDef(follower.name, build, follower.frozen, (*follower.ties, (param, f"{leader.name}/{leader_param}")))
+
+
+def tied_keys(defs: list[LayerDef]) -> dict[str, str]:
+    """``layer/param`` of every tied follower -> ``layer/param`` of its leader."""
+    return {f"{d.name}/{own}": lead for d in defs for own, lead in d.ties}
+
+
+def set_parameter(module: nn.Module, path: str, param: nn.Parameter) -> None:
+    """Make ``module``'s parameter at ``path`` (dotted) the object ``param``."""
+    owner, _, leaf = path.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, leaf, param)
+
+
+def tie_parameters(built: dict[str, nn.Module], defs: list[LayerDef]) -> list[tuple[str, str, bool]]:
+    """Make every follower parameter whose leader layer is also in ``built`` (layer name -> module)
+    that very parameter. Returns the ties left open here, as (layer name, parameter, is follower)
+    of this side's copy: one of the two layers is built elsewhere (another pipeline stage), so the
+    copies' gradients must be summed across the two places."""
+    open_ties = []
+    for d in defs:
+        for own, lead in d.ties:
+            layer, param = lead.split("/", 1)
+            if d.name in built and layer in built:
+                set_parameter(built[d.name], own, built[layer].get_parameter(param))
+            elif d.name in built:
+                open_ties.append((d.name, own, True))
+            elif layer in built:
+                open_ties.append((layer, param, False))
+    return open_ties
 
 
 class Sequential(nn.Module):

@@ -22,6 +22,7 @@ from types import MethodType
 from typing import Callable
 
 import torch
+import torch.distributed as tdist
 import torch.utils.checkpoint
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -33,7 +34,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from disttrain_ds.comm.boundary import BoundaryComm
 from disttrain_ds.comm.p2p import waiting_for
 from disttrain_ds.mllm.model import MicroBatch
-from disttrain_ds.models.layers import LayerDef
+from disttrain_ds.models.layers import LayerDef, tie_parameters
 from disttrain_ds.parallel.grid import OffsetTopology, subset_grid_for_pipeline_module
 from disttrain_ds.parallel.roles import Role
 from disttrain_ds.parallel.tensor_parallel import TPContext, mark_norm_owners, shard_layer
@@ -75,11 +76,14 @@ def recompute(function, *args):
 
 
 def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: TPContext, groups: dict,
-                          checkpoint_every: int = 0) -> PipelineModule:
+                          checkpoint_every: int = 0, tied_group=None) -> PipelineModule:
     """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the
     module's ranks and this rank's groups of it (``groups``: ``ProcessGroups.module_axes``);
     layers whose ``LayerDef`` is frozen get no weight gradients.
-    ``checkpoint_every``: recompute activations in blocks of that many layers (0: keep them)."""
+    ``checkpoint_every``: recompute activations in blocks of that many layers (0: keep them).
+    Tied weights (``LayerDef.ties``) are one parameter where both layers are on this stage; a copy
+    whose partner is on another stage goes in ``pm.tied_copies``, its gradient summed over
+    ``tied_group`` (``ProcessGroups.tied_group``) before each step."""
     with subset_grid_for_pipeline_module(groups):  # the groups every rank made, not new ones
         pm = PipelineModule(
             layers=[DefSpec(d, tp) for d in layer_defs],
@@ -92,6 +96,19 @@ def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: 
     for idx in range(pm._local_start, pm._local_stop):
         if layer_defs[idx].frozen:
             getattr(pm, str(idx)).requires_grad_(False)
+    built = {layer_defs[i].name: getattr(pm, str(i)) for i in range(pm._local_start, pm._local_stop)}
+    index = {d.name: i for i, d in enumerate(layer_defs)}
+    # Every tie in PipelineModule's parameter names (``<layer index>.<param>``), follower -> leader:
+    # what a resume under another layout reads a copy's optimizer state from.
+    pm.tied_names = {f"{i}.{own}": f"{index[lead.split('/', 1)[0]]}.{lead.split('/', 1)[1]}"
+                     for i, d in enumerate(layer_defs) for own, lead in d.ties}
+    pm.tied_copies, pm.tied_group = [], tied_group
+    for layer, param, follower in tie_parameters(built, layer_defs):
+        if tied_group is None:
+            raise RuntimeError(f"{layer}.{param} is tied to a layer on another stage, but this rank has no tied group")
+        p = built[layer].get_parameter(param)
+        p.ds_pipe_replicated = follower  # the gradient norm counts a tied weight once (the leader's copy)
+        pm.tied_copies.append(p)
     mark_norm_owners(pm, tp)
     return pm
 
@@ -304,8 +321,15 @@ class ModuleEngine(PipelineEngine):
             PipelineEngine._exec_reduce_grads(self)
 
     def _exec_reduce_tied(self) -> None:
-        if self.optimizer is not None:
-            PipelineEngine._exec_reduce_tied_grads(self)
+        """Sum the gradients of the copies of a tied weight held by two stages (the embedding and
+        the LM head), so both copies take the same step, as the one parameter of the reference does."""
+        if self.optimizer is None:
+            return
+        for p in self.module.tied_copies:
+            grad = p._hp_grad if self.using_bf16_optimizer else p.grad
+            if grad is None:  # the other copy's rank all-reduces regardless: never leave it waiting
+                grad = p.grad = torch.zeros_like(p)
+            tdist.all_reduce(grad, group=self.module.tied_group)
 
     def _exec_step(self, lr_kwargs=None) -> None:
         if self.optimizer is not None:

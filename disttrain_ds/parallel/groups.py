@@ -37,17 +37,33 @@ class GroupSpec:
     """One process group of the job."""
 
     key: tuple
-    """``("meta",)``, ``("channel", name)`` or ``(module, axis, index)``: how the runtime asks for it."""
+    """``("meta",)``, ``("channel", name)``, ``(module, axis, index)`` or ``(module, "tied", index)``:
+    how the runtime asks for it."""
     ranks: tuple[int, ...]
     """Its global ranks, sorted."""
     backend: str | None = None
     """None: the job's backend (NCCL on GPUs); ``"gloo"`` for CPU bookkeeping."""
 
 
-def plan_groups(modules: tuple[ModuleGrid, ...], world: int) -> list[GroupSpec]:
+TIED = "tied"
+"""Axis name of a module's tied-weight groups."""
+
+
+def tied_pairs(m: ModuleGrid) -> list[tuple[int, int]]:
+    """(first-stage rank, last-stage rank) of every (DP, TP) coordinate of ``m``: the ranks whose copies
+    of a tied weight (the input embedding on the first stage, the LM head on the last) sum their
+    gradients. Empty on a single stage, where the tie is one parameter."""
+    if m.pp == 1:
+        return []
+    return [(m.rank(stage=0, dp=d, tp=t), m.rank(stage=m.pp - 1, dp=d, tp=t)) for d in range(m.dp) for t in range(m.tp)]
+
+
+def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str] = frozenset()) -> list[GroupSpec]:
     """Every group of the job in the one order all ranks make them: the gloo bookkeeping group, one
     world-wide group per boundary channel, then each module's DeepSpeed grid groups (replica, data,
-    pipe, model axes, as ``SubsetGrid`` uses them). Pure: every rank computes the same list."""
+    pipe, model axes, as ``SubsetGrid`` uses them) and, for the modules named in ``tied`` (a weight
+    shared by their first and last layers), their tied-weight groups. Pure: every rank computes the
+    same list."""
     everyone = tuple(range(world))
     specs = [GroupSpec((META,), everyone, "gloo")]
     specs += [GroupSpec(("channel", ch), everyone) for ch in CHANNELS]
@@ -55,6 +71,8 @@ def plan_groups(modules: tuple[ModuleGrid, ...], world: int) -> list[GroupSpec]:
         lists = grid_groups(m)
         for axis in GRID_AXES:
             specs += [GroupSpec((m.name, axis, i), tuple(sorted(r))) for i, r in enumerate(lists[axis])]
+        if m.name in tied:
+            specs += [GroupSpec((m.name, TIED, i), pair) for i, pair in enumerate(tied_pairs(m))]
     return specs
 
 
@@ -87,12 +105,19 @@ class ProcessGroups:
         """This rank's group on each grid axis of ``module``: axis -> (ranks, handle)."""
         out = {}
         for key, handle in self.handles.items():
-            if len(key) == 3 and key[0] == module:
+            if len(key) == 3 and key[0] == module and key[1] in GRID_AXES:
                 out[key[1]] = (list(self.ranks[key]), handle)
         missing = [a for a in GRID_AXES if a not in out]
         if missing:
             raise KeyError(f"rank {self.rank} has no {module} group on axes {missing}")
         return out
+
+
+    def tied_group(self, module: str):
+        """This rank's tied-weight group of ``module`` (None: it holds no copy of a tied weight that
+        another stage also holds)."""
+        found = [h for k, h in self.handles.items() if len(k) == 3 and k[0] == module and k[1] == TIED]
+        return found[0] if found else None
 
 
 def device_bound() -> bool:

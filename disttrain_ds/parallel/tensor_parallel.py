@@ -145,6 +145,25 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class VocabParallelEmbedding(nn.Module):
+    """``full`` with its vocabulary rows split over the TP group: each rank looks up the ids in its
+    rows (zeros elsewhere) and the partial embeddings are summed. Used where the embedding is tied
+    to a vocabulary-split LM head, so both hold the same rows on every TP rank."""
+
+    def __init__(self, full: nn.Embedding, tp: TPContext):
+        super().__init__()
+        rows = full.num_embeddings
+        if rows % tp.size:
+            raise ValueError(f"a vocabulary of {rows} does not split over tensor-parallel degree {tp.size}")
+        self.tp, self.lo, self.hi = tp, tp.rank * rows // tp.size, (tp.rank + 1) * rows // tp.size
+        self.weight = _tp_param(shard_rows(full.weight.data, tp.rank, tp.size), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.lo) | (ids >= self.hi)
+        rows = F.embedding((ids - self.lo).masked_fill(outside, 0), self.weight)
+        return _ReduceFromTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.tp.group)
+
+
 PROJECTOR_PLAN = (MLPProjector, {"0": "col", "2": "row"})
 """The projectors' split, shared by every family (the families own theirs: ``Family.tp_plan``)."""
 
@@ -182,6 +201,12 @@ def shard_layer(layer: nn.Module, tp: TPContext) -> nn.Module:
                 setattr(module, path, count // tp.size)
                 continue
             full = module.get_submodule(path)
+            if style == "vocab":  # an embedding tied to a vocabulary-split head: split like it, or not at all
+                if not isinstance(full, nn.Embedding):
+                    raise TypeError(f"{name}.{path}: expected nn.Embedding to shard, found {type(full).__name__}")
+                if full.num_embeddings % tp.size == 0:
+                    _set(module, path, VocabParallelEmbedding(full, tp))
+                continue
             if not isinstance(full, nn.Linear):
                 raise TypeError(f"{name}.{path}: expected nn.Linear to shard, found {type(full).__name__}")
             if style == "col_gather" and full.out_features % tp.size:

@@ -39,7 +39,9 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
         module_layers,
         module_stages,
         reduce_bucket_bytes,
+        shared_params,
         stage_bounds,
+        stage_params,
         state_bytes,
         vocab_size,
     )
@@ -54,10 +56,12 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
         split = float(sum(lb.sharded)) / act if act and lb.sharded else 0.0
         pps = [p for p in spec.pp_degrees() if p <= len(params)]
         bounds = {p: stage_bounds(params, p, par.partition) for p in pps}
-        stages = {(t, p): tuple(module_stages(params, lb, bounds[p], t, par.activation_checkpointing, backward[name]))
+        shared = shared_params(recipe, name, vocab)
+        stages = {(t, p): tuple(module_stages(params, lb, bounds[p], t, par.activation_checkpointing, backward[name],
+                                              shared))
                   for t in spec.cost_ms for p in pps}
         modules[name] = replace(
-            spec, params=float(sum(params)), frozen=g == 0 and o == 0,
+            spec, params=float(stage_params(params, 0, len(params), shared)), frozen=g == 0 and o == 0,
             weight_bytes_per_param=w, grad_bytes_per_param=g, optimizer_bytes_per_param=o,
             optimizer_sharded=sharded, activation_bytes_per_sample=act, activation_tp_sharded=min(split, 1.0),
             activation_checkpointing=par.activation_checkpointing,

@@ -232,7 +232,8 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     # Every rank makes every group of the job, in one order (eager NCCL splits them off the world):
     # the gloo bookkeeping group for step figures, one group per boundary channel (one per
     # direction, apart from DeepSpeed's own P2P), and every module's grid groups.
-    groups = ProcessGroups(rank).make(plan_groups(topo.modules, world), nccl_timeout_s(recipe.parallel.comm_timeout_s))
+    groups = ProcessGroups(rank).make(plan_groups(topo.modules, world, spec.tied_modules()),
+                                      nccl_timeout_s(recipe.parallel.comm_timeout_s))
     meta_group = groups.get((META,))
     channels = {ch: groups.get(("channel", ch)) for ch in CHANNELS}
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
@@ -250,7 +251,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     check_free_memory(recipe, memory_rows, rank, device)  # after NCCL's set-up, before the weights
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, groups.module_axes(grid.name),
-                               mp.activation_checkpointing)
+                               mp.activation_checkpointing, groups.tied_group(grid.name))
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
     frozen = not any(p.requires_grad for p in pm.parameters())  # this stage holds nothing to train

@@ -6,6 +6,7 @@ from disttrain_ds.checkpoint.read import STEP_DIRS
 from disttrain_ds.estimate.memory import meta_layers, vocab_size
 from disttrain_ds.mllm.recipe_spec import meta_spec
 from disttrain_ds.mllm.weights import check_checkpoint
+from disttrain_ds.models.layers import tied_keys
 from disttrain_ds.recipe.graph import graph_of, module_family, module_key
 
 
@@ -18,7 +19,8 @@ def check_imports(recipe) -> None:
         if not cfg.checkpoint:
             continue
         vocab = vocab if vocab is not None else vocab_size(recipe)
-        names = [d.name for d in meta_spec(recipe, vocab).layers(name)]  # defs only: nothing is built here
+        defs = meta_spec(recipe, vocab).layers(name)  # defs only: nothing is built here
         fam = module_family(recipe, name)
-        check_checkpoint(name, list(zip(names, meta_layers(recipe, name, vocab))), cfg.checkpoint, fam.hf_rules,
-                         f"{module_key(recipe, name)}.checkpoint", fam.hf_formats, fam.vocab_params, STEP_DIRS)
+        check_checkpoint(name, list(zip([d.name for d in defs], meta_layers(recipe, name, vocab))), cfg.checkpoint,
+                         fam.hf_rules, f"{module_key(recipe, name)}.checkpoint", fam.hf_formats, fam.vocab_params,
+                         STEP_DIRS, tied_keys(defs))

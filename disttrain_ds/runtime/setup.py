@@ -160,10 +160,14 @@ def module_lr(recipe: Recipe, module: str, layer: str = "") -> float:
 
 def param_groups(recipe: Recipe, module: str, layers) -> list[dict]:
     """Optimizer parameter groups of ``(layer name, nn.Module)`` pairs of one module: one group
-    per distinct peak rate (the projector may have its own)."""
+    per distinct peak rate (the projector may have its own). A weight two layers share (tied
+    embeddings) is listed once, with its first layer: an optimizer steps each parameter once."""
     groups: dict[float, list] = {}
+    seen: set[int] = set()
     for name, layer in layers:
-        groups.setdefault(module_lr(recipe, module, name), []).extend(layer.parameters())
+        fresh = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        groups.setdefault(module_lr(recipe, module, name), []).extend(fresh)
     return [{"params": ps, "lr": lr} for lr, ps in groups.items()]
 
 

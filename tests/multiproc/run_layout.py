@@ -18,6 +18,8 @@ from its forward: the negative control for the checkpointing fidelity test. Ever
 many checkpointed blocks ran and how often their layers ran (``recompute_rank<r>.json``).
 ``--fault eval_zero_encoder`` zeroes what the encoder sends while evaluating (training untouched):
 the negative control of the evaluation check.
+``--fault skip_tied_reduce`` leaves out the sum of a tied weight's gradients over the stages holding
+its copies (the embedding's and the LM head's): the negative control for tied embeddings across stages.
 ``--fault drop_adam_moments`` zeroes the optimizer's per-element state (Adam's moments) read back
 when a checkpoint is re-sharded for another layout: the negative control for resuming under a new layout.
 ``--fault wrong_host_units`` makes every host read the next units of each batch instead of its own
@@ -49,6 +51,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from deepspeed.runtime.pipe import schedule as ds_schedule  # noqa: E402
 
 from disttrain_ds.comm.boundary import BoundaryComm  # noqa: E402
 from disttrain_ds.comm.p2p import P2P  # noqa: E402
@@ -127,6 +130,11 @@ def main() -> int:
             return original_send(self, mb, torch.zeros_like(tensor) if zero else tensor, rows_per_sample)
 
         ModuleEngine.run_eval, BoundaryComm.send_activation = flagged_eval, send_zero_while_evaluating
+    elif fault == "skip_tied_reduce":
+        from disttrain_ds.parallel.engine import ModuleEngine
+
+        ModuleEngine._exec_reduce_tied = lambda self: None  # each copy of a tied weight steps on its own share
+        ModuleEngine._DISAGG_MAP = {**ModuleEngine._DISAGG_MAP, ds_schedule.ReduceTiedGrads: lambda self: None}
     elif fault == "drop_adam_moments":
         from disttrain_ds.checkpoint import reshard_shards
 

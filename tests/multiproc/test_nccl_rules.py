@@ -119,6 +119,7 @@ def test_header_prefetch_protocol_passes_gloo_and_fails_nccl_rules():
 ONE_CHANNEL = ["layout=disaggregated", "train.steps=1", "parallel.comm_timeout_s=15", "parallel.heartbeat_timeout_s=15"]
 
 
+@pytest.mark.slow  # waits out a 15 s deadline; the one-stream rule itself is pinned above without a job
 def test_one_group_for_both_directions_stops_the_readme_layout_under_nccl_rules(tmp_path):
     """Negative control at layout level: activations and gradients on one process group (one
     stream per pair) let the encoder's gradient receive for microbatch 0 hold up its activation

@@ -34,6 +34,7 @@ def test_two_encoders_fanning_in_to_a_split_llm_match_reference(tmp_path, refere
     assert all(last[f"perf/mfu/{m}"] > 0 for m in ("vision", "ear", "llm", "painter"))
 
 
+@pytest.mark.slow  # a 7-rank job; the two-encoder fan-in itself is pinned above in the default tier
 def test_audio_rows_in_the_wrong_placeholders_are_caught(tmp_path, reference_run):
     rows, params, ref_losses, ref_params = _run(tmp_path, reference_run, FAN_IN, 7, fault="swap_audio_rows")
     assert rows[0]["loss"] != pytest.approx(ref_losses[0], rel=1e-5)  # same weights, other sequence

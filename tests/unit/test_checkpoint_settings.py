@@ -114,7 +114,6 @@ def test_a_recipe_field_that_contradicts_the_checkpoint_is_one_line_naming_both(
                           "original_max_position_embeddings": 64}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5}},
      "rope_scaling"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"attention_bias": True}, "attention_bias"),
     ({"head_dim": 16}, "head_dim"),

@@ -64,8 +64,6 @@ def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...])
     bad = rope_problem(kind, scaling)
     if bad:
         refuse("rope_scaling", bad)
-    if hf.get("tie_word_embeddings", False):
-        refuse("tie_word_embeddings", "is true: tied input and output embeddings are not trained yet")
     if hf.get("head_dim") not in (None, hidden // heads):
         refuse("head_dim", f"{hf['head_dim']} differs from hidden_size / num_attention_heads = {hidden // heads}, "
                            "which is not reproduced yet")
@@ -90,4 +88,6 @@ def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...])
         "rope_type": kind,
         "rope_scaling": scaling,
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        # what transformers reads from a config.json that does not say (Llama / Qwen2 configs: false)
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }

@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import (
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.models.configs import LLMConfig
 from disttrain_ds.models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
-from disttrain_ds.models.layers import LayerDef, seeded
+from disttrain_ds.models.layers import LayerDef, seeded, tied_to
 
 
 def hf_kwargs(cfg: LLMConfig) -> dict:
@@ -39,6 +39,7 @@ def hf_kwargs(cfg: LLMConfig) -> dict:
         max_position_embeddings=cfg.max_position,
         rope_parameters={"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **cfg.rope_scaling},
         rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
         attention_dropout=0.0,
         attn_implementation="sdpa",
     )
@@ -81,6 +82,7 @@ class LlmEmbed(nn.Module):
     def __init__(self, cfg: LLMConfig, image_token: int, tokens: tuple[int, ...] = ()):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.vocab_parallel = cfg.tie_embeddings  # under TP: rows split like the head it is tied to
         self.image_token = image_token
         self.tokens = tuple(tokens) or (image_token,)
 
@@ -141,11 +143,12 @@ class LlmHead(nn.Module):
 def decoder_layers(cfg: LLMConfig, ctx: BuildContext, decoder: Decoder) -> list[LayerDef]:
     """Ordered pipeline layers of a decoder LLM: embed, ``cfg.layers`` decoder blocks, head."""
     seed, module = ctx.seed, ctx.module
-    defs = [seeded(seed, module, "embed", lambda: LlmEmbed(cfg, ctx.image_token, ctx.placeholders))]
-    for i in range(cfg.layers):
-        defs.append(seeded(seed, module, f"block{i}", lambda i=i: LlmBlock(cfg, i, decoder)))
-    defs.append(seeded(seed, module, "head", lambda: LlmHead(cfg, decoder)))
-    return defs
+    embed = seeded(seed, module, "embed", lambda: LlmEmbed(cfg, ctx.image_token, ctx.placeholders))
+    head = seeded(seed, module, "head", lambda: LlmHead(cfg, decoder))
+    if cfg.tie_embeddings:
+        head = tied_to(head, "lm_head.weight", embed, "embed_tokens.weight")
+    blocks = [seeded(seed, module, f"block{i}", lambda i=i: LlmBlock(cfg, i, decoder)) for i in range(cfg.layers)]
+    return [embed, *blocks, head]
 
 
 def llm_layers(cfg: LLMConfig, ctx: BuildContext) -> list[LayerDef]:
@@ -154,8 +157,14 @@ def llm_layers(cfg: LLMConfig, ctx: BuildContext) -> list[LayerDef]:
 
 layers = llm_layers
 
+def embed_plan(embed: LlmEmbed) -> dict[str, str]:
+    """A tied embedding splits its vocabulary rows as the head does; an untied one stays replicated."""
+    return {"embed_tokens": "vocab"} if embed.vocab_parallel else {}
+
+
 TP_PLAN = (
     (LlamaAttention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
     (LlamaMLP, {"gate_proj": "col", "up_proj": "col", "down_proj": "row"}),
     (LlmHead, {"lm_head": "col_gather"}),
+    (LlmEmbed, embed_plan),
 )

@@ -12,7 +12,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 from disttrain_ds.families.base import BuildContext
-from disttrain_ds.families.llama.model import Decoder, LlmHead, decoder_layers, hf_kwargs
+from disttrain_ds.families.llama.model import Decoder, LlmEmbed, LlmHead, decoder_layers, embed_plan, hf_kwargs
 from disttrain_ds.models.configs import LLMConfig
 from disttrain_ds.models.layers import LayerDef
 
@@ -38,4 +38,5 @@ TP_PLAN = (
     (Qwen2Attention, {"q_proj": "col", "k_proj": "col", "v_proj": "col", "o_proj": "row"}),
     (Qwen2MLP, {"gate_proj": "col", "up_proj": "col", "down_proj": "row"}),
     (LlmHead, {"lm_head": "col_gather"}),
+    (LlmEmbed, embed_plan),
 )
