@@ -10,11 +10,13 @@ import sys
 from typing import Any
 
 from disttrain_ds.errors import ConfigError
-from disttrain_ds.families import dit, llama, qwen2, unet, vit, whisper
+from disttrain_ds.families import clip, dit, llama, qwen2, siglip, unet, vit, whisper
 from disttrain_ds.families.base import BuildContext, Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     vit.FAMILY,
+    clip.FAMILY,
+    siglip.FAMILY,
     whisper.FAMILY,
     llama.FAMILY,
     qwen2.FAMILY,

@@ -98,9 +98,20 @@ class Family:
     modality: str = ""
     """Encoders: what the module reads (image | audio): which sample field feeds it and which
     placeholder token its output rows fill in the LLM's sequence."""
+    blocks: Callable[[Any], int] | None = None
+    """Image encoders: transformer layers one forward runs (what MFU and the cost model price);
+    None: the config's ``layers``."""
+    signed: tuple[str, ...] = ()
+    """Integer config fields that may be zero or negative (an LLM's ``vocab_size``: 0 takes the
+    tokenizer's; a tower's ``feature_layer``: -2 counts from the end); ``problems`` checks them.
+    Every other integer field must be >= 1."""
     not_trainable: str = ""
     """Why recipes cannot train this family yet (empty when they can): its layers are built and
     tested, but some part of the pipeline around them is missing."""
+
+    def run_layers(self, cfg: Any) -> int:
+        """Transformer layers one forward of a module of this family runs (``blocks``)."""
+        return self.blocks(cfg) if self.blocks is not None else cfg.layers
 
     def layers(self, cfg: Any, ctx: BuildContext) -> list[LayerDef]:
         """Ordered pipeline layers of a module of this family."""

@@ -86,7 +86,7 @@ class StepFlopsCounter:
         enc = 0.0
         if patches and e is not None:
             enc = vit_flops(
-                layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, patches_per_image=patches,
+                layers=get_family(e.family, "encoder").run_layers(e), hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, patches_per_image=patches,
                 patch_size=p, mode=self.modes["encoder"],
             )
             enc += sum(patches) * projector_flops_per_token(

@@ -57,7 +57,8 @@ class LLMConfig:
     family: str = "llama"
     """Model family (llama | qwen2): which network this module is (``disttrain_ds/families``)."""
     preset: str = "tiny"
-    """Named size (tiny | llama-7b | llama-13b | llama-70b); fields given beside it override it."""
+    """Named size (tiny | llama-7b | llama-13b | llama-70b | llama3.2-1b | llama3.2-3b); fields given
+    beside it override it."""
     hidden_size: int = 64
     """Model width."""
     layers: int = 4
@@ -151,6 +152,11 @@ ENCODER_PRESETS: dict[str, dict] = {
     "vit-h-14": dict(hidden_size=1280, layers=32, heads=16, ffn_hidden=5120, patch_size=14, image_size=224),
 }
 
+_LLAMA32 = dict(rope_theta=500000.0, rope_type="llama3", max_position=131072, rms_norm_eps=1e-5, tie_embeddings=True,
+                rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+"""What Llama 3.2 checkpoints share beyond their sizes."""
+
 LLM_PRESETS: dict[str, dict] = {
     "tiny": {},
     # The paper's backbone table (disttrain_ds/paper/disttrain_paper.json: llm_backbones); vocab per family.
@@ -159,6 +165,11 @@ LLM_PRESETS: dict[str, dict] = {
     "llama-70b": dict(
         hidden_size=8192, layers=80, heads=64, kv_heads=8, ffn_hidden=28672, vocab_size=128256, rope_theta=500000.0
     ),
+    # meta-llama/Llama-3.2-1B and -3B config.json: tied embeddings, Llama 3.1 RoPE scaling, eps 1e-5.
+    "llama3.2-1b": dict(hidden_size=2048, layers=16, heads=32, kv_heads=8, ffn_hidden=8192, vocab_size=128256,
+                        **_LLAMA32),
+    "llama3.2-3b": dict(hidden_size=3072, layers=28, heads=24, kv_heads=8, ffn_hidden=8192, vocab_size=128256,
+                        **_LLAMA32),
 }
 
 GENERATOR_PRESETS: dict[str, dict] = {

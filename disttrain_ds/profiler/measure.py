@@ -127,7 +127,7 @@ def block_count(recipe: Recipe, name: str) -> int:
     cfg = module_config(recipe, name)
     if graph_of(recipe).role(name) == "generator":
         return len(cfg.down_block_types) + 1 + len(cfg.up_block_types)
-    return cfg.layers
+    return module_family(recipe, name).run_layers(cfg)
 
 
 def time_ms(fn: Callable[[], None], device: torch.device) -> float:
@@ -251,7 +251,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
         else:
             patches = [(h // e.patch_size) * (w // e.patch_size) for h, w in mb.image_hw.tolist()]
             rows = sum(patches)
-            flops = vit_flops(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden,
+            flops = vit_flops(layers=fam.run_layers(e), hidden=e.hidden_size, ffn_hidden=e.ffn_hidden,
                               patches_per_image=patches, patch_size=e.patch_size, mode=m) if patches else 0.0
         flops += rows * projector_flops_per_token(in_dim=fam.width(e), hidden_dim=lm.hidden_size,
                                                   out_dim=lm.hidden_size, mode=m)

@@ -121,11 +121,11 @@ def check_sizes(r: Recipe, graph: ModuleGraph, src: str) -> None:
     """Every module's sizes: positive integers, and its family's own rules (checked first: layer
     counts and patch sizes depend on them)."""
     for name in graph.names:
-        cfg, key = module_config(r, name), module_key(r, name)
+        cfg, key, fam = module_config(r, name), module_key(r, name), module_family(r, name)
         for f, v in vars(cfg).items():
-            if isinstance(v, int) and not isinstance(v, bool) and f != "vocab_size":
+            if isinstance(v, int) and not isinstance(v, bool) and f not in fam.signed:
                 _check(v >= 1, src, f"{key}.{f}", f"must be >= 1, got {v}")
-        for bad_key, msg in module_family(r, name).problems(cfg, key):
+        for bad_key, msg in fam.problems(cfg, key):
             raise ConfigError(f"{src}: '{bad_key}' {msg}")
 
 

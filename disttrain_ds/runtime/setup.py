@@ -33,7 +33,8 @@ def cost_model(recipe: Recipe) -> GraphCosts:
     e = encoder_of(recipe, "image") or EncoderConfig()
     l, g = recipe.model.llm, first_generator(recipe) or GeneratorConfig()
     model = CostModel.from_dims(
-        TransformerDims(layers=e.layers, hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, heads=e.heads),
+        TransformerDims(layers=get_family(e.family, "encoder").run_layers(e), hidden=e.hidden_size,
+                        ffn_hidden=e.ffn_hidden, heads=e.heads),
         TransformerDims(
             layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads, kv_heads=l.kv_heads,
             gated_mlp=True,

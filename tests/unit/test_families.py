@@ -20,7 +20,7 @@ FAMILIES_DIR = Path(__file__).resolve().parents[2] / "disttrain_ds" / "families"
 
 
 def test_every_role_has_its_default_family_and_qwen2_is_an_llm_family():
-    assert family_names("encoder") == ["vit", "whisper"] and family_names("generator") == ["unet", "dit"]
+    assert family_names("encoder") == ["vit", "clip", "siglip", "whisper"] and family_names("generator") == ["unet", "dit"]
     assert family_names("llm") == ["llama", "qwen2"]
 
 
@@ -42,7 +42,7 @@ def test_each_family_lives_in_its_own_folder():
 
 @pytest.mark.parametrize("override, needle", [
     ("model.llm.family=gpt2", "'model.llm.family' must be one of llama | qwen2 (the llm families), got 'gpt2'"),
-    ("model.encoder.family=llama", "'model.encoder.family' must be one of vit | whisper (the encoder families), got 'llama'"),
+    ("model.encoder.family=llama", "'model.encoder.family' must be one of vit | clip | siglip | whisper (the encoder families), got 'llama'"),
     ("model.encoder.family=whisper", "'model.encoder.family' whisper has its own settings: write the model as model.modules"),
 ])
 def test_unknown_or_misplaced_family_is_a_one_line_error(override, needle):

@@ -65,4 +65,5 @@ FAMILY = Family(
     activation_layers=decoder_activation_layers,
     hf_formats="transformers LlamaForCausalLM or LlamaModel",
     checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("llama",)),
+    signed=("vocab_size",),  # 0: the tokenizer's size
 )

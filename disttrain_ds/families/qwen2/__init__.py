@@ -37,4 +37,5 @@ FAMILY = Family(
     activation_layers=decoder_activation_layers,  # Qwen2's q/k/v biases are parameters only
     hf_formats="transformers Qwen2ForCausalLM or Qwen2Model",
     checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("qwen2",)),
+    signed=("vocab_size",),  # 0: the tokenizer's size
 )

@@ -1,0 +1,61 @@
+"""CLIP vision tower (transformers ``CLIPVisionModel`` layers, as LLaVA uses it) with its MLP input projector.
+
+The features are the tower's hidden states after ``feature_layer`` (default -2, LLaVA's), CLS
+dropped; the layers after it are neither built nor read. The record imports no torch.
+"""
+
+from disttrain_ds.families.base import Family
+from disttrain_ds.families.clip.config import CLIP_PRESETS, VisionTowerConfig, feature_problem, run_layers
+from disttrain_ds.families.clip.estimates import tower_activations
+from disttrain_ds.families.clip.hf_settings import clip_fields
+
+
+def tower_problems(cfg: VisionTowerConfig, prefix: str) -> list[tuple[str, str]]:
+    """Size rules of a CLIP-shaped tower."""
+    out = []
+    if cfg.hidden_size % cfg.heads:
+        out.append((f"{prefix}.heads", f"{cfg.heads} must divide hidden_size {cfg.hidden_size}"))
+    bad = feature_problem(cfg)
+    if bad:
+        out.append((f"{prefix}.feature_layer", bad))
+    if not cfg.layer_norm_eps > 0:
+        out.append((f"{prefix}.layer_norm_eps", f"must be > 0, got {cfg.layer_norm_eps}"))
+    return out
+
+
+def tower_tp_sizes(cfg: VisionTowerConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:
+    return [(f"{prefix}.heads", cfg.heads), (f"{prefix}.ffn_hidden", cfg.ffn_hidden)]
+
+
+def tower_rules(prefix: str) -> tuple[tuple[str, str], ...]:
+    """Key map of a vision tower: a vision model's keys, or the ``vision_model.`` ones of a whole
+    two-tower model (its text tower and projections match no rule); layers past the feature layer
+    map to blocks the module does not have and are not read."""
+    p = rf"^(?:{prefix}\.)?"
+    return (
+        (p + r"embeddings\.(.*)$", r"embed/embeddings.\1"),
+        (p + r"pre_layrnorm\.(.*)$", r"embed/pre_norm.\1"),
+        (p + r"encoder\.layers\.(\d+)\.(.*)$", r"block\1/layer.\2"),
+        (p + r"post_layernorm\.(.*)$", r"head/post_layernorm.\1"),
+    )
+
+
+FAMILY = Family(
+    name="clip",
+    role="encoder",
+    modality="image",
+    config_type=VisionTowerConfig,
+    presets=CLIP_PRESETS,
+    model="disttrain_ds.families.clip.model",
+    width=lambda cfg: cfg.hidden_size,
+    width_key="hidden_size",
+    layer_count=lambda cfg: run_layers(cfg) + 2,  # embed, the layers run, head
+    blocks=run_layers,
+    tp_sizes=tower_tp_sizes,
+    problems=tower_problems,
+    hf_rules=tower_rules("vision_model"),
+    hf_formats="transformers CLIPVisionModel or CLIPModel",
+    checkpoint_fields=clip_fields,
+    activation_layers=tower_activations,
+    signed=("feature_layer",),  # -2: the layer before the last
+)
