@@ -6,9 +6,9 @@ from transformers import SiglipVisionConfig, SiglipVisionModel
 from transformers.models.siglip.modeling_siglip import SiglipAttention, SiglipMLP
 
 from disttrain_ds.families.base import BuildContext
+from disttrain_ds.families.clip import model as clip_model
 from disttrain_ds.families.clip.config import VisionTowerConfig
 from disttrain_ds.families.clip.model import Tower, tower_layers, tower_model
-from disttrain_ds.families.clip.model import clear_caches as clear_caches  # the cache is the CLIP module's
 from disttrain_ds.models.layers import LayerDef
 
 
@@ -28,6 +28,10 @@ def layers(cfg: VisionTowerConfig, ctx: BuildContext) -> list[LayerDef]:
 
 def hf_model(cfg: VisionTowerConfig) -> SiglipVisionModel:
     return tower_model(cfg, SIGLIP)
+
+
+def clear_caches() -> None:
+    clip_model.clear_caches()  # the towers' build cache lives in the CLIP module
 
 
 TP_PLAN = (
