@@ -97,7 +97,8 @@ class StepFlopsCounter:
             docs = [n for n in s.doc_lens if n > 0] or [int((s.input_ids != sp.special.pad).sum()) or 1]
             llm += llm_flops_packed(
                 layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads,
-                kv_heads=l.kv_heads, vocab=l.vocab_size, doc_lens=docs, mode=self.modes["llm"],
+                kv_heads=l.kv_heads, vocab=l.vocab_size, doc_lens=docs, head_dim=l.head_dim or None,
+                mode=self.modes["llm"],
             )
         n_gen = sum(int(s.gen_targets.shape[0]) for s in samples) if g is not None else 0
         gen = 0.0 if g is None else n_gen * (

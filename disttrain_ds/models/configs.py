@@ -83,6 +83,14 @@ class LLMConfig:
     ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``, ...); empty for the default RoPE."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm (transformers' Llama default; Llama 2 and 3 checkpoints say 1e-5)."""
+    head_dim: int = 0
+    """Width of one attention head; 0: ``hidden_size / heads`` (a checkpoint's ``head_dim`` that
+    differs is read into it: q and o projections are then ``heads * head_dim`` wide)."""
+    attention_bias: bool = False
+    """Biases on the q / k / v / o projections (Llama's ``attention_bias``; Qwen2's q / k / v biases
+    are its family's own and need no field)."""
+    mlp_bias: bool = False
+    """Biases on the gate / up / down projections (Llama's ``mlp_bias``)."""
     tie_embeddings: bool = False
     """The LM head is the input embedding (transformers' ``tie_word_embeddings``: Llama 3.2 1B/3B,
     Qwen2.5 up to 3B, SmolLM2). One parameter where embedding and head share a pipeline stage;

@@ -268,7 +268,8 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
         # Useful FLOPs: documents only, padding left out (as the training MFU counts them).
         docs = [n for n in sample.doc_lens if n > 0] or [int((mb.input_ids != spec.special.pad).sum()) or 1]
         flops = llm_flops_packed(layers=lm.layers, hidden=lm.hidden_size, ffn_hidden=lm.ffn_hidden, heads=lm.heads,
-                                 kv_heads=lm.kv_heads, vocab=lm.vocab_size, doc_lens=docs, mode=mode[name][0])
+                                 kv_heads=lm.kv_heads, vocab=lm.vocab_size, doc_lens=docs, head_dim=lm.head_dim or None,
+                                 mode=mode[name][0])
 
         def head(out: Any) -> Grads:
             logits, hidden = out

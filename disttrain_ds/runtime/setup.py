@@ -37,7 +37,7 @@ def cost_model(recipe: Recipe) -> GraphCosts:
                         ffn_hidden=e.ffn_hidden, heads=e.heads),
         TransformerDims(
             layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads, kv_heads=l.kv_heads,
-            gated_mlp=True,
+            gated_mlp=True, head_dim=l.head_dim,
         ),
         UNetDims(channels=(1,), attention=(False,)),  # replaced by the generator family's terms below
         enc_patch_size=e.patch_size,

@@ -29,6 +29,9 @@ def _llama_dir(tmp_path, vocab: int, **overrides):
     with torch.random.fork_rng():
         torch.manual_seed(3)
         hf = LlamaForCausalLM(cfg).eval()
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):  # transformers starts biases at zero: make them matter
+                param.data.normal_(0.0, 0.1)
     hf.save_pretrained(tmp_path / "llama")
     return tmp_path / "llama", hf
 
@@ -114,15 +117,35 @@ def test_a_recipe_field_that_contradicts_the_checkpoint_is_one_line_naming_both(
                           "original_max_position_embeddings": 64}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5}},
      "rope_scaling"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"head_dim": 16}, "head_dim"),
+    ({"head_dim": 0.5}, "head_dim"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "mistral"}, "model_type"),
 ])
 def test_settings_the_family_cannot_reproduce_are_refused_naming_them(tmp_path, change, key):
     _assert_refused(tmp_path, {"model_type": "llama", "vocab_size": 300, **SETTINGS, **change}, "tiny_cpu",
                     "model.llm", key)
+
+
+def test_head_dim_and_biases_of_a_llama_checkpoint_give_transformers_logits(tmp_path):
+    vocab = vocab_size(load_recipe("tiny_cpu"))
+    # Heads 16 wide over a 72-wide model (9 x 16 = 144 != 72), and every projection biased.
+    path, hf = _llama_dir(tmp_path, vocab, head_dim=16, attention_bias=True, mlp_bias=True)
+    recipe = load_recipe("tiny_cpu", [f"model.llm.checkpoint={path}"])
+    llm = recipe.model.llm
+    assert (llm.head_dim, llm.attention_bias, llm.mlp_bias) == (16, True, True)
+    spec = build_data_and_spec(recipe)[1]
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        torch.testing.assert_close(_logits(spec, ids), theirs, rtol=1e-5, atol=1e-5)
+        # Negative control: the MLP biases dropped (an import that only matched the tensors it knew).
+        dropped = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, mlp_bias=False))
+        assert (_logits(dropped, ids) - theirs).abs().max() > 1e-4
+
+
+def test_qwen2_refuses_llamas_bias_settings():
+    with pytest.raises(ConfigError, match="'model.llm.mlp_bias' is a llama-family setting"):
+        load_recipe("tiny_cpu", ["model.llm.family=qwen2", "model.llm.mlp_bias=true"])
 
 
 def test_qwen2_reads_its_own_checkpoints_and_refuses_a_sliding_window(tmp_path):

@@ -33,8 +33,10 @@ DECODER_VOCAB_PARAMS = ("embed/embed_tokens.weight", "head/lm_head.weight")
 def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
     """Size rules of a Llama-shaped decoder."""
     out = []
-    if cfg.hidden_size % cfg.heads:
-        out.append((f"{prefix}.heads", f"{cfg.heads} must divide hidden_size {cfg.hidden_size}"))
+    if cfg.hidden_size % cfg.heads and not cfg.head_dim:
+        out.append((f"{prefix}.heads", f"{cfg.heads} must divide hidden_size {cfg.hidden_size} (or give head_dim)"))
+    if cfg.head_dim < 0:
+        out.append((f"{prefix}.head_dim", f"must be >= 0 (0: hidden_size / heads), got {cfg.head_dim}"))
     if cfg.heads % cfg.kv_heads:
         out.append((f"{prefix}.kv_heads", f"{cfg.kv_heads} must divide heads {cfg.heads}"))
     if cfg.vocab_size < 0:
@@ -65,5 +67,5 @@ FAMILY = Family(
     activation_layers=decoder_activation_layers,
     hf_formats="transformers LlamaForCausalLM or LlamaModel",
     checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("llama",)),
-    signed=("vocab_size",),  # 0: the tokenizer's size
+    signed=("vocab_size", "head_dim"),  # 0: the tokenizer's size, hidden_size / heads
 )

@@ -50,9 +50,10 @@ def _rope(hf: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
     return str(kind), float(theta), params
 
 
-def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...]) -> dict[str, Any]:
+def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...], biases: bool = True) -> dict[str, Any]:
     """Section fields of a decoder LLM from its checkpoint's ``config.json`` (``where`` names the
-    file in errors); a one-line ConfigError for a setting this family cannot reproduce."""
+    file in errors); a one-line ConfigError for a setting this family cannot reproduce. ``biases``:
+    the family takes Llama's ``attention_bias`` / ``mlp_bias`` (Qwen2's biases are its classes' own)."""
 
     def refuse(key: str, why: str) -> None:
         raise ConfigError(f"{where}: '{key}' {why}")
@@ -64,13 +65,12 @@ def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...])
     bad = rope_problem(kind, scaling)
     if bad:
         refuse("rope_scaling", bad)
-    if hf.get("head_dim") not in (None, hidden // heads):
-        refuse("head_dim", f"{hf['head_dim']} differs from hidden_size / num_attention_heads = {hidden // heads}, "
-                           "which is not reproduced yet")
-    if hf.get("attention_bias", False):
-        refuse("attention_bias", "is true: biased attention projections are not reproduced by this family")
-    if hf.get("mlp_bias", False):
-        refuse("mlp_bias", "is true: biased MLP projections are not reproduced yet")
+    head_dim = hf.get("head_dim") or hidden // heads
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+        refuse("head_dim", f"must be a positive integer, got {head_dim!r}")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False) and not biases:
+            refuse(key, "is true: this family's projections carry the biases of its own classes only")
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"is {hf['hidden_act']!r}; the decoder's MLP is SwiGLU (silu)")
     if hf.get("attention_dropout", 0.0):
@@ -82,6 +82,9 @@ def decoder_fields(hf: dict[str, Any], where: str, model_types: tuple[str, ...])
         "layers": hf["num_hidden_layers"],
         "heads": heads,
         "kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": 0 if head_dim == hidden // heads else head_dim,
+        "attention_bias": bool(hf.get("attention_bias", False)),
+        "mlp_bias": bool(hf.get("mlp_bias", False)),
         "ffn_hidden": hf["intermediate_size"],
         "max_position": hf.get("max_position_embeddings", 8192),
         "rope_theta": theta,

@@ -36,6 +36,7 @@ def hf_kwargs(cfg: LLMConfig) -> dict:
         num_hidden_layers=cfg.layers,
         num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim or cfg.hidden_size // cfg.heads,
         max_position_embeddings=cfg.max_position,
         rope_parameters={"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **cfg.rope_scaling},
         rms_norm_eps=cfg.rms_norm_eps,
@@ -46,7 +47,7 @@ def hf_kwargs(cfg: LLMConfig) -> dict:
 
 
 def hf_config(cfg: LLMConfig) -> LlamaConfig:
-    return LlamaConfig(**hf_kwargs(cfg))
+    return LlamaConfig(**hf_kwargs(cfg), attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
 
 
 def hf_model(cfg: LLMConfig) -> LlamaForCausalLM:

@@ -14,6 +14,15 @@ from disttrain_ds.families.llama import (
 from disttrain_ds.families.llama.hf_settings import decoder_fields
 from disttrain_ds.models.configs import LLMConfig
 
+
+def qwen2_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
+    """The decoder's size rules; Llama's optional biases are not Qwen2's (its q / k / v biases are fixed)."""
+    out = decoder_problems(cfg, prefix)
+    out += [(f"{prefix}.{k}", "is a llama-family setting (Qwen2 has biased q / k / v projections, nothing else)")
+            for k in ("attention_bias", "mlp_bias") if getattr(cfg, k)]
+    return out
+
+
 PRESETS: dict[str, dict] = {
     "tiny": {},
     # Qwen/Qwen2-7B config.json (untied embeddings, grouped-query attention with 4 KV heads).
@@ -31,11 +40,11 @@ FAMILY = Family(
     width_key="hidden_size",
     layer_count=lambda cfg: cfg.layers + 2,  # embed, blocks, head
     tp_sizes=decoder_tp_sizes,
-    problems=decoder_problems,
+    problems=qwen2_problems,
     hf_rules=DECODER_HF_RULES,
     vocab_params=DECODER_VOCAB_PARAMS,
     activation_layers=decoder_activation_layers,  # Qwen2's q/k/v biases are parameters only
     hf_formats="transformers Qwen2ForCausalLM or Qwen2Model",
-    checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("qwen2",)),
-    signed=("vocab_size",),  # 0: the tokenizer's size
+    checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("qwen2",), biases=False),
+    signed=("vocab_size", "head_dim"),  # 0: the tokenizer's size
 )
