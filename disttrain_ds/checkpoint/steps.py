@@ -149,7 +149,7 @@ class Checkpointer:
         for entries, record, _ in shares:
             reported.update(entries)
             shards.setdefault(record.pop("module"), []).append(record)
-        self._on_rank0(lambda: (self.seal(partial, final, step, run_dir, reported, shards), self._prune()),
+        self._on_rank0(lambda: (self.seal(partial, final, step, run_dir, reported, shards), self._prune(run_dir)),
                        f"checkpoint.dir: could not complete {final}")
         self.seconds = time.perf_counter() - t0
         return final
@@ -272,9 +272,12 @@ class Checkpointer:
         os.rename(partial, final)
         _fsync_dir(final.parent)
 
-    def _prune(self) -> None:
+    def _prune(self, run_dir: str) -> None:
+        """Keep the newest ``checkpoint.keep`` checkpoints of this run (its run directory's: a resume
+        continues it); another run's checkpoints in the same directory are never removed."""
         keep = self.recipe.checkpoint.keep
-        done = complete_checkpoints(self.root)
+        mine = str(Path(run_dir).resolve())
+        done = [(s, d) for s, d in complete_checkpoints(self.root) if (read_manifest(d) or {}).get("run_dir") == mine]
         for _, d in done[: max(0, len(done) - keep)] if keep else []:
             doomed = d.with_name(d.name + ".deleting")  # no longer looks complete, even half-deleted
             os.rename(d, doomed)

@@ -20,8 +20,10 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from disttrain_ds.checkpoint.lock import JOB_ENV
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.runtime.preempt import EXIT_PREEMPTED
 
@@ -194,9 +196,11 @@ def supervise(
     handlers = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         attempt, cmd = 0, list(cmd)
+        # Every attempt is one job: its rank 0 takes the job's directory locks back at once (checkpoint/lock.py).
+        job = {JOB_ENV: os.environ.get(JOB_ENV) or uuid.uuid4().hex}
         while True:
             try:
-                child = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, ATTEMPT_ENV: str(attempt)})
+                child = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, **job, ATTEMPT_ENV: str(attempt)})
             except OSError as exc:
                 say(f"error: cannot start {cmd[0]}: {exc.strerror or exc}")
                 return EXIT_BAD_INPUT

@@ -209,6 +209,7 @@ def check_runtime(r: Recipe, graph: ModuleGraph, src: str) -> None:
     _check(c.every >= 0, src, "checkpoint.every", f"must be >= 0, got {c.every}")
     _check(c.keep >= 0, src, "checkpoint.keep", f"must be >= 0, got {c.keep}")
     _check(c.sigterm_grace_s >= 0, src, "checkpoint.sigterm_grace_s", f"must be >= 0, got {c.sigterm_grace_s:g}")
+    _check(c.lock_timeout_s > 0, src, "checkpoint.lock_timeout_s", f"must be > 0, got {c.lock_timeout_s:g}")
 
 
 def check_emulation(r: Recipe, graph: ModuleGraph, src: str) -> None:

@@ -170,6 +170,10 @@ class CheckpointConfig:
     sigterm_grace_s: float = 120.0
     """After SIGTERM every rank saves a checkpoint at the next step boundary and exits 143; if no
     boundary is reached within this many seconds the rank exits 143 without saving. 0: no limit."""
+    lock_timeout_s: float = 120.0
+    """A job holds ``dir`` (and its run directory) with a lock file it renews every quarter of this;
+    another job is refused while the lock is fresher than this (``checkpoint/lock.py``). Hosts'
+    clocks must agree within it."""
 
 
 @dataclass

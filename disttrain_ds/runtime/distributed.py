@@ -18,6 +18,8 @@ import torch
 import torch.distributed as tdist
 
 from disttrain_ds.checkpoint.engine import install as install_safe_checkpoint_engine
+from disttrain_ds.checkpoint.lock import hold
+from disttrain_ds.checkpoint.manifest import checkpoint_root
 from disttrain_ds.checkpoint.steps import Checkpointer, resolve_resume
 from disttrain_ds.comm.boundary import BoundaryComm, boundary_links
 from disttrain_ds.comm.p2p import CHANNELS, P2P, PeerInfo, waiting_on
@@ -202,12 +204,18 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s,
                         startup_timeout_s=recipe.parallel.startup_timeout_s, emit=emit,
                         console=console).start()  # console: lines not shown go to its run-dir log
+    held = []
     try:
+        if rank == 0 and recipe.checkpoint.every > 0:  # one job writes (and prunes) a checkpoint directory
+            held.append(hold(checkpoint_root(recipe), "checkpoint.dir", recipe.checkpoint.lock_timeout_s, log))
         rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir,
-                    console, preempt, memory_rows)
+                    console, preempt, memory_rows, held)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in one line, on every rank
         watchdog.handle(exc, recipe.parallel.heartbeat_timeout_s + 5)
         raise
+    finally:
+        for lock in held:
+            lock.release()
     preempt.handled()
     watchdog.finished()
     tdist.destroy_process_group()
@@ -215,7 +223,7 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
 
 
 def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir, console, preempt,
-           memory_rows) -> int:
+           memory_rows, held: list) -> int:
     resume_from, manifest = resume
     is_logger = rank == 0
     if is_logger:
@@ -283,8 +291,9 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
 
     run_dir = writer = mfu = None
     if is_logger:
-        run_dir, writer, mfu = open_pipeline_run(recipe, topo, world, device, spec, source,
-                                                 (resume_from, manifest, start), log, console.terminal)
+        run_dir, writer, mfu, run_lock = open_pipeline_run(recipe, topo, world, device, spec, source,
+                                                           (resume_from, manifest, start), log, console.terminal)
+        held.append(run_lock)
     dirs = [str(run_dir) if is_logger else None]
     tdist.broadcast_object_list(dirs, src=0, group=meta_group)
     watchdog.failure_dir = dirs[0]

@@ -39,10 +39,11 @@ def recipe(tmp: Path, *extra: str):
     return load_recipe(REPO / "recipes/tiny_cpu.yaml", ["layout=disaggregated", f"checkpoint.dir={tmp}", *extra])
 
 
-def fake_checkpoint(root: Path, step: int, rec, world: int = 4, complete: bool = True) -> Path:
+def fake_checkpoint(root: Path, step: int, rec, world: int = 4, complete: bool = True, run_dir: Path | None = None) -> Path:
     d = root / (f"step_{step:08d}" + ("" if complete else ".partial"))
     d.mkdir(parents=True)
-    man = {"format": FORMAT, "step": step, "fingerprint": fingerprint(rec, world), "files": {}, "run_dir": str(root)}
+    man = {"format": FORMAT, "step": step, "fingerprint": fingerprint(rec, world), "files": {},
+           "run_dir": str((run_dir or root).resolve())}
     (d / MANIFEST).write_text(json.dumps(man))
     return d
 
@@ -109,9 +110,18 @@ def test_keep_removes_oldest_complete_checkpoints_only(tmp_path):
     for s in (1, 2, 3):
         fake_checkpoint(tmp_path, s, rec)
     fake_checkpoint(tmp_path, 4, rec, complete=False)
-    Checkpointer(rec, engine=None, module="llm", rank=0, world=4, group=None)._prune()
+    Checkpointer(rec, engine=None, module="llm", rank=0, world=4, group=None)._prune(str(tmp_path))
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 3]
     assert (tmp_path / "step_00000004.partial").exists()  # not ours to judge
+
+
+def test_keep_never_removes_another_runs_checkpoints(tmp_path):
+    rec = recipe(tmp_path, "checkpoint.keep=1")
+    fake_checkpoint(tmp_path, 1, rec, run_dir=tmp_path / "runs" / "other")
+    for s in (2, 3):
+        fake_checkpoint(tmp_path, s, rec, run_dir=tmp_path / "runs" / "mine")
+    Checkpointer(rec, engine=None, module="llm", rank=0, world=4, group=None)._prune(str(tmp_path / "runs" / "mine"))
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [1, 3]  # the other run's step 1 stays
 
 
 def test_checkpoints_are_due_every_n_steps_and_after_the_last(tmp_path):

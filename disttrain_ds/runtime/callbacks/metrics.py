@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from disttrain_ds.checkpoint.lock import hold
 from disttrain_ds.metrics.logger import RunLogger
 from disttrain_ds.metrics.rundir import make_run_dir, progress_line, reopen_run_dir, write_resolved_recipe
 from disttrain_ds.metrics.step_flops import MfuMeter
@@ -49,15 +50,19 @@ class MetricsLog(Callback):
 
 def open_pipeline_run(recipe, topo, world: int, device, spec, source, resume, log, out):
     """The logging rank of a pipeline layout: its run directory (new, or the checkpoint's reopened
-    after ``resume = (path, manifest, step)``), the metrics writer (terminal ``out``) and the MFU meter."""
+    after ``resume = (path, manifest, step)``), the metrics writer (terminal ``out``), the MFU meter
+    and this job's lock on the run directory (taken before anything in it is touched)."""
     resume_from, manifest, start = resume
     resolved = {"world_size": world, "topology": topo.describe()}
+    timeout = recipe.checkpoint.lock_timeout_s
     if manifest is not None:
+        lock = hold(manifest["run_dir"], "run directory", timeout, log)
         run_dir, moved = reopen_run_dir(Path(manifest["run_dir"]), start)
         write_resolved_recipe(run_dir, recipe, {**resolved, "resumed_from": str(resume_from)}, f"recipe.resume{start}.yaml")
         log(f"resumed from {resume_from} at step {start}" + (f"; {moved} later step records moved to metrics.rolled_back.jsonl" if moved else ""))
     else:
         run_dir = make_run_dir(recipe.logging.dir, recipe.name)
+        lock = hold(run_dir, "run directory", timeout, log)
         write_resolved_recipe(run_dir, recipe, resolved)
     writer = RunLogger.from_recipe(run_dir, recipe, resolved=resolved, out=out)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -66,4 +71,4 @@ def open_pipeline_run(recipe, topo, world: int, device, spec, source, resume, lo
     log(f"MFU peak: {mfu.peak:.3g} TFLOP/s per rank ({mfu.peak_source})")
     log(f"recipe {recipe.source_file}: layout {recipe.layout}, {recipe.train.steps} steps, run dir {run_dir}")
     log(f"data: {source.describe()}")
-    return run_dir, writer, mfu
+    return run_dir, writer, mfu, lock
