@@ -12,7 +12,9 @@ import dataclasses
 import os
 import secrets
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
@@ -38,8 +40,9 @@ from disttrain_ds.errors import ConfigError
 from disttrain_ds.estimate.memory_check import startup_memory_problem
 from disttrain_ds.mllm.flex_warmup import warm_up_stage
 from disttrain_ds.models.configs import trains
-from disttrain_ds.parallel.engine import build_pipeline_module, make_engine
+from disttrain_ds.parallel.engine import make_engine
 from disttrain_ds.parallel.groups import META, ProcessGroups, plan_groups
+from disttrain_ds.parallel.pipeline_module import build_pipeline_module
 from disttrain_ds.parallel.roles import ROLES
 from disttrain_ds.parallel.tensor_parallel import TPContext, full_state
 from disttrain_ds.recipe.deepspeed import engine_config, load_ds_config
@@ -204,17 +207,17 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     watchdog = Watchdog(connect_store(), rank, names, recipe.parallel.heartbeat_timeout_s,
                         startup_timeout_s=recipe.parallel.startup_timeout_s, emit=emit,
                         console=console).start()  # console: lines not shown go to its run-dir log
-    held = []
+    job = JobStart(recipe, topo, world, rank, device, names, watchdog, resume_from, manifest, log, export_dir,
+                   console, preempt, memory_rows)
     try:
         if rank == 0 and recipe.checkpoint.every > 0:  # one job writes (and prunes) a checkpoint directory
-            held.append(hold(checkpoint_root(recipe), "checkpoint.dir", recipe.checkpoint.lock_timeout_s, log))
-        rc = _train(recipe, topo, world, rank, device, names, watchdog, (resume_from, manifest), log, export_dir,
-                    console, preempt, memory_rows, held)
+            job.held.append(hold(checkpoint_root(recipe), "checkpoint.dir", recipe.checkpoint.lock_timeout_s, log))
+        rc = _train(job)
     except BaseException as exc:  # noqa: BLE001 - every failure ends in one line, on every rank
         watchdog.handle(exc, recipe.parallel.heartbeat_timeout_s + 5)
         raise
     finally:
-        for lock in held:
+        for lock in job.held:
             lock.release()
     preempt.handled()
     watchdog.finished()
@@ -222,9 +225,37 @@ def train_distributed(recipe: Recipe, log=print, export_dir: str | None = None, 
     return rc
 
 
-def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, export_dir, console, preempt,
-           memory_rows, held: list) -> int:
-    resume_from, manifest = resume
+@dataclass
+class JobStart:
+    """What a rank knows once its processes are up, before the job's groups exist."""
+
+    recipe: Recipe
+    topo: Topology
+    world: int
+    rank: int
+    device: torch.device
+    names: dict[int, str]
+    """Each rank's name in messages (module and coordinates)."""
+    watchdog: Watchdog
+    resume_from: Path | None
+    """The checkpoint this run resumes from (None: a fresh start)."""
+    manifest: dict | None
+    """Its manifest."""
+    log: Callable[[str], None]
+    export_dir: str | None
+    """Where every rank saves its final layer parameters (tests), or None."""
+    console: Console
+    preempt: Preemption
+    memory_rows: list | None
+    """The memory estimate checked before start-up, held against each GPU's free memory."""
+    held: list = field(default_factory=list)
+    """This job's directory locks (rank 0), released when the job ends, however it ends."""
+
+
+def _train(job: JobStart) -> int:
+    recipe, topo, world, rank, device, names = job.recipe, job.topo, job.world, job.rank, job.device, job.names
+    watchdog, resume_from, manifest, log, console, preempt = (job.watchdog, job.resume_from, job.manifest, job.log,
+                                                               job.console, job.preempt)
     is_logger = rank == 0
     if is_logger:
         log(topo.describe())
@@ -256,7 +287,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     downstreams = [BoundaryComm(p2p, grid, down, slot, *boundary_tensor(spec, grid.name, down.name, recipe), tp)
                    for down in down_grids] if stage == grid.pp - 1 else []  # the LLM: one per generator
     p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges))
-    check_free_memory(recipe, memory_rows, rank, device)  # after NCCL's set-up, before the weights
+    check_free_memory(recipe, job.memory_rows, rank, device)  # after NCCL's set-up, before the weights
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, groups.module_axes(grid.name),
                                mp.activation_checkpointing, groups.tied_group(grid.name))
@@ -293,7 +324,7 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     if is_logger:
         run_dir, writer, mfu, run_lock = open_pipeline_run(recipe, topo, world, device, spec, source,
                                                            (resume_from, manifest, start), log, console.terminal)
-        held.append(run_lock)
+        job.held.append(run_lock)
     dirs = [str(run_dir) if is_logger else None]
     tdist.broadcast_object_list(dirs, src=0, group=meta_group)
     watchdog.failure_dir = dirs[0]
@@ -303,9 +334,9 @@ def _train(recipe, topo, world, rank, device, names, watchdog, resume, log, expo
     callbacks = _callbacks(ctx, spec, engine, ckpt, watchdog, preempt, writer, mfu, dirs[0])
     trainer = Trainer(recipe, source, executor, callbacks, start, echo=writer.echo if writer else None)
     trainer.fit()
-    if export_dir and not trainer.preempted:
+    if job.export_dir and not trainer.preempted:
         state = layer_state(pm, grid.name, spec.layers(grid.name), tp)
-        torch.save(state, os.path.join(export_dir, f"params_rank{rank}.pt"))
+        torch.save(state, os.path.join(job.export_dir, f"params_rank{rank}.pt"))
     tdist.barrier(group=meta_group)
     source.release_spool()  # every rank of the host is past its last batch (a relaunch reads on from the checkpoint)
     if is_logger:

@@ -235,10 +235,10 @@ def main() -> int:
         TorchCheckpointEngine.save = no_space_for_step_2
     elif fault is not None and fault != "perturb_recompute":
         raise SystemExit(f"unknown fault {fault!r}")
-    from disttrain_ds.parallel import engine
+    from disttrain_ds.parallel import pipeline_module
 
     recomputed = {"blocks": 0, "runs": 0}  # checkpointed blocks, and how often their layers ran
-    original_recompute = engine.recompute
+    original_recompute = pipeline_module.recompute
 
     def counting_recompute(function, *a):
         recomputed["blocks"] += 1
@@ -255,7 +255,7 @@ def main() -> int:
 
         return original_recompute(counted, *a)
 
-    engine.recompute = counting_recompute
+    pipeline_module.recompute = counting_recompute
     seen: list[BoundaryComm] = []
     original_init = BoundaryComm.__init__
 
