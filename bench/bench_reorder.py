@@ -25,11 +25,10 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.cost.model import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel  # noqa: E402
 from disttrain_ds.data.paper_stats import draw_sample_stats  # noqa: E402
 from disttrain_ds.reorder.intra import (
-    inter_microbatch_reorder,
     intra_microbatch_reorder,
     lpt_equal_count,
-    paper_inter_order,
 )
+from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder, paper_inter_order
 from disttrain_ds.samples import SampleStats  # noqa: E402
 from disttrain_ds.schedule.simulate import makespan_1f1b, makespan_batch  # noqa: E402
 

@@ -36,7 +36,8 @@ import numpy as np
 from disttrain_ds.comm.routes import routes
 from disttrain_ds.planner.optimize import Plan
 from disttrain_ds.planner.pipeline import split_fwd_bwd
-from disttrain_ds.reorder.intra import inter_microbatch_reorder, intra_microbatch_reorder
+from disttrain_ds.reorder.intra import intra_microbatch_reorder
+from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder
 from disttrain_ds.schedule.simulate import Preds, graph_stages, is_chain, longest_path_view, makespan_1f1b, makespan_dag
 from disttrain_ds.schedule.sweep import makespans
 

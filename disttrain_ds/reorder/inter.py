@@ -24,7 +24,8 @@ import numpy as np
 
 from disttrain_ds.cost.graph_costs import STAGE_ROLES, as_graph_costs
 from disttrain_ds.reorder.host import check_classes, class_lpt, host_microbatches, place
-from disttrain_ds.reorder.intra import build_microbatches, inter_microbatch_reorder
+from disttrain_ds.reorder.intra import build_microbatches
+from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder
 from disttrain_ds.reorder.module_balance import refine_split
 from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
 from disttrain_ds.schedule.simulate import makespan_batch

@@ -12,11 +12,10 @@ from disttrain_ds.reorder.intra import (
     apply_order,
     balanced_differencing,
     build_microbatches,
-    inter_microbatch_reorder,
     intra_microbatch_reorder,
     lpt_equal_count,
-    paper_inter_order,
 )
+from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder, paper_inter_order
 from disttrain_ds.schedule.simulate import makespan_1f1b, makespan_batch
 
 
