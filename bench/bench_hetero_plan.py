@@ -30,7 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.cost.profile import profile_from_dict
+from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
 from disttrain_ds.graph import MODULES  # noqa: E402
 from disttrain_ds.paper import (

@@ -40,7 +40,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.cost.profile import Profile, profile_from_dict, profile_to_dict, save_profile
+from disttrain_ds.cost.profile import Profile
+from disttrain_ds.cost.profile_file import profile_from_dict, profile_to_dict, save_profile
 from disttrain_ds.data.paper_stats import draw_sequence_layouts  # noqa: E402
 from disttrain_ds.errors import ConfigError  # noqa: E402
 from disttrain_ds.paper import (

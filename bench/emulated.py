@@ -36,7 +36,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.cost.profile import Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.cost.profile import Profile, ProfileError
+from disttrain_ds.cost.profile_file import load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.planner.baselines import megatron_plan  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
 from disttrain_ds.schedule import replay  # noqa: E402

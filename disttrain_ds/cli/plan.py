@@ -27,7 +27,8 @@ import yaml
 
 from disttrain_ds.cli import OneLineParser, prog_name
 from disttrain_ds.configtools import load_yaml
-from disttrain_ds.cost.profile import Profile, load_profile
+from disttrain_ds.cost.profile import Profile
+from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.legal import LeftOut, measured_only, restrict_to_runtime

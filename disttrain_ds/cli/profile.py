@@ -26,7 +26,8 @@ import torch
 
 from disttrain_ds.cli import OneLineParser, prog_name
 from disttrain_ds.cost.peak import resolve_peak
-from disttrain_ds.cost.profile import GIB, TP_DEGREES, ModuleProfile, Profile, save_profile
+from disttrain_ds.cost.profile import GIB, TP_DEGREES, ModuleProfile, Profile
+from disttrain_ds.cost.profile_file import save_profile
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.estimate.activations import module_layers
 from disttrain_ds.graph import ModuleGraph

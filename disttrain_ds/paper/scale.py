@@ -46,7 +46,8 @@ import numpy as np
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
 from disttrain_ds.cost.mfu import overall_mfu
 from disttrain_ds.cost.model import LLAMA_PRESETS, SD21_UNET, VIT_HUGE_14, CostModel
-from disttrain_ds.cost.profile import Profile, profile_from_dict
+from disttrain_ds.cost.profile import Profile
+from disttrain_ds.cost.profile_file import profile_from_dict
 
 # MODULES: the paper models' modules, the columns of SampleCosts.flops.
 from disttrain_ds.cost.tp_scaling import tp_scaled

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from disttrain_ds.cost.profile import load_profile
+from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.data.config import RECORD_SOURCES, SHARD_PATHS, data_problem
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.configs import trains

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
-from disttrain_ds.cost.profile import load_profile
+from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.models.configs import EncoderConfig
 from disttrain_ds.recipe.graph import graph_of, module_config
 from disttrain_ds.recipe.schema import resolve_path

@@ -15,7 +15,7 @@ def test_measured_tp2_costs_replace_the_interpolated_ones(tmp_path):
            "--samples", "2", "--warmup", "1", "--measure-tp", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from disttrain_ds.cost.profile import load_profile
+    from disttrain_ds.cost.profile_file import load_profile
 
     profile = load_profile(out)
     for name, m in profile.modules.items():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from disttrain_ds.cli import plan as cli
-from disttrain_ds.cost.profile import load_profile
+from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.planner import optimize
 from disttrain_ds.recipe.schema import find_recipe, load_recipe
 

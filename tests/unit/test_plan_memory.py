@@ -12,7 +12,8 @@ import pytest
 
 from disttrain_ds.cli import plan as cli
 from disttrain_ds.cost import memory_model as mm
-from disttrain_ds.cost.profile import GIB, profile_from_dict
+from disttrain_ds.cost.profile import GIB
+from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.objective import Degrees, layout_memory
 from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan

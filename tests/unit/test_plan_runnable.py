@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from disttrain_ds.cli import plan as cli
-from disttrain_ds.cost.profile import GIB, Profile, load_profile, profile_from_dict
+from disttrain_ds.cost.profile import GIB, Profile
+from disttrain_ds.cost.profile_file import load_profile, profile_from_dict
 from disttrain_ds.graph import MODULES
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.legal import restrict_to_runtime
@@ -188,7 +189,7 @@ def test_runtime_restricted_plan_equals_exhaustive_search(seed):
 
 
 def _as_dict(profile: Profile) -> dict:
-    from disttrain_ds.cost.profile import profile_to_dict
+    from disttrain_ds.cost.profile_file import profile_to_dict
 
     data = profile_to_dict(profile)
     data["microbatch"] = 1

@@ -10,15 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.cost.profile import (
-    GIB,
-    Profile,
-    ProfileError,
-    load_profile,
-    profile_from_dict,
-    profile_to_dict,
-    save_profile,
-)
+from disttrain_ds.cost.profile import GIB, Profile, ProfileError
+from disttrain_ds.cost.profile_file import load_profile, profile_from_dict, profile_to_dict, save_profile
 from disttrain_ds.graph import MODULES
 from disttrain_ds.paper import load_paper_figures
 from disttrain_ds.planner import optimize

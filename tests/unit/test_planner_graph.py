@@ -8,14 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_ds.cost.profile import (
-    ModuleProfile,
-    Profile,
-    ProfileError,
-    load_profile,
-    profile_from_dict,
-    profile_to_dict,
-)
+from disttrain_ds.cost.profile import ModuleProfile, Profile, ProfileError
+from disttrain_ds.cost.profile_file import load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan, ratio_split

@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from disttrain_ds.cost.profile import Profile, ProfileError, load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.cost.profile import Profile, ProfileError
+from disttrain_ds.cost.profile_file import load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.paper import scale
 from disttrain_ds.planner import hetero
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan

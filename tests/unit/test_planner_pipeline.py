@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from disttrain_ds.cost.profile import profile_from_dict
+from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.paper import scale
 from disttrain_ds.planner.optimize import Degrees, PlanError, build_plan, plan
 from disttrain_ds.planner.pipeline import hidden_ms, predict, schedule_ms, split_fwd_bwd

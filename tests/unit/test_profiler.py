@@ -16,7 +16,7 @@ import torch
 
 from disttrain_ds.cli import plan as plan_cli
 from disttrain_ds.cli import profile as cli
-from disttrain_ds.cost.profile import load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.cost.profile_file import load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.planner.optimize import plan
 from disttrain_ds.recipe.schema import load_recipe
 

@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from disttrain_ds.cost.profile import Profile, profile_from_dict
+from disttrain_ds.cost.profile import Profile
+from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.data.paper_stats import draw_sequence_layouts
 from disttrain_ds.paper import load_paper_figures, scale
 from disttrain_ds.planner.baselines import ratio_plan
