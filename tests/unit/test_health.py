@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as tdist
 
 from disttrain_ds.errors import ConfigError
-from disttrain_ds.runtime.health import EXIT_FAILED, EXIT_PEER_FAILED, Watchdog, one_line, waits_for_peer
+from disttrain_ds.runtime.failures import one_line, waits_for_peer
+from disttrain_ds.runtime.health import EXIT_FAILED, EXIT_PEER_FAILED, Watchdog
 from disttrain_ds.runtime.verdict import Verdict, pointer_line, role, terminal_line
 
 
