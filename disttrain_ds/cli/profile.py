@@ -99,12 +99,16 @@ def sample_draws(results: list[ModuleResult], costs: dict[str, dict[int, float]]
     by the runtime's cost model (``ModuleResult.work``, padding included: what the module computes,
     as reordering and emulation price it; not the useful FLOPs of MFU, whose spread over packed
     sequences is mostly padding) scaled so the module's mean is its C(1), time proportional to
-    work, which keeps the measurement's noise out of the spread. None when some sample has no
-    work in some module (a draw must be positive)."""
-    if any(not r.work or any(f <= 0 for f in r.work) for r in results):
+    work, which keeps the measurement's noise out of the spread. A sample with no work in a module
+    (no images for an encoder, no targets for a generator) keeps its 0; a module no sample gives work
+    has a draw of zeros. None when a module timed no sample."""
+    if any(not r.work for r in results):
         return None
-    return {r.name: tuple(f / statistics.fmean(r.work) * costs[r.name][1] for f in r.work)
-            for r in results}
+    out = {}
+    for r in results:
+        mean = statistics.fmean(r.work)
+        out[r.name] = tuple(f / mean * costs[r.name][1] if mean > 0 else 0.0 for f in r.work)
+    return out
 
 
 def _si(x: float) -> str:

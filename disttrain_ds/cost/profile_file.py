@@ -143,15 +143,16 @@ def _fraction(data: dict, key: str, src: str) -> float:
 
 
 def _draw(data: dict, key: str, src: str) -> tuple[float, ...] | None:
-    """``sample_cost_ms``: a non-empty list of positive finite numbers, or absent."""
+    """``sample_cost_ms``: a non-empty list of finite numbers >= 0, or absent. Zeros are real data: a
+    sample without images costs an encoder nothing, one without targets a generator nothing."""
     if "sample_cost_ms" not in data:
         return None
     raw = data["sample_cost_ms"]
     if not isinstance(raw, list) or not raw:
         raise _fail(src, key, "must be a non-empty list of ms per sample")
     for i, v in enumerate(raw):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise _fail(src, f"{key}[{i}]", f"must be a positive finite number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise _fail(src, f"{key}[{i}]", f"must be a finite number >= 0 (ms of one sample), got {v!r}")
     return tuple(float(v) for v in raw)
 
 

@@ -188,7 +188,8 @@ def sample_cost_draw(flops: np.ndarray, mean_ms: Sequence[float]) -> list[list[f
     """Per-module ``sample_cost_ms`` draws: each column of ``flops`` (``[n, modules]``) rescaled
     so its mean is the module's mean cost ``mean_ms[j]`` (time proportional to FLOPs)."""
     f = np.asarray(flops, dtype=np.float64)
-    return [(f[:, j] / f[:, j].mean() * c).tolist() for j, c in enumerate(mean_ms)]
+    return [(f[:, j] / f[:, j].mean() * c if f[:, j].mean() > 0 else np.zeros(len(f))).tolist()
+            for j, c in enumerate(mean_ms)]
 
 
 def build_profile(paper: Mapping, spec: ModelSpec, costs: SampleCosts, *, gpus: int,

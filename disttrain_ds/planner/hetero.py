@@ -13,6 +13,9 @@ load and L its mean replica load, two factors scale the mean-cost terms:
   microbatch on any stage paces the others (simulated 1F1B of one module with i.i.d. step times
   tracks this within a few per cent up to pp = 16, see ``docs/planner.md``). g(dp, m, 1) = h.
 
+A draw may hold zeros (a sample without images costs an encoder nothing): they take part like any
+cost; a module whose draw is all zeros gets factor 1 (it never waits on the data).
+
 Estimates, stated: for m = 1 no balancing is possible and both are exact for the draw's empirical
 distribution (Y is the max of dp draws, the max of pp such Y the max of dp * pp draws), from the
 sorted draw x_(1) <= ... <= x_(N): E[max of n] = sum_k x_(k) ((k/N)^n - ((k-1)/N)^n). For m >= 2
@@ -108,14 +111,14 @@ class StragglerTable:
             steps = self._steps[(dp, m)]
             if steps is None:  # exact: the max of dp * pp draws
                 g = self._max_of(dp * pp)
-            else:
-                g = [expected_max(y, pp) / mu for y, mu in steps]
+            else:  # steps in which a module had no work at all wait for nothing there
+                g = [expected_max(y, pp) / mu if mu > 0 else 1.0 for y, mu in steps]
             self._memo[(dp, m, pp)] = np.maximum(np.array(g), 1.0)  # >= 1 despite rounding
 
     def _max_of(self, n: int) -> np.ndarray:
         """E[max of n draws] / mean of every module (memoised: m = 1 depends on dp * pp only)."""
         if n not in self._exact:
-            self._exact[n] = np.array([expected_max(x, n) / mu
+            self._exact[n] = np.array([expected_max(x, n) / mu if mu > 0 else 1.0
                                        for x, mu in zip(self._sorted, self._mean)])
         return self._exact[n]
 

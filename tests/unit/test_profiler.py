@@ -203,12 +203,16 @@ def test_profile_carries_a_draw_from_the_runtimes_cost_model_scaled_to_the_tp1_c
         assert [d / draw[0] for d in draw] == pytest.approx([w / work[0] for w in work], rel=1e-9)
 
 
-def test_a_sample_without_work_leaves_the_draw_out():
+def test_a_sample_without_work_in_a_module_keeps_its_zero_in_the_draw():
     ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [9.0, 9.0], 0, 0.0, "llm", work=[2.0, 6.0])
     empty = cli.ModuleResult("encoder", "train", 2, 10, [1.0, 1.0], [1.0, 3.0], 0, 0.0, "encoder", work=[0.0, 3.0])
-    costs = {"llm": {1: 8.0}, "encoder": {1: 2.0}}
+    idle = cli.ModuleResult("gen", "train", 2, 10, [1.0, 1.0], [1.0, 3.0], 0, 0.0, "gen", work=[0.0, 0.0])
+    costs = {"llm": {1: 8.0}, "encoder": {1: 2.0}, "gen": {1: 5.0}}
     assert cli.sample_draws([ok], costs) == {"llm": (4.0, 12.0)}
-    assert cli.sample_draws([ok, empty], costs) is None
+    assert cli.sample_draws([ok, empty, idle], costs) == {"llm": (4.0, 12.0), "encoder": (0.0, 4.0), "gen": (0.0, 0.0)}
+    # A module that timed no sample has no draw at all.
+    untimed = cli.ModuleResult("x", "train", 2, 10, [1.0], [1.0], 0, 0.0, "x", work=[])
+    assert cli.sample_draws([ok, untimed], {**costs, "x": {1: 1.0}}) is None
 
 
 def test_the_draw_follows_the_runtimes_cost_model_not_the_useful_flops():
