@@ -260,9 +260,12 @@ class ModuleEngine(PipelineEngine):
         if self.optimizer is None:
             return
         for p in self.module.tied_copies:
-            grad = p._hp_grad if self.using_bf16_optimizer else p.grad
+            # DeepSpeed's bf16 optimizer accumulates in fp32 beside the weight (its own tied path reads it there).
+            grad = getattr(p, "_hp_grad", None) if self.using_bf16_optimizer else p.grad
             if grad is None:  # the other copy's rank all-reduces regardless: never leave it waiting
-                grad = p.grad = torch.zeros_like(p)
+                grad = torch.zeros_like(p)
+                if not self.using_bf16_optimizer:
+                    p.grad = grad  # the partner's gradient still reaches this copy
             tdist.all_reduce(grad, group=self.module.tied_group)
 
     def _exec_step(self, lr_kwargs=None) -> None:

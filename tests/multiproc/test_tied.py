@@ -7,6 +7,7 @@ single-process reference (fp32); leaving out the sum is caught."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from .conftest import launch, max_param_mismatch
 from .test_fidelity import SGD, STEPS
@@ -73,3 +74,16 @@ def test_a_tied_weight_resumes_under_another_layout(first, second, tmp_path, ref
     worst, where = max_param_mismatch({k: params[k] for k in kept}, {k: ref_params[k] for k in kept})
     assert worst < 1e-3, (worst, where)
     assert (params["llm/embed/embed_tokens.weight"] - params["llm/head/lm_head.weight"]).abs().max() < 1e-6
+
+
+@pytest.mark.slow
+def test_bf16_zero1_copies_of_a_tied_weight_stay_bit_identical(tmp_path):
+    """DeepSpeed's bf16 optimizer keeps fp32 gradients and masters beside the weights: the copies'
+    summed gradients must reach both, so after every step the two bf16 copies are the same bits."""
+    _, params, _ = launch(tmp_path, 4, [STEPS, TIE, *PP2[1], "train.dtype=bf16", "deepspeed_config=ds_configs/zero1.json"])
+    embed, head = params["llm/embed/embed_tokens.weight"], params["llm/head/lm_head.weight"]
+    assert embed.dtype == torch.bfloat16 and torch.equal(embed, head)
+    # Negative control: without the sum the copies part at the first step.
+    _, bad, _ = launch(tmp_path / "neg", 4, [STEPS, TIE, *PP2[1], "train.dtype=bf16",
+                                             "deepspeed_config=ds_configs/zero1.json"], fault="skip_tied_reduce")
+    assert not torch.equal(bad["llm/embed/embed_tokens.weight"], bad["llm/head/lm_head.weight"])
