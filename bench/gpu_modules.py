@@ -42,7 +42,9 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
 from disttrain_ds.cost.mfu import module_mfu, tflops_per_gpu  # noqa: E402
 from disttrain_ds.cost.peak import resolve_peak  # noqa: E402
-from disttrain_ds.models.configs import ENCODER_PRESETS, GENERATOR_PRESETS, EncoderConfig, GeneratorConfig, LLMConfig  # noqa: E402
+from disttrain_ds.families.llama.config import LLMConfig
+from disttrain_ds.families.unet.config import GENERATOR_PRESETS, GeneratorConfig
+from disttrain_ds.families.vit.config import ENCODER_PRESETS, EncoderConfig  # noqa: E402
 from disttrain_ds.models.layers import Sequential  # noqa: E402
 
 # The model modules pull in transformers / diffusers (seconds to import): each case imports its

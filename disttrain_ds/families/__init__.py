@@ -28,6 +28,12 @@ DEFAULT_FAMILY = {"encoder": "vit", "llm": "llama", "generator": "unet"}
 """The family a module of each role has when its recipe section names none."""
 
 
+def default_config(role: str) -> Any:
+    """A section of ``role``'s default family at its defaults (the three-module form's section when
+    the recipe leaves it out; a stand-in module's sizes where a graph has none of that role)."""
+    return FAMILIES[DEFAULT_FAMILY[role]].config_type()
+
+
 def family_names(role: str) -> list[str]:
     return [n for n, f in FAMILIES.items() if f.role == role]
 
@@ -57,4 +63,5 @@ def clear_build_caches() -> None:
             module.clear_caches()
 
 
-__all__ = ["FAMILIES", "DEFAULT_FAMILY", "BuildContext", "Family", "clear_build_caches", "family_names", "get_family", "tp_plans"]
+__all__ = ["FAMILIES", "DEFAULT_FAMILY", "BuildContext", "Family", "clear_build_caches", "default_config", "family_names",
+           "get_family", "tp_plans"]

@@ -9,7 +9,7 @@ every layout (reference, monolithic, disaggregated) computes the same number.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch import nn
 from disttrain_ds.families import FAMILIES, BuildContext, Family, get_family
 from disttrain_ds.graph import MODULES
 from disttrain_ds.mllm.weights import StepDirs, with_checkpoint
-from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig, LLMConfig, trains
+from disttrain_ds.models.configs import trains
 from disttrain_ds.models.layers import LayerDef, Sequential, seeded, tie_parameters, tied_keys
 from disttrain_ds.models.objectives import add_noise, diffusion_loss, gen_condition, noise_draw
 from disttrain_ds.models.packed import pack_clips
@@ -30,12 +30,12 @@ from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
 class MLLMSpec:
     """Everything needed to build the model's layers, identically on every rank."""
 
-    encoder: EncoderConfig | None
-    """The image encoder's section, or None in a graph without one."""
-    llm: LLMConfig
-    """Backbone sizes (vocab_size resolved)."""
-    generator: GeneratorConfig | None
-    """The generator's section, or None in a graph without one."""
+    encoder: Any
+    """The image encoder's section (its family's ``config_type``), or None in a graph without one."""
+    llm: Any
+    """The LLM's section (vocab_size resolved)."""
+    generator: Any
+    """The (first) generator's section, or None in a graph without one."""
     special: SpecialTokens
     """Token ids of image placeholders and generation queries."""
     seed: int

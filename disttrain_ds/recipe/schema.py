@@ -15,8 +15,7 @@ from typing import Any, Literal
 from disttrain_ds.configtools import apply_overrides, from_dict, load_yaml
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.errors import ConfigError
-from disttrain_ds.families import DEFAULT_FAMILY, get_family
-from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig, LLMConfig
+from disttrain_ds.families import DEFAULT_FAMILY, default_config, get_family
 from disttrain_ds.paths import PACKAGE_DIR, path_candidates, require_file, resolve_path
 from disttrain_ds.recipe.checkpoint_settings import checkpoint_fields
 from disttrain_ds.recipe.checks import RUN_NAME, layer_counts, tp_shape_problem, validate
@@ -34,12 +33,12 @@ class ModelConfig:
     """The modules and how their losses combine: the three-module form (``encoder``, ``llm``,
     ``generator``) or a module graph (``modules``); see ``recipe/graph.py``."""
 
-    encoder: EncoderConfig | None = field(default_factory=EncoderConfig)
+    encoder: Any = field(default_factory=lambda: default_config("encoder"))
     """Three-module form: the image encoder (ViT + input projector). With ``modules``: the only
     encoder, if there is exactly one (else None)."""
-    llm: LLMConfig | None = field(default_factory=LLMConfig)
+    llm: Any = field(default_factory=lambda: default_config("llm"))
     """Three-module form: the LLM backbone. With ``modules``: the LLM."""
-    generator: GeneratorConfig | None = field(default_factory=GeneratorConfig)
+    generator: Any = field(default_factory=lambda: default_config("generator"))
     """Three-module form: the image generator (output projector + diffusion U-Net). With
     ``modules``: the only generator, if there is exactly one (else None)."""
     modules: dict[str, Any] = field(default_factory=dict)
@@ -288,7 +287,8 @@ def _apply_presets(data: dict, src: str) -> dict:
         if not isinstance(name, str) or name not in presets:
             raise ConfigError(f"{src}: 'model.{module}.preset' must be one of {' | '.join(presets)}, got {name!r}")
         fixed = checkpoint_fields(fam, section, f"model.{module}", src)  # its config.json, over the preset
-        model[module] = {**presets[name], **fixed, **section, "preset": name}
+        model[module] = from_dict(fam.config_type, {**presets[name], **fixed, **section, "preset": name}, src=src,
+                                  prefix=f"model.{module}.")
     return data
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
 from disttrain_ds.cost.profile_file import load_profile
-from disttrain_ds.models.configs import EncoderConfig
+from disttrain_ds.families import default_config
 from disttrain_ds.recipe.graph import graph_of, module_config
 from disttrain_ds.recipe.schema import resolve_path
 from disttrain_ds.runtime.guards import fresh_path
@@ -124,7 +124,7 @@ def wait_until(deadline: float) -> float:
 def patch_size(recipe, name: str) -> int:
     """The patch size a sample's image statistics are taken at for module ``name``: an
     encoder's own; any other module's cost does not depend on it (the default encoder's)."""
-    return getattr(module_config(recipe, name), "patch_size", None) or EncoderConfig().patch_size
+    return getattr(module_config(recipe, name), "patch_size", None) or default_config("encoder").patch_size
 
 
 def sample_flops(cost_model, name: str, sample, patch: int, special) -> float:

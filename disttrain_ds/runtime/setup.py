@@ -15,10 +15,9 @@ from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.registry import open_source, resolve
 from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import Split
-from disttrain_ds.families import get_family
+from disttrain_ds.families import default_config, get_family
 from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.mllm.recipe_spec import recipe_spec
-from disttrain_ds.models.configs import EncoderConfig, GeneratorConfig
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
 from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.samples import GenShape, ShapeSpec
@@ -30,8 +29,8 @@ def cost_model(recipe: Recipe) -> GraphCosts:
     graph = graph_of(recipe)
     # A graph without an image encoder (or a generator) has no images (or targets) for it, so the
     # stand-in default sizes below cost nothing for any of its samples.
-    e = encoder_of(recipe, "image") or EncoderConfig()
-    l, g = recipe.model.llm, first_generator(recipe) or GeneratorConfig()
+    e = encoder_of(recipe, "image") or default_config("encoder")
+    l, g = recipe.model.llm, first_generator(recipe) or default_config("generator")
     model = CostModel.from_dims(
         TransformerDims(layers=get_family(e.family, "encoder").run_layers(e), hidden=e.hidden_size,
                         ffn_hidden=e.ffn_hidden, heads=e.heads),
@@ -91,7 +90,8 @@ def reorder_groups(recipe: Recipe) -> int:
 def shape_spec(recipe: Recipe) -> ShapeSpec:
     """The model facts the recipe's sample source lays samples out by."""
     groups = reorder_groups(recipe)
-    e, g = encoder_of(recipe, "image") or EncoderConfig(), first_generator(recipe) or GeneratorConfig()  # stand-ins: no images / targets
+    # Stand-ins where the graph has no image encoder or generator: no images / targets reach them.
+    e, g = encoder_of(recipe, "image") or default_config("encoder"), first_generator(recipe) or default_config("generator")
     audio = encoder_of(recipe, "audio")
     vae = gen_vae(recipe)
     return ShapeSpec(

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from disttrain_ds.models.configs import LLMConfig
+from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.models.doc_mask import doc_attention, doc_attention_kwargs, doc_block_mask, doc_causal_mask, doc_spans
 from disttrain_ds.samples import doc_ids
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.mllm.flex_warmup import warm_up_stage
 from disttrain_ds.models import doc_mask
-from disttrain_ds.models.configs import LLMConfig
 from disttrain_ds.samples import doc_ids
 
 pytestmark = pytest.mark.gpu

@@ -11,9 +11,6 @@ from disttrain_ds.families import FAMILIES
 
 PACKAGE = Path(__file__).resolve().parents[2] / "disttrain_ds"
 
-DEFAULT_FAMILIES = {"disttrain_ds/models/configs.py": {"vit", "llama", "unet"}}
-"""The three-module form's sections default to one family per role (``model.encoder.family: vit``
-...); those defaults are the only family names written outside ``families/``."""
 
 
 def family_mentions(ig, root: Path, names: set[str]) -> dict[str, set[str]]:
@@ -36,10 +33,8 @@ def family_mentions(ig, root: Path, names: set[str]) -> dict[str, set[str]]:
 
 
 def test_no_module_outside_families_imports_a_family_folder_or_names_a_family(ig):
-    found = family_mentions(ig, PACKAGE, set(FAMILIES))
-    extra = {f: names - DEFAULT_FAMILIES.get(f, set()) for f, names in found.items()}
-    extra = {f: sorted(n) for f, n in extra.items() if n}
-    assert not extra, f"family code or names outside families/ (move it into the family's folder or its record): {extra}"
+    found = {f: sorted(n) for f, n in family_mentions(ig, PACKAGE, set(FAMILIES)).items()}
+    assert not found, f"family code or names outside families/ (move it into the family's folder or its record): {found}"
 
 
 def test_a_family_named_outside_its_folder_is_found(ig, tmp_path):

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.families.llama.model import LlmBlock
 from disttrain_ds.mllm import flex_warmup
 from disttrain_ds.mllm.flex_warmup import FlexShape, exercise, flex_shapes, warm_up_stage
 from disttrain_ds.models import doc_mask
-from disttrain_ds.models.configs import LLMConfig
 from disttrain_ds.samples import doc_ids
 
 CFG = LLMConfig(hidden_size=64, heads=4, kv_heads=2, ffn_hidden=128, layers=2, vocab_size=32, doc_attention="flex")

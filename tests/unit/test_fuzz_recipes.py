@@ -67,6 +67,9 @@ def schema(cls=Recipe, prefix: str = ""):
         optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(optional) == 1:
             tp = optional[0]  # an optional section (None only after loading, in the graph form)
+        if tp is typing.Any and f.default_factory is not dataclasses.MISSING:
+            made = f.default_factory()  # a section typed by its family (model.encoder: the default family's)
+            tp = type(made) if dataclasses.is_dataclass(made) else tp
         if dataclasses.is_dataclass(tp):
             yield key, tp, True
             yield from schema(tp, key + ".")

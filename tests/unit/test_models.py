@@ -5,17 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disttrain_ds.families.llama.config import LLM_PRESETS, LLMConfig
+from disttrain_ds.families.unet.config import GENERATOR_PRESETS, GeneratorConfig
 from disttrain_ds.families.unet.model import build_unet
+from disttrain_ds.families.vit.config import ENCODER_PRESETS, EncoderConfig
 from disttrain_ds.families.vit.model import hf_config as vit_hf_config
 from disttrain_ds.mllm.model import MLLMSpec
-from disttrain_ds.models.configs import (
-    ENCODER_PRESETS,
-    GENERATOR_PRESETS,
-    LLM_PRESETS,
-    EncoderConfig,
-    GeneratorConfig,
-    LLMConfig,
-)
 from disttrain_ds.models.layers import Sequential
 from disttrain_ds.samples import SpecialTokens
 

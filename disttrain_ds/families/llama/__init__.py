@@ -2,9 +2,9 @@
 
 from disttrain_ds.cost.activations import LayerBytes, SampleShape
 from disttrain_ds.families.base import Family
+from disttrain_ds.families.llama.config import LLM_PRESETS, LLMConfig
 from disttrain_ds.families.llama.estimates import decoder_activations
 from disttrain_ds.families.llama.hf_settings import decoder_fields, rope_problem
-from disttrain_ds.models.configs import LLM_PRESETS, LLMConfig
 
 
 def decoder_tp_sizes(cfg: LLMConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from disttrain_ds.families.base import BuildContext
-from disttrain_ds.models.configs import LLMConfig
+from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
 from disttrain_ds.models.layers import LayerDef, seeded, tied_to
 

@@ -11,8 +11,8 @@ from disttrain_ds.families.llama import (
     decoder_problems,
     decoder_tp_sizes,
 )
+from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.families.llama.hf_settings import decoder_fields
-from disttrain_ds.models.configs import LLMConfig
 
 
 def qwen2_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:

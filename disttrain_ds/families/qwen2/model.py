@@ -12,8 +12,8 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 from disttrain_ds.families.base import BuildContext
+from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.families.llama.model import Decoder, LlmEmbed, LlmHead, decoder_layers, embed_plan, hf_kwargs
-from disttrain_ds.models.configs import LLMConfig
 from disttrain_ds.models.layers import LayerDef
 
 

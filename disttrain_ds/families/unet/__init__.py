@@ -1,9 +1,9 @@
 """Diffusion U-Net generator (diffusers ``UNet2DConditionModel`` split by block) with its MLP output projector."""
 
 from disttrain_ds.families.base import Family
+from disttrain_ds.families.unet.config import GENERATOR_PRESETS, GeneratorConfig
 from disttrain_ds.families.unet.estimates import activation_layers, cost_terms, image_flops
 from disttrain_ds.families.unet.hf_settings import unet_fields
-from disttrain_ds.models.configs import GENERATOR_PRESETS, GeneratorConfig
 
 
 def _tp_sizes(cfg: GeneratorConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:

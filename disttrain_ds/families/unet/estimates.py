@@ -4,7 +4,7 @@ activation bytes (what the MFU meter, data balancing and the memory estimate rea
 from __future__ import annotations
 
 from disttrain_ds.cost.activations import LayerBytes, SampleShape
-from disttrain_ds.models.configs import GeneratorConfig
+from disttrain_ds.families.unet.config import GeneratorConfig
 
 
 def image_flops(cfg: GeneratorConfig, mode: str) -> float:

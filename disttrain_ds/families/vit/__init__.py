@@ -1,9 +1,9 @@
 """ViT image encoder (transformers ``ViTModel`` layers) with its MLP input projector."""
 
 from disttrain_ds.families.base import Family
+from disttrain_ds.families.vit.config import ENCODER_PRESETS, EncoderConfig
 from disttrain_ds.families.vit.estimates import encoder_activations
 from disttrain_ds.families.vit.hf_settings import vit_fields
-from disttrain_ds.models.configs import ENCODER_PRESETS, EncoderConfig
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
 

@@ -18,7 +18,7 @@ from transformers import ViTConfig, ViTModel
 from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 
 from disttrain_ds.families.base import BuildContext
-from disttrain_ds.models.configs import EncoderConfig
+from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.models.packed import per_item
 from disttrain_ds.models.pixels import unpack_images
