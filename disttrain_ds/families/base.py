@@ -101,6 +101,8 @@ class Family:
     blocks: Callable[[Any], int] | None = None
     """Image encoders: transformer layers one forward runs (what MFU and the cost model price);
     None: the config's ``layers``."""
+    cls_token: bool = True
+    """Image encoders: a CLS token runs beside each image's patches (what MFU counts; SigLIP has none)."""
     signed: tuple[str, ...] = ()
     """Integer config fields that may be zero or negative (an LLM's ``vocab_size``: 0 takes the
     tokenizer's; a tower's ``feature_layer``: -2 counts from the end); ``problems`` checks them.

@@ -85,9 +85,10 @@ class StepFlopsCounter:
         patches = [(im.shape[1] // p) * (im.shape[2] // p) for s in samples for im in s.images]
         enc = 0.0
         if patches and e is not None:
+            fam = get_family(e.family, "encoder")
             enc = vit_flops(
-                layers=get_family(e.family, "encoder").run_layers(e), hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, patches_per_image=patches,
-                patch_size=p, mode=self.modes["encoder"],
+                layers=fam.run_layers(e), hidden=e.hidden_size, ffn_hidden=e.ffn_hidden, patches_per_image=patches,
+                patch_size=p, include_cls=fam.cls_token, mode=self.modes["encoder"],
             )
             enc += sum(patches) * projector_flops_per_token(
                 in_dim=e.hidden_size, hidden_dim=l.hidden_size, out_dim=l.hidden_size, mode=self.modes["encoder/projector"]

@@ -252,7 +252,8 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
             patches = [(h // e.patch_size) * (w // e.patch_size) for h, w in mb.image_hw.tolist()]
             rows = sum(patches)
             flops = vit_flops(layers=fam.run_layers(e), hidden=e.hidden_size, ffn_hidden=e.ffn_hidden,
-                              patches_per_image=patches, patch_size=e.patch_size, mode=m) if patches else 0.0
+                              patches_per_image=patches, patch_size=e.patch_size, include_cls=fam.cls_token,
+                              mode=m) if patches else 0.0
         flops += rows * projector_flops_per_token(in_dim=fam.width(e), hidden_dim=lm.hidden_size,
                                                   out_dim=lm.hidden_size, mode=m)
         grad = torch.randn(rows, lm.hidden_size, device=dev, dtype=dt)  # what the LLM sends back

@@ -142,3 +142,14 @@ def test_mfu_prices_the_layers_run_not_the_whole_tower():
     cfg = load_recipe("tiny_vlm", ["model.modules.vision.family=clip", "model.modules.vision.layers=5"]).model.modules["vision"]
     assert fam.run_layers(cfg) == 4 and fam.layer_count(cfg) == 6
     assert FAMILIES["vit"].run_layers(load_recipe("tiny_vlm").model.modules["vision"]) == 2
+
+
+def test_mfu_counts_a_cls_token_for_clip_and_none_for_siglip():
+    from disttrain_ds.metrics.step_flops import StepFlopsCounter
+
+    flops = {}
+    for family in ("clip", "siglip"):
+        recipe = load_recipe("tiny_vlm", [f"model.modules.vision.family={family}"])
+        source, spec = build_data_and_spec(recipe)
+        flops[family] = StepFlopsCounter(spec)(source.global_batch(0)).encoder
+    assert flops["clip"] > flops["siglip"] > 0  # same sizes and images: only the CLS rows differ

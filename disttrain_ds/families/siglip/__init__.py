@@ -28,5 +28,6 @@ FAMILY = Family(
     checkpoint_fields=lambda hf, where: tower_fields(hf, where, "siglip_vision_model", "siglip", 1e-6,
                                                      "gelu_pytorch_tanh"),
     activation_layers=tower_activations,
+    cls_token=False,
     signed=("feature_layer",),  # -2: the layer before the last
 )
