@@ -13,33 +13,23 @@ write batches to a spool in shared memory that every rank on the host reads (``s
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import socket
-import threading
 import time
-import traceback
 import weakref
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from disttrain_ds.data import spool
 from disttrain_ds.data.config import DataConfig
+from disttrain_ds.data.producer_worker import POLL_S, Job, decode, prepare, produce, start_context
 from disttrain_ds.data.registry import open_source, resolve
 from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import TRAIN, Split
-from disttrain_ds.data.spool import NodeShare, SpoolBatch, SpoolError, SpoolWriter
-from disttrain_ds.reorder.inter import reorder_batch
+from disttrain_ds.data.spool import NodeShare, SpoolError, SpoolWriter
 from disttrain_ds.samples import PackedSample, ShapeSpec
 
-_POLL_S = 0.2
-_BEAT_S = 0.5
-"""How often a producer's heartbeat thread bumps its counter."""
 STALL_TIMEOUT_S = 20.0
 """Default ``ProducedSource.stall_timeout_s`` (the default ``parallel.heartbeat_timeout_s``)."""
-_PRELOAD = ["torch", "numpy", "PIL.Image", "datasets", "disttrain_ds.data.record_source"]
 
 
 class ProducerError(RuntimeError):
@@ -48,117 +38,6 @@ class ProducerError(RuntimeError):
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
         self.details = details
-
-
-@dataclass(frozen=True)
-class _Job:
-    cfg: DataConfig
-    shape: ShapeSpec
-    batch: int
-    seed: int
-    first_step: int
-    stride: int
-    state: dict | None
-    split: Split = TRAIN
-    units: tuple[int, ...] | None = None
-    """The units of each batch this host reads (``data/host_read.py``); None: whole batches."""
-
-
-def _encode(samples: list[PackedSample | None]) -> list[tuple | None]:
-    """Tensors as numpy arrays: plain pickling, no shared-memory file descriptors to leak."""
-    return [
-        (s.input_ids.numpy(), s.labels.numpy(), [im.numpy() for im in s.images], s.gen_targets.numpy(),
-         s.sample_id, s.doc_lens, s.meta, [c.numpy() for c in s.audio], [t.numpy() for t in s.more_targets])
-        if s is not None else None
-        for s in samples
-    ]
-
-
-def _decode(payload: list[tuple | None]) -> list[PackedSample | None]:
-    return [
-        PackedSample(torch.from_numpy(p[0]), torch.from_numpy(p[1]), [torch.from_numpy(im) for im in p[2]],
-                     torch.from_numpy(p[3]), p[4], tuple(p[5]), p[6], [torch.from_numpy(c) for c in p[7]],
-                     [torch.from_numpy(t) for t in p[8]])
-        if p is not None else None
-        for p in payload
-    ]
-
-
-def prepare(source: SampleSource, step: int, cfg: DataConfig, shape: ShapeSpec,
-            units: tuple[int, ...] | None = None) -> list[PackedSample | None]:
-    """One global batch, reordered when ``data.reorder`` is set; with ``units``, only the samples
-    of those units (None at every other position), unreordered (``order_with`` reorders them)."""
-    if units is not None:
-        got = source.read_units(step, list(units))
-        return [got.get(p) for p in range(source.batch)]
-    samples = source.global_batch(step)
-    if cfg.reorder:
-        samples = reorder_batch(samples, shape, source.special)
-    return samples
-
-
-def _keep_going(stop) -> bool:
-    """Not told to stop, and the trainer is alive (an orphan exits instead of blocking forever)."""
-    parent = mp.parent_process()
-    return not stop.is_set() and (parent is None or parent.is_alive())
-
-
-def _put(q, item, stop) -> bool:
-    while _keep_going(stop):
-        try:
-            q.put(item, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _heartbeat(beat) -> None:
-    """Bump ``beat`` while this process runs (it stops when the process is stopped, killed or wedged)."""
-    while True:
-        beat.value += 1
-        time.sleep(_BEAT_S)
-
-
-def _produce(job: _Job, q, stop, writer: SpoolWriter | None = None, index: int = 0, beat=None) -> None:
-    """Prepare steps ``first_step, first_step + stride, ...`` into queue ``q`` or the spool ``writer``."""
-    step = job.first_step
-    if beat is not None:
-        threading.Thread(target=_heartbeat, args=(beat,), name="producer-heartbeat", daemon=True).start()
-    try:
-        source = open_source(job.cfg, job.shape, job.batch, job.seed, job.split)
-        if job.state:
-            source.load_state_dict(job.state)
-        while not stop.is_set():
-            samples = prepare(source, step, job.cfg, job.shape, job.units)
-            plan, extra = source.step_skips(step)
-            if writer is not None:
-                batch = SpoolBatch(step, samples, plan, extra, source.state_dict())
-                sent = writer.put(batch, lambda: _keep_going(stop))
-            else:
-                sent = _put(q, ("ok", step, _encode(samples), plan, extra, source.state_dict()), stop)
-            if not sent:
-                break
-            step += job.stride
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the trainer
-        line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        if writer is not None:
-            writer.error(index, step, line, traceback.format_exc())
-        else:
-            _put(q, ("error", step, line, traceback.format_exc()), stop)
-    finally:
-        parent = mp.parent_process()
-        if q is not None and parent is not None and not parent.is_alive():
-            q.cancel_join_thread()  # nobody will read: do not hang at exit flushing the queue
-        # Otherwise exit flushes what was put (the error message above) while the trainer reads.
-
-
-def _context(extra: tuple[str, ...] = ()):
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD + list(extra))  # producers fork from a server with torch imported
-        return ctx
-    return mp.get_context("spawn")
 
 
 class ProducedSource(SampleSource):
@@ -239,7 +118,7 @@ class ProducedSource(SampleSource):
     def _start(self, step: int) -> None:
         # A VAE in the producers: diffusers is imported once in the server (tens of seconds on a
         # loaded host), not by each producer while its heartbeat is watched.
-        ctx, n = _context(("disttrain_ds.models.vae",) if self.shape.vae is not None else ()), self.cfg.producers
+        ctx, n = start_context(("disttrain_ds.models.vae",) if self.shape.vae is not None else ()), self.cfg.producers
         self._stop = ctx.Event()
         writer = None
         if self.share is not None:
@@ -251,9 +130,9 @@ class ProducedSource(SampleSource):
             self._queues = [ctx.Queue(maxsize=depth) for _ in range(n)]
         self._beats = [ctx.RawValue("Q", 0) for _ in range(n)]
         for k in range(n):
-            job = _Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state, self.split,
+            job = Job(self.cfg, self.shape, self.batch, self.seed, step + k, n, self._inner_state, self.split,
                        self.host_units)
-            proc = ctx.Process(target=_produce, args=(job, self._queues[k], self._stop, writer, k, self._beats[k]),
+            proc = ctx.Process(target=produce, args=(job, self._queues[k], self._stop, writer, k, self._beats[k]),
                                daemon=True, name=f"data-producer-{k}")
             proc.start()
             self._procs.append(proc)
@@ -279,12 +158,12 @@ class ProducedSource(SampleSource):
         proc, q = self._procs[k], self._queues[k]
         while True:
             try:
-                msg = q.get(timeout=_POLL_S)
+                msg = q.get(timeout=POLL_S)
                 break
             except queue.Empty:
                 if not proc.is_alive():
                     try:  # it may have put its last message just before exiting
-                        msg = q.get(timeout=_POLL_S)
+                        msg = q.get(timeout=POLL_S)
                         break
                     except queue.Empty:
                         self.close()
@@ -342,7 +221,7 @@ class ProducedSource(SampleSource):
                 samples, plan, extra, state = self._fetch_shared(step)
             else:
                 _, _, payload, plan, extra, state = self._receive(step)
-                samples = _decode(payload)
+                samples = decode(payload)
         if self._order is not None:
             samples = self._order(samples)
         self._next = step + 1
@@ -388,12 +267,12 @@ def _shutdown(procs: list, queues: list, stop) -> None:
     for proc, q in zip(procs, queues):
         while proc.is_alive() and time.monotonic() < deadline:
             if q is None:  # spool writers poll the stop flag
-                proc.join(timeout=_POLL_S)
+                proc.join(timeout=POLL_S)
                 continue
             try:  # drain so a producer blocked on a full queue sees the stop flag
                 q.get_nowait()
             except queue.Empty:
-                proc.join(timeout=_POLL_S)
+                proc.join(timeout=POLL_S)
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout=2.0)

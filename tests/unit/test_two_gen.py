@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from disttrain_ds.cli import plan as cli
-from disttrain_ds.data.producers import _decode, _encode
+from disttrain_ds.data.producer_worker import decode, encode
 from disttrain_ds.data.validate import sample_problems
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
@@ -61,7 +61,7 @@ def _runs(mask: torch.Tensor) -> list[int]:
 
 def test_targets_for_every_generator_survive_producers_and_spool_files(two):
     *_, samples = two
-    for back in (_decode(_encode(samples)), [PackedSample.from_plain(s.to_plain()) for s in samples]):
+    for back in (decode(encode(samples)), [PackedSample.from_plain(s.to_plain()) for s in samples]):
         for a, b in zip(samples, back):
             assert len(a.more_targets) == len(b.more_targets) == 1
             assert torch.equal(a.more_targets[0], b.more_targets[0]) and torch.equal(a.gen_targets, b.gen_targets)
