@@ -15,7 +15,6 @@ from disttrain_ds.recipe.schema import load_recipe
 from .conftest import launch, max_param_mismatch
 from .test_fidelity import SGD, STEPS
 
-
 TOWERS = {"clip": ("CLIPVisionConfig", "CLIPVisionModel"), "siglip": ("SiglipVisionConfig", "SiglipVisionModel")}
 
 
@@ -37,14 +36,19 @@ def _save(tmp_path, tower: str = "clip") -> list[str]:
             f"model.modules.llm.checkpoint={tmp_path / 'llama'}"]
 
 
-def test_a_llava_style_job_from_transformers_weights_matches_its_reference(tmp_path, reference_run):
-    parts = _save(tmp_path)
+def _job_matches_reference(tmp_path, reference_run, parts: list[str]) -> list[float]:
+    """The parts' job with the tower at TP=2 and the LLM over 2 stages against its reference; its losses."""
     layout = ["layout=disaggregated", "parallel.modules.vision.tp=2", "parallel.modules.llm.pp=2"]
     rows, params, _ = launch(tmp_path / "run", 4, [STEPS, *SGD, *parts, *layout], recipe="tiny_vlm")
     ref_losses, ref_params = reference_run([*parts, STEPS, *SGD], "tiny_vlm")
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    return ref_losses
+
+
+def test_a_llava_style_job_from_transformers_weights_matches_its_reference(tmp_path, reference_run):
+    ref_losses = _job_matches_reference(tmp_path, reference_run, _save(tmp_path))
     # The run started from the checkpoints, not the seeded init: its first loss is the imported model's.
     seeded, _ = reference_run([STEPS, *SGD, "model.modules.vision.family=clip", "model.modules.vision.layers=3",
                                "model.modules.vision.hidden_size=48", "model.modules.vision.heads=4",
@@ -54,10 +58,4 @@ def test_a_llava_style_job_from_transformers_weights_matches_its_reference(tmp_p
 
 @pytest.mark.slow
 def test_a_siglip_tower_split_over_tp_from_transformers_weights_matches_its_reference(tmp_path, reference_run):
-    parts = _save(tmp_path, "siglip")
-    layout = ["layout=disaggregated", "parallel.modules.vision.tp=2", "parallel.modules.llm.pp=2"]
-    rows, params, _ = launch(tmp_path / "run", 4, [STEPS, *SGD, *parts, *layout], recipe="tiny_vlm")
-    ref_losses, ref_params = reference_run([*parts, STEPS, *SGD], "tiny_vlm")
-    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
-    worst, where = max_param_mismatch(params, ref_params)
-    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    _job_matches_reference(tmp_path, reference_run, _save(tmp_path, "siglip"))

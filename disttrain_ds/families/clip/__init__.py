@@ -40,22 +40,28 @@ def tower_rules(prefix: str) -> tuple[tuple[str, str], ...]:
     )
 
 
-FAMILY = Family(
-    name="clip",
-    role="encoder",
-    modality="image",
-    config_type=VisionTowerConfig,
-    presets=CLIP_PRESETS,
-    model="disttrain_ds.families.clip.model",
-    width=lambda cfg: cfg.hidden_size,
-    width_key="hidden_size",
-    layer_count=lambda cfg: run_layers(cfg) + 2,  # embed, the layers run, head
-    blocks=run_layers,
-    tp_sizes=tower_tp_sizes,
-    problems=tower_problems,
-    hf_rules=tower_rules("vision_model"),
-    hf_formats="transformers CLIPVisionModel or CLIPModel",
-    checkpoint_fields=clip_fields,
-    activation_layers=tower_activations,
-    signed=("feature_layer",),  # -2: the layer before the last
-)
+def tower_family(name: str, presets: dict[str, dict], formats: str, checkpoint_fields, cls_token: bool) -> Family:
+    """The record of a CLIP-shaped vision tower family (its layers in ``families/<name>/model.py``)."""
+    return Family(
+        name=name,
+        role="encoder",
+        modality="image",
+        config_type=VisionTowerConfig,
+        presets=presets,
+        model=f"disttrain_ds.families.{name}.model",
+        width=lambda cfg: cfg.hidden_size,
+        width_key="hidden_size",
+        layer_count=lambda cfg: run_layers(cfg) + 2,  # embed, the layers run, head
+        blocks=run_layers,
+        tp_sizes=tower_tp_sizes,
+        problems=tower_problems,
+        hf_rules=tower_rules("vision_model"),
+        hf_formats=formats,
+        checkpoint_fields=checkpoint_fields,
+        activation_layers=tower_activations,
+        cls_token=cls_token,
+        signed=("feature_layer",),  # -2: the layer before the last
+    )
+
+
+FAMILY = tower_family("clip", CLIP_PRESETS, "transformers CLIPVisionModel or CLIPModel", clip_fields, cls_token=True)
