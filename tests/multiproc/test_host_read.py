@@ -96,6 +96,7 @@ def test_two_hosts_reorder_their_own_samples_and_train_the_reference(tmp_path, r
     assert whole != unordered, "no batch was reordered"
 
 
+@pytest.mark.slow  # negative control of the test above, a whole job
 def test_a_host_that_reads_another_hosts_samples_is_caught(tmp_path):
     proc = launch(tmp_path / "job", 6, ["train.steps=1", *SGD, *LAYOUT], fault="wrong_host_units", env_extra=HOSTS,
                   check=False)

@@ -30,6 +30,7 @@ def _trained(proc) -> bool:
     return "step    1" in _said(proc)
 
 
+@pytest.mark.slow  # the old start-up deadlocking; its guard is pinned below in the default tier
 def test_member_only_groups_stop_a_mixed_tp_layout_at_startup_under_eager_rules(tmp_path):
     """Negative control: the old start-up (each module's groups made by its members only, the
     refusal lifted) stops before step 1, naming ranks that did not take part in a split."""
