@@ -40,7 +40,11 @@ def test_overrides_reach_the_reference():
     assert "data.gen_images=[0,1]" in _ref_overrides(LAYOUTS["some_samples_generate_nothing"][1])
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+SLOW = {"enc1_llm_dp2_gen_dp2"}
+"""Layouts whose default-tier twin runs the same ranks (``some_samples_generate_nothing``)."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_layout_matches_reference_losses_and_parameters(name, tmp_path, reference_run):
     nproc, overrides = LAYOUTS[name]
     rows, params, shapes = launch(tmp_path, nproc, [STEPS, *SGD, *overrides])

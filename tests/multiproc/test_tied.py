@@ -52,6 +52,7 @@ def test_tied_embeddings_in_more_layouts(name, tmp_path, reference_run):
     _check(*SLOW_LAYOUTS[name], tmp_path, reference_run)
 
 
+@pytest.mark.slow  # negative control of the default-tier layout above
 def test_tied_copies_without_their_gradient_sum_drift_apart(tmp_path, reference_run):
     worst = _check(*PP2, tmp_path, reference_run, fault="skip_tied_reduce")
     assert worst > 1e-4
