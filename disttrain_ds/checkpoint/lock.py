@@ -142,10 +142,15 @@ class DirectoryLock:
         tmp.write_text(json.dumps(asdict(holder)))
         os.replace(tmp, self.path)
 
+    def _mine(self) -> bool:
+        """Whether the lock file still names this process's hold (heartbeats aside)."""
+        current = read_holder(self.path)
+        return current is not None and (current.host, current.pid, current.started) == (
+            self.me.host, self.me.pid, self.me.started)
+
     def beat(self) -> bool:
         """Renew the heartbeat; False (and nothing written) if the lock is no longer this job's."""
-        current = read_holder(self.path)
-        if current is None or (current.host, current.pid, current.started) != (self.me.host, self.me.pid, self.me.started):
+        if not self._mine():
             return False
         self._write(Holder(self.me.host, self.me.pid, self.me.job, self.me.started, self.clock()))
         return True
@@ -172,9 +177,7 @@ class DirectoryLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        current = read_holder(self.path)
-        if current is not None and (current.host, current.pid, current.started) == (self.me.host, self.me.pid,
-                                                                                      self.me.started):
+        if self._mine():
             self.path.unlink(missing_ok=True)
 
 

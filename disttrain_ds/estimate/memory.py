@@ -135,13 +135,13 @@ def vocab_size(recipe) -> int:
     return special_tokens(tok, audio=audio, generators=gens).vocab_size
 
 
-def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> list:
-    """``count(layer)`` of each pipeline layer of ``module`` built on the meta device (no memory)."""
+def meta_layers(recipe, module: str, vocab: int) -> list[tuple]:
+    """(``LayerDef``, layer built on the meta device: no memory) of each pipeline layer of ``module``."""
     import torch
 
     try:
         with torch.device("meta"):
-            return [count(d.build()) for d in meta_spec(recipe, vocab).layers(module)]
+            return [(d, d.build()) for d in meta_spec(recipe, vocab).layers(module)]
     finally:  # the builders cache one whole model; never leave a meta one behind
         clear_build_caches()
 
@@ -149,12 +149,11 @@ def meta_layers(recipe, module: str, vocab: int, count=lambda layer: layer) -> l
 def _layer_table(recipe, module: str, vocab: int) -> tuple[tuple[int, ...], tuple[Shared, ...]]:
     key = (json.dumps(as_written(recipe)["model"], sort_keys=True, default=str), module, vocab)
     if key not in _LAYER_PARAMS:
-        built = meta_layers(recipe, module, vocab)
-        defs = meta_spec(recipe, vocab).layers(module)
-        index = {d.name: i for i, d in enumerate(defs)}
-        shared = tuple((i, index[lead.split("/", 1)[0]], built[i].get_parameter(own).numel())
-                       for i, d in enumerate(defs) for own, lead in d.ties)
-        _LAYER_PARAMS[key] = (tuple(sum(p.numel() for p in layer.parameters()) for layer in built), shared)
+        pairs = meta_layers(recipe, module, vocab)
+        index = {d.name: i for i, (d, _) in enumerate(pairs)}
+        shared = tuple((i, index[lead.split("/", 1)[0]], layer.get_parameter(own).numel())
+                       for i, (d, layer) in enumerate(pairs) for own, lead in d.ties)
+        _LAYER_PARAMS[key] = (tuple(sum(p.numel() for p in layer.parameters()) for _, layer in pairs), shared)
     return _LAYER_PARAMS[key]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from disttrain_ds.checkpoint.read import STEP_DIRS
 from disttrain_ds.estimate.memory import meta_layers, vocab_size
-from disttrain_ds.mllm.recipe_spec import meta_spec
 from disttrain_ds.mllm.weights import check_checkpoint
 from disttrain_ds.models.layers import tied_keys
 from disttrain_ds.recipe.graph import graph_of, module_family, module_key
@@ -19,8 +18,8 @@ def check_imports(recipe) -> None:
         if not cfg.checkpoint:
             continue
         vocab = vocab if vocab is not None else vocab_size(recipe)
-        defs = meta_spec(recipe, vocab).layers(name)  # defs only: nothing is built here
+        pairs = meta_layers(recipe, name, vocab)  # built on the meta device: shapes only
         fam = module_family(recipe, name)
-        check_checkpoint(name, list(zip([d.name for d in defs], meta_layers(recipe, name, vocab))), cfg.checkpoint,
-                         fam.hf_rules, f"{module_key(recipe, name)}.checkpoint", fam.hf_formats, fam.vocab_params,
-                         STEP_DIRS, tied_keys(defs))
+        check_checkpoint(name, [(d.name, layer) for d, layer in pairs], cfg.checkpoint, fam.hf_rules,
+                         f"{module_key(recipe, name)}.checkpoint", fam.hf_formats, fam.vocab_params, STEP_DIRS,
+                         tied_keys([d for d, _ in pairs]))
