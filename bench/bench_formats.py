@@ -109,7 +109,7 @@ def source_rate(tar: Path, sequences: int, cache: str) -> tuple[float, float, fl
     for step in range(1, sequences + 1):
         for s in src.global_batch(step):
             n_in += len(s.images)
-            n_gen += s.gen_targets.shape[0]
+            n_gen += s.gen_targets[0].shape[0]
     dt = time.process_time() - t0
     return sequences / dt, n_in / dt, n_gen / dt
 

@@ -48,7 +48,7 @@ def _doc_stats(words: int, n_images: int, rng: np.random.Generator) -> SampleSta
     patches = _image_patches(rng, n_images)
     text = max(1, int(round(words * TOKENS_PER_WORD)))
     seq = text + sum(patches)
-    return SampleStats(text, patches, n_images, GEN_RES, seq, (seq,))
+    return SampleStats(text, patches, seq, (seq,), gens=((n_images, GEN_RES),))
 
 
 def load_sources(fixtures: Path, seed: int) -> dict[str, list[SampleStats] | str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -113,27 +113,18 @@ class SampleStats:
     """Number of text tokens (including markers) in the packed sequence."""
     image_patches: tuple[int, ...]
     """Encoder patch count of each input image, in sequence order."""
-    gen_images: int
-    """Number of images the generator must produce for this sample."""
-    gen_resolution: int
-    """Side length in pixels of each generated image."""
     seq_len: int
     """Packed sequence length (text + image placeholders + queries + padding)."""
     doc_lens: tuple[int, ...] = ()
     """Lengths of the documents packed into the sequence (for attention FLOPs); empty if unknown."""
     audio_frames: tuple[int, ...] = ()
     """Log-mel frames of each input audio clip, in sequence order."""
-    more_gens: tuple[tuple[int, int], ...] = ()
-    """(images, side) of the second, third, ... generator's targets (graph order; the first one's
-    are ``gen_images`` and ``gen_resolution``); missing entries mean none."""
+    gens: tuple[tuple[int, int], ...] = ()
+    """(images, side in pixels) of each generator's targets, in graph order; missing entries mean none."""
 
-    def for_generator(self, k: int) -> "SampleStats":
-        """This sample as the ``k``-th generator (graph order) sees it: ``gen_images`` and
-        ``gen_resolution`` are its own targets'."""
-        if k == 0:
-            return self
-        n, side = self.more_gens[k - 1] if k - 1 < len(self.more_gens) else (0, 0)
-        return replace(self, gen_images=n, gen_resolution=side)
+    def gen(self, k: int) -> tuple[int, int]:
+        """(images, side) the ``k``-th generator (graph order) makes for this sample; (0, 0) for none."""
+        return self.gens[k] if 0 <= k < len(self.gens) else (0, 0)
 
 
 @dataclass
@@ -148,9 +139,11 @@ class PackedSample:
     images: list[torch.Tensor]
     """Input images for the encoder, float32 [3, H, W] in [-1, 1], H and W multiples of the patch
     size; their patch counts equal the runs of ``image`` placeholders, in order."""
-    gen_targets: torch.Tensor
-    """float32 [n_gen, 3, R, R] in [-1, 1]: images the (first) generator must produce (pixel space);
-    target j belongs to the j-th run of ``gen`` queries."""
+    gen_targets: list[torch.Tensor]
+    """Targets of each generator, in graph order: ``gen_targets[k]`` is float32 [n, C_k, R_k, R_k]
+    (pixels in [-1, 1], or latents after a VAE), its j-th image belongs to the j-th run of
+    ``SpecialTokens.query(k)``; missing entries (a graph without generators, a sample made for fewer)
+    mean none."""
     sample_id: int
     """Stable id of this sample within the dataset order; seeds its diffusion noise and timesteps."""
     doc_lens: tuple[int, ...] = ()
@@ -162,16 +155,21 @@ class PackedSample:
     audio: list[torch.Tensor] = field(default_factory=list)
     """Input audio clips for the audio encoder, float32 log-mel features [n_mels, frames] (frames
     even); clip i fills the i-th run of ``audio`` placeholders, ``frames // 2`` of them."""
-    more_targets: list[torch.Tensor] = field(default_factory=list)
-    """Targets of the second, third, ... generator (graph order): ``more_targets[k - 1]`` is float32
-    [n, C_k, R_k, R_k], its j-th image belongs to the j-th run of ``SpecialTokens.query(k)``; missing
-    entries mean none. Empty in a model with one generator."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gen_targets, (list, tuple)):
+            raise TypeError(f"gen_targets must be a list of tensors (one per generator), got {type(self.gen_targets).__name__}")
+        self.gen_targets = list(self.gen_targets)
+
+    def inputs(self, modality: str) -> list[torch.Tensor]:
+        """The input items an encoder reading ``modality`` (image | audio) encodes, in sequence order."""
+        if modality not in ("image", "audio"):
+            raise ValueError(f"no sample field for modality {modality!r}")
+        return self.images if modality == "image" else self.audio
 
     def targets(self, k: int) -> torch.Tensor | None:
         """The ``k``-th generator's targets (graph order); None where the sample holds none for it."""
-        if k == 0:
-            return self.gen_targets
-        return self.more_targets[k - 1] if k - 1 < len(self.more_targets) else None
+        return self.gen_targets[k] if 0 <= k < len(self.gen_targets) else None
 
     def stats(self, patch_size: int, special: SpecialTokens) -> SampleStats:
         """Cost-model view of this sample."""
@@ -180,12 +178,10 @@ class PackedSample:
         return SampleStats(
             text_tokens=int((~special.no_label(ids)).sum()),
             image_patches=patches,
-            gen_images=int(self.gen_targets.shape[0]),
-            gen_resolution=int(self.gen_targets.shape[-1]) if self.gen_targets.numel() else 0,
+            gens=tuple((int(t.shape[0]), int(t.shape[-1]) if t.numel() else 0) for t in self.gen_targets),
             seq_len=int(self.input_ids.shape[0]),
             doc_lens=self.doc_lens,
             audio_frames=tuple(int(c.shape[1]) for c in self.audio),
-            more_gens=tuple((int(t.shape[0]), int(t.shape[-1]) if t.numel() else 0) for t in self.more_targets),
         )
 
     def doc_ids(self) -> torch.Tensor:
@@ -196,33 +192,31 @@ class PackedSample:
         """Tensors and plain values only: what ``torch.load(weights_only=True)`` reads back
         (``audio`` only when the sample has clips)."""
         out = {"input_ids": self.input_ids, "labels": self.labels, "images": list(self.images),
-               "gen_targets": self.gen_targets, "sample_id": self.sample_id, "doc_lens": tuple(self.doc_lens),
+               "gen_targets": list(self.gen_targets), "sample_id": self.sample_id, "doc_lens": tuple(self.doc_lens),
                "meta": self.meta}
         if self.audio:
             out["audio"] = list(self.audio)
-        if self.more_targets:
-            out["more_targets"] = list(self.more_targets)
         return out
 
     @staticmethod
     def from_plain(d: object) -> "PackedSample":
         """Inverse of ``to_plain``; ValueError naming the first field that does not fit."""
-        if not isinstance(d, dict) or set(d) - {"audio", "more_targets"} != _PLAIN_FIELDS:
+        if not isinstance(d, dict) or set(d) - {"audio"} != _PLAIN_FIELDS:
             got = sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"a sample must have the fields {sorted(_PLAIN_FIELDS)}, got {got}")
-        for key in ("input_ids", "labels", "gen_targets"):
+        for key in ("input_ids", "labels"):
             if not isinstance(d[key], torch.Tensor):
                 raise ValueError(f"sample field {key} is a {type(d[key]).__name__}, not a tensor")
-        images, docs, audio, more = d["images"], d["doc_lens"], d.get("audio", []), d.get("more_targets", [])
-        for key, seq in (("images", images), ("audio", audio), ("more_targets", more)):
+        images, docs, audio, gens = d["images"], d["doc_lens"], d.get("audio", []), d["gen_targets"]
+        for key, seq in (("images", images), ("audio", audio), ("gen_targets", gens)):
             if not isinstance(seq, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in seq):
                 raise ValueError(f"sample field {key} is not a list of tensors")
         if not isinstance(docs, (list, tuple)) or not all(_is_int(n) for n in docs):
             raise ValueError("sample field doc_lens is not a list of ints")
         if not _is_int(d["sample_id"]) or not isinstance(d["meta"], dict):
             raise ValueError("sample field sample_id is not an int, or meta is not a dict")
-        return PackedSample(d["input_ids"], d["labels"], list(images), d["gen_targets"], d["sample_id"],
-                            tuple(docs), d["meta"], list(audio), list(more))
+        return PackedSample(d["input_ids"], d["labels"], list(images), list(gens), d["sample_id"],
+                            tuple(docs), d["meta"], list(audio))
 
 
 _PLAIN_FIELDS = {"input_ids", "labels", "images", "gen_targets", "sample_id", "doc_lens", "meta"}
@@ -252,7 +246,7 @@ def batch_bytes(samples: list[PackedSample]) -> int:
     """Bytes of the tensors of a global batch (what a producer writes and a host's spool holds per step)."""
     total = 0
     for s in samples:
-        for t in (s.input_ids, s.labels, s.gen_targets, *s.images, *s.audio, *s.more_targets):
+        for t in (s.input_ids, s.labels, *s.gen_targets, *s.images, *s.audio):
             total += t.numel() * t.element_size()
     return total
 

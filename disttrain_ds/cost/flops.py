@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from disttrain_ds.cost.backward import MODE_MULTIPLIER
-from disttrain_ds.cost.model import TransformerDims, patch_embed_flops
+from disttrain_ds.cost.dims import TransformerDims, image_flops
 from disttrain_ds.models.vae import vae_kwargs
 
 
@@ -137,13 +137,9 @@ def vit_flops(
         raise ValueError("patches_per_image must be non-empty")
     for n in patches_per_image:
         _positive(patches_per_image_item=n)
-    patches = sum(int(n) for n in patches_per_image)
-    tokens_per_image = [int(n) + int(include_cls) for n in patches_per_image]
     dims = TransformerDims(layers, hidden, ffn_hidden, heads=1)  # without GQA the head count changes no FLOPs
-    embed = patch_embed_flops(patch_size, hidden, channels) * patches
-    linear = dims.linear_flops_per_token() * sum(tokens_per_image)
-    attention = dims.flops_per_pair() * sum(t * t for t in tokens_per_image)  # bidirectional: all pairs
-    return training_flops(embed + linear + attention, mode=mode)
+    return training_flops(sum(image_flops(dims, patch_size, include_cls, int(n), channels) for n in patches_per_image),
+                          mode=mode)
 
 
 def projector_flops_per_token(

@@ -5,9 +5,9 @@ costed by its kind in the shared :class:`~disttrain_ds.cost.model.CostModel`: an
 its input images, an audio encoder by its input clips, the LLM by its packed sequence, a
 generator by its generated images. Reordering, the ``balance/<module>_*`` figures, emulated
 compute and the profiler's per-sample draws all read one ``GraphCosts``, so every module of the
-graph, a second encoder included, is priced the same way everywhere. Each generator is priced by
-its own targets (the k-th generator in graph order by ``SampleStats.for_generator(k)``: its image
-count and side) with its own family's cost terms (``gen_models``).
+graph, a second encoder included, is priced the same way everywhere. Each module is priced by its
+own family's cost terms (``own``), each generator by its own targets (the k-th generator in graph
+order by ``SampleStats.gen(k)``: its image count and side).
 """
 
 from __future__ import annotations
@@ -33,21 +33,22 @@ class GraphCosts:
     """Forward cost of one sample in each module of a graph."""
 
     model: CostModel
-    """The coefficients of every cost kind (FLOPs, or ms after ``CostModel.in_ms``)."""
+    """The coefficients of every cost kind (FLOPs, or ms after ``CostModel.in_ms``) for the modules
+    ``own`` does not name; its ``backward_factor`` is the graph's."""
     kinds: dict[str, str]
-    """Module name -> its cost kind (``cost.model.Module``: encoder | audio | llm | generator), in
-    the graph's data-flow order."""
-    gen_models: dict[str, CostModel] = field(default_factory=dict)
-    """Generator name -> the model whose generator terms (``gen_per_*``, ``gen_downsample``)
-    price it, its own family's; a generator not named here uses ``model``'s."""
+    """Module name -> its cost kind (``cost.model.Module``: encoder | audio | llm | generator: what
+    the module's work is counted in), in the graph's data-flow order."""
+    own: dict[str, CostModel] = field(default_factory=dict)
+    """Module name -> the model whose terms of the module's kind price it (its own family's); a
+    module not named here uses ``model``'s."""
 
     def __post_init__(self) -> None:
         bad = {n: k for n, k in self.kinds.items() if k not in ROLE_OF_KIND}
         if bad:
             raise ValueError(f"cost kinds must be among {sorted(ROLE_OF_KIND)}, got {bad}")
-        stray = sorted(set(self.gen_models) - {n for n, k in self.kinds.items() if k == "generator"})
+        stray = sorted(set(self.own) - set(self.kinds))
         if stray:
-            raise ValueError(f"gen_models names modules that are not generators: {stray}")
+            raise ValueError(f"own names modules the graph does not have: {stray}")
 
     @classmethod
     def three_module(cls, model: CostModel) -> "GraphCosts":
@@ -76,10 +77,10 @@ class GraphCosts:
         """Forward cost of ``s`` in module ``name`` (a generator: of its own targets, by its own terms)."""
         if name not in self.kinds:
             raise ValueError(f"no module {name!r} in the cost model (modules: {', '.join(self.names)})")
-        kind = self.kinds[name]
+        kind, model = self.kinds[name], self.own.get(name, self.model)
         if kind != "generator":
-            return self.model.module_cost(kind, s)
-        return self.gen_models.get(name, self.model).generator_cost(s.for_generator(self._gen_index[name]))
+            return model.module_cost(kind, s)
+        return model.generator_cost(s, self._gen_index[name])
 
     @cached_property
     def _gen_index(self) -> dict[str, int]:

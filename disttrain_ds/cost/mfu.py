@@ -3,9 +3,7 @@ overall. All MFU values are fractions (0.52 means 52%)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-from disttrain_ds.graph import MODULES
+from dataclasses import dataclass, field
 
 
 def _check(flops: float, gpus: int, peak_tflops: float, step_seconds: float, gpus_name: str) -> None:
@@ -39,45 +37,36 @@ def overall_mfu(total_flops: float, world: int, peak_tflops: float, step_seconds
 
 @dataclass(frozen=True)
 class StepFlops:
-    """Training FLOPs of one optimizer step (all micro-batches, all data-parallel
-    replicas), per module, already scaled for frozen modules (see ``training_flops``)."""
+    """Training FLOPs of one optimizer step (all micro-batches, all data-parallel replicas), per
+    module of the graph, already scaled for frozen modules (see ``training_flops``)."""
 
-    encoder: float = 0.0
-    """Modality encoder (ViT) plus input projector."""
-    llm: float = 0.0
-    """LLM backbone, including its LM head."""
-    generator: float = 0.0
-    """Output projector plus diffusion U-Net generator."""
+    modules: dict[str, float] = field(default_factory=dict)
+    """Module name -> its FLOPs (an encoder and a generator with their projectors), in graph order."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) < 0:
-                raise ValueError(f"{f.name} must be >= 0, got {getattr(self, f.name)}")
+        for name, flops in self.modules.items():
+            if not flops >= 0:
+                raise ValueError(f"FLOPs of module {name} must be >= 0, got {flops}")
 
     @property
     def total(self) -> float:
-        """Sum over the three modules."""
-        return self.encoder + self.llm + self.generator
+        """Sum over the modules."""
+        return sum(self.modules.values())
 
-    def metrics(
-        self, *, encoder_gpus: int, llm_gpus: int, generator_gpus: int, peak_tflops: float,
-        step_seconds: float, world: int | None = None,
-    ) -> dict[str, float]:
-        """``perf/mfu/{encoder,llm,generator,overall}`` and ``perf/tflops_per_gpu/{...}``.
+    def metrics(self, *, gpus: dict[str, int], peak_tflops: float, step_seconds: float,
+                world: int | None = None) -> dict[str, float]:
+        """``perf/mfu/<module>`` and ``perf/tflops_per_gpu/<module>`` for each module, and ``.../overall``.
 
-        ``world`` defaults to the sum of the modules' GPUs (disaggregated placement); pass
-        it when modules share GPUs. A module with 0 FLOPs and 0 GPUs is left out.
+        ``gpus``: module name -> the GPUs it runs on; ``world`` defaults to their sum (disaggregated
+        placement): pass it when modules share GPUs.
         """
-        gpus = {"encoder": encoder_gpus, "llm": llm_gpus, "generator": generator_gpus}
         out: dict[str, float] = {}
-        for name in MODULES:
-            flops = getattr(self, name)
-            if flops == 0 and gpus[name] == 0:
-                continue  # module absent from this model
-            _check(flops, gpus[name], peak_tflops, step_seconds, f"{name}_gpus")
-            out[f"perf/mfu/{name}"] = module_mfu(flops, gpus[name], peak_tflops, step_seconds)
-            out[f"perf/tflops_per_gpu/{name}"] = tflops_per_gpu(flops, gpus[name], step_seconds)
-        world = sum(gpus.values()) if world is None else world
+        for name, flops in self.modules.items():
+            n = gpus.get(name, 0)
+            _check(flops, n, peak_tflops, step_seconds, f"gpus[{name!r}]")
+            out[f"perf/mfu/{name}"] = module_mfu(flops, n, peak_tflops, step_seconds)
+            out[f"perf/tflops_per_gpu/{name}"] = tflops_per_gpu(flops, n, step_seconds)
+        world = sum(gpus.get(n, 0) for n in self.modules) if world is None else world
         out["perf/mfu/overall"] = overall_mfu(self.total, world, peak_tflops, step_seconds)
         out["perf/tflops_per_gpu/overall"] = tflops_per_gpu(self.total, world, step_seconds)
         return out

@@ -32,55 +32,12 @@ import numpy as np
 from scipy.optimize import nnls
 
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
+from disttrain_ds.cost.dims import TransformerDims, image_terms
 from disttrain_ds.samples import SampleStats
 
 Module = Literal["encoder", "audio", "llm", "generator"]
 """Cost kinds: ``encoder`` (an image encoder, by input images), ``audio`` (an audio encoder, by
 input clips), ``llm``, ``generator``."""
-
-
-@dataclass(frozen=True)
-class TransformerDims:
-    """Shape of a transformer stack (ViT encoder or Llama backbone)."""
-
-    layers: int
-    """Number of transformer layers."""
-    hidden: int
-    """Model width."""
-    ffn_hidden: int
-    """MLP inner width."""
-    heads: int
-    """Query heads."""
-    kv_heads: int = 0
-    """Key/value heads (grouped-query attention); 0 means equal to ``heads``."""
-    gated_mlp: bool = False
-    """Three MLP matrices (SwiGLU, Llama) instead of two (GELU MLP, ViT)."""
-    head_dim: int = 0
-    """Width of one attention head; 0 means ``hidden // heads`` with Q and O ``hidden`` wide."""
-
-    def _q_kv_dims(self) -> tuple[int, int]:
-        kv = self.kv_heads or self.heads
-        if self.head_dim:
-            return self.heads * self.head_dim, kv * self.head_dim
-        return self.hidden, kv * (self.hidden // self.heads)
-
-    def linear_flops_per_token(self) -> float:
-        """Forward FLOPs per token of the Q/K/V/O projections and the MLP, all layers (Q and O
-        are ``q_dim`` wide, K and V shrink with grouped-query attention; 2 FLOPs per weight)."""
-        q_dim, kv_dim = self._q_kv_dims()
-        attn = 2 * (2 * self.hidden * q_dim + 2 * self.hidden * kv_dim)
-        mlp = 2 * (3 if self.gated_mlp else 2) * self.hidden * self.ffn_hidden
-        return float(self.layers * (attn + mlp))
-
-    def flops_per_pair(self) -> float:
-        """Forward FLOPs per attended query-key pair (QK^T and AV: 2 FLOPs per element of each
-        query head), all layers."""
-        return float(self.layers * 2 * 2 * self._q_kv_dims()[0])
-
-
-def patch_embed_flops(patch_size: int, hidden: int, channels: int = 3) -> float:
-    """Forward FLOPs per patch of a ViT's patch-embedding convolution."""
-    return 2.0 * channels * patch_size * patch_size * hidden
 
 
 @dataclass(frozen=True)
@@ -180,13 +137,9 @@ class CostModel:
         return float(self.llm_per_sequence + self.llm_per_token * s.seq_len
                      + self.llm_per_doc_token_sq * (docs * docs).sum())
 
-    def generator_cost(self, s: SampleStats) -> float:
-        """Forward cost of one denoising step for every image ``s`` generates."""
-        if s.gen_images <= 0:
-            return 0.0
-        t = (s.gen_resolution / self.gen_downsample) ** 2
-        per_image = self.gen_per_image + self.gen_per_latent * t + self.gen_per_latent_sq * t * t
-        return s.gen_images * per_image
+    def generator_cost(self, s: SampleStats, k: int = 0) -> float:
+        """Forward cost of one denoising step for every image the ``k``-th generator makes for ``s``."""
+        return float(np.dot(_coeffs(self, "generator"), _gen_features(*s.gen(k), self.gen_downsample)))
 
     def module_cost(self, module: Module, s: SampleStats) -> float:
         """Forward cost of ``s`` in a module of kind ``module`` (``Module``)."""
@@ -223,16 +176,11 @@ class CostModel:
                         ("gen_downsample", gen_downsample)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        e_lin, e_pair = encoder.linear_flops_per_token(), encoder.flops_per_pair()
-        embed = patch_embed_flops(enc_patch_size, encoder.hidden)
-        cls_tok = 1.0 if enc_cls_token else 0.0
         l_lin = llm.linear_flops_per_token() + 2.0 * llm.hidden * vocab_size  # + LM head
         l_pair = llm.flops_per_pair()
         g_lin, g_pair = generator.per_latent_flops()
-        # Encoder: (n + cls) tokens cost lin*(n + cls) + pair*(n + cls)^2, expanded in n.
         return cls(
-            enc_per_patch=e_lin + embed + 2 * cls_tok * e_pair, enc_per_patch_sq=e_pair,
-            enc_per_image=cls_tok * (e_lin + e_pair),
+            **image_terms(encoder, enc_patch_size, enc_cls_token),
             llm_per_token=l_lin + (l_pair / 2 if causal else 0.0),
             llm_per_doc_token_sq=l_pair / 2 if causal else l_pair,
             gen_per_latent=g_lin, gen_per_latent_sq=g_pair, gen_downsample=gen_downsample)
@@ -299,8 +247,13 @@ def _features(module: str, s: SampleStats, downsample: int) -> list[float]:
     if module == "llm":
         docs = np.asarray(s.doc_lens or (s.seq_len,), dtype=np.float64)
         return [1.0, float(s.seq_len), float((docs * docs).sum())]
-    t = (s.gen_resolution / downsample) ** 2 if s.gen_images > 0 else 0.0
-    return [float(s.gen_images), s.gen_images * t, s.gen_images * t * t]
+    return _gen_features(*s.gen(0), downsample)
+
+
+def _gen_features(images: int, side: int, downsample: int) -> list[float]:
+    """(images, images x latent pixels, images x latent pixels^2) of one generator's targets."""
+    t = (side / downsample) ** 2 if images > 0 else 0.0
+    return [float(images), images * t, images * t * t]
 
 
 def flops_to_ms(flops: float, peak_flops_per_s: float, mfu: float = 1.0) -> float:

@@ -11,7 +11,7 @@ from disttrain_ds.samples import PackedSample
 
 
 class LatentSource(SampleSource):
-    """``inner``'s batches with each sample's ``gen_targets`` replaced by their VAE latents. The VAE
+    """``inner``'s batches with each sample's first generator's targets replaced by their VAE latents. The VAE
     is built on first use, in the process that prepares batches (a producer, or the trainer)."""
 
     def __init__(self, inner: SampleSource, vae_cfg, seed: int):
@@ -26,7 +26,9 @@ class LatentSource(SampleSource):
         return self._encoder
 
     def encode(self, s: PackedSample) -> PackedSample:
-        return replace(s, gen_targets=self.encoder(s.gen_targets))
+        if not s.gen_targets:
+            return s
+        return replace(s, gen_targets=[self.encoder(s.gen_targets[0]), *s.gen_targets[1:]])
 
     def global_batch(self, step: int) -> list[PackedSample]:
         return [self.encode(s) for s in self.inner.global_batch(step)]

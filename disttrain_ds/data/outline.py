@@ -25,7 +25,7 @@ def outline(s: PackedSample, special: SpecialTokens) -> dict:
         "ids": {t: int((s.input_ids == t).sum()) for t in _placeholders(special)},
         "labelled": int((s.labels != IGNORE_INDEX).sum()),
         "images": [tuple(im.shape) for im in s.images], "audio": [tuple(c.shape) for c in s.audio],
-        "gen": tuple(s.gen_targets.shape), "more": [tuple(t.shape) for t in s.more_targets],
+        "gen": [tuple(t.shape) for t in s.gen_targets],
     }
 
 
@@ -41,6 +41,6 @@ def stand_in(o: dict, special: SpecialTokens) -> PackedSample:
     ids = torch.cat([torch.zeros(text, dtype=torch.long)] + [torch.full((n,), t, dtype=torch.long) for t, n in runs])
     return PackedSample(
         ids, _hollow((o["seq_len"],), IGNORE_INDEX, torch.long), [_hollow(sh) for sh in o["images"]],
-        _hollow(o["gen"]), o["sample_id"], tuple(o["doc_lens"]), {"stand_in": True}, [_hollow(sh) for sh in o["audio"]],
-        [_hollow(sh) for sh in o["more"]],
+        [_hollow(sh) for sh in o["gen"]], o["sample_id"], tuple(o["doc_lens"]), {"stand_in": True},
+        [_hollow(sh) for sh in o["audio"]],
     )

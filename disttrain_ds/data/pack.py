@@ -179,8 +179,7 @@ def materialise(
     on_decode_error: Callable[[], None],
 ) -> PackedSample:
     """Tokens, labels and decoded pixels of one planned sequence; ``gen_resolution``: the side of
-    each generator's targets (graph order; an int for one generator). With several generators,
-    ``more_targets`` holds an entry for each one past the first."""
+    each generator's targets (graph order; an int for one generator)."""
     ids: list[int] = []
     images: list[torch.Tensor] = []
     sides = (gen_resolution,) if isinstance(gen_resolution, int) else tuple(gen_resolution)
@@ -223,8 +222,7 @@ def materialise(
     t = torch.tensor(ids, dtype=torch.long)
     gen = [torch.stack(ts) if ts else torch.zeros(0, 3, r, r) for ts, r in zip(targets, sides)]
     meta = {"source": source, "records": [(int(pc.epoch), int(pc.record)) for pc in pieces]}
-    return PackedSample(t, labels_for(t, special, doc_lens), images, gen[0], sample_id, tuple(doc_lens), meta, audio=clips,
-                        more_targets=gen[1:])
+    return PackedSample(t, labels_for(t, special, doc_lens), images, gen, sample_id, tuple(doc_lens), meta, audio=clips)
 
 
 def _clip(seg: AudioSeg, ctx: ParseContext, on_decode_error: Callable[[], None]) -> torch.Tensor:

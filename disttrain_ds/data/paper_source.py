@@ -87,7 +87,7 @@ class PaperStatsSource(SampleSource):
         t = torch.tensor(ids, dtype=torch.long)
         r = sh.gen_resolution
         gen = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
-        return PackedSample(t, labels_for(t, sp, doc_lens), images, gen, sample_id, tuple(doc_lens), {"source": "paper_stats"})
+        return PackedSample(t, labels_for(t, sp, doc_lens), images, [gen], sample_id, tuple(doc_lens), {"source": "paper_stats"})
 
     def global_batch(self, step: int) -> list[PackedSample]:
         rng = np.random.default_rng(self.split.seed(self.seed, step, 5))

@@ -240,8 +240,8 @@ def layout_to_stats(layout: list[Subsequence], seq_len: int, patch_size: int = 1
         raise ValueError(f"seq_len ({seq_len}) is shorter than the layout ({used} tokens)")
     return SampleStats(
         text_tokens=text, image_patches=tuple(patches),
-        gen_images=int(round(gen_fraction * len(patches))), gen_resolution=gen_resolution,
-        seq_len=seq_len, doc_lens=tuple(d for d in docs if d > 0))
+        seq_len=seq_len, doc_lens=tuple(d for d in docs if d > 0),
+        gens=((int(round(gen_fraction * len(patches))), gen_resolution),))
 
 
 def draw_sample_stats(n: int, seq_len: int, rng: np.random.Generator, patch_size: int = 16,

@@ -48,8 +48,8 @@ class Job:
 def encode(samples: list[PackedSample | None]) -> list[tuple | None]:
     """Tensors as numpy arrays: plain pickling, no shared-memory file descriptors to leak."""
     return [
-        (s.input_ids.numpy(), s.labels.numpy(), [im.numpy() for im in s.images], s.gen_targets.numpy(),
-         s.sample_id, s.doc_lens, s.meta, [c.numpy() for c in s.audio], [t.numpy() for t in s.more_targets])
+        (s.input_ids.numpy(), s.labels.numpy(), [im.numpy() for im in s.images], [t.numpy() for t in s.gen_targets],
+         s.sample_id, s.doc_lens, s.meta, [c.numpy() for c in s.audio])
         if s is not None else None
         for s in samples
     ]
@@ -58,8 +58,7 @@ def encode(samples: list[PackedSample | None]) -> list[tuple | None]:
 def decode(payload: list[tuple | None]) -> list[PackedSample | None]:
     return [
         PackedSample(torch.from_numpy(p[0]), torch.from_numpy(p[1]), [torch.from_numpy(im) for im in p[2]],
-                     torch.from_numpy(p[3]), p[4], tuple(p[5]), p[6], [torch.from_numpy(c) for c in p[7]],
-                     [torch.from_numpy(t) for t in p[8]])
+                     [torch.from_numpy(t) for t in p[3]], p[4], tuple(p[5]), p[6], [torch.from_numpy(c) for c in p[7]])
         if p is not None else None
         for p in payload
     ]

@@ -181,8 +181,7 @@ class SyntheticSource(SampleSource):
         targets = [torch.stack(ts) if ts else torch.zeros(0, g.channels, g.resolution, g.resolution)
                    for ts, g in zip(per_gen, shapes)]
         sample_id = self.split.sample_id(step * self.batch + index)
-        return PackedSample(t, labels_for(t, sp, doc_lens), images, targets[0], sample_id, tuple(doc_lens), audio=clips,
-                            more_targets=targets[1:])
+        return PackedSample(t, labels_for(t, sp, doc_lens), images, targets, sample_id, tuple(doc_lens), audio=clips)
 
     def global_batch(self, step: int) -> list[PackedSample]:
         return [self.sample(step, i) for i in range(self.batch)]

@@ -20,7 +20,7 @@ import torch
 from disttrain_ds.samples import PackedSample
 
 KEY = "data.spool_dir"  # the recipe key errors about the spool's file system name
-FORMAT = "disttrain-spool-batch/1"
+FORMAT = "disttrain-spool-batch/2"
 """Tag of the batch file layout (``encode_batch``)."""
 
 

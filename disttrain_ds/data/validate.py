@@ -29,7 +29,7 @@ def sample_problems(
     more_gens: tuple = (),
 ) -> list[str]:
     """Every way ``s`` breaks the contract; empty when it is valid. ``more_gens``: ``GenShape`` of
-    the second, third, ... generator (their targets in ``more_targets``, their own query tokens)."""
+    the second, third, ... generator (their targets in ``gen_targets[1:]``, their own query tokens)."""
     bad: list[str] = []
     ids, labels = s.input_ids, s.labels
     if ids.dtype != torch.long or labels.dtype != torch.long or ids.shape != (seq_len,) or labels.shape != (seq_len,):
@@ -56,10 +56,10 @@ def sample_problems(
         rows.append(c.shape[1] // 2)
     if _runs(ids == special.audio) != rows:
         bad.append(f"audio placeholder runs {_runs(ids == special.audio)} do not match clip rows {rows}")
-    if len(s.more_targets) > len(more_gens):
-        bad.append(f"{len(s.more_targets)} more_targets entries for {len(more_gens)} more generators")
+    if len(s.gen_targets) > 1 + len(more_gens):
+        bad.append(f"{len(s.gen_targets)} gen_targets entries for {1 + len(more_gens)} generators")
     for k, (res, q) in enumerate([(gen_resolution, query_tokens), *((g.resolution, g.query_tokens) for g in more_gens)]):
-        name = "gen_targets" if k == 0 else f"more_targets[{k - 1}]"
+        name = f"gen_targets[{k}]"
         gens = _runs(ids == special.query(k))
         g = s.targets(k)
         if g is None:

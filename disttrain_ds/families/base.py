@@ -79,18 +79,23 @@ class Family:
     of every pipeline layer of the module, its projector included (an LLM's cfg comes with its
     vocabulary resolved); what the memory estimate reads. None: no formula yet."""
     cost_terms: Callable[[Any], dict[str, float]] | None = None
-    """Generators: cfg -> the ``CostModel`` generator fields (``gen_per_image``, ``gen_per_latent``,
-    ``gen_per_latent_sq`` in forward FLOPs, ``gen_downsample``) of one generated image; audio
-    encoders: the audio fields (``aud_per_clip``, ``aud_per_frame``, ``aud_per_frame_sq``) of one
-    clip. What data reordering, balance, emulation and the profiler's draws read."""
+    """Encoders and generators: cfg -> the ``CostModel`` fields of the module's cost kind, in forward
+    FLOPs of its own layers: an image encoder's (``enc_per_image``, ``enc_per_patch``,
+    ``enc_per_patch_sq``) of one image, an audio encoder's (``aud_per_clip``, ``aud_per_frame``,
+    ``aud_per_frame_sq``) of one clip, a generator's (``gen_per_image``, ``gen_per_latent``,
+    ``gen_per_latent_sq``, ``gen_downsample``) of one generated image. What data reordering,
+    balance, emulation and the profiler's draws read."""
     vocab_params: Sequence[str] = ()
     """``layer/param`` keys whose rows are the vocabulary: an imported checkpoint with fewer rows
     (a tokenizer with extra special ids) grows them (``mllm/weights.py::grow_vocab``)."""
-    clip_flops: Callable[[Any, int], float] | None = None
-    """Audio encoders: (cfg, log-mel frames) -> forward FLOPs of one clip in the family's own layers
-    (the input projector is counted apart); what MFU reads."""
+    item_size: Callable[[Any, Any], int] | None = None
+    """Encoders: (cfg, one input tensor of the sample field ``modality`` names) -> its size in the
+    unit the family's formulas count: an image's patches, a clip's log-mel frames."""
+    item_flops: Callable[[Any, int], float] | None = None
+    """Encoders: (cfg, item size) -> forward FLOPs of one input item in the family's own layers (the
+    input projector is counted apart; ``cost_terms``' formula); what MFU and the profiler read."""
     rows: Callable[[Any, int], int] | None = None
-    """Audio encoders: (cfg, log-mel frames) -> output rows (LLM tokens) of one clip."""
+    """Encoders: (cfg, item size) -> output rows (LLM tokens) of one input item."""
     checkpoint_fields: Callable[[dict, str], dict[str, Any]] | None = None
     """A checkpoint directory's ``config.json`` (as a dict; the str names the file in errors) ->
     this family's section fields it fixes; a one-line ConfigError for a setting the family cannot
@@ -101,8 +106,6 @@ class Family:
     blocks: Callable[[Any], int] | None = None
     """Image encoders: transformer layers one forward runs (what MFU and the cost model price);
     None: the config's ``layers``."""
-    cls_token: bool = True
-    """Image encoders: a CLS token runs beside each image's patches (what MFU counts; SigLIP has none)."""
     signed: tuple[str, ...] = ()
     """Integer config fields that may be zero or negative (an LLM's ``vocab_size``: 0 takes the
     tokenizer's; a tower's ``feature_layer``: -2 counts from the end); ``problems`` checks them.

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from disttrain_ds.errors import first_line
 from disttrain_ds.metrics.rundir import MetricsWriter
 from disttrain_ds.metrics.wandb_workspace import apply_workspace, graph_dashboard, workspace_name
 from disttrain_ds.recipe.graph import as_written, graph_of
 from disttrain_ds.schedule.timeline import read_trace_events, write_trace_events
-from disttrain_ds.errors import first_line
 
 WANDB_MODES = ("offline", "online", "disabled")
 # wandb's own older spellings of the modes.

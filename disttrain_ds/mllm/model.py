@@ -1,4 +1,4 @@
-"""The whole multimodal LLM: the three modules' layer lists, microbatch tensors and losses.
+"""The whole multimodal LLM: every module's layer list, microbatch tensors and losses.
 
 Losses are normalised by global-batch totals (text tokens, generated images), not per microbatch,
 so the loss of a global batch does not depend on how its samples are grouped into microbatches or
@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from disttrain_ds.families import FAMILIES, BuildContext, Family, get_family
-from disttrain_ds.graph import MODULES
 from disttrain_ds.mllm.weights import StepDirs, with_checkpoint
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.layers import LayerDef, Sequential, seeded, tie_parameters, tied_keys
@@ -30,26 +29,26 @@ from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
 class MLLMSpec:
     """Everything needed to build the model's layers, identically on every rank."""
 
-    encoder: Any
-    """The image encoder's section (its family's ``config_type``), or None in a graph without one."""
-    llm: Any
-    """The LLM's section (vocab_size resolved)."""
-    generator: Any
-    """The (first) generator's section, or None in a graph without one."""
+    configs: dict[str, Any]
+    """Module name -> its config section (its family's ``config_type``; the LLM's with vocab_size
+    resolved), in data-flow order: encoders, the LLM, generators."""
+    roles: dict[str, str]
+    """Module name -> role (encoder | llm | generator), the same keys in the same order."""
     special: SpecialTokens
     """Token ids of image placeholders and generation queries."""
     seed: int
     """Initialisation seed shared by all layouts."""
     gen_loss_weight: float = 1.0
     """Weight of the diffusion loss relative to the LM loss."""
-    roles: dict[str, str] = field(default_factory=lambda: dict(zip(MODULES, MODULES)))
-    """Module name -> role, in data-flow order."""
-    configs: dict = field(default_factory=dict)
-    """Module name -> config section of the modules the role fields do not hold (an audio
-    encoder, a second encoder); every other module takes its role's field."""
     step_dirs: StepDirs | None = None
     """How to read a ``model.<module>.checkpoint`` that is a training step directory, handed in by
     the builder (``checkpoint/read.py::STEP_DIRS``); None: safetensors files only."""
+
+    def __post_init__(self) -> None:
+        if list(self.configs) != list(self.roles):
+            raise ValueError(f"configs {list(self.configs)} and roles {list(self.roles)} must name the same modules in order")
+        if list(self.roles.values()).count("llm") != 1:
+            raise ValueError(f"a model has exactly one LLM, got roles {self.roles}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -60,12 +59,19 @@ class MLLMSpec:
         """The module that has ``role``, or None."""
         return next((n for n, r in self.roles.items() if r == role), None)
 
-    def config(self, module: str):
-        if module not in self.roles:
+    def config(self, module: str) -> Any:
+        if module not in self.configs:
             raise ValueError(f"unknown module {module!r}")
-        if module in self.configs:
-            return self.configs[module]
-        return getattr(self, self.roles[module])
+        return self.configs[module]
+
+    def with_changes(self, module: str, **changes: Any) -> "MLLMSpec":
+        """This spec with ``changes`` made to ``module``'s config section."""
+        return replace(self, configs={**self.configs, module: replace(self.config(module), **changes)})
+
+    @property
+    def llm(self) -> Any:
+        """The LLM's config section (every graph has exactly one LLM)."""
+        return self.configs[self.name_of("llm")]
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -92,7 +98,7 @@ class MLLMSpec:
 
     def gen_rows_key(self, module: str) -> str:
         """``MicroBatch.sample_rows`` key of the LLM states ``module`` reads (one row per image)."""
-        return "gen_states" if self.gen_index(module) == 0 else f"gen_states/{module}"
+        return f"gen_states/{module}"
 
     def placeholders(self) -> tuple[int, ...]:
         """The placeholder token each encoder's rows fill in the LLM's input, encoder by encoder."""
@@ -132,13 +138,11 @@ class BatchNorms:
 
     text_tokens: int
     """Labelled text positions in the whole global batch."""
-    gen_images: int
-    """Images the (first) generator produces in the whole global batch."""
     chunks: int
     """LLM microbatches per global batch over all DP replicas (DP_llm * gradient accumulation)."""
-    more_gen_images: tuple[int, ...] = ()
-    """Images the second, third, ... generator produces in the whole global batch: each generator's
-    loss is a mean over its own images."""
+    gen_images: tuple[int, ...] = ()
+    """Images each generator (graph order) produces in the whole global batch, at least 1: each
+    generator's loss is a mean over its own images."""
 
     @staticmethod
     def counts(samples: list[PackedSample], generators: int) -> tuple[int, ...]:
@@ -151,18 +155,18 @@ class BatchNorms:
     @staticmethod
     def of_counts(counts: Sequence[int], chunks: int) -> "BatchNorms":
         tokens, *gens = counts
-        return BatchNorms(max(tokens, 1), max(gens[0], 1), chunks, tuple(max(n, 1) for n in gens[1:]))
+        return BatchNorms(max(tokens, 1), chunks, tuple(max(n, 1) for n in gens))
 
     @staticmethod
     def of(samples: list[PackedSample], chunks: int, generators: int | None = None) -> "BatchNorms":
         """``generators``: how many the model has (None: as many as the samples hold targets for)."""
         if generators is None:
-            generators = 1 + max((len(s.more_targets) for s in samples), default=0)
+            generators = max((len(s.gen_targets) for s in samples), default=0)
         return BatchNorms.of_counts(BatchNorms.counts(samples, generators), chunks)
 
     def images(self, k: int) -> int:
         """Images the ``k``-th generator produces in the global batch (at least 1)."""
-        return self.gen_images if k == 0 else self.more_gen_images[k - 1]
+        return self.gen_images[k] if 0 <= k < len(self.gen_images) else 1
 
 
 def _count(targets: torch.Tensor | None) -> int:
@@ -214,16 +218,6 @@ class MicroBatch:
     """Audio encoder input: all log-mel clips flattened and concatenated (``pack_clips``)."""
     audio_shapes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
     """int64 [n_clips, 2]: (n_mels, frames) of each clip."""
-
-    def _first_gen(self) -> GenInputs:
-        return next(iter(self.gens.values()))
-
-    # The first generator's inputs under their one-generator names (profiler, tests).
-    gen_mask = property(lambda self: self._first_gen().mask)
-    noisy = property(lambda self: self._first_gen().noisy)
-    timesteps = property(lambda self: self._first_gen().timesteps)
-    noise = property(lambda self: self._first_gen().noise)
-    gen_weights = property(lambda self: self._first_gen().weights)
 
     def encoder_inputs(self, modality: str) -> tuple:
         """The first-layer input of the encoder reading ``modality``."""
@@ -308,7 +302,6 @@ def collate(
         gens=gens,
         sample_rows={
             "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],
-            "gen_states": [int(s.gen_targets.shape[0]) for s in samples],
             **gen_rows,
             "audio_embeds": [sum(rows(ear, int(c.shape[1])) for c in s.audio) for s in samples],
         },
@@ -324,10 +317,9 @@ def llm_inputs(mb: MicroBatch, embeds: torch.Tensor | Sequence[torch.Tensor]) ->
     return (mb.input_ids, *rows, mb.doc_ids)
 
 
-def generator_states(states: torch.Tensor, mb: MicroBatch, module: str | None = None) -> torch.Tensor:
-    """The LLM states for generator ``module`` (None: the first), or a zero stand-in when it has no
-    image to generate."""
-    noisy = (mb.gens[module] if module is not None else mb._first_gen()).noisy
+def generator_states(states: torch.Tensor, mb: MicroBatch, module: str) -> torch.Tensor:
+    """The LLM states for generator ``module``, or a zero stand-in when it has no image to generate."""
+    noisy = mb.gens[module].noisy
     if states.shape[0] == 0 and noisy.shape[0] == 1:
         return states.new_zeros((1, *states.shape[1:]))
     return states

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from disttrain_ds.families import FAMILIES
 from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.mllm.weights import StepDirs
 from disttrain_ds.recipe.graph import encoder_of, graph_of
@@ -25,12 +24,8 @@ def recipe_spec(recipe: Recipe, special: SpecialTokens, vocab: int, *, step_dirs
     if not weights:
         by_name = {n: replace(c, checkpoint="") for n, c in by_name.items()}
     by_name[graph.llm] = replace(by_name[graph.llm], vocab_size=vocab)
-    image = next((n for n in graph.encoders if FAMILIES[by_name[n].family].modality == "image"), None)
-    gen = graph.generators[0] if graph.generators else None
-    return MLLMSpec(by_name.get(image), by_name[graph.llm], by_name.get(gen), special, recipe.seed,
-                    recipe.model.gen_loss_weight, roles={n: graph.role(n) for n in graph.names},
-                    configs={n: by_name[n] for n in (*graph.encoders, *graph.generators) if n not in (image, gen)},
-                    step_dirs=step_dirs)
+    return MLLMSpec(by_name, {n: graph.role(n) for n in graph.names}, special, recipe.seed,
+                    recipe.model.gen_loss_weight, step_dirs=step_dirs)
 
 
 def meta_spec(recipe: Recipe, vocab: int) -> MLLMSpec:

@@ -135,12 +135,12 @@ class LatentEncoder:
 
 
 def generator_vae(spec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LatentEncoder | None:
-    """The VAE the generator's first stage runs (``vae.placement: generator``) on ``device``, or None."""
-    g = spec.generator
-    vae = getattr(g, "vae", None)
+    """The VAE the first generator's first stage runs (``vae.placement: generator``) on ``device``, or None."""
+    first = spec.generators[0] if spec.generators else None
+    vae = getattr(spec.config(first), "vae", None) if first else None
     if vae is None or not vae.enabled or vae.placement != "generator":
         return None
-    return LatentEncoder(vae, spec.seed, f"model.{spec.name_of('generator')}.vae", device, dtype)
+    return LatentEncoder(vae, spec.seed, f"model.{first}.vae", device, dtype)
 
 
 def vae_memory_bytes(cfg: VaeConfig, side: int, batch: int = 1, elem_bytes: int = 4) -> tuple[float, float]:

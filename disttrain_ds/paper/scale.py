@@ -275,7 +275,7 @@ def full_attention_llm_flops(backbone: str, seq_len: int) -> float:
     """Training FLOPs of one sequence in the LLM counted as Megatron-LM's formula does: full
     (non-causal) attention over the whole packed sequence, documents ignored."""
     cm = CostModel.from_dims(VIT_HUGE_14, LLAMA_PRESETS[backbone], SD21_UNET, causal=False)
-    return (1.0 + BACKWARD_FACTOR) * cm.llm_cost(SampleStats(0, (), 0, 0, seq_len, ()))
+    return (1.0 + BACKWARD_FACTOR) * cm.llm_cost(SampleStats(0, (), seq_len))
 
 
 def mfu(flops: float, gpus: int, t_ms: float, peak_tflops: float) -> float:

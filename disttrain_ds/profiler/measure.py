@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, training_flops, vit_flops
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.models.objectives import diffusion_loss, gen_condition
+from disttrain_ds.models.objectives import diffusion_loss
 from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.recipe.graph import graph_of, module_config, module_family
 from disttrain_ds.recipe.schema import Recipe
@@ -222,7 +221,8 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     graph = graph_of(recipe)
     # Model code is imported only once the recipe and arguments are known to be good, so errors come back at once.
     # deferred: loads safetensors
-    from disttrain_ds.mllm.model import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
+    from disttrain_ds.metrics.step_flops import StepFlopsCounter
+    from disttrain_ds.mllm.model import BatchNorms, collate, gen_states, generator_states, llm_inputs, lm_loss_sum
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     torch.manual_seed(recipe.seed)
@@ -240,70 +240,54 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     mbs = [_to(collate([s], BatchNorms.of([s], 1), spec, dtype=opts.dtype, vae=vae), opts.device) for s in samples]
     lm, mode, dev, dt = spec.llm, modes(recipe), opts.device, opts.dtype
     gens = graph.generators
-    query_tokens = max((module_config(recipe, n).query_tokens for n in gens), default=0)
+    # Useful FLOPs as the training MFU counts them (documents only, padding and stand-ins left out).
+    count = StepFlopsCounter(spec)
 
-    def encoder_pass(name: str, mb: MicroBatch) -> Pass:
-        e, m, fam = module_config(recipe, name), mode[name][0], spec.family(name)
-        if fam.modality == "audio":  # the family's FLOPs per clip and rows per clip
-            frames = mb.audio_shapes[:, 1].tolist()
-            rows = sum(fam.rows(e, f) for f in frames)
-            flops = training_flops(sum(fam.clip_flops(e, f) for f in frames), mode=m)
-        else:
-            patches = [(h // e.patch_size) * (w // e.patch_size) for h, w in mb.image_hw.tolist()]
-            rows = sum(patches)
-            flops = vit_flops(layers=fam.run_layers(e), hidden=e.hidden_size, ffn_hidden=e.ffn_hidden,
-                              patches_per_image=patches, patch_size=e.patch_size, include_cls=fam.cls_token,
-                              mode=m) if patches else 0.0
-        flops += rows * projector_flops_per_token(in_dim=fam.width(e), hidden_dim=lm.hidden_size,
-                                                  out_dim=lm.hidden_size, mode=m)
+    def encoder_pass(name: str, mb: MicroBatch, sample: PackedSample) -> Pass:
+        e, fam = module_config(recipe, name), spec.family(name)
+        rows = sum(fam.rows(e, fam.item_size(e, t)) for t in sample.inputs(fam.modality))
         grad = torch.randn(rows, lm.hidden_size, device=dev, dtype=dt)  # what the LLM sends back
-        return Pass(mb.encoder_inputs(fam.modality), lambda out: ([out], [grad]), lambda out: out, flops)
+        return Pass(mb.encoder_inputs(fam.modality), lambda out: ([out], [grad]), lambda out: out,
+                    count.module(name, [sample]))
 
     def llm_pass(mb: MicroBatch, sample: PackedSample, embeds: list[torch.Tensor]) -> Pass:
         name = graph.llm
         if not embeds:  # no encoder: no image embeddings (as the reference model feeds it)
             embeds = [torch.zeros(0, lm.hidden_size, device=dev, dtype=dt)]
         embeds = [x.detach().clone().requires_grad_(mode[name][1]) for x in embeds]
-        n_gen = mb.sample_rows["gen_states"][0] if gens else 0
-        grad = torch.randn(n_gen, query_tokens, lm.hidden_size, device=dev, dtype=dt)
-        # Useful FLOPs: documents only, padding left out (as the training MFU counts them).
-        docs = [n for n in sample.doc_lens if n > 0] or [int((mb.input_ids != spec.special.pad).sum()) or 1]
-        flops = llm_flops_packed(layers=lm.layers, hidden=lm.hidden_size, ffn_hidden=lm.ffn_hidden, heads=lm.heads,
-                                 kv_heads=lm.kv_heads, vocab=lm.vocab_size, doc_lens=docs, head_dim=lm.head_dim or None,
-                                 mode=mode[name][0])
+        # What each generator sends back: gradients for the states at its own queries.
+        grads = {n: torch.randn(mb.sample_rows[spec.gen_rows_key(n)][0], spec.config(n).query_tokens, lm.hidden_size,
+                                device=dev, dtype=dt) for n in gens}
 
         def head(out: Any) -> Grads:
             logits, hidden = out
-            tensors, grads = [lm_loss_sum(logits, mb.labels, mb.lm_scale)], [None]
-            if n_gen:  # the generators send gradients for the generation-query states
-                tensors.append(gen_condition(hidden, mb.gen_mask, query_tokens))
-                grads.append(grad)
-            return tensors, grads
+            tensors, back = [lm_loss_sum(logits, mb.labels, mb.lm_scale)], [None]
+            for n, states in zip(gens, gen_states(hidden, mb, spec)):
+                if states.shape[0]:
+                    tensors.append(states)
+                    back.append(grads[n])
+            return tensors, back
 
         def carry(out: Any) -> Any:
-            return generator_states(gen_condition(out[1], mb.gen_mask, query_tokens), mb) if gens else None
+            return {n: generator_states(x, mb, n) for n, x in zip(gens, gen_states(out[1], mb, spec))}
 
-        return Pass(llm_inputs(mb, embeds), head, carry, flops)
+        return Pass(llm_inputs(mb, embeds), head, carry, count.module(name, [sample]))
 
-    def generator_passes(name: str, states: list[torch.Tensor]) -> list[Pass]:
-        g, gen_mode = module_config(recipe, name), mode[name][0]
-        per_image = module_family(recipe, name).image_flops(g, gen_mode) + g.query_tokens * projector_flops_per_token(
-            in_dim=lm.hidden_size, hidden_dim=g.cross_attention_dim, out_dim=g.cross_attention_dim, mode=gen_mode)
+    def generator_passes(name: str, states: list[dict[str, torch.Tensor]]) -> list[Pass]:
+        def one(mb: MicroBatch, sample: PackedSample, x: torch.Tensor) -> Pass:
+            x, g = x.detach().clone().requires_grad_(mode[name][1]), mb.gens[name]
+            head = lambda out: ([diffusion_loss(out, g.noise, g.weights)], [None])  # noqa: E731
+            # No target: one zero stand-in runs, with no useful FLOPs.
+            return Pass((x, g.noisy, g.timesteps), head, lambda out: None, count.module(name, [sample]))
 
-        def one(mb: MicroBatch, x: torch.Tensor) -> Pass:
-            x = x.detach().clone().requires_grad_(mode[name][1])
-            n_gen = mb.sample_rows["gen_states"][0]  # none: one zero stand-in runs, with no useful FLOPs
-            head = lambda out: ([diffusion_loss(out, mb.noise, mb.gen_weights)], [None])  # noqa: E731
-            return Pass((x, mb.noisy, mb.timesteps), head, lambda out: None, n_gen * per_image)
-
-        return [one(mb, x) for mb, x in zip(mbs, states)]
+        return [one(mb, s, x[name]) for mb, s, x in zip(mbs, samples, states)]
 
     def o(name: str) -> Options:
         return replace(opts, build=None, sync=None) if name in whole else opts
 
     results, embeds = [], [[] for _ in mbs]  # per microbatch, each encoder's rows in graph order
     for name in graph.encoders:
-        res, rows = measure_module(recipe, spec, name, [encoder_pass(name, mb) for mb in mbs], o(name))
+        res, rows = measure_module(recipe, spec, name, [encoder_pass(name, mb, s) for mb, s in zip(mbs, samples)], o(name))
         results.append(res)
         embeds = [x + [r] for x, r in zip(embeds, rows)]
     llm_passes = [llm_pass(mb, s, x) for mb, s, x in zip(mbs, samples, embeds)]

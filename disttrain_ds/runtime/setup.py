@@ -8,14 +8,15 @@ import math
 import torch
 
 from disttrain_ds.checkpoint.read import STEP_DIRS
+from disttrain_ds.cost.dims import TransformerDims
 from disttrain_ds.cost.graph_costs import GraphCosts
-from disttrain_ds.cost.model import CostModel, TransformerDims, UNetDims
+from disttrain_ds.cost.model import CostModel, UNetDims
 from disttrain_ds.data.host_read import slot_columns
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.registry import open_source, resolve
 from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import Split
-from disttrain_ds.families import default_config, get_family
+from disttrain_ds.families import default_config
 from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.mllm.recipe_spec import recipe_spec
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
@@ -25,40 +26,28 @@ from disttrain_ds.samples import GenShape, ShapeSpec
 
 def cost_model(recipe: Recipe) -> GraphCosts:
     """Per-sample cost of each module of the recipe's graph, by name (forward FLOPs), for
-    reordering, balance, emulation and the profiler's draws."""
-    graph = graph_of(recipe)
-    # A graph without an image encoder (or a generator) has no images (or targets) for it, so the
-    # stand-in default sizes below cost nothing for any of its samples.
-    e = encoder_of(recipe, "image") or default_config("encoder")
-    l, g = recipe.model.llm, first_generator(recipe) or default_config("generator")
+    reordering, balance, emulation and the profiler's draws: the LLM by its shape, every encoder
+    and generator by its own family's cost terms."""
+    graph, l = graph_of(recipe), recipe.model.llm
     model = CostModel.from_dims(
-        TransformerDims(layers=get_family(e.family, "encoder").run_layers(e), hidden=e.hidden_size,
-                        ffn_hidden=e.ffn_hidden, heads=e.heads),
+        TransformerDims(layers=1, hidden=1, ffn_hidden=1, heads=1),  # every encoder has its own terms below
         TransformerDims(
             layers=l.layers, hidden=l.hidden_size, ffn_hidden=l.ffn_hidden, heads=l.heads, kv_heads=l.kv_heads,
             gated_mlp=True, head_dim=l.head_dim,
         ),
-        UNetDims(channels=(1,), attention=(False,)),  # replaced by the generator family's terms below
-        enc_patch_size=e.patch_size,
+        UNetDims(channels=(1,), attention=(False,)),  # every generator has its own terms below
         vocab_size=l.vocab_size or 32000,  # the LM head is the same per token for every sample
     )
-    # The generator's family knows its per-image / per-latent / per-latent^2 forward FLOPs (targets
-    # that travel as pixels, a VAE on the generator's ranks, are that many pixels per latent pixel),
-    # and an audio encoder's family its per-clip / per-frame / per-frame^2 ones.
-    terms = get_family(g.family, "generator").cost_terms(g)
-    vae = gen_vae(recipe)
-    if vae is not None and vae.placement == "generator":
-        terms = {**terms, "gen_downsample": terms["gen_downsample"] * vae.downsample}
-    model = dataclasses.replace(model, **terms)
-    audio = encoder_of(recipe, "audio")
-    if audio is not None:
-        model = dataclasses.replace(model, **get_family(audio.family, "encoder").cost_terms(audio))
+    own, vae = {}, gen_vae(recipe)
+    for n in (*graph.encoders, *graph.generators):
+        terms = module_family(recipe, n).cost_terms(recipe.model.modules[n])
+        if vae is not None and vae.placement == "generator" and n == graph.generators[0]:
+            # Targets that travel as pixels (the VAE on the generator's ranks) are that many pixels per latent pixel.
+            terms = {**terms, "gen_downsample": terms["gen_downsample"] * vae.downsample}
+        own[n] = dataclasses.replace(model, **terms)
     kinds = {n: ("audio" if graph.role(n) == "encoder" and module_family(recipe, n).modality == "audio"
                  else graph.role(n)) for n in graph.names}
-    # Every further generator by its own family's terms (the VAE encodes the first one's targets only).
-    more = {n: dataclasses.replace(model, **get_family(c.family, "generator").cost_terms(c))
-            for n, c in zip(graph.generators[1:], generator_configs(recipe)[1:])}
-    return GraphCosts(model, kinds, more)
+    return GraphCosts(model, kinds, own)
 
 
 def generator_configs(recipe: Recipe) -> list:
@@ -67,7 +56,7 @@ def generator_configs(recipe: Recipe) -> list:
 
 
 def first_generator(recipe: Recipe):
-    """The first generator's section (its targets are ``gen_targets``, its queries ``gen``), or None."""
+    """The first generator's section (its targets are ``gen_targets[0]``, its queries ``gen``), or None."""
     return next(iter(generator_configs(recipe)), None)
 
 

@@ -60,7 +60,7 @@ def test_generator_placement_collate_on_cuda_gives_bf16_latents_of_the_latent_sh
     assert vae.device.type == "cuda" and vae.dtype == torch.bfloat16
     on_gpu = collate(samples, norms, spec, dtype=torch.bfloat16, vae=vae)
     on_cpu = collate(samples, norms, spec, vae=generator_vae(spec))
-    n = sum(int(s.gen_targets.shape[0]) for s in samples)
+    n = sum(int(s.gen_targets[0].shape[0]) for s in samples)
     assert n > 0 and on_gpu.noisy.shape == (n, 4, 8, 8) and on_gpu.noisy.dtype == torch.bfloat16
     assert torch.equal(on_gpu.timesteps, on_cpu.timesteps)
     _assert_near(on_gpu.noisy, on_cpu.noisy, 5e-2, "noisy latents")

@@ -115,7 +115,7 @@ def test_emulated_run_waits_its_costs_and_matches_the_simulator(tmp_path, refere
     rates = emulate.recipe_rates(recipe, topology_of(recipe))
     cm, special = cost_model(recipe), source.special
     llm_dp1 = next(r for r in recs[3] if r.module == "llm" and r.dp == 1)
-    expected = [rates["llm"] * cm.model.llm_cost(samples[2 * g + 1].stats(8, special)) for g in range(4)]
+    expected = [rates["llm"] * cm.module_cost("llm", samples[2 * g + 1].stats(8, special)) for g in range(4)]
     assert llm_dp1.fwd_ms == pytest.approx(expected)
     assert llm_dp1.bwd_ms == pytest.approx([2 * x for x in expected])
 
@@ -161,7 +161,7 @@ def test_emulated_module_graph_run_matches_the_simulator(tmp_path, reference_run
     rates = emulate.recipe_rates(recipe, topology_of(recipe))
     cm, special = cost_model(recipe), source.special
     vision = next(r for r in recs[3] if r.module == "vision")
-    expected = [rates["vision"] * cm.model.encoder_cost(s.stats(recipe.model.modules["vision"].patch_size, special))
+    expected = [rates["vision"] * cm.module_cost("vision", s.stats(recipe.model.modules["vision"].patch_size, special))
                 for s in samples]  # one replica: both samples of each microbatch
     assert vision.fwd_ms == pytest.approx([expected[2 * g] + expected[2 * g + 1] for g in range(4)])
     assert replay.wait_summary(run / "emulate")["waited_s"] > 1.0

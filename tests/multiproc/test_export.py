@@ -64,8 +64,9 @@ def test_exported_and_step_directories_import_to_the_trained_tensors(trained, tm
         recipe = load_recipe("tiny_cpu", [f"model.{m}.checkpoint={source(m)}" for m in MODULES])
         check_imports(recipe)
         spec = meta_spec(recipe, vocab_size(recipe))
-        spec = dataclasses.replace(spec, encoder=recipe.model.encoder, generator=recipe.model.generator,
-                                   llm=dataclasses.replace(recipe.model.llm, vocab_size=spec.llm.vocab_size),
+        configs = {"encoder": recipe.model.encoder, "generator": recipe.model.generator,
+                   "llm": dataclasses.replace(recipe.model.llm, vocab_size=spec.llm.vocab_size)}
+        spec = dataclasses.replace(spec, configs={n: configs[n] for n in spec.names},
                                    step_dirs=STEP_DIRS)  # the runtime's reader of step directories
         for m in MODULES:
             for d in spec.layers(m):

@@ -22,7 +22,7 @@ def test_llm_layers_load_transformers_save_pretrained(tmp_path, tiny_spec):
         torch.manual_seed(99)
         hf = LlamaForCausalLM(hf_config(tiny_spec.llm))
     hf.save_pretrained(tmp_path / "llama")
-    spec = dataclasses.replace(tiny_spec, llm=dataclasses.replace(tiny_spec.llm, checkpoint=str(tmp_path / "llama")))
+    spec = tiny_spec.with_changes("llm", checkpoint=str(tmp_path / "llama"))
     ours = Sequential([d.build() for d in spec.layers("llm")])
     ids = torch.randint(0, 200, (1, 12))
     logits, _ = ours((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))
@@ -41,15 +41,12 @@ def test_vit_and_unet_weights_load_and_differ_from_seeded_init(tmp_path, tiny_sp
 
     with torch.random.fork_rng():
         torch.manual_seed(5)
-        vit = ViTModel(hf_config(tiny_spec.encoder), add_pooling_layer=False)
-        unet = build_unet(tiny_spec.generator)
+        vit = ViTModel(hf_config(tiny_spec.config("encoder")), add_pooling_layer=False)
+        unet = build_unet(tiny_spec.config("generator"))
     vit.save_pretrained(tmp_path / "vit")
     unet.save_pretrained(tmp_path / "unet")
-    spec = dataclasses.replace(
-        tiny_spec,
-        encoder=dataclasses.replace(tiny_spec.encoder, checkpoint=str(tmp_path / "vit")),
-        generator=dataclasses.replace(tiny_spec.generator, checkpoint=str(tmp_path / "unet")),
-    )
+    spec = tiny_spec.with_changes("encoder", checkpoint=str(tmp_path / "vit"))
+    spec = spec.with_changes("generator", checkpoint=str(tmp_path / "unet"))
     block0 = spec.layers("encoder")[1].build()
     assert torch.equal(block0.layer.attention.q_proj.weight, vit.layers[0].attention.q_proj.weight)
     mid = next(d for d in spec.layers("generator") if d.name == "mid").build()
@@ -63,9 +60,7 @@ def test_shape_mismatch_names_the_layer(tmp_path, tiny_spec):
     from safetensors.torch import save_file
 
     save_file({"model.norm.weight": torch.ones(7)}, str(tmp_path / "bad.safetensors"))
-    spec: MLLMSpec = dataclasses.replace(
-        tiny_spec, llm=dataclasses.replace(tiny_spec.llm, checkpoint=str(tmp_path / "bad.safetensors"))
-    )
+    spec: MLLMSpec = tiny_spec.with_changes("llm", checkpoint=str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match="llm head.norm.weight has shape"):
         spec.layers("llm")[-1].build()
 

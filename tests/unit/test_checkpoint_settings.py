@@ -3,7 +3,6 @@ logits reproduced, contradictions and settings the family cannot reproduce refus
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -66,7 +65,7 @@ def test_a_llama_checkpoints_config_fixes_the_llm_and_its_logits_match_transform
         ours, theirs = _logits(spec, ids), hf(ids).logits
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         # Negative control: the same weights under the default eps (what dropping the setting gives) differ.
-        dropped = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, rms_norm_eps=1e-6))
+        dropped = spec.with_changes("llm", rms_norm_eps=1e-6)
         assert (_logits(dropped, ids) - theirs).abs().max() > 1e-4
 
 
@@ -92,7 +91,7 @@ def test_each_rope_scaling_of_a_checkpoint_gives_transformers_logits(tmp_path, k
         theirs = hf(ids).logits
         torch.testing.assert_close(_logits(spec, ids), theirs, rtol=1e-5, atol=1e-5)
         # Negative control: the same weights under plain RoPE (the scaling dropped) differ.
-        plain = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, rope_type="default", rope_scaling={}))
+        plain = spec.with_changes("llm", rope_type="default", rope_scaling={})
         assert (_logits(plain, ids) - theirs).abs().max() > 1e-4
 
 
@@ -139,7 +138,7 @@ def test_head_dim_and_biases_of_a_llama_checkpoint_give_transformers_logits(tmp_
         theirs = hf(ids).logits
         torch.testing.assert_close(_logits(spec, ids), theirs, rtol=1e-5, atol=1e-5)
         # Negative control: the MLP biases dropped (an import that only matched the tensors it knew).
-        dropped = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, mlp_bias=False))
+        dropped = spec.with_changes("llm", mlp_bias=False)
         assert (_logits(dropped, ids) - theirs).abs().max() > 1e-4
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from disttrain_ds.cost.dims import TransformerDims
 from disttrain_ds.cost.model import (
     LLAMA_PRESETS,
     SD21_UNET,
     VIT_HUGE_14,
     CostModel,
-    TransformerDims,
     UNetDims,
     flops_to_ms,
 )
@@ -18,8 +18,8 @@ from disttrain_ds.samples import SampleStats
 
 
 def _sample(patches=(256,), gen=1, res=512, seq=8192, docs=()) -> SampleStats:
-    return SampleStats(text_tokens=100, image_patches=tuple(patches), gen_images=gen,
-                       gen_resolution=res, seq_len=seq, doc_lens=tuple(docs))
+    return SampleStats(text_tokens=100, image_patches=tuple(patches), seq_len=seq, doc_lens=tuple(docs),
+                       gens=((gen, res),))
 
 
 def test_vit_huge_forward_flops_match_published_gmacs():

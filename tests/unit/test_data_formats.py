@@ -141,7 +141,7 @@ def test_webdataset_interleaved_documents_name_their_members_in_order(tmp_path):
     s = source("webdataset", str(tmp_path / "docs.tar"), batch=1).global_batch(0)[0]
     assert s.doc_lens[0] == 13 + 6 + 17 + 6 + 1  # text, image, text, generated image, eod
     assert np.allclose(colour(s.images[0]), [1, -1, -1], atol=0.05)
-    assert s.gen_targets.shape[0] == 1 and np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)  # last image
+    assert s.gen_targets[0].shape[0] == 1 and np.allclose(colour(s.gen_targets[0][0]), [-1, -1, 1], atol=0.05)  # last image
 
 
 def test_parquet_with_image_bytes_pairs_and_interleaved_rows(tmp_path):
@@ -157,7 +157,7 @@ def test_parquet_with_image_bytes_pairs_and_interleaved_rows(tmp_path):
     assert np.allclose(colour(s.images[0]), [-1, -1, 1], atol=0.05)
     s = source("parquet", str(tmp_path / "docs.parquet"), batch=1).global_batch(0)[0]
     assert np.allclose(colour(s.images[0]), [1, -1, -1], atol=0.05)
-    assert np.allclose(colour(s.gen_targets[0]), [1, 1, -1], atol=0.05)
+    assert np.allclose(colour(s.gen_targets[0][0]), [1, 1, -1], atol=0.05)
 
 
 def test_image_folder_with_txt_captions_in_subfolders(tmp_path):
@@ -371,7 +371,7 @@ def test_interleaved_documents_in_a_folder_and_in_a_datasets_table(tmp_path):
     (folder / "d.1.jpg").write_bytes(jpeg(COLOURS[1]))
     s = source("folder", str(folder), batch=1).global_batch(0)[0]
     assert np.allclose(colour(s.images[0]), [1, -1, -1], atol=0.05)
-    assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)
+    assert np.allclose(colour(s.gen_targets[0][0]), [-1, -1, 1], atol=0.05)
     red, blue = (Image.new("RGB", (40, 30), c) for c in COLOURS[:2])
     ds = datasets.Dataset.from_dict(
         {"texts": [["Red:", None, "Now blue:", None]], "images": [[None, red, None, blue]]},
@@ -379,7 +379,7 @@ def test_interleaved_documents_in_a_folder_and_in_a_datasets_table(tmp_path):
     ds.save_to_disk(str(tmp_path / "ds"))
     s = source("hf", str(tmp_path / "ds"), batch=1, cache_dir=str(tmp_path / "c")).global_batch(0)[0]
     assert np.allclose(colour(s.images[0]), [1, -1, -1], atol=0.05)
-    assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)
+    assert np.allclose(colour(s.gen_targets[0][0]), [-1, -1, 1], atol=0.05)
 
 
 def test_a_rewritten_shard_is_indexed_again(tmp_path):

@@ -57,8 +57,8 @@ def test_local_folder_reads_real_image_files_and_honours_generate_marks(tmp_path
     first = batch[0]  # the document (41 tokens with eod), then the pair (12), then the document again
     assert first.doc_lens[:2] == (41, 12) and first.meta["records"][:2] == [(0, 0), (0, 1)]
     assert np.allclose(colour(first.images[0]), [1, -1, -1], atol=0.05)  # the document reads red.png
-    assert first.gen_targets.shape[0] == 1  # and generates blue.jpg (marked), at the generator's size
-    assert np.allclose(colour(first.gen_targets[0]), [-1, -1, 1], atol=0.05)
+    assert first.gen_targets[0].shape[0] == 1  # and generates blue.jpg (marked), at the generator's size
+    assert np.allclose(colour(first.gen_targets[0][0]), [-1, -1, 1], atol=0.05)
     assert np.allclose(colour(first.images[1]), [-1, -1, 1], atol=0.05)  # the pair reads blue.jpg
     assert src.skip_counts() == {}
 

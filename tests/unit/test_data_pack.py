@@ -59,7 +59,7 @@ def test_long_interleaved_document_continues_in_next_sequence_without_losing_tok
     assert flat[:55] == [i % 200 for i in range(55)]  # every text token once, in order
     eods = [int((s.input_ids == SPECIAL.eod).sum()) for s in seqs]
     assert eods == [0, 0, 1]  # eod only after the document's last piece
-    assert sum(len(s.images) for s in seqs) == 1 and sum(s.gen_targets.shape[0] for s in seqs) == 1
+    assert sum(len(s.images) for s in seqs) == 1 and sum(s.gen_targets[0].shape[0] for s in seqs) == 1
     assert seqs[2].doc_lens == (6, 20)  # the next document starts in the room left ...
     assert (cur.pos, cur.seg, cur.off) == (1, 1, 0)  # ... and continues at its image next time
 
@@ -84,7 +84,7 @@ def test_per_sequence_image_limits_close_the_sequence():
     pair, gen_pair = Document((image(), text(2)), False), Document((text(2), image(True)), False)
     seqs, _ = pack([pair, pair, gen_pair, gen_pair], ctx, 3)
     assert [len(s.images) for s in seqs] == [1, 1, 1]
-    assert [int(s.gen_targets.shape[0]) for s in seqs] == [0, 1, 1]
+    assert [int(s.gen_targets[0].shape[0]) for s in seqs] == [0, 1, 1]
 
 
 def test_bad_documents_are_counted_in_the_cursor_and_skipped():
@@ -140,6 +140,6 @@ def test_paper_stats_sequences_fit_and_match_their_images():
     for s in (s for b in batches for s in b):
         assert sample_problems(s, src.special, PATCH, 1024, QUERY, GEN_RES) == []
     assert sum(len(s.images) for b in batches for s in b) > 0
-    assert sum(int(s.gen_targets.shape[0]) for b in batches for s in b) > 0
+    assert sum(int(s.gen_targets[0].shape[0]) for b in batches for s in b) > 0
     again = build_source(cfg, shape, 4, seed=3).global_batch(2)
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again, batches[2]))

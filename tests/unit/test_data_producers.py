@@ -24,7 +24,7 @@ def mmc4(fixtures_dir, **kw) -> DataConfig:
 
 def same(a, b) -> bool:
     return all(
-        torch.equal(x.input_ids, y.input_ids) and torch.equal(x.gen_targets, y.gen_targets)
+        torch.equal(x.input_ids, y.input_ids) and all(torch.equal(u, v) for u, v in zip(x.gen_targets, y.gen_targets))
         and len(x.images) == len(y.images) and all(torch.equal(p, q) for p, q in zip(x.images, y.images))
         for x, y in zip(a, b, strict=True)
     )

@@ -89,21 +89,21 @@ def test_local_pairs_name_their_generator_and_each_gets_its_own_query_token_and_
     assert src.special.queries == (src.special.gen, src.special.query(1)) and src.special.query(1) != src.special.gen
     s = src.global_batch(0)[0]  # red (sketcher) + blue (painter); green (the first generator) no longer fits
     _ok(src, s)
-    assert s.gen_targets.shape == (1, 3, 16, 16) and s.more_targets[0].shape == (1, 3, 8, 8)
-    assert np.allclose(colour(s.more_targets[0][0]), [1, -1, -1], atol=0.05)  # red, at the sketcher's 8 x 8
-    assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)
+    assert s.gen_targets[0].shape == (1, 3, 16, 16) and s.gen_targets[1].shape == (1, 3, 8, 8)
+    assert np.allclose(colour(s.gen_targets[1][0]), [1, -1, -1], atol=0.05)  # red, at the sketcher's 8 x 8
+    assert np.allclose(colour(s.gen_targets[0][0]), [-1, -1, 1], atol=0.05)
     assert _runs(s.input_ids, src.special.query(1)) == 1 and int((s.input_ids == src.special.query(1)).sum()) == 2
     assert s.doc_lens[0] == len("A red square.") + 2 + 2 + 1  # priced by the sketcher's own 2 queries
     s = src.global_batch(1)[0]
-    assert np.allclose(colour(s.gen_targets[0]), [-1, 1, -1], atol=0.05)  # true: the first generator
+    assert np.allclose(colour(s.gen_targets[0][0]), [-1, 1, -1], atol=0.05)  # true: the first generator
 
 
 def test_swapping_the_names_swaps_which_generator_gets_each_target(tmp_path):
     a = build_source(_cfg("local", _pairs(tmp_path / "a", ["sketcher", "painter", False])), SHAPE, 1, 0).global_batch(0)[0]
     b = build_source(_cfg("local", _pairs(tmp_path / "b", ["painter", "sketcher", False])), SHAPE, 1, 0).global_batch(0)[0]
-    assert np.allclose(colour(a.more_targets[0][0]), [1, -1, -1], atol=0.05)
-    assert np.allclose(colour(b.more_targets[0][0]), [-1, -1, 1], atol=0.05)
-    assert np.allclose(colour(b.gen_targets[0]), [1, -1, -1], atol=0.05)
+    assert np.allclose(colour(a.gen_targets[1][0]), [1, -1, -1], atol=0.05)
+    assert np.allclose(colour(b.gen_targets[1][0]), [-1, -1, 1], atol=0.05)
+    assert np.allclose(colour(b.gen_targets[0][0]), [1, -1, -1], atol=0.05)
 
 
 def test_local_documents_mark_images_for_either_generator(tmp_path):
@@ -115,8 +115,8 @@ def test_local_documents_mark_images_for_either_generator(tmp_path):
     src = build_source(_cfg("local", tmp_path, seq_len=128), SHAPE, 1, 0)
     s = src.global_batch(0)[0]
     assert sample_problems(s, src.special, 8, 128, 4, 16, SHAPE.more_gens) == []
-    assert np.allclose(colour(s.more_targets[0][0]), [1, -1, -1], atol=0.05)
-    assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05) and not s.images
+    assert np.allclose(colour(s.gen_targets[1][0]), [1, -1, -1], atol=0.05)
+    assert np.allclose(colour(s.gen_targets[0][0]), [-1, -1, 1], atol=0.05) and not s.images
     ids = s.input_ids.tolist()
     assert ids.index(src.special.query(1)) < ids.index(src.special.gen)  # in the document's order
 
@@ -124,7 +124,7 @@ def test_local_documents_mark_images_for_either_generator(tmp_path):
 def test_an_unknown_generator_name_skips_the_record_by_reason(tmp_path):
     src = build_source(_cfg("local", _pairs(tmp_path, ["painter", "sketch", "sketcher"])), SHAPE, 1, 0)
     s = src.global_batch(0)[0]  # red for the painter, blue skipped, green for the sketcher
-    assert s.gen_targets.shape[0] == 1 and s.more_targets[0].shape[0] == 1
+    assert s.gen_targets[0].shape[0] == 1 and s.gen_targets[1].shape[0] == 1
     assert src.skip_counts() == {"unknown_generator": 1}
     write_jsonl(tmp_path / "pairs.jsonl", [{"image": "images/red.png", "caption": "red", "generate": "painterr"}])
     with pytest.raises(ConfigError, match="no usable records.*unknown_generator"):
@@ -134,7 +134,7 @@ def test_an_unknown_generator_name_skips_the_record_by_reason(tmp_path):
 def test_a_mark_that_is_neither_a_flag_nor_a_name_is_a_bad_type(tmp_path):
     src = build_source(_cfg("local", _pairs(tmp_path, ["painter", 1, ["sketcher"]])), SHAPE, 1, 0)
     s = src.global_batch(0)[0]  # red twice (two epochs), the others skipped each time
-    assert s.gen_targets.shape[0] == 2 and s.more_targets[0].shape[0] == 0
+    assert s.gen_targets[0].shape[0] == 2 and s.gen_targets[1].shape[0] == 0
     assert set(src.skip_counts()) == {"bad_type"}
 
 
@@ -142,7 +142,7 @@ def test_one_generator_models_read_names_of_their_generator_and_true_as_before(t
     one = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, gen_name="painter")
     src = build_source(_cfg("local", _pairs(tmp_path, ["painter", True, "sketcher"])), one, 1, 0)
     s = src.global_batch(0)[0]
-    assert s.gen_targets.shape[0] == 2 and s.more_targets == [] and src.special.more_gens == ()
+    assert s.gen_targets[0].shape[0] == 2 and len(s.gen_targets) == 1 and src.special.more_gens == ()
     assert src.skip_counts() == {"unknown_generator": 1}
 
 
@@ -155,10 +155,10 @@ def test_webdataset_pairs_and_documents_name_their_generator(tmp_path):
     src = open_source(_cfg("webdataset", tmp_path / "s.tar", seq_len=128, gen_images=[0, 3]), SHAPE, 1, 0)
     s = src.global_batch(0)[0]
     assert sample_problems(s, src.special, 8, 128, 4, 16, SHAPE.more_gens) == []
-    assert s.more_targets[0].shape == (2, 3, 8, 8) and s.gen_targets.shape == (1, 3, 16, 16)
-    assert np.allclose(colour(s.more_targets[0][0]), [1, -1, -1], atol=0.05)  # the pair's red
-    assert np.allclose(colour(s.more_targets[0][1]), [-1, 1, -1], atol=0.05)  # the document's green
-    assert np.allclose(colour(s.gen_targets[0]), [-1, -1, 1], atol=0.05)
+    assert s.gen_targets[1].shape == (2, 3, 8, 8) and s.gen_targets[0].shape == (1, 3, 16, 16)
+    assert np.allclose(colour(s.gen_targets[1][0]), [1, -1, -1], atol=0.05)  # the pair's red
+    assert np.allclose(colour(s.gen_targets[1][1]), [-1, 1, -1], atol=0.05)  # the document's green
+    assert np.allclose(colour(s.gen_targets[0][0]), [-1, -1, 1], atol=0.05)
 
 
 def test_parquet_rows_name_their_generator_and_unknown_names_are_skipped(tmp_path):
@@ -168,8 +168,8 @@ def test_parquet_rows_name_their_generator_and_unknown_names_are_skipped(tmp_pat
     src = open_source(_cfg("parquet", tmp_path / "pairs.parquet"), SHAPE, 1, 0)
     s = src.global_batch(0)[0]
     # Red for the sketcher, blue skipped, red again in the next pass: the generated-image limit.
-    assert s.more_targets[0].shape[0] == 2 and s.gen_targets.shape[0] == 0
-    assert all(np.allclose(colour(t), [1, -1, -1], atol=0.05) for t in s.more_targets[0])
+    assert s.gen_targets[1].shape[0] == 2 and s.gen_targets[0].shape[0] == 0
+    assert all(np.allclose(colour(t), [1, -1, -1], atol=0.05) for t in s.gen_targets[1])
     assert set(src.skip_counts()) == {"unknown_generator"}
 
 

@@ -3,7 +3,6 @@ follows the device, and every block of a microbatch shares one mask."""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -126,7 +125,7 @@ def test_auto_keeps_plain_causal_sdpa_for_rows_of_one_whole_document(monkeypatch
 def test_flex_on_cpu_is_a_one_line_error_naming_the_setting(tiny_spec):
     with pytest.raises(ConfigError, match=r"^doc_attention: flex needs a CUDA device .* auto or spans$"):
         doc_attention_path("flex", torch.device("cpu"))
-    spec = dataclasses.replace(tiny_spec, llm=dataclasses.replace(tiny_spec.llm, doc_attention="flex"))
+    spec = tiny_spec.with_changes("llm", doc_attention="flex")
     llm = Sequential([d.build() for d in spec.layers("llm")])
     ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ConfigError, match="doc_attention: flex needs a CUDA device"):

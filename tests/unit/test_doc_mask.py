@@ -66,7 +66,7 @@ def test_attention_per_document_span_equals_sdpa_under_the_document_mask():
 
 
 def _llm(spec, family: str) -> Sequential:
-    spec = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, family=family))
+    spec = spec.with_changes("llm", family=family)
     return Sequential([d.build() for d in spec.layers("llm")])
 
 

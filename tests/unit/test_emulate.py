@@ -361,5 +361,5 @@ def test_a_generation_only_graph_costs_its_generator_by_the_images_it_generates(
     assert (painter.module, painter.role, painter.global_stage) == ("painter", "generator", 2)
     painter.set_step(0, [[s] for s in samples])
     cm = cost_model(recipe)
-    gen = [cm.model.generator_cost(s.stats(8, source.special)) for s in samples]
+    gen = [cm.module_cost("painter", s.stats(8, source.special)) for s in samples]
     assert any(g > 0 for g in gen) and painter.fwd_ms == pytest.approx([g * painter.ms_per_flop for g in gen])

@@ -52,8 +52,9 @@ def _built(recipe, module: str) -> dict[str, torch.Tensor]:
 
     r = recipe.model
     spec = _spec(recipe)
-    spec = dataclasses.replace(spec, encoder=r.encoder, generator=r.generator,
-                               llm=dataclasses.replace(r.llm, vocab_size=vocab_size(recipe)), step_dirs=STEP_DIRS)
+    configs = {**spec.configs, "encoder": r.encoder, "generator": r.generator,
+               "llm": dataclasses.replace(r.llm, vocab_size=vocab_size(recipe))}
+    spec = dataclasses.replace(spec, configs=configs, step_dirs=STEP_DIRS)
     return {f"{d.name}/{k}": v for d in spec.layers(module) for k, v in d.build().state_dict().items()}
 
 

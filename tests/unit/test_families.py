@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -65,7 +64,7 @@ def test_shape_rules_and_layer_counts_come_from_the_family():
 
 
 def _qwen2_spec(spec):
-    return dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, family="qwen2"))
+    return spec.with_changes("llm", family="qwen2")
 
 
 def test_qwen2_layers_load_transformers_save_pretrained_and_match_its_logits(tmp_path, tiny_spec):
@@ -81,13 +80,13 @@ def test_qwen2_layers_load_transformers_save_pretrained_and_match_its_logits(tmp
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
     hf.save_pretrained(tmp_path / "qwen2")
-    loaded = dataclasses.replace(spec, llm=dataclasses.replace(spec.llm, checkpoint=str(tmp_path / "qwen2")))
+    loaded = spec.with_changes("llm", checkpoint=str(tmp_path / "qwen2"))
     ids = torch.randint(0, 200, (1, 12))
     ours, _ = Sequential([d.build() for d in loaded.layers("llm")])((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))
     theirs = hf(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     # Negative control: the same weights read by the Llama family (no q/k/v biases) differ.
-    as_llama = dataclasses.replace(loaded, llm=dataclasses.replace(loaded.llm, family="llama"))
+    as_llama = loaded.with_changes("llm", family="llama")
     other, _ = Sequential([d.build() for d in as_llama.layers("llm")])((ids, torch.zeros(0, spec.llm.hidden_size), torch.zeros_like(ids)))
     assert (other - theirs).abs().max() > 1e-2
 

@@ -151,5 +151,5 @@ def test_mfu_counts_a_cls_token_for_clip_and_none_for_siglip():
     for family in ("clip", "siglip"):
         recipe = load_recipe("tiny_vlm", [f"model.modules.vision.family={family}"])
         source, spec = build_data_and_spec(recipe)
-        flops[family] = StepFlopsCounter(spec)(source.global_batch(0)).encoder
+        flops[family] = StepFlopsCounter(spec)(source.global_batch(0)).modules["vision"]
     assert flops["clip"] > flops["siglip"] > 0  # same sizes and images: only the CLS rows differ

@@ -77,7 +77,7 @@ def test_activation_formulas_match_saved_tensors_of_real_layers(overrides):
     shape = activations.SampleShape(
         tokens=recipe.data.seq_len, images=len(sample.images),
         patches=sum((im.shape[1] // p) * (im.shape[2] // p) for im in sample.images),
-        gen_images=max(1, sample.gen_targets.shape[0]))
+        gen_images=max(1, sample.gen_targets[0].shape[0]))
     m, b = recipe.model, 4
     est = {"encoder": encoder_activations(m.encoder, m.llm.hidden_size, shape, b).saved,
            "llm": decoder_activations(spec.llm, shape, b).saved,
@@ -86,8 +86,9 @@ def test_activation_formulas_match_saved_tensors_of_real_layers(overrides):
     got["encoder"], embeds = _measure(spec, "encoder", (mb.pixels, mb.image_hw))
     got["llm"], out = _measure(spec, "llm", llm_inputs(mb, embeds),
                                head=lambda o: (lm_loss_sum(o[0], mb.labels, mb.lm_scale), o[1]))
-    states = generator_states(gen_condition(out[1], mb.gen_mask, spec.generator.query_tokens), mb)
-    got["generator"], _ = _measure(spec, "generator", (states, mb.noisy, mb.timesteps))
+    g = mb.gens["generator"]
+    states = generator_states(gen_condition(out[1], g.mask, spec.config("generator").query_tokens), mb, "generator")
+    got["generator"], _ = _measure(spec, "generator", (states, g.noisy, g.timesteps))
     for module in est:
         assert len(est[module]) == len(got[module])
         assert sum(est[module]) == pytest.approx(sum(got[module]), rel=0.06), module
@@ -121,12 +122,13 @@ def test_dit_activation_formula_matches_saved_tensors_of_real_layers(tmp_path, o
     source.close()
     mb = collate([sample], BatchNorms.of([sample], 1), spec)
     shape = activations.SampleShape(tokens=recipe.data.seq_len, images=0, patches=0,
-                                     gen_images=max(1, sample.gen_targets.shape[0]))
+                                     gen_images=max(1, sample.gen_targets[0].shape[0]))
     g = recipe.model.generator
     est = module_family(recipe, "painter").activation_layers(g, recipe.model.llm.hidden_size, shape, 4)
     _, out = _measure(spec, "llm", llm_inputs(mb, torch.zeros(0, spec.llm.hidden_size)))
-    states = generator_states(gen_condition(out[1], mb.gen_mask, g.query_tokens), mb)
-    got, pred = _measure(spec, "painter", (states, mb.noisy, mb.timesteps))
+    gi = mb.gens["painter"]
+    states = generator_states(gen_condition(out[1], gi.mask, g.query_tokens), mb, "painter")
+    got, pred = _measure(spec, "painter", (states, gi.noisy, gi.timesteps))
     assert len(est.saved) == len(got) == len(est.outputs) == len(spec.layers("painter"))
     assert sum(est.saved) == pytest.approx(sum(got), rel=0.06)
     assert est.outputs[-1] == pred.numel() * 4 * shape.gen_images / pred.shape[0]

@@ -18,9 +18,9 @@ from disttrain_ds.samples import SpecialTokens
 def _meta_params(module: str, llm: str = "llama-7b") -> int:
     with torch.device("meta"):
         spec = MLLMSpec(
-            EncoderConfig(**ENCODER_PRESETS["vit-h-14"]),
-            LLMConfig(**LLM_PRESETS[llm]),
-            GeneratorConfig(**GENERATOR_PRESETS["sd21"]),
+            {"encoder": EncoderConfig(**ENCODER_PRESETS["vit-h-14"]), "llm": LLMConfig(**LLM_PRESETS[llm]),
+             "generator": GeneratorConfig(**GENERATOR_PRESETS["sd21"])},
+            {"encoder": "encoder", "llm": "llm", "generator": "generator"},
             SpecialTokens.after(32000),
             seed=0,
         )
@@ -65,7 +65,7 @@ def test_encoder_tokens_follow_image_resolution(tiny_spec):
     from disttrain_ds.models.pixels import pack_images
 
     enc = Sequential([d.build() for d in tiny_spec.layers("encoder")])
-    p = tiny_spec.encoder.patch_size
+    p = tiny_spec.config("encoder").patch_size
     images = [torch.randn(3, 16, 16), torch.randn(3, 32, 24), torch.randn(3, 8, 8)]
     out = enc(pack_images(images))
     assert out.shape == (sum((h // p) * (w // p) for _, h, w in (im.shape for im in images)), tiny_spec.llm.hidden_size)
@@ -86,8 +86,8 @@ def test_split_unet_equals_diffusers_forward(tiny_spec):
     from disttrain_ds.models.layers import layer_seed
 
     gen = Sequential([d.build() for d in tiny_spec.layers("generator")])
-    unet = _unet(tiny_spec.generator, layer_seed(tiny_spec.seed, "generator", "init"))
-    r, k = tiny_spec.generator.resolution, tiny_spec.generator.query_tokens
+    unet = _unet(tiny_spec.config("generator"), layer_seed(tiny_spec.seed, "generator", "init"))
+    r, k = tiny_spec.config("generator").resolution, tiny_spec.config("generator").query_tokens
     states = torch.randn(2, k, tiny_spec.llm.hidden_size)
     noisy = torch.randn(2, 3, r, r)
     t = torch.tensor([3, 700])

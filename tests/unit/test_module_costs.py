@@ -64,7 +64,7 @@ def test_every_module_is_priced_by_name_the_audio_encoder_by_its_clips():
 def _sample(i: int, frames: tuple[int, ...]) -> PackedSample:
     """Samples alike in everything (text, images, documents) but their clips."""
     ids = torch.full((64,), 7, dtype=torch.long)
-    return PackedSample(ids, ids.clone(), [torch.zeros(3, 16, 16)], torch.zeros(0, 3, 16, 16), i, (64,),
+    return PackedSample(ids, ids.clone(), [torch.zeros(3, 16, 16)], [torch.zeros(0, 3, 16, 16)], i, (64,),
                         audio=[torch.zeros(16, f) for f in frames])
 
 

@@ -96,7 +96,7 @@ def test_audio_encoder_flops_and_memory_come_from_its_family():
         samples = source.global_batch(0)
         source.close()
         count = StepFlopsCounter(spec)
-        return count.audio(samples)["ear"], count.audio(samples * 2)["ear"]
+        return count.module("ear", samples), count.module("ear", samples * 2)
 
     train, twice = ear_flops()
     frozen, _ = ear_flops("model.modules.ear.frozen=true", "model.modules.ear.projector.frozen=true")

@@ -87,11 +87,11 @@ def test_layout_to_stats_documents_patches_and_generation():
            Subsequence("image", 64), Subsequence("text", 10)]
     s = layout_to_stats(lay, 1024, patch_size=16, gen_fraction=0.5, gen_resolution=256)
     assert s.text_tokens == 35 and s.image_patches == (256, 64) and s.seq_len == 1024
-    assert s.doc_lens == (5, 276, 74) and s.gen_images == 1 and s.gen_resolution == 256
+    assert s.doc_lens == (5, 276, 74) and s.gens == ((1, 256),)
     # 14-pixel patches cover the same pixels with (16/14)^2 more patches
     s14 = layout_to_stats(lay, 1024, patch_size=14)
     assert s14.image_patches == (round(256 * (16 / 14) ** 2), round(64 * (16 / 14) ** 2))
-    assert s14.gen_images == 2 and s14.doc_lens == s.doc_lens
+    assert s14.gen(0)[0] == 2 and s14.doc_lens == s.doc_lens
 
 
 def test_layout_to_stats_rejects_bad_arguments():
@@ -111,7 +111,7 @@ def test_draw_sample_stats_is_consistent_with_layouts():
     for s in stats:
         assert s.seq_len == 8192 and sum(s.doc_lens) <= 8192
         assert sum(s.doc_lens) == s.text_tokens + sum(s.image_patches)
-        assert s.gen_images == len(s.image_patches)
+        assert s.gen(0)[0] == len(s.image_patches)
 
 
 def _fill(layouts, seq_len: int, markers: int = 0) -> float:

@@ -67,9 +67,9 @@ def test_resolve_peak_prefers_override_then_table_then_cpu_estimate(monkeypatch)
     (lambda: module_mfu(1.0, 0, 312.0, 1.0), "gpus"),
     (lambda: overall_mfu(1.0, 8, 312.0, 0.0), "step_seconds"),
     (lambda: module_mfu(1.0, 8, -1.0, 1.0), "peak_tflops"),
-    (lambda: StepFlops(llm=-1.0), "llm"),
-    (lambda: StepFlops(generator=1.0).metrics(encoder_gpus=1, llm_gpus=1, generator_gpus=0,
-                                              peak_tflops=1.0, step_seconds=1.0), "generator_gpus"),
+    (lambda: StepFlops({"llm": -1.0}), "llm"),
+    (lambda: StepFlops({"vision": 1.0, "painter": 1.0}).metrics(gpus={"vision": 1}, peak_tflops=1.0,
+                                                                step_seconds=1.0), "painter"),
 ])
 def test_bad_arguments_raise_value_error_naming_them(call, match):
     with pytest.raises(ValueError, match=match):
@@ -84,20 +84,18 @@ def test_module_mfu_is_flops_over_gpus_peak_and_time():
 
 
 def test_step_flops_metrics_report_each_module_on_its_own_gpus():
-    step = StepFlops(encoder=1e15, llm=6e15, generator=3e15)
-    out = step.metrics(encoder_gpus=2, llm_gpus=8, generator_gpus=4, peak_tflops=100.0,
-                       step_seconds=10.0)
+    step = StepFlops({"vision": 1e15, "ear": 2e15, "llm": 6e15, "painter": 3e15})
+    out = step.metrics(gpus={"vision": 2, "ear": 1, "llm": 8, "painter": 4}, peak_tflops=100.0, step_seconds=10.0)
     assert out == pytest.approx({
-        "perf/mfu/encoder": 0.5, "perf/mfu/llm": 0.75, "perf/mfu/generator": 0.75,
-        "perf/mfu/overall": 10e15 / (14 * 100e12 * 10),
-        "perf/tflops_per_gpu/encoder": 50.0, "perf/tflops_per_gpu/llm": 75.0,
-        "perf/tflops_per_gpu/generator": 75.0, "perf/tflops_per_gpu/overall": 10e15 / 14 / 10 / 1e12,
+        "perf/mfu/vision": 0.5, "perf/mfu/ear": 2.0, "perf/mfu/llm": 0.75, "perf/mfu/painter": 0.75,
+        "perf/mfu/overall": 12e15 / (15 * 100e12 * 10),
+        "perf/tflops_per_gpu/vision": 50.0, "perf/tflops_per_gpu/ear": 200.0, "perf/tflops_per_gpu/llm": 75.0,
+        "perf/tflops_per_gpu/painter": 75.0, "perf/tflops_per_gpu/overall": 12e15 / 15 / 10 / 1e12,
     })
 
 
-def test_step_flops_overall_uses_given_world_and_skips_absent_modules():
-    out = StepFlops(llm=8e15).metrics(encoder_gpus=0, llm_gpus=8, generator_gpus=0,
-                                      peak_tflops=100.0, step_seconds=10.0, world=16)
+def test_step_flops_overall_uses_given_world_when_modules_share_gpus():
+    out = StepFlops({"llm": 8e15}).metrics(gpus={"llm": 8}, peak_tflops=100.0, step_seconds=10.0, world=16)
     assert set(out) == {"perf/mfu/llm", "perf/tflops_per_gpu/llm", "perf/mfu/overall",
                         "perf/tflops_per_gpu/overall"}
     assert out["perf/mfu/overall"] == pytest.approx(0.5 * out["perf/mfu/llm"])

@@ -306,7 +306,7 @@ def test_an_image_and_audio_graph_is_profiled_and_planned_into_a_recipe_that_loa
     source, spec = build_data_and_spec(replace(recipe, train=replace(recipe.train, global_batch=2)))
     samples = source.global_batch(0)
     source.close()
-    per_sample = [StepFlopsCounter(spec).audio([s])["ear"] for s in samples]
+    per_sample = [StepFlopsCounter(spec).module("ear", [s]) for s in samples]
     assert data["modules"]["ear"]["flops_per_sample"] == pytest.approx(statistics.median(per_sample), rel=1e-9)
     for name, m in profile.modules.items():  # a draw per module, averaging to its cost
         assert len(m.sample_cost_ms) == 2 and sum(m.sample_cost_ms) / 2 == pytest.approx(m.cost_ms[1], rel=1e-9)

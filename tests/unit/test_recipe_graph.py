@@ -92,8 +92,8 @@ def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
     assert graph_of(r).generators == ("art",) and module_parallel(r, "art").pp == 2
     assert [g.name for g in topology_of(r).modules] == ["llm", "art"]
     # Balancing costs one generated image at the DiT's forward FLOPs.
-    one = SampleStats(text_tokens=128, image_patches=(), gen_images=1, gen_resolution=art.resolution, seq_len=128)
-    assert cost_model(r).model.generator_cost(one) == pytest.approx(forward_flops(art))
+    one = SampleStats(text_tokens=128, image_patches=(), seq_len=128, gens=((1, art.resolution),))
+    assert cost_model(r).module_cost("art", one) == pytest.approx(forward_flops(art))
     # The MFU meter counts each generated image at 3 x forward (trained) plus the projector's share.
     from disttrain_ds.cost.flops import projector_flops_per_token
     from disttrain_ds.metrics.step_flops import StepFlopsCounter
@@ -102,9 +102,9 @@ def test_graph_recipe_with_a_dit_generator_loads_and_validates(tmp_path):
     source, spec = build_data_and_spec(r)
     samples = source.global_batch(0)
     source.close()
-    images = sum(int(s.gen_targets.shape[0]) for s in samples)
+    images = sum(int(s.gen_targets[0].shape[0]) for s in samples)
     proj = projector_flops_per_token(in_dim=r.model.llm.hidden_size, hidden_dim=32, out_dim=32)
-    assert images > 0 and StepFlopsCounter(spec)(samples).generator == pytest.approx(
+    assert images > 0 and StepFlopsCounter(spec)(samples).modules["art"] == pytest.approx(
         images * (3 * forward_flops(art) + art.query_tokens * proj))
     with pytest.raises(ConfigError, match="'model.modules.art.heads' must be >= 1"):
         load_recipe(_write(tmp_path, {**data, "model": {"modules": {"llm": {"family": "llama"},

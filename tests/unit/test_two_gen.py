@@ -48,7 +48,7 @@ def test_synthetic_samples_hold_targets_for_none_one_or_both_generators(two):
     for s in samples:
         assert sample_problems(s, source.special, 8, 128, 4, 16, shape.more_gens) == []
         counts = tuple(int(s.targets(k).shape[0]) for k in range(2))
-        assert s.gen_targets.shape[1:] == (3, 16, 16) and s.more_targets[0].shape[1:] == (2, 8, 8)
+        assert s.gen_targets[0].shape[1:] == (3, 16, 16) and s.gen_targets[1].shape[1:] == (2, 8, 8)
         assert counts == tuple(len(_runs(s.input_ids == q)) for q in source.special.queries)
         kinds.add(tuple(n > 0 for n in counts))
     assert kinds == {(False, False), (True, False), (False, True), (True, True)}
@@ -63,8 +63,8 @@ def test_targets_for_every_generator_survive_producers_and_spool_files(two):
     *_, samples = two
     for back in (decode(encode(samples)), [PackedSample.from_plain(s.to_plain()) for s in samples]):
         for a, b in zip(samples, back):
-            assert len(a.more_targets) == len(b.more_targets) == 1
-            assert torch.equal(a.more_targets[0], b.more_targets[0]) and torch.equal(a.gen_targets, b.gen_targets)
+            assert len(a.gen_targets) == len(b.gen_targets) == 2
+            assert torch.equal(a.gen_targets[1], b.gen_targets[1]) and all(torch.equal(u, v) for u, v in zip(a.gen_targets, b.gen_targets))
 
 
 def test_each_generator_gets_the_llm_states_at_its_own_queries_only(two):
@@ -75,13 +75,13 @@ def test_each_generator_gets_the_llm_states_at_its_own_queries_only(two):
     assert painter.shape[1:] == (4, spec.llm.hidden_size) and sketcher.shape[1:] == (2, spec.llm.hidden_size)
     assert torch.equal(sketcher.flatten(0, 1), hidden[mb.input_ids == spec.special.query(1)])
     assert torch.equal(painter.flatten(0, 1), hidden[mb.input_ids == spec.special.gen])
-    assert mb.sample_rows["gen_states/sketcher"] == [int(s.more_targets[0].shape[0]) for s in samples[:4]]
+    assert mb.sample_rows["gen_states/sketcher"] == [int(s.gen_targets[1].shape[0]) for s in samples[:4]]
     assert mb.gens["sketcher"].noisy.shape[1:] == (2, 8, 8)
 
 
 def test_each_generator_loss_is_a_mean_over_its_own_images_and_moves_only_its_rows(two):
     _, _, spec, samples = two
-    only_sketch = [s for s in samples if s.gen_targets.shape[0] == 0 and s.more_targets[0].shape[0] > 0][:2]
+    only_sketch = [s for s in samples if s.gen_targets[0].shape[0] == 0 and s.gen_targets[1].shape[0] > 0][:2]
     model = ReferenceMLLM(spec)
     out = model(collate(only_sketch, BatchNorms.of(only_sketch, 1), spec))
     loss = {k: float(v.detach()) for k, v in out.items()}
@@ -100,7 +100,8 @@ def test_step_figures_name_both_generators(two):
     assert figures["perf/mfu/painter"] > 0 and figures["perf/mfu/sketcher"] > 0
     flops = meter.count(samples)
     assert figures["perf/tflops_per_gpu/overall"] == pytest.approx(
-        (flops.total + meter.count.more_generators(samples)["sketcher"]) / 4 / 1e12)
+        sum(meter.count.module(n, samples) for n in spec.names) / 4 / 1e12)
+    assert set(flops.modules) == set(spec.names) and flops.modules["sketcher"] > 0
 
 
 def test_two_generators_need_the_synthetic_source():

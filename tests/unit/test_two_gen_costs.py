@@ -40,8 +40,7 @@ def _sample(i: int, painter: int, sketcher: int, text: int = 20) -> PackedSample
     ids.append(SPECIAL.eod)
     used = len(ids)
     t = torch.tensor(ids + [SPECIAL.pad] * (SEQ - used))
-    return PackedSample(t, t.clone(), [], torch.zeros(painter, 3, 16, 16), i, (used,),
-                        more_targets=[torch.zeros(sketcher, 2, 8, 8)])
+    return PackedSample(t, t.clone(), [], [torch.zeros(painter, 3, 16, 16), torch.zeros(sketcher, 2, 8, 8)], i, (used,))
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +52,14 @@ def test_each_generator_is_priced_by_its_own_targets_and_family(recipe):
     costs = cost_model(recipe)
     sketcher = recipe.model.modules["sketcher"]
     stats = _sample(0, painter=0, sketcher=2).stats(8, SPECIAL)
-    assert stats.more_gens == ((2, 8),)
+    assert stats.gens == ((0, 0), (2, 8))
     assert costs.module_cost("painter", stats) == 0.0
     # The DiT's terms price an image at its own resolution at exactly its forward FLOPs.
     assert costs.module_cost("sketcher", stats) == pytest.approx(2 * forward_flops(sketcher), rel=1e-9)
     both = _sample(0, painter=1, sketcher=0).stats(8, SPECIAL)
     assert costs.module_cost("sketcher", both) == 0.0 and costs.module_cost("painter", both) > 0
     # Negative control: the old pricing sees the painter's targets in the sketcher's column.
-    old = FirstGeneratorPricing(costs.model, costs.kinds)
+    old = FirstGeneratorPricing(costs.own["painter"], costs.kinds)
     assert old.module_cost("sketcher", stats) == 0.0
     assert old.module_cost("sketcher", both) == old.module_cost("painter", both)
 
@@ -87,7 +86,7 @@ def test_reordering_evens_a_batch_whose_imbalance_is_only_in_the_second_generato
         return dp_balance(per, 4, {"vision": 1, "painter": 2, "sketcher": 2}, cols)["balance/sketcher_load_max"]
 
     assert sketcher_max(costs) == pytest.approx(1.0)
-    assert sketcher_max(FirstGeneratorPricing(costs.model, costs.kinds)) == pytest.approx(2.0)
+    assert sketcher_max(FirstGeneratorPricing(costs.own["painter"], costs.kinds)) == pytest.approx(2.0)
 
 
 def test_balance_figures_of_the_second_generator_reflect_its_own_targets(recipe):
@@ -98,17 +97,17 @@ def test_balance_figures_of_the_second_generator_reflect_its_own_targets(recipe)
     assert new["balance/painter_load_max"] == pytest.approx(1.0)
     assert new["balance/sketcher_load_max"] == pytest.approx(2.0) and new["balance/sketcher_load_min"] == 0.0
     assert new["balance/sketcher_load_mean"] == pytest.approx(forward_flops(recipe.model.modules["sketcher"]), rel=1e-9)
-    old_costs = FirstGeneratorPricing(costs.model, costs.kinds)
+    old_costs = FirstGeneratorPricing(costs.own["painter"], costs.kinds)
     old = dp_balance(old_costs.costs([s.stats(8, SPECIAL) for s in samples]), 2, dps, module_columns(costs))
     assert old["balance/sketcher_load_max"] == pytest.approx(1.0)  # the painter's figures, not its own
 
 
-def test_gen_models_must_name_generators():
+def test_own_terms_must_name_modules_of_the_graph():
     from disttrain_ds.cost.model import CostModel
 
     m = CostModel.paper_mllm()
-    with pytest.raises(ValueError, match="not generators"):
-        GraphCosts(m, {"vision": "encoder", "llm": "llm", "painter": "generator"}, {"llm": m})
+    with pytest.raises(ValueError, match="does not have"):
+        GraphCosts(m, {"vision": "encoder", "llm": "llm", "painter": "generator"}, {"ear": m})
     g = GraphCosts(m, {"llm": "llm", "a": "generator", "b": "generator"},
                    {"b": dataclasses.replace(m, gen_per_image=1.0, gen_per_latent=0.0, gen_per_latent_sq=0.0)})
     stats = _sample(0, 2, 3).stats(8, SPECIAL)

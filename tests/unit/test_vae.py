@@ -92,9 +92,9 @@ def test_producer_placement_makes_latent_batches_from_rgb_images():
     latents = src.global_batch(0)
     enc = LatentEncoder(r.model.generator.vae, r.seed)
     for p, s in zip(pixels, latents):
-        assert s.gen_targets.shape[1:] == (4, 8, 8)
-        assert torch.equal(s.gen_targets, enc(p.gen_targets))
-        assert s.stats(8, src.special).gen_resolution == 8  # the cost model sees latent sides
+        assert s.gen_targets[0].shape[1:] == (4, 8, 8)
+        assert torch.equal(s.gen_targets[0], enc(p.gen_targets[0]))
+        assert s.stats(8, src.special).gen(0)[1] == 8  # the cost model sees latent sides
     assert "latents" in src.describe()
 
 
@@ -109,17 +109,18 @@ def test_generator_placement_noises_the_same_latents_and_the_loss_stage_draws_th
     assert shape_spec(gen).vae is None and shape_spec(gen).gen_resolution == 16
     s_prod = open_source(resolve(prod.data), shape_spec(prod), 4, prod.seed).global_batch(0)
     s_gen = open_source(resolve(gen.data), shape_spec(gen), 4, gen.seed).global_batch(0)
-    assert s_gen[0].gen_targets.shape[1] == 3  # pixels travel
+    assert s_gen[0].gen_targets[0].shape[1] == 3  # pixels travel
     _, spec_p = build_data_and_spec(prod)
     _, spec_g = build_data_and_spec(gen)
     norms = BatchNorms.of(s_prod, 4)
     a = collate(s_prod, norms, spec_p)
     b = collate(s_gen, norms, spec_g, vae=generator_vae(spec_g))
     c = collate(s_gen, norms, spec_g)  # a generator stage without the VAE (the loss stage)
+    a, b, c = (x.gens["generator"] for x in (a, b, c))
     assert torch.equal(a.noisy, b.noisy) and a.noisy.shape[1:] == (4, 8, 8)
-    for mb in (b, c):
-        assert torch.equal(a.noise, mb.noise) and torch.equal(a.timesteps, mb.timesteps)
-        assert torch.equal(a.gen_weights, mb.gen_weights)
+    for g in (b, c):
+        assert torch.equal(a.noise, g.noise) and torch.equal(a.timesteps, g.timesteps)
+        assert torch.equal(a.weights, g.weights)
     assert c.noisy.numel() == 0
 
 
@@ -157,8 +158,8 @@ def test_bad_vae_sections_are_refused_naming_the_field(override, key):
 def test_cost_model_sees_latent_sides_in_both_placements():
     from disttrain_ds.runtime.setup import cost_model
 
-    assert cost_model(_latent_recipe("model.generator.vae.placement=producer")).model.gen_downsample == 1  # latents travel
-    assert cost_model(_latent_recipe("model.generator.vae.placement=generator")).model.gen_downsample == 2  # pixels travel
+    assert cost_model(_latent_recipe("model.generator.vae.placement=producer")).own["generator"].gen_downsample == 1  # latents travel
+    assert cost_model(_latent_recipe("model.generator.vae.placement=generator")).own["generator"].gen_downsample == 2  # pixels travel
 
 
 def test_vae_flops_are_reported_apart_from_mfu():
@@ -173,9 +174,9 @@ def test_vae_flops_are_reported_apart_from_mfu():
         samples = src.global_batch(0)
         meter = MfuMeter(spec, {"encoder": 1, "llm": 2, "generator": 1}, 4, 1.0, None)
         out[placement] = meter(samples, 1.0)
-        n_gen = sum(s.gen_targets.shape[0] for s in samples)
-        assert out[placement]["perf/vae_tflop"] == pytest.approx(n_gen * vae_encode_flops(spec.generator.vae, 16) / 1e12)
-        no_vae = MfuMeter(dataclasses.replace(spec, generator=dataclasses.replace(spec.generator, vae=VaeConfig())),
+        n_gen = sum(s.gen_targets[0].shape[0] for s in samples)
+        assert out[placement]["perf/vae_tflop"] == pytest.approx(n_gen * vae_encode_flops(spec.config("generator").vae, 16) / 1e12)
+        no_vae = MfuMeter(spec.with_changes("generator", vae=VaeConfig()),
                           {"encoder": 1, "llm": 2, "generator": 1}, 4, 1.0, None)(samples, 1.0)
         assert "perf/vae_tflop" not in no_vae
         assert out[placement]["perf/mfu/overall"] == no_vae["perf/mfu/overall"]  # not in MFU's numerator

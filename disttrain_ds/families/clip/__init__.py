@@ -6,8 +6,9 @@ dropped; the layers after it are neither built nor read. The record imports no t
 
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.clip.config import CLIP_PRESETS, VisionTowerConfig, feature_problem, run_layers
-from disttrain_ds.families.clip.estimates import tower_activations
+from disttrain_ds.families.clip.estimates import tower_activations, tower_cost_terms, tower_item_flops
 from disttrain_ds.families.clip.hf_settings import clip_fields
+from disttrain_ds.families.vit.estimates import patches, rows
 
 
 def tower_problems(cfg: VisionTowerConfig, prefix: str) -> list[tuple[str, str]]:
@@ -59,7 +60,10 @@ def tower_family(name: str, presets: dict[str, dict], formats: str, checkpoint_f
         hf_formats=formats,
         checkpoint_fields=checkpoint_fields,
         activation_layers=tower_activations,
-        cls_token=cls_token,
+        cost_terms=lambda cfg: tower_cost_terms(cfg, cls_token),
+        item_size=patches,
+        item_flops=lambda cfg, n: tower_item_flops(cfg, n, cls_token),
+        rows=rows,
         signed=("feature_layer",),  # -2: the layer before the last
     )
 

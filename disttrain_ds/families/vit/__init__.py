@@ -2,7 +2,7 @@
 
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.vit.config import ENCODER_PRESETS, EncoderConfig
-from disttrain_ds.families.vit.estimates import encoder_activations
+from disttrain_ds.families.vit.estimates import cost_terms, encoder_activations, item_flops, patches, rows
 from disttrain_ds.families.vit.hf_settings import vit_fields
 
 _HF = r"^(?:vit\.)?encoder\.layer\.(\d+)\."
@@ -46,4 +46,8 @@ FAMILY = Family(
     hf_formats="transformers ViTModel",
     checkpoint_fields=vit_fields,
     activation_layers=encoder_activations,
+    cost_terms=cost_terms,
+    item_size=patches,
+    item_flops=item_flops,
+    rows=rows,
 )

@@ -1,8 +1,34 @@
-"""ViT-family activation bytes: patch embedding, blocks, head, input projector, per sample."""
+"""ViT-family formulas: activation bytes (patch embedding, blocks, head, input projector, per
+sample) and forward FLOPs per image; CLIP / SigLIP towers reuse them over the layers they run."""
 
 from __future__ import annotations
 
 from disttrain_ds.cost.activations import FP32, LayerBytes, SampleShape
+from disttrain_ds.cost.dims import TransformerDims, image_flops, image_terms
+
+
+def _dims(cfg, layers: int | None) -> TransformerDims:
+    return TransformerDims(cfg.layers if layers is None else layers, cfg.hidden_size, cfg.ffn_hidden, cfg.heads)
+
+
+def cost_terms(cfg, layers: int | None = None, cls_token: bool = True) -> dict[str, float]:
+    """``CostModel`` encoder coefficients of one image (``layers``: the blocks one forward runs)."""
+    return image_terms(_dims(cfg, layers), cfg.patch_size, cls_token)
+
+
+def item_flops(cfg, patches: int, layers: int | None = None, cls_token: bool = True) -> float:
+    """Forward FLOPs of one image of ``patches`` patches in the encoder's own layers."""
+    return image_flops(_dims(cfg, layers), cfg.patch_size, cls_token, patches)
+
+
+def patches(cfg, image) -> int:
+    """Patches of one input image ``[3, H, W]`` (H and W multiples of the patch size)."""
+    return (int(image.shape[1]) // cfg.patch_size) * (int(image.shape[2]) // cfg.patch_size)
+
+
+def rows(cfg, n: int) -> int:
+    """Output rows of an image of ``n`` patches: one per patch (a CLS token is dropped)."""
+    return n
 
 
 def encoder_activations(cfg, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:

@@ -11,7 +11,8 @@ class Balance(Callback):
 
     def __init__(self, costs, spec, slot: int, dps: dict[str, int]):
         self.costs, self.spec, self.slot, self.dps = costs, spec, slot, dps
-        self.patch = spec.encoder.patch_size if spec.encoder is not None else 1
+        image = spec.encoder_of("image")
+        self.patch = image.patch_size if image is not None else 1
         self.columns = module_columns(costs)
 
     def on_step_end(self, trainer, samples, rec) -> None:
