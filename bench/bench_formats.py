@@ -35,7 +35,7 @@ from PIL import Image  # noqa: E402
 from disttrain_ds.data.config import DataConfig  # noqa: E402
 from disttrain_ds.data.images import to_tensor  # noqa: E402
 from disttrain_ds.data.registry import open_source  # noqa: E402
-from disttrain_ds.samples import ShapeSpec  # noqa: E402
+from disttrain_ds.samples import GenShape, ShapeSpec  # noqa: E402
 
 PATCH = 14
 INPUT_SIDES = (224, 336, 448)
@@ -102,7 +102,7 @@ def source_rate(tar: Path, sequences: int, cache: str) -> tuple[float, float, fl
     """(sequences / s, input images / s, generated images / s) of the whole producer path, one core."""
     cfg = DataConfig(source="webdataset", path=str(tar), seq_len=8192, image_sizes=list(INPUT_SIDES), max_images=32,
                      gen_images=[0, 2], gen_prob=0.1, cache_dir=cache)
-    src = open_source(cfg, ShapeSpec(PATCH, GEN_SIDE, 3, 64), 1, 0)
+    src = open_source(cfg, ShapeSpec(PATCH, (GenShape(GEN_SIDE, 3, 64),)), 1, 0)
     src.global_batch(0)  # warm-up: tokenizer, first plan
     t0 = time.process_time()
     n_in = n_gen = 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
 
 def run(cfg: DataConfig, shape: ShapeSpec, batch: int, steps: int, compute_s: float) -> dict:
@@ -53,7 +53,7 @@ def main() -> None:
     if not Path(args.path).is_file():
         raise SystemExit(f"--path: {args.path} not found")
 
-    shape = ShapeSpec(patch_size=args.patch, gen_resolution=args.gen_resolution, gen_channels=3, query_tokens=64)
+    shape = ShapeSpec(patch_size=args.patch, gens=(GenShape(args.gen_resolution, 3, 64),))
     base = DataConfig(
         source="mmc4", path=args.path, tokenizer=args.tokenizer, seq_len=args.seq_len,
         image_sizes=[int(s) for s in args.image_sizes.split(",")], max_images=16, gen_images=[0, 2],

@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.data import spool  # noqa: E402
 from disttrain_ds.data.config import DataConfig  # noqa: E402
 from disttrain_ds.data.producers import build_source  # noqa: E402
-from disttrain_ds.samples import ShapeSpec  # noqa: E402
+from disttrain_ds.samples import GenShape, ShapeSpec  # noqa: E402
 
-SHAPE = ShapeSpec(patch_size=14, gen_resolution=256, gen_channels=3, query_tokens=64)
+SHAPE = ShapeSpec(patch_size=14, gens=(GenShape(256, 3, 64),))
 TICKS = os.sysconf("SC_CLK_TCK")
 
 

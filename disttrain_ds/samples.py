@@ -271,12 +271,10 @@ class ShapeSpec:
 
     patch_size: int
     """Encoder patch side: one image placeholder per patch."""
-    gen_resolution: int
-    """Side of each image to generate."""
-    gen_channels: int
-    """Channels of each image to generate."""
-    query_tokens: int
-    """Generation-query tokens per generated image."""
+    gens: tuple[GenShape, ...]
+    """Each generator's targets, in graph order; each has its own query token
+    (``SpecialTokens.query``). A graph without a generator has one unnamed stand-in here, so every
+    source lays out the same sequences (``data.gen_images`` allows none there)."""
     audio_mels: int = 0
     """Log-mel bins of the audio encoder's input; 0: the model has no audio encoder (no clips,
     no audio placeholder id)."""
@@ -290,22 +288,16 @@ class ShapeSpec:
     """``disttrain_ds.cost.graph_costs.GraphCosts`` (or a three-module ``cost.model.CostModel``) for
     reordering; None: the paper's MLLM in FLOPs."""
     vae: Any = None
-    """``VaeConfig`` the source's batches go through (``data/latent_source.py``): ``gen_resolution``
-    and ``gen_channels`` are then the RGB images it encodes; None: targets as made."""
-    more_gens: tuple[GenShape, ...] = ()
-    """The second, third, ... generator's targets (graph order; the first one's are the ``gen_*``
-    fields above); each has its own query token (``SpecialTokens.query``)."""
-    gen_name: str = ""
-    """The first generator's module name (records name the generator a target is for by it)."""
-
+    """``VaeConfig`` the source's batches go through (``data/latent_source.py``): the first
+    generator's ``gens`` entry is then the RGB images it encodes; None: targets as made."""
     columns: int = 1
     """Equal blocks each microbatch slot (``dp_size * micro_batch`` samples) is cut into, the lcm of
     the modules' DP degrees: ``data.shard_parts`` parts fill whole blocks (``data/host_read.py``),
     so a host reading its ranks' blocks reads whole parts."""
 
-    def gen_shapes(self) -> tuple[GenShape, ...]:
-        """Every generator's target shape, in graph order."""
-        return (GenShape(self.gen_resolution, self.gen_channels, self.query_tokens, self.gen_name), *self.more_gens)
+    def __post_init__(self) -> None:
+        if not self.gens:
+            raise ValueError("a ShapeSpec needs at least one generator shape (a stand-in where the graph has none)")
 
     def slot(self, batch: int) -> int:
         """Samples per microbatch slot of a global batch of ``batch``."""

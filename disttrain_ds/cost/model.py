@@ -143,8 +143,8 @@ class CostModel:
 
     def module_cost(self, module: Module, s: SampleStats) -> float:
         """Forward cost of ``s`` in a module of kind ``module`` (``Module``)."""
-        if module not in _FEATURES:
-            raise ValueError(f"module must be one of {sorted(_FEATURES)}, got {module!r}")
+        if module not in TERMS:
+            raise ValueError(f"module must be one of {sorted(TERMS)}, got {module!r}")
         return {"encoder": self.encoder_cost, "audio": self.audio_cost, "llm": self.llm_cost,
                 "generator": self.generator_cost}[module](s)
 
@@ -208,12 +208,12 @@ class CostModel:
         ``intercept=False`` the per-item constant is pinned to 0. The other modules keep
         their coefficients, so fit all three from measurements in the same unit.
         """
-        if module not in _FEATURES:
-            raise ValueError(f"module must be one of {sorted(_FEATURES)}, got {module!r}")
+        if module not in TERMS:
+            raise ValueError(f"module must be one of {sorted(TERMS)}, got {module!r}")
         y = np.asarray(measured, dtype=np.float64)
         if y.ndim != 1 or len(y) != len(samples) or len(y) == 0:
             raise ValueError(f"measured must be 1-D with one value per sample ({len(samples)})")
-        names = _FEATURES[module]
+        names = TERMS[module]
         x = np.array([_features(module, s, self.gen_downsample) for s in samples])
         if not intercept:
             x, names = x[:, 1:], names[1:]
@@ -221,22 +221,22 @@ class CostModel:
         coef, _ = nnls(x / scale, y)
         out = {name: float(v) for name, v in zip(names, coef / scale)}
         if not intercept:
-            out[_FEATURES[module][0]] = 0.0
+            out[TERMS[module][0]] = 0.0
         return replace(self, **out)
 
 
-_FEATURES: dict[str, tuple[str, str, str]] = {
+TERMS: dict[str, tuple[str, str, str]] = {  # per-item, linear and squared coefficients of each cost kind
     "encoder": ("enc_per_image", "enc_per_patch", "enc_per_patch_sq"),
     "audio": ("aud_per_clip", "aud_per_frame", "aud_per_frame_sq"),
     "llm": ("llm_per_sequence", "llm_per_token", "llm_per_doc_token_sq"),
     "generator": ("gen_per_image", "gen_per_latent", "gen_per_latent_sq"),
 }
-_COEFFS = tuple(name for names in _FEATURES.values() for name in names)
+_COEFFS = tuple(name for names in TERMS.values() for name in names)
 
 
 def _coeffs(model: CostModel, module: str) -> list[float]:
     """(per-item, linear, squared) coefficients of ``module`` in ``model``."""
-    return [getattr(model, name) for name in _FEATURES[module]]
+    return [getattr(model, name) for name in TERMS[module]]
 
 
 def _features(module: str, s: SampleStats, downsample: int) -> list[float]:

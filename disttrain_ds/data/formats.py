@@ -109,8 +109,8 @@ class ParseContext:
     """Text to ids."""
     patch_size: int
     """Encoder patch side."""
-    query_tokens: int
-    """Generation queries per generated image."""
+    gen_queries: tuple[int, ...]
+    """Generation-query tokens per image of each generator, in graph order."""
     seed: int
     """Run seed (image sizes and generation choices are drawn from it)."""
     audio_mels: int = 0
@@ -120,15 +120,12 @@ class ParseContext:
     generators: tuple[str, ...] = ()
     """Module names of the generators, in graph order (records name a target's generator by
     them); empty: only the first generator, unnamed."""
-    more_queries: tuple[int, ...] = ()
-    """Generation-query tokens per image of the second, third, ... generator (``query_tokens`` is
-    the first one's)."""
     bos: int = -1
     """The tokenizer's begin-of-text id, put before every document (``SpecialTokens.bos``); -1: none."""
 
     def queries(self, gen: int) -> int:
         """Query tokens per image of generator ``gen`` (graph order)."""
-        return self.query_tokens if gen == 0 else self.more_queries[gen - 1]
+        return self.gen_queries[gen]
 
 
 class _BadRecord(Exception):

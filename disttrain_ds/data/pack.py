@@ -173,16 +173,15 @@ def materialise(
     get_doc: DocGetter,
     ctx: ParseContext,
     special: SpecialTokens,
-    gen_resolution: int | tuple[int, ...],
+    sides: tuple[int, ...],
     sample_id: int,
     source: str,
     on_decode_error: Callable[[], None],
 ) -> PackedSample:
-    """Tokens, labels and decoded pixels of one planned sequence; ``gen_resolution``: the side of
-    each generator's targets (graph order; an int for one generator)."""
+    """Tokens, labels and decoded pixels of one planned sequence; ``sides``: the side of each
+    generator's targets (graph order)."""
     ids: list[int] = []
     images: list[torch.Tensor] = []
-    sides = (gen_resolution,) if isinstance(gen_resolution, int) else tuple(gen_resolution)
     targets: list[list[torch.Tensor]] = [[] for _ in sides]
     clips: list[torch.Tensor] = []
     doc_lens: list[int] = []

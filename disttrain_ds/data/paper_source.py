@@ -59,6 +59,7 @@ class PaperStatsSource(SampleSource):
 
     def sample(self, layout, rng: np.random.Generator, sample_id: int) -> PackedSample:
         cfg, sh, sp = self.cfg, self.shape, self.special
+        g = sh.gens[0]  # the first generator's targets (this source names no other)
         ids: list[int] = []
         images: list[torch.Tensor] = []
         targets: list[torch.Tensor] = []
@@ -68,12 +69,12 @@ class PaperStatsSource(SampleSource):
             room = cfg.seq_len - len(ids)
             generate = rng.random() < cfg.gen_prob and len(targets) < cfg.gen_images[1]
             if generate:
-                text = min(text_tokens, room - sh.query_tokens - 3)
+                text = min(text_tokens, room - g.query_tokens - 3)
                 if text < 1:
                     break
                 start = len(ids)
-                ids += self._text(rng, text) + [sp.boi] + [sp.gen] * sh.query_tokens + [sp.eoi, sp.eod]
-                targets.append(smooth_image(rng, sh.gen_channels, sh.gen_resolution, sh.gen_resolution))
+                ids += self._text(rng, text) + [sp.boi] + [sp.gen] * g.query_tokens + [sp.eoi, sp.eod]
+                targets.append(smooth_image(rng, g.channels, g.resolution, g.resolution))
             else:
                 text = min(text_tokens, room - 4)  # leave one patch, the markers and eod
                 if text < 1 or len(images) >= cfg.max_images:
@@ -85,8 +86,7 @@ class PaperStatsSource(SampleSource):
             doc_lens.append(len(ids) - start)
         ids += [sp.pad] * (cfg.seq_len - len(ids))
         t = torch.tensor(ids, dtype=torch.long)
-        r = sh.gen_resolution
-        gen = torch.stack(targets) if targets else torch.zeros(0, sh.gen_channels, r, r)
+        gen = torch.stack(targets) if targets else torch.zeros(0, g.channels, g.resolution, g.resolution)
         return PackedSample(t, labels_for(t, sp, doc_lens), images, [gen], sample_id, tuple(doc_lens), {"source": "paper_stats"})
 
     def global_batch(self, step: int) -> list[PackedSample]:

@@ -9,8 +9,6 @@ resumed run continues without re-reading the records before it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter, OrderedDict
 from dataclasses import asdict
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from disttrain_ds.data.config import DataConfig
+from disttrain_ds.data.fingerprint import data_fingerprint, known_fingerprints
 from disttrain_ds.data.formats import Bad, Document, ParseContext, parse_record
 from disttrain_ds.data.images import PHOTOS
 from disttrain_ds.data.pack import Cursor, Packer, Piece, materialise
@@ -53,14 +52,14 @@ class RecordSource(SampleSource):
     def __init__(self, cfg: DataConfig, shape: ShapeSpec, global_batch: int, seed: int, fmt: str, path: Path,
                  split: Split = TRAIN):
         check_shapes(cfg, shape)
-        for g in shape.gen_shapes():
+        for g in shape.gens:
             if g.channels != 3:
                 raise ValueError(f"model.modules.{g.name or 'generator'}.in_channels: real data sources produce RGB targets (3), "
                                  f"got {g.channels}")
         self.cfg, self.shape, self.batch, self.seed, self.fmt, self.path = cfg, shape, global_batch, seed, fmt, path
         tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
         self.base_vocab = tokenizer.vocab_size
-        gens = shape.gen_shapes()
+        gens = shape.gens
         self.special = special_tokens(tokenizer, audio=shape.audio_mels > 0, generators=len(gens))
         self.table = self._open_table()
         if len(self.table) == 0:
@@ -70,8 +69,8 @@ class RecordSource(SampleSource):
         self._in_split = np.zeros(len(self.table), dtype=bool)
         self._in_split[self.records] = True
         names = tuple(g.name for g in gens) if all(g.name for g in gens) else ()
-        self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, shape.query_tokens, seed, shape.audio_mels,
-                                shape.audio_max_frames, names, tuple(g.query_tokens for g in gens[1:]), self.special.bos)
+        self.ctx = ParseContext(cfg, tokenizer, shape.patch_size, tuple(g.query_tokens for g in gens), seed,
+                                shape.audio_mels, shape.audio_max_frames, names, self.special.bos)
         self.packer = Packer(self.ctx, len(self.records), self._doc, self._order, self._where())
         self._cursors: dict[int, Cursor] = {0: Cursor()}
         self._plans: OrderedDict[int, list[list[Piece]]] = OrderedDict()
@@ -154,7 +153,7 @@ class RecordSource(SampleSource):
             failures += 1
 
         out = [
-            materialise(pieces, self._doc, self.ctx, self.special, tuple(g.resolution for g in self.shape.gen_shapes()),
+            materialise(pieces, self._doc, self.ctx, self.special, tuple(g.resolution for g in self.shape.gens),
                         self.split.sample_id(step * self.batch + i), self.fmt, failed)
             for i, pieces in enumerate(seqs)
         ]
@@ -178,24 +177,16 @@ class RecordSource(SampleSource):
         total["image_decode_failed"] += sum(n for s, n in self._decode_failures.items() if s <= self._served)
         return {k: v for k, v in sorted(total.items()) if v}
 
-    def _fingerprint(self, legacy: bool = False, later_keys: bool = False) -> str:
-        """``legacy``: as written before the DP split was left out; ``later_keys``: with the shape's
-        ``vae`` and ``more_gens`` even when unused (as written by the versions that added them)."""
-        facts = [self.fmt, str(self.path), len(self.table), self.seed, self.batch, asdict(self.cfg), asdict(self.shape)]
-        for drop in ("producers", "queue_depth", "reorder", "cache_dir", "read", *self._unused_keys):  # do not change the samples
-            facts[5].pop(drop, None)
-        facts[6].pop("columns", None)  # where parts' samples sit in the global batch, not what they are
-        if not facts[6].get("more_gens"):  # one generator: runs from before generators were named keep their fingerprint
-            facts[6].pop("gen_name", None)
-        for key in ("vae", "more_gens"):  # unused (None, no other generator): the fingerprint of the versions before them
-            if not later_keys and not facts[6].get(key):
-                facts[6].pop(key, None)
-        if self.split.fraction > 0 or self.split.held_out:  # runs without a hold-out keep their fingerprint
-            facts.append(asdict(self.split))
-        if not legacy:  # the layout's DP split only regroups a batch (data.reorder): resuming may change it
-            for drop in ("dp_size", "micro_batch"):
-                facts[6].pop(drop, None)
-        return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    def _setup(self) -> tuple[list, dict, ShapeSpec, Split, tuple[str, ...]]:
+        """What the data state's fingerprint hashes (``data/fingerprint.py``)."""
+        head = [self.fmt, str(self.path), len(self.table), self.seed, self.batch]
+        return head, asdict(self.cfg), self.shape, self.split, self._unused_keys
+
+    def _fingerprint(self) -> str:
+        return data_fingerprint(*self._setup())
+
+    def _known_fingerprints(self) -> set[str]:
+        return known_fingerprints(*self._setup())
 
     def state_dict(self) -> dict:
         nxt = self._served + 1
@@ -209,10 +200,8 @@ class RecordSource(SampleSource):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        # States saved before the fingerprint left out the DP split (in their own layout) or while it
-        # held the unused vae / more_gens shape keys still load.
-        known = {self._fingerprint(legacy, later) for legacy in (False, True) for later in (False, True)}
-        if state.get("kind") != "records" or state.get("fingerprint") not in known:
+        # States saved by earlier versions, in the layouts they hashed, still load.
+        if state.get("kind") != "records" or state.get("fingerprint") not in self._known_fingerprints():
             raise ValueError("data: the checkpoint's data state was written for a different data setup (source, path, seed or packing)")
         nxt = int(state["next_step"])
         c = state["cursor"]

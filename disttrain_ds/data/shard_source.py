@@ -76,8 +76,14 @@ class ShardSource(RecordSource):
         return (f"{self.fmt} ({self.cfg.path}, {len(self.table.shards)} shards, {len(self.table)} records, "
                 f"tokenizer {self.cfg.tokenizer}, seq_len {self.cfg.seq_len})")
 
-    def _fingerprint(self, legacy: bool = False, later_keys: bool = False) -> str:
-        return super()._fingerprint(legacy, later_keys) + (f"/{self._selected}" if self._selected is not None else "")
+    def _fingerprint(self) -> str:
+        return super()._fingerprint() + self._part_suffix()
+
+    def _known_fingerprints(self) -> set[str]:
+        return {f + self._part_suffix() for f in super()._known_fingerprints()}
+
+    def _part_suffix(self) -> str:
+        return f"/{self._selected}" if self._selected is not None else ""
 
 
 class PartedSource(SampleSource):

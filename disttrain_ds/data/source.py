@@ -101,7 +101,7 @@ class SyntheticSource(SampleSource):
         self.cfg, self.shape, self.batch, self.seed, self.split = cfg, shape, global_batch, seed, split
         self.base_vocab = 256
         self.special = SpecialTokens.after(self.base_vocab, audio=shape.audio_mels > 0,
-                                           generators=1 + len(shape.more_gens))
+                                           generators=len(shape.gens))
 
     def describe(self) -> str:
         audio = f", audio 1..{self.cfg.max_audio} clips of {self.cfg.audio_frames} frames" if self._audio() else ""
@@ -137,7 +137,7 @@ class SyntheticSource(SampleSource):
         cfg, sh, sp = self.cfg, self.shape, self.special
         rng = np.random.default_rng(self.split.seed(self.seed, step, index))
         n_gen = int(rng.integers(cfg.gen_images[0], cfg.gen_images[1] + 1))
-        shapes = sh.gen_shapes()
+        shapes = sh.gens
         # Which generator each target is for (drawn only when there is a choice: one generator's stream is unchanged).
         which = [int(rng.integers(len(shapes))) if len(shapes) > 1 else 0 for _ in range(n_gen)]
         budget = cfg.seq_len - sum(shapes[k].query_tokens + 2 for k in which) - 1  # the last document's eod

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from disttrain_ds.data.source import labels_for
-from disttrain_ds.samples import PackedSample, SpecialTokens
+from disttrain_ds.samples import GenShape, PackedSample, SpecialTokens
 
 
 def _runs(mask: torch.Tensor) -> list[int]:
@@ -25,11 +27,10 @@ def _starts(mask: torch.Tensor) -> list[int]:
 
 
 def sample_problems(
-    s: PackedSample, special: SpecialTokens, patch_size: int, seq_len: int, query_tokens: int, gen_resolution: int,
-    more_gens: tuple = (),
+    s: PackedSample, special: SpecialTokens, patch_size: int, seq_len: int, gens: Sequence[GenShape],
 ) -> list[str]:
-    """Every way ``s`` breaks the contract; empty when it is valid. ``more_gens``: ``GenShape`` of
-    the second, third, ... generator (their targets in ``gen_targets[1:]``, their own query tokens)."""
+    """Every way ``s`` breaks the contract; empty when it is valid. ``gens``: each generator's target
+    shape (``ShapeSpec.gens``: its targets in ``gen_targets[k]``, its own query tokens)."""
     bad: list[str] = []
     ids, labels = s.input_ids, s.labels
     if ids.dtype != torch.long or labels.dtype != torch.long or ids.shape != (seq_len,) or labels.shape != (seq_len,):
@@ -56,9 +57,9 @@ def sample_problems(
         rows.append(c.shape[1] // 2)
     if _runs(ids == special.audio) != rows:
         bad.append(f"audio placeholder runs {_runs(ids == special.audio)} do not match clip rows {rows}")
-    if len(s.gen_targets) > 1 + len(more_gens):
-        bad.append(f"{len(s.gen_targets)} gen_targets entries for {1 + len(more_gens)} generators")
-    for k, (res, q) in enumerate([(gen_resolution, query_tokens), *((g.resolution, g.query_tokens) for g in more_gens)]):
+    if len(s.gen_targets) > len(gens):
+        bad.append(f"{len(s.gen_targets)} gen_targets entries for {len(gens)} generators")
+    for k, (res, q) in enumerate((g.resolution, g.query_tokens) for g in gens):
         name = f"gen_targets[{k}]"
         gens = _runs(ids == special.query(k))
         g = s.targets(k)

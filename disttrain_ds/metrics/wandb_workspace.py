@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from disttrain_ds.graph import MODULES
+from disttrain_ds.graph import ModuleGraph
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,10 @@ class Section:
     """Panels in display order."""
 
 
-def dashboard(modules: tuple[str, ...] = MODULES, balanced: tuple[str, ...] = ("encoder", "generator"),
-              evaluated: tuple[str, ...] | None = None) -> tuple[Section, ...]:
+def dashboard(modules: tuple[str, ...], balanced: tuple[str, ...], evaluated: tuple[str, ...]) -> tuple[Section, ...]:
     """The dashboard of a model whose modules are ``modules`` (metric keys are per module name);
     ``balanced``: the modules whose data-parallel load balance is logged (encoders, generators);
-    ``evaluated``: the modules whose part of the validation loss is logged (the LLM, generators;
-    None: those of the three-module names "llm" and "generator" that are in ``modules``)."""
-    if evaluated is None:
-        evaluated = tuple(m for m in ("llm", "generator") if m in modules)
+    ``evaluated``: the modules whose part of the validation loss is logged (the LLM, generators)."""
     return (
         Section("Loss", (
             Panel("total loss", ("loss/total",)),
@@ -69,10 +65,6 @@ def dashboard(modules: tuple[str, ...] = MODULES, balanced: tuple[str, ...] = ("
     )
 
 
-DASHBOARD: tuple[Section, ...] = dashboard()
-"""The three-module model's dashboard."""
-
-
 def graph_dashboard(graph) -> tuple[Section, ...]:
     """The dashboard of a ``ModuleGraph``: its modules' panels, load balance for its encoders and
     generators (the modules whose DP balance the runtime logs), validation loss in total and for
@@ -83,6 +75,10 @@ def graph_dashboard(graph) -> tuple[Section, ...]:
         return sections
     loss = Section("Loss", tuple(p for p in sections[0].panels if p.keys != ("loss/gen",)))
     return (loss, *sections[1:])
+
+
+DASHBOARD: tuple[Section, ...] = graph_dashboard(ModuleGraph.default())
+"""The three-module model's dashboard."""
 
 
 def workspace_name(graph) -> str:

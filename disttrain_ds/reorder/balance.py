@@ -16,8 +16,6 @@ import numpy as np
 
 from disttrain_ds.comm.routes import blocks
 
-COLUMNS = {"encoder": 0, "generator": 2}
-
 
 def module_columns(costs) -> dict[str, int]:
     """Module name -> its cost column in ``costs.costs`` (a ``cost.graph_costs.GraphCosts``): every
@@ -25,13 +23,12 @@ def module_columns(costs) -> dict[str, int]:
     return {n: costs.column(n) for n in costs.names if costs.role(n) != "llm"}
 
 
-def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int],
-               columns: dict[str, int] | None = None) -> dict[str, float]:
+def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int], columns: dict[str, int]) -> dict[str, float]:
     """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, k]``; ``columns``:
-    module name -> its cost column (default: the three-module graph's encoder and generator)."""
+    module name -> its cost column (``module_columns``)."""
     out: dict[str, float] = {}
     n = costs.shape[0]
-    for module, col in (COLUMNS if columns is None else columns).items():
+    for module, col in columns.items():
         highs, lows, means = [], [], []
         for start in range(0, n, slot):
             loads = np.array([costs[start + b.start : start + b.stop, col].sum() for b in blocks(slot, dp[module])])

@@ -80,20 +80,22 @@ def shape_spec(recipe: Recipe) -> ShapeSpec:
     """The model facts the recipe's sample source lays samples out by."""
     groups = reorder_groups(recipe)
     # Stand-ins where the graph has no image encoder or generator: no images / targets reach them.
-    e, g = encoder_of(recipe, "image") or default_config("encoder"), first_generator(recipe) or default_config("generator")
+    e = encoder_of(recipe, "image") or default_config("encoder")
     audio = encoder_of(recipe, "audio")
     vae = gen_vae(recipe)
+    gens = [GenShape(c.resolution, c.in_channels, c.query_tokens, n)
+            for n, c in zip(graph_of(recipe).generators, generator_configs(recipe))]
+    if vae is not None:  # the VAE reads RGB images f times larger than the first generator's latents
+        gens[0] = dataclasses.replace(gens[0], resolution=gens[0].resolution * vae.downsample, channels=3)
+    if not gens:
+        g = default_config("generator")
+        gens = [GenShape(g.resolution, g.in_channels, g.query_tokens)]
     return ShapeSpec(
-        more_gens=tuple(GenShape(c.resolution, c.in_channels, c.query_tokens, n)
-                        for n, c in zip(graph_of(recipe).generators[1:], generator_configs(recipe)[1:])),
-        gen_name=next(iter(graph_of(recipe).generators), ""),
+        patch_size=e.patch_size,
+        gens=tuple(gens),
         audio_mels=audio.n_mels if audio is not None else 0,
         audio_max_frames=audio.max_frames if audio is not None else 0,
-        patch_size=e.patch_size,
-        gen_resolution=g.resolution * (vae.downsample if vae else 1),  # a VAE reads RGB images f times larger
-        gen_channels=3 if vae else g.in_channels,
         vae=vae if vae is not None and vae.placement == "producer" else None,
-        query_tokens=g.query_tokens,
         dp_size=groups,
         micro_batch=recipe.parallel.llm.dp * recipe.train.micro_batch // groups,
         cost_model=cost_model(recipe),

@@ -12,7 +12,7 @@ from disttrain_ds.data.audio import HOP, SAMPLE_RATE, load_clip, log_mel, read_w
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.source import SyntheticSource
 from disttrain_ds.data.validate import sample_problems
-from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
+from disttrain_ds.samples import GenShape, PackedSample, ShapeSpec, SpecialTokens
 
 
 def _tone(frames: int, hz: float = 440.0) -> np.ndarray:
@@ -71,8 +71,7 @@ def test_unreadable_clips_are_one_line_errors_naming_the_file(tmp_path, name, ma
 
 def _source(max_audio: int, audio_mels: int = 16) -> SyntheticSource:
     cfg = DataConfig(seq_len=160, image_sizes=[16], max_images=1, max_audio=max_audio, audio_frames=[8, 40])
-    return SyntheticSource(cfg, ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4,
-                                          audio_mels=audio_mels), global_batch=8, seed=3)
+    return SyntheticSource(cfg, ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),), audio_mels=audio_mels), global_batch=8, seed=3)
 
 
 def test_synthetic_samples_carry_clips_with_one_placeholder_per_encoder_row():
@@ -81,7 +80,7 @@ def test_synthetic_samples_carry_clips_with_one_placeholder_per_encoder_row():
     assert batch[0].audio and src.special.audio == src.special.eod + 1
     lengths = set()
     for s in batch:
-        assert sample_problems(s, src.special, 8, 160, 4, 16) == []
+        assert sample_problems(s, src.special, 8, 160, (GenShape(16, 3, 4),)) == []
         rows = sum(c.shape[1] // 2 for c in s.audio)
         assert int((s.input_ids == src.special.audio).sum()) == rows
         assert all(c.shape[0] == 16 and c.shape[1] % 2 == 0 and 8 <= c.shape[1] <= 40 for c in s.audio)
@@ -104,7 +103,7 @@ def test_a_clip_without_its_placeholders_breaks_the_sample_contract():
     src = _source(max_audio=2)
     s = src.global_batch(0)[0]
     s.audio.append(s.audio[0])
-    assert any("audio placeholder runs" in p for p in sample_problems(s, src.special, 8, 160, 4, 16))
+    assert any("audio placeholder runs" in p for p in sample_problems(s, src.special, 8, 160, (GenShape(16, 3, 4),)))
 
 
 def test_samples_with_clips_survive_the_plain_round_trip():
@@ -130,17 +129,16 @@ def test_local_documents_read_wav_and_npy_clips_into_audio_placeholders(tmp_path
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = DataConfig(source="local", path=str(tmp_path), seq_len=64, shuffle=False, max_images=0, gen_images=[0, 0],
                      max_audio=2)
-    shape = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, audio_mels=16,
-                      audio_max_frames=64)
+    shape = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),), audio_mels=16, audio_max_frames=64)
     with build_source(cfg, shape, 1, 0) as src:
         s = src.global_batch(0)[0]
-        assert [c.shape[1] for c in s.audio] == [20, 12] and sample_problems(s, src.special, 8, 64, 4, 16) == []
+        assert [c.shape[1] for c in s.audio] == [20, 12] and sample_problems(s, src.special, 8, 64, (GenShape(16, 3, 4),)) == []
         torch.testing.assert_close(s.audio[0], load_clip(tmp_path / "tone.wav", 16, 64))
         assert torch.equal(s.audio[1], torch.full((16, 12), 0.5))
         assert int((s.input_ids == src.special.audio).sum()) == 16
         src.global_batch(1)
         assert set(src.skip_counts()) == {"bad_audio"}  # the missing file and the number, each epoch
-    no_encoder = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+    no_encoder = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
     (tmp_path / "docs.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps({"segments": [{"text": "ok"}]}) + "\n")
     with build_source(cfg, no_encoder, 1, 0) as src:
         assert not src.global_batch(0)[0].audio and set(src.skip_counts()) == {"no_audio_encoder"}

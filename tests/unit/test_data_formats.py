@@ -18,9 +18,9 @@ from disttrain_ds.data.registry import open_source
 from disttrain_ds.data.shards import assign_shards, expand_braces, list_shards
 from disttrain_ds.data.validate import sample_problems
 from disttrain_ds.errors import ConfigError
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 COLOURS = [(255, 0, 0), (0, 0, 255), (0, 255, 0), (255, 255, 0)]
 
 
@@ -78,7 +78,7 @@ def private_cache(tmp_path, monkeypatch):
 def source(src: str, path: str, batch: int = 2, seed: int = 0, **kw):
     cfg = DataConfig(**{"source": src, "path": path, "seq_len": 64, "image_sizes": [16], "gen_images": [0, 2],
                         "shuffle": False, **kw})
-    assert data_problem(cfg, SHAPE.query_tokens) is None
+    assert data_problem(cfg, SHAPE.gens[0].query_tokens) is None
     return open_source(cfg, SHAPE, batch, seed)
 
 
@@ -125,7 +125,7 @@ def test_webdataset_tar_shards_in_img2dataset_layout_give_real_pixels(tmp_path):
     src = source("webdataset", tar_shards(tmp_path, n_shards=2, per_shard=2), gen_prob=0.0)
     batch = src.global_batch(0)
     for s in batch:
-        assert sample_problems(s, src.special, 8, 64, 4, 16) == []
+        assert sample_problems(s, src.special, 8, 64, (GenShape(16, 3, 4),)) == []
     first = batch[0]
     assert first.meta["records"][0] == (0, 0)
     assert np.allclose(colour(first.images[0]), [1, -1, -1], atol=0.05)  # 000000000.jpg is red
@@ -412,7 +412,7 @@ def test_random_garbage_records_are_skipped_with_a_known_reason_never_raised(tmp
               bomb, BlobAt("blob", json.dumps(["tar", str(tmp_path / "gone.tar"), 0, 10])), BlobAt("blob", "not json")]
     names = ["txt", "jpg", "json", "texts", "images", "generate", "0.jpg", "caption"]
     cfg = DataConfig(seq_len=64, image_sizes=[16], gen_images=[0, 2])
-    ctx = ParseContext(cfg, load_tokenizer("byte", ""), 8, 4, 0)
+    ctx = ParseContext(cfg, load_tokenizer("byte", ""), 8, (4,), 0)
     rng = np.random.default_rng(0)
     known = {"missing_fields", "missing_caption", "missing_image", "empty_text", "bad_type", "bad_image", "bad_json",
              "not_utf8", "corrupt_image", "image_too_large", "missing_image", "too_long", "too_many_images"}

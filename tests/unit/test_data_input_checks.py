@@ -14,9 +14,9 @@ from PIL import Image, ImageFile
 from disttrain_ds.data.config import DataConfig, data_problem
 from disttrain_ds.data.images import ImageDecodeError, ImageRef, check_file, load_image
 from disttrain_ds.data.producers import build_source
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 BOM = b"\xef\xbb\xbf"
 SIDE = 13000
 

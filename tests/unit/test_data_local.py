@@ -12,9 +12,9 @@ from PIL import Image
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.validate import sample_problems
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 
 
@@ -53,7 +53,7 @@ def test_local_folder_reads_real_image_files_and_honours_generate_marks(tmp_path
     src = local_source(tmp_path)
     batch = src.global_batch(0)
     for s in batch:
-        assert sample_problems(s, src.special, 8, 64, 4, 16) == []
+        assert sample_problems(s, src.special, 8, 64, (GenShape(16, 3, 4),)) == []
     first = batch[0]  # the document (41 tokens with eod), then the pair (12), then the document again
     assert first.doc_lens[:2] == (41, 12) and first.meta["records"][:2] == [(0, 0), (0, 1)]
     assert np.allclose(colour(first.images[0]), [1, -1, -1], atol=0.05)  # the document reads red.png
@@ -85,7 +85,7 @@ def test_bad_records_are_skipped_and_counted_by_reason(tmp_path):
     src = local_source(path)
     for step in range(3):
         for s in src.global_batch(step):
-            assert sample_problems(s, src.special, 8, 64, 4, 16) == []
+            assert sample_problems(s, src.special, 8, 64, (GenShape(16, 3, 4),)) == []
             assert s.meta["records"] and all(r == 0 for _, r in s.meta["records"])  # only the good record
     counts = src.skip_counts()
     per_epoch = {"missing_image": 1, "corrupt_image": 2, "empty_text": 1, "too_long": 1, "not_utf8": 1,

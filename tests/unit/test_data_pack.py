@@ -17,7 +17,7 @@ from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.reader import RawRecord
 from disttrain_ds.data.tokenizer import ByteTokenizer
 from disttrain_ds.data.validate import sample_problems
-from disttrain_ds.samples import ShapeSpec, SpecialTokens
+from disttrain_ds.samples import GenShape, ShapeSpec, SpecialTokens
 
 SPECIAL = SpecialTokens.after(256)
 PATCH, QUERY, GEN_RES = 8, 4, 16
@@ -25,7 +25,7 @@ PATCH, QUERY, GEN_RES = 8, 4, 16
 
 def ctx_for(**kw) -> ParseContext:
     cfg = DataConfig(**{"seq_len": 32, "image_sizes": [16], "max_images": 3, "gen_images": [0, 1], **kw})
-    return ParseContext(cfg, ByteTokenizer(), PATCH, QUERY, seed=0)
+    return ParseContext(cfg, ByteTokenizer(), PATCH, (QUERY,), seed=0)
 
 
 def text(n: int, start: int = 0) -> TextSeg:
@@ -41,7 +41,7 @@ def pack(docs: list[Document | Bad], ctx: ParseContext, n_seq: int):
     cur, out = Cursor(), []
     for _ in range(n_seq):
         pieces, cur = packer.sequence(cur)
-        out.append(materialise(pieces, lambda e, r: docs[r], ctx, SPECIAL, GEN_RES, len(out), "test", lambda: None))
+        out.append(materialise(pieces, lambda e, r: docs[r], ctx, SPECIAL, (GEN_RES,), len(out), "test", lambda: None))
     return out, cur
 
 
@@ -54,7 +54,7 @@ def test_long_interleaved_document_continues_in_next_sequence_without_losing_tok
     doc = Document((text(20), image(), text(30, start=20), image(generate=True), text(5, start=50)), splittable=True)
     seqs, cur = pack([doc, doc], ctx, 3)  # 68 tokens with eod: three sequences of 31 usable slots
     for s in seqs:
-        assert sample_problems(s, SPECIAL, PATCH, 32, QUERY, GEN_RES) == []
+        assert sample_problems(s, SPECIAL, PATCH, 32, (GenShape(GEN_RES, 3, QUERY),)) == []
     flat = [t for s in seqs for t in text_ids(s)]
     assert flat[:55] == [i % 200 for i in range(55)]  # every text token once, in order
     eods = [int((s.input_ids == SPECIAL.eod).sum()) for s in seqs]
@@ -133,12 +133,12 @@ def test_image_larger_than_seq_len_is_a_bad_record():
 
 
 def test_paper_stats_sequences_fit_and_match_their_images():
-    shape = ShapeSpec(patch_size=PATCH, gen_resolution=GEN_RES, gen_channels=3, query_tokens=QUERY)
+    shape = ShapeSpec(patch_size=PATCH, gens=(GenShape(GEN_RES, 3, QUERY),))
     cfg = DataConfig(source="paper_stats", seq_len=1024, max_images=30, gen_images=[0, 4], gen_prob=0.3)
     src = build_source(cfg, shape, 4, seed=3)
     batches = [src.global_batch(step) for step in range(3)]
     for s in (s for b in batches for s in b):
-        assert sample_problems(s, src.special, PATCH, 1024, QUERY, GEN_RES) == []
+        assert sample_problems(s, src.special, PATCH, 1024, (GenShape(GEN_RES, 3, QUERY),)) == []
     assert sum(len(s.images) for b in batches for s in b) > 0
     assert sum(int(s.gen_targets[0].shape[0]) for b in batches for s in b) > 0
     again = build_source(cfg, shape, 4, seed=3).global_batch(2)

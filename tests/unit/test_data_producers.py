@@ -12,9 +12,9 @@ import torch
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import ProducerError, build_source
 from disttrain_ds.reorder.inter import reorder_batch
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 
 
 def mmc4(fixtures_dir, **kw) -> DataConfig:

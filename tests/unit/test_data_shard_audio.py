@@ -17,10 +17,10 @@ from disttrain_ds.data.config import DataConfig, data_problem
 from disttrain_ds.data.fields import FieldsConfig
 from disttrain_ds.data.registry import open_source
 from disttrain_ds.data.validate import sample_problems
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-EAR = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, audio_mels=16, audio_max_frames=64)
-NO_EAR = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+EAR = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),), audio_mels=16, audio_max_frames=64)
+NO_EAR = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 WITH_NPY = FieldsConfig(audio=["wav", "npy", "audio"])
 
 
@@ -50,7 +50,7 @@ def npy_bytes(frames: int, value: float = 0.5) -> bytes:
 def source(src: str, path, shape: ShapeSpec = EAR, batch: int = 1, **kw):
     cfg = DataConfig(**{"source": src, "path": str(path), "seq_len": 64, "image_sizes": [16], "gen_images": [0, 0],
                         "gen_prob": 0.0, "max_audio": 2, "max_images": 1, "shuffle": False, **kw})
-    assert data_problem(cfg, shape.query_tokens) is None
+    assert data_problem(cfg, shape.gens[0].query_tokens) is None
     return open_source(cfg, shape, batch, 0)
 
 
@@ -58,7 +58,7 @@ def epoch(src, steps: int) -> list:
     """Every sample of the first ``steps`` steps, each checked against the sample contract."""
     out = [s for step in range(steps) for s in src.global_batch(step)]
     for s in out:
-        assert sample_problems(s, src.special, 8, src.cfg.seq_len, 4, 16) == []
+        assert sample_problems(s, src.special, 8, src.cfg.seq_len, (GenShape(16, 3, 4),)) == []
     return out
 
 

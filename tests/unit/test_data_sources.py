@@ -10,9 +10,9 @@ from disttrain_ds.data.images import ImageRef, load_image
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.source import SyntheticSource
 from disttrain_ds.data.validate import sample_problems
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 BATCH = 4
 FIXTURE_FILES = {"mmc4": "mmc4_sample.jsonl", "laion": "laion_captions.jsonl"}
 
@@ -41,7 +41,7 @@ def test_fixture_sources_give_valid_packed_samples(fixtures_dir, source, tokeniz
     samples = [s for b in out for s in b]
     assert len(samples) == 4 * BATCH
     for s in samples:
-        assert sample_problems(s, src.special, 8, 256, 4, 16) == []
+        assert sample_problems(s, src.special, 8, 256, (GenShape(16, 3, 4),)) == []
     assert sum(len(s.images) for s in samples) > 0
     assert sum(int(s.gen_targets[0].shape[0]) for s in samples) > 0
     sides = {im.shape[1] for s in samples for im in s.images} | {im.shape[2] for s in samples for im in s.images}

@@ -23,8 +23,7 @@ from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.samples import GenShape, ShapeSpec
 
 # The painter: 16 x 16 targets, 4 queries; the sketcher: 8 x 8 targets, 2 queries.
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, gen_name="painter",
-                  more_gens=(GenShape(8, 3, 2, "sketcher"),))
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4, "painter"), GenShape(8, 3, 2, "sketcher")))
 RED, BLUE, GREEN = (255, 0, 0), (0, 0, 255), (0, 255, 0)
 
 
@@ -68,7 +67,7 @@ def colour(im) -> np.ndarray:
 
 
 def _ok(src, s) -> None:
-    assert sample_problems(s, src.special, 8, 64, 4, 16, SHAPE.more_gens) == []
+    assert sample_problems(s, src.special, 8, 64, SHAPE.gens) == []
 
 
 def _runs(ids: torch.Tensor, token: int) -> int:
@@ -114,7 +113,7 @@ def test_local_documents_mark_images_for_either_generator(tmp_path):
         {"text": "paint blue:"}, {"image": "images/blue.png", "generate": True}]}])
     src = build_source(_cfg("local", tmp_path, seq_len=128), SHAPE, 1, 0)
     s = src.global_batch(0)[0]
-    assert sample_problems(s, src.special, 8, 128, 4, 16, SHAPE.more_gens) == []
+    assert sample_problems(s, src.special, 8, 128, SHAPE.gens) == []
     assert np.allclose(colour(s.gen_targets[1][0]), [1, -1, -1], atol=0.05)
     assert np.allclose(colour(s.gen_targets[0][0]), [-1, -1, 1], atol=0.05) and not s.images
     ids = s.input_ids.tolist()
@@ -139,7 +138,7 @@ def test_a_mark_that_is_neither_a_flag_nor_a_name_is_a_bad_type(tmp_path):
 
 
 def test_one_generator_models_read_names_of_their_generator_and_true_as_before(tmp_path):
-    one = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, gen_name="painter")
+    one = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4, "painter"),))
     src = build_source(_cfg("local", _pairs(tmp_path, ["painter", True, "sketcher"])), one, 1, 0)
     s = src.global_batch(0)[0]
     assert s.gen_targets[0].shape[0] == 2 and len(s.gen_targets) == 1 and src.special.more_gens == ()
@@ -154,7 +153,7 @@ def test_webdataset_pairs_and_documents_name_their_generator(tmp_path):
     write_tar(tmp_path / "s.tar", members)
     src = open_source(_cfg("webdataset", tmp_path / "s.tar", seq_len=128, gen_images=[0, 3]), SHAPE, 1, 0)
     s = src.global_batch(0)[0]
-    assert sample_problems(s, src.special, 8, 128, 4, 16, SHAPE.more_gens) == []
+    assert sample_problems(s, src.special, 8, 128, SHAPE.gens) == []
     assert s.gen_targets[1].shape == (2, 3, 8, 8) and s.gen_targets[0].shape == (1, 3, 16, 16)
     assert np.allclose(colour(s.gen_targets[1][0]), [1, -1, -1], atol=0.05)  # the pair's red
     assert np.allclose(colour(s.gen_targets[1][1]), [-1, 1, -1], atol=0.05)  # the document's green

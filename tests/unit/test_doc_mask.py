@@ -14,7 +14,7 @@ from disttrain_ds.data.validate import sample_problems
 from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
 from disttrain_ds.models.doc_mask import doc_attention, doc_causal_mask, doc_positions, doc_spans
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.samples import IGNORE_INDEX, NO_DOC, ShapeSpec, SpecialTokens, doc_ids
+from disttrain_ds.samples import IGNORE_INDEX, NO_DOC, GenShape, ShapeSpec, SpecialTokens, doc_ids
 
 
 def test_doc_ids_number_the_documents_and_leave_the_padding_out():
@@ -138,7 +138,7 @@ def test_collate_carries_each_samples_documents_to_the_reference(tiny_spec, tiny
         collate([broken], BatchNorms.of([broken], 1), tiny_spec)
 
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 
 
 def _docs(s) -> list[torch.Tensor]:
@@ -157,7 +157,7 @@ def test_synthetic_samples_are_one_or_more_real_documents(max_images):
     counts = {len(s.doc_lens) for s in samples}
     assert 1 in counts and max(counts) > 1
     for s in samples:
-        assert sample_problems(s, src.special, 8, 128, 4, 16) == []
+        assert sample_problems(s, src.special, 8, 128, (GenShape(16, 3, 4),)) == []
         assert all(int(d[-1]) == src.special.eod and int((d == src.special.eod).sum()) == 1 for d in _docs(s))
 
 
@@ -167,7 +167,7 @@ def test_paper_stats_documents_each_end_with_eod():
     samples = src.global_batch(0)
     assert max(len(s.doc_lens) for s in samples) > 1
     for s in samples:
-        assert sample_problems(s, src.special, 8, 2048, 4, 16) == []
+        assert sample_problems(s, src.special, 8, 2048, (GenShape(16, 3, 4),)) == []
         assert all(int(d[-1]) == src.special.eod and int((d == src.special.eod).sum()) == 1 for d in _docs(s))
 
 
@@ -176,8 +176,8 @@ def test_validation_refuses_an_image_split_across_documents():
     s = src.global_batch(0)[0]
     cut = int((s.input_ids == src.special.image).nonzero()[0])  # inside the first image's placeholders
     bad = dataclasses.replace(s, doc_lens=(cut, sum(s.doc_lens) - cut))
-    assert any("straddles two documents" in p for p in sample_problems(bad, src.special, 8, 128, 4, 16))
-    assert sample_problems(s, src.special, 8, 128, 4, 16) == []
+    assert any("straddles two documents" in p for p in sample_problems(bad, src.special, 8, 128, (GenShape(16, 3, 4),)))
+    assert sample_problems(s, src.special, 8, 128, (GenShape(16, 3, 4),)) == []
 
 
 def test_a_documents_last_token_is_not_trained_to_predict_the_next_documents_first():
@@ -202,6 +202,6 @@ def test_no_label_crosses_a_document_boundary_and_the_norms_count_what_is_labell
     for s in samples:
         ends = torch.tensor(s.doc_lens).cumsum(0) - 1
         assert (s.labels[ends] == IGNORE_INDEX).all()
-        assert sample_problems(s, src.special, 8, cfg.seq_len, 4, 16) == []
+        assert sample_problems(s, src.special, 8, cfg.seq_len, (GenShape(16, 3, 4),)) == []
     labelled = sum(int((s.labels != IGNORE_INDEX).sum()) for s in samples)
     assert BatchNorms.of(samples, 1).text_tokens == labelled

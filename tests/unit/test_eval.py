@@ -17,11 +17,11 @@ from disttrain_ds.errors import ConfigError
 from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime.callbacks.evaluation import eval_due
 from disttrain_ds.runtime.reference import train_reference
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_cpu.yaml"
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 
 
 def _ids(batch) -> set[bytes]:

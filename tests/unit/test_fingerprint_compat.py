@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from disttrain_ds.checkpoint.manifest import FORMAT, MANIFEST, fingerprint, resolve_resume, step_dir_name
+from disttrain_ds.data.fingerprint import data_fingerprint, known_fingerprints
+from disttrain_ds.data.split import TRAIN
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.recipe.schema import load_recipe
 
@@ -85,7 +87,9 @@ def test_a_vae_turned_on_or_another_vae_is_still_refused_on_resume(tmp_path):
 
 def _pre_vae_data_fingerprint(src) -> str:
     """``RecordSource._fingerprint`` as written before ``ShapeSpec`` had ``vae`` and ``more_gens``."""
-    facts = [src.fmt, str(src.path), len(src.table), src.seed, src.batch, asdict(src.cfg), asdict(src.shape)]
+    from disttrain_ds.data.fingerprint import shape_facts
+
+    facts = [src.fmt, str(src.path), len(src.table), src.seed, src.batch, asdict(src.cfg), shape_facts(src.shape, False)]
     for drop in ("producers", "queue_depth", "reorder", "cache_dir", *src._unused_keys, "read"):  # read: later
         facts[5].pop(drop, None)
     for drop in ("dp_size", "micro_batch", "vae", "more_gens", "columns", "gen_name"):  # all but the first two: later
@@ -98,16 +102,47 @@ def test_a_record_sources_data_state_from_before_the_vae_still_loads(tmp_path):
 
     from disttrain_ds.data.config import DataConfig
     from disttrain_ds.data.registry import open_source, resolve
-    from disttrain_ds.samples import ShapeSpec
+    from disttrain_ds.samples import GenShape, ShapeSpec
 
     (tmp_path / "images").mkdir()
     Image.new("RGB", (40, 30), (255, 0, 0)).save(tmp_path / "images" / "red.png")
     (tmp_path / "a.jsonl").write_text(json.dumps({"image": "images/red.png", "caption": "Red.", "generate": True}) + "\n")
     cfg = DataConfig(source="local", path=str(tmp_path), seq_len=64, image_sizes=[16], shuffle=False)
-    src = open_source(resolve(cfg), ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4), 2, 0)
+    src = open_source(resolve(cfg), ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),)), 2, 0)
     src.global_batch(0)
     state = src.state_dict()
     assert state["fingerprint"] == _pre_vae_data_fingerprint(src)
-    src.load_state_dict({**state, "fingerprint": src._fingerprint(later_keys=True)})  # as the VAE's versions wrote it
+    later = data_fingerprint(*src._setup(), later_keys=True)
+    src.load_state_dict({**state, "fingerprint": later})  # as the VAE's versions wrote it
     with pytest.raises(ValueError, match="different data setup"):  # negative control
         src.load_state_dict({**state, "fingerprint": "0" * 16})
+
+
+# Data-state fingerprints an earlier version (one cost model shared by the image encoder, the first
+# generator and the audio encoder; the first generator's shape in fields of its own) wrote for a
+# local record source at /data/records of 5 records, read with each recipe's own model shape.
+WRITTEN_BEFORE = {"tiny_cpu": "e9b148dc4aa7e30c", "tiny_two_gen": "fef4e3690766e48f", "tiny_omni": "b39df5f07a6603cf",
+                  "tiny_vlm": "ea6413d6090d849d", "tiny_cpu_latent": "671fb2b17dc8db54"}
+
+
+def _known(name: str, *overrides: str) -> set[str]:
+    from disttrain_ds.runtime.setup import shape_spec
+
+    r = load_recipe(name, list(overrides))
+    head = ["local", "/data/records", 5, r.seed, r.train.global_batch]
+    return known_fingerprints(head, asdict(r.data), shape_spec(r), TRAIN, ("fields", "shard_parts"))
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN_BEFORE))
+def test_a_data_state_written_before_per_module_cost_terms_still_loads(name):
+    known = _known(name)
+    assert WRITTEN_BEFORE[name] in known
+    assert not known & (set(WRITTEN_BEFORE.values()) - {WRITTEN_BEFORE[name]})  # negative control: no other recipe's
+
+
+def test_the_earlier_layout_is_rebuilt_exactly_not_matched_loosely():
+    # Those states hashed the cost model: the same data under another LLM depth hashed differently,
+    # and is not taken for the recipe's own state.
+    assert WRITTEN_BEFORE["tiny_cpu"] not in _known("tiny_cpu", "model.llm.layers=3")
+    # This version's fingerprint leaves the cost model out: it only orders each batch.
+    assert _known("tiny_cpu") & _known("tiny_cpu", "model.llm.layers=3")

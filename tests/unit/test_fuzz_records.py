@@ -29,9 +29,9 @@ from disttrain_ds.data.images import ImageRef, load_image
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.validate import sample_problems
 from disttrain_ds.errors import ConfigError
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 SEQ = 64
 SEED = 20240811
 REASONS = {"not_utf8", "bad_json", "bad_type", "bad_image", "missing_image", "corrupt_image", "image_too_large",
@@ -342,7 +342,7 @@ def drain(src, corpus: Corpus, max_steps: int = 200) -> Counter:
     served: Counter = Counter()
     for step in range(max_steps):
         for s in src.global_batch(step):
-            assert sample_problems(s, src.special, SHAPE.patch_size, SEQ, SHAPE.query_tokens, SHAPE.gen_resolution) == []
+            assert sample_problems(s, src.special, SHAPE.patch_size, SEQ, SHAPE.gens) == []
             for epoch, record in s.meta["records"]:
                 served[epoch, record] += 1
         if corpus.valid <= {r for _, r in served}:

@@ -23,10 +23,10 @@ from disttrain_ds.data.producers import build_source
 from disttrain_ds.metrics.step_flops import StepFlopsCounter
 from disttrain_ds.mllm.model import BatchNorms
 from disttrain_ds.recipe.graph import topology_of
-from disttrain_ds.samples import ShapeSpec, batch_bytes
+from disttrain_ds.samples import GenShape, ShapeSpec, batch_bytes
 from disttrain_ds.topology import ModuleGrid
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 
 
 def grids(dps: dict[str, int]) -> list[ModuleGrid]:

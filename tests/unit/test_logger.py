@@ -252,7 +252,7 @@ def test_workspace_is_not_saved_while_wandb_is_offline(monkeypatch, capsys):
 def test_dashboard_of_a_module_graph_plots_its_module_names():
     from disttrain_ds.metrics.wandb_workspace import dashboard
 
-    keys = dashboard_keys(dashboard(("vision", "llm"), ("vision",)))
+    keys = dashboard_keys(dashboard(("vision", "llm"), ("vision",), ("llm",)))
     assert "perf/mfu/vision" in keys and "time/vision_compute" in keys and "balance/vision_load_max" in keys
     assert not any("encoder" in k or "generator" in k for k in keys)
 

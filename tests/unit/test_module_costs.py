@@ -15,7 +15,7 @@ from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.reorder.balance import dp_balance, module_columns
 from disttrain_ds.reorder.inter import reorder_batch
 from disttrain_ds.runtime.setup import cost_model
-from disttrain_ds.samples import PackedSample, ShapeSpec, SpecialTokens
+from disttrain_ds.samples import GenShape, PackedSample, ShapeSpec, SpecialTokens
 
 SPECIAL = SpecialTokens.after(256, audio=True)
 
@@ -77,8 +77,7 @@ def test_reordering_evens_a_batch_whose_imbalance_is_only_in_audio():
     costs = cost_model(load_recipe("tiny_omni"))
     # Two DP ranks, one microbatch of 4: in arrival order both long clips land on rank 0.
     samples = [_sample(0, (48,)), _sample(1, (40,)), _sample(2, (16,)), _sample(3, (8,))]
-    shape = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, dp_size=2, micro_batch=2,
-                      cost_model=costs)
+    shape = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),), dp_size=2, micro_batch=2, cost_model=costs)
     before = _rank_loads(samples, costs, "ear", 2)
     after = _rank_loads(reorder_batch(samples, shape, SPECIAL), costs, "ear", 2)
     assert after.sum() == pytest.approx(before.sum())
@@ -151,8 +150,7 @@ def test_reordering_evens_each_encoder_where_summed_costs_tie(monkeypatch):
         return s
 
     samples = [sample(0, True), sample(1, False), sample(2, True), sample(3, False)]
-    shape = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, dp_size=2, micro_batch=2,
-                      cost_model=costs)
+    shape = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),), dp_size=2, micro_batch=2, cost_model=costs)
     out = reorder_batch(samples, shape, SPECIAL)
     for name in ("vision", "ear"):
         assert _rank_loads(out, costs, name, 2).tolist() == [16.0, 16.0], name

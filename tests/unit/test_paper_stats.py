@@ -134,12 +134,12 @@ def test_short_sequences_are_packed_as_densely_as_the_papers_8k_ones():
 def test_paper_stats_source_fills_1024_token_sequences_with_several_documents():
     from disttrain_ds.data.config import DataConfig
     from disttrain_ds.data.producers import build_source
-    from disttrain_ds.samples import ShapeSpec
+    from disttrain_ds.samples import GenShape, ShapeSpec
 
     # Image-to-text pairs only: a text-to-image pair puts its caption and queries in the sequence,
     # not its image, so it takes less room than the layout gave it.
     cfg = DataConfig(source="paper_stats", seq_len=1024, max_images=30, gen_images=[0, 0], gen_prob=0.0)
-    src = build_source(cfg, ShapeSpec(patch_size=16, gen_resolution=16, gen_channels=3, query_tokens=4), 16, seed=2)
+    src = build_source(cfg, ShapeSpec(patch_size=16, gens=(GenShape(16, 3, 4),)), 16, seed=2)
     samples = [s for step in range(3) for s in src.global_batch(step)]
     used = [int((s.input_ids != src.special.pad).sum()) / 1024 for s in samples]
     assert np.mean(used) > 0.65

@@ -13,9 +13,9 @@ import pytest
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import ProducerError, build_source
 from disttrain_ds.data.spool import NodeShare
-from disttrain_ds.samples import ShapeSpec
+from disttrain_ds.samples import GenShape, ShapeSpec
 
-SHAPE = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+SHAPE = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
 
 
 def _stop_and_expect_failure(src, step0: int) -> None:

@@ -142,10 +142,10 @@ def test_record_data_state_resumes_under_another_dp_split_with_the_same_batches(
 
     from disttrain_ds.data.config import DataConfig
     from disttrain_ds.data.producers import build_source
-    from disttrain_ds.samples import ShapeSpec
+    from disttrain_ds.samples import GenShape, ShapeSpec
 
     cfg = DataConfig(source="mmc4", path=str(fixtures_dir / "mmc4_sample.jsonl"), seq_len=256, image_sizes=[16, 32])
-    one = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+    one = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
     two = dataclasses.replace(one, dp_size=2, micro_batch=2)
     first = build_source(cfg, one, 4, 7)
     straight = [first.global_batch(s) for s in range(4)]

@@ -11,7 +11,7 @@ import pytest
 from disttrain_ds.data.config import DataConfig
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.tokenizer import load_tokenizer, own_specials, special_tokens
-from disttrain_ds.samples import ShapeSpec, SpecialTokens
+from disttrain_ds.samples import GenShape, ShapeSpec, SpecialTokens
 
 WORDS = ["<unk>", "<s>", "</s>", "<pad>", "a", "red", "cat", "on", "the", "mat"]
 
@@ -73,7 +73,7 @@ def test_packed_documents_begin_and_end_with_the_tokenizers_own_ids(tmp_path):
     records = tmp_path / "pairs.jsonl"
     records.write_text("".join(json.dumps({"caption": c, "url": f"http://example.com/{i}.jpg"}) + "\n"
                                for i, c in enumerate(["a red cat", "the cat on the mat", "a mat", "red red cat"])))
-    shape = ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4)
+    shape = ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4),))
     cfg = DataConfig(source="laion", path=str(records), tokenizer=str(path), seq_len=64, image_sizes=[16])
     src = build_source(cfg, shape, 2, 0)
     special = src.special

@@ -46,7 +46,7 @@ def test_synthetic_samples_hold_targets_for_none_one_or_both_generators(two):
     assert spec.generators == ("painter", "sketcher")
     kinds = set()
     for s in samples:
-        assert sample_problems(s, source.special, 8, 128, 4, 16, shape.more_gens) == []
+        assert sample_problems(s, source.special, 8, 128, shape.gens) == []
         counts = tuple(int(s.targets(k).shape[0]) for k in range(2))
         assert s.gen_targets[0].shape[1:] == (3, 16, 16) and s.gen_targets[1].shape[1:] == (2, 8, 8)
         assert counts == tuple(len(_runs(s.input_ids == q)) for q in source.special.queries)

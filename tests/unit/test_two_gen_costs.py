@@ -65,8 +65,8 @@ def test_each_generator_is_priced_by_its_own_targets_and_family(recipe):
 
 
 def _shape(costs) -> ShapeSpec:
-    return ShapeSpec(patch_size=8, gen_resolution=16, gen_channels=3, query_tokens=4, dp_size=2, micro_batch=2,
-                     cost_model=costs, more_gens=(GenShape(8, 2, 2),))
+    return ShapeSpec(patch_size=8, gens=(GenShape(16, 3, 4), GenShape(8, 2, 2)), dp_size=2, micro_batch=2,
+                     cost_model=costs)
 
 
 def test_reordering_evens_a_batch_whose_imbalance_is_only_in_the_second_generator(recipe):

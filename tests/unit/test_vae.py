@@ -86,7 +86,7 @@ def test_producer_placement_makes_latent_batches_from_rgb_images():
 
     r = _latent_recipe()
     shape = shape_spec(r)
-    assert (shape.gen_channels, shape.gen_resolution, shape.vae.preset) == (3, 16, "tiny")
+    assert (shape.gens[0].channels, shape.gens[0].resolution, shape.vae.preset) == (3, 16, "tiny")
     src = open_source(resolve(r.data), shape, 4, r.seed)
     pixels = open_source(resolve(r.data), dataclasses.replace(shape, vae=None), 4, r.seed).global_batch(0)
     latents = src.global_batch(0)
@@ -106,7 +106,7 @@ def test_generator_placement_noises_the_same_latents_and_the_loss_stage_draws_th
 
     prod = _latent_recipe("model.generator.vae.placement=producer")
     gen = _latent_recipe("model.generator.vae.placement=generator")
-    assert shape_spec(gen).vae is None and shape_spec(gen).gen_resolution == 16
+    assert shape_spec(gen).vae is None and shape_spec(gen).gens[0].resolution == 16
     s_prod = open_source(resolve(prod.data), shape_spec(prod), 4, prod.seed).global_batch(0)
     s_gen = open_source(resolve(gen.data), shape_spec(gen), 4, gen.seed).global_batch(0)
     assert s_gen[0].gen_targets[0].shape[1] == 3  # pixels travel
