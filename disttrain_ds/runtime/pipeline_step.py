@@ -38,8 +38,7 @@ class PipelineExecutor:
         self.gen_dp_scale = {g: topo.module(g).dp / llm_dp for g in spec.generators}  # each generator's DP / the LLM's
         # vae.placement generator: the first generator's first stage encodes its targets (forward
         # only, frozen) on its own device: batched in the compute dtype on a GPU, per image in fp32 on CPU.
-        gen = spec.name_of("generator")
-        on_gen = grid.name == gen and place.first_of_engine
+        on_gen = bool(spec.generators) and grid.name == spec.generators[0] and place.first_of_engine
         self.vae = generator_vae(spec, str(getattr(engine, "device", "cpu")), self.dtype) if on_gen else None
 
     def _mine(self, samples: list) -> list[list]:
