@@ -19,12 +19,13 @@ index 0 of each side talks across the boundary; it broadcasts what it receives t
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from disttrain_ds.comm.p2p import ACT, GRAD, P2P, PendingRecv
-from disttrain_ds.comm.routes import blocks, routes, routes_from, routes_to, split_rows
+from disttrain_ds.comm.routes import block_owners, owned, pair_links, pieces, row_index
 from disttrain_ds.topology import ModuleGrid
 
 
@@ -56,29 +57,44 @@ class BoundaryComm:
         _, self.dp, tp_index = grid.coords(me)
         self.tp = tp  # TPContext of this rank's TP group, or None without tensor parallelism
         self.talks = tp_index == 0  # only TP index 0 sends and receives across the boundary
-        if not self.talks:
-            self.routes, self.peers = [], []
-        elif self.side == "up":
-            self.routes = routes_from(self.dp, slot, up.dp, down.dp)
-            self.peers = [down.rank(stage=0, dp=r.down) for r in self.routes]
-        else:
-            self.routes = routes_to(self.dp, slot, up.dp, down.dp)
-            self.peers = [up.rank(stage=up.pp - 1, dp=r.up) for r in self.routes]
-        self.block = blocks(slot, grid.dp)[self.dp]
+        other = down if self.side == "up" else up
+        self.peer_ranks = [other.rank(stage=0, dp=r) if self.side == "up" else other.rank(stage=other.pp - 1, dp=r)
+                           for r in range(other.dp)]
+        self.set_owners(None)
         self._pending: dict[tuple[str, int], list[PendingRecv | None]] = {}
         self.wait_seconds = 0.0
         self.shapes_seen: set[tuple[int, ...]] = set()  # activation shapes received (diagnostics)
+
+    def set_owners(self, owners: list[tuple[Sequence[int], Sequence[int]]] | None) -> None:
+        """Per microbatch, the (upstream, downstream) replica of each slot position (per-module
+        post-balancing, set before each step); None: both modules' contiguous blocks."""
+        self._owners = owners
+        self._plans: dict[int, tuple[list[int], list[list[int]]]] = {}
+
+    def _plan(self, mb: int) -> tuple[list[int], list[list[int]]]:
+        """This replica's slot positions in microbatch ``mb`` and, for each replica on the other
+        side, the indices into them of the samples it holds."""
+        if mb not in self._plans:
+            if self._owners is None:
+                up, down = block_owners(self.slot, self.up.dp), block_owners(self.slot, self.down.dp)
+            else:
+                up, down = self._owners[mb]
+            mine, other = (up, down) if self.side == "up" else (down, up)
+            positions = owned(mine, self.dp)
+            self._plans[mb] = positions, pieces(positions, other, len(self.peer_ranks))
+        return self._plans[mb]
 
     @property
     def grad_scale(self) -> float:
         """Factor on gradients coming back upstream: each engine averages over its own DP group."""
         return self.up.dp / self.down.dp
 
-    def _sizes(self, rows_per_sample: list[int]) -> list[int]:
-        """Rows of the message to or from each peer, from this rank's block's rows per sample."""
-        if len(rows_per_sample) != len(self.block):
-            raise ValueError(f"{len(rows_per_sample)} row counts for a block of {len(self.block)} samples")
-        return split_rows(rows_per_sample, self.block, [r.samples for r in self.routes])
+    def _sizes(self, mb: int, rows_per_sample: list[int]) -> list[int]:
+        """Rows of the message to or from each replica on the other side."""
+        positions, parts = self._plan(mb)
+        if len(rows_per_sample) != len(positions):
+            raise ValueError(f"{len(rows_per_sample)} row counts for {len(positions)} samples of this replica")
+        return [sum(rows_per_sample[i] for i in part) for part in parts]
 
     def _post(self, channel: str, mb: int, rows_per_sample: list[int]) -> list[PendingRecv | None]:
         key = (channel, mb)
@@ -86,7 +102,7 @@ class BoundaryComm:
             what = f"{'activation' if channel == ACT else 'gradient'} of microbatch {mb}"
             self._pending[key] = [
                 self.p2p.irecv((n, *self.features), self.dtype, src, channel, what) if n else None
-                for n, src in zip(self._sizes(rows_per_sample), self.peers)
+                for n, src in zip(self._sizes(mb, rows_per_sample), self.peer_ranks)
             ]
         return self._pending[key]
 
@@ -94,11 +110,21 @@ class BoundaryComm:
         t0 = time.perf_counter()
         pending = self._post(channel, mb, rows_per_sample)
         del self._pending[(channel, mb)]
-        pieces = [p.result() for p in pending if p is not None]
+        got = [p.result() for p in pending if p is not None]
         self.wait_seconds += time.perf_counter() - t0
-        if not pieces:  # nothing crosses for these samples
+        if not got:  # nothing crosses for these samples
             return torch.empty((0, *self.features), dtype=self.dtype, device=self.p2p.device)
-        return torch.cat(pieces)
+        return self._in_local_order(torch.cat(got), mb, rows_per_sample)
+
+    def _in_local_order(self, out: torch.Tensor, mb: int, rows_per_sample: list[int]) -> torch.Tensor:
+        """Received rows, concatenated replica by replica, put in this replica's sample order."""
+        _, parts = self._plan(mb)
+        order = row_index(rows_per_sample, [i for part in parts for i in part])
+        if order == sorted(order):  # contiguous blocks: already in order
+            return out
+        back = torch.empty_like(out)
+        back[torch.tensor(order, device=out.device)] = out
+        return back
 
     def _share(self, tensor: torch.Tensor | None, rows: int) -> torch.Tensor:
         """TP index 0's tensor on every rank of its TP group (all of them know its shape)."""
@@ -115,15 +141,18 @@ class BoundaryComm:
 
     def _send_split(self, channel: str, mb: int, tensor: torch.Tensor, rows_per_sample: list[int]) -> None:
         what = f"{'activation' if channel == ACT else 'gradient'} of microbatch {mb}"
-        sizes = self._sizes(rows_per_sample)
+        sizes = self._sizes(mb, rows_per_sample)
         if tuple(tensor.shape) != (sum(sizes), *self.features) or tensor.dtype != self.dtype:
             raise ValueError(
                 f"{what}: {tuple(tensor.shape)} {tensor.dtype} does not match what its samples make "
                 f"({(sum(sizes), *self.features)} {self.dtype}), so the receiver's buffer would not fit"
             )
-        for piece, n, dst in zip(torch.split(tensor, sizes), sizes, self.peers):
+        _, parts = self._plan(mb)
+        for part, n, dst in zip(parts, sizes, self.peer_ranks):
             if n:
-                self.p2p.isend(piece, dst, channel, what)
+                rows = row_index(rows_per_sample, part)
+                piece = tensor.narrow(0, rows[0], n) if rows[-1] - rows[0] == n - 1 else tensor[torch.tensor(rows, device=tensor.device)]
+                self.p2p.isend(piece.contiguous(), dst, channel, what)
 
     # upstream side
     def send_activation(self, mb: int, tensor: torch.Tensor, rows_per_sample: list[int]) -> None:
@@ -160,16 +189,23 @@ class BoundaryComm:
 
 
 def boundary_links(modules: tuple[ModuleGrid, ...], slot: int, backward: dict[str, bool],
-                   edges: tuple[tuple[str, str], ...] | None = None) -> list[tuple[str, int, int]]:
+                   edges: tuple[tuple[str, str], ...] | None = None,
+                   every_pair: bool = False) -> list[tuple[str, int, int]]:
     """Every (channel, low rank, high rank) pair that talks across a boundary, in one global order:
     activations between the TP-0 ranks of the two modules of every graph edge (``edges``: (upstream,
-    downstream) names; None: a chain in ``modules`` order), gradients where upstream runs backward."""
+    downstream) names; None: a chain in ``modules`` order), gradients where upstream runs backward.
+    ``every_pair``: each upstream replica with each downstream one (post-balancing may route any
+    sample between them); otherwise the pairs whose contiguous blocks share a sample."""
     grids = {m.name: m for m in modules}
     pairs = [(grids[a], grids[b]) for a, b in edges] if edges is not None else list(zip(modules, modules[1:]))
     links = set()
     for up, down in pairs:
-        for r in routes(slot, up.dp, down.dp):
-            a, b = up.rank(stage=up.pp - 1, dp=r.up), down.rank(stage=0, dp=r.down)
+        if every_pair:
+            replicas = sorted((u, d) for u in range(up.dp) for d in range(down.dp))
+        else:
+            replicas = sorted(pair_links([block_owners(slot, up.dp)], [block_owners(slot, down.dp)]))
+        for u, d in replicas:
+            a, b = up.rank(stage=up.pp - 1, dp=u), down.rank(stage=0, dp=d)
             lo, hi = min(a, b), max(a, b)
             links.add((ACT, lo, hi))
             if backward[up.name]:

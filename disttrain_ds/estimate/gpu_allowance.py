@@ -138,7 +138,7 @@ def rank_links(recipe) -> dict[int, NcclLinks]:
     backward = backward_modules(recipe)
     slot = recipe.parallel.llm.dp * recipe.train.micro_batch
     boundary: Counter[int] = Counter()
-    for _, lo, hi in boundary_links(topo.modules, slot, backward, topo.edges):
+    for _, lo, hi in boundary_links(topo.modules, slot, backward, topo.edges, every_pair=recipe.parallel.post_balance):
         boundary.update((lo, hi))
     out = {}
     for m in topo.modules:

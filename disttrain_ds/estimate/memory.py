@@ -25,6 +25,7 @@ from disttrain_ds.models.vae import vae_memory_bytes
 from disttrain_ds.recipe.deepspeed import load_ds_config
 from disttrain_ds.recipe.graph import as_written, encoder_of, graph_of, topology_of
 from disttrain_ds.recipe.schema import resolve_path
+from disttrain_ds.reorder.post_balance import share_cap
 from disttrain_ds.samples import SpecialTokens
 
 GIB = 2**30
@@ -252,6 +253,14 @@ def backward_modules(recipe) -> dict[str, bool]:
     return graph.runs_backward({n: trains(recipe.model.modules[n]) for n in graph.names})
 
 
+def replica_samples(recipe, grid, slot: int) -> int:
+    """Most samples one replica of ``grid`` holds per microbatch: its even share, or with
+    ``parallel.post_balance`` (not the LLM's, which keeps its blocks) up to ``share_cap`` of them."""
+    if recipe.parallel.post_balance and grid.name != graph_of(recipe).llm and grid.dp > 1:
+        return share_cap(slot, grid.dp, recipe.parallel.post_balance_share)
+    return slot // grid.dp
+
+
 def estimate(recipe) -> list[StageMemory]:
     """Every stage of every module, with its estimated per-rank peak (reference: one row per
     module, all on rank 0)."""
@@ -276,7 +285,7 @@ def estimate(recipe) -> list[StageMemory]:
         params, lb = layer_params(recipe, grid.name, vocab), module_layers(recipe, grid.name, vocab)
         par = recipe.parallel.modules[grid.name]
         bounds = stage_bounds(params, grid.pp, par.partition)
-        samples, extra, bucket = slot // grid.dp, extra_bytes(recipe, grid.name), reduce_bucket_bytes(recipe, grid.name)
+        samples, extra, bucket = replica_samples(recipe, grid, slot), extra_bytes(recipe, grid.name), reduce_bucket_bytes(recipe, grid.name)
         stages = module_stages(params, lb, bounds, grid.tp, par.activation_checkpointing, backward[grid.name],
                                shared_params(recipe, grid.name, vocab))
         for s, st in enumerate(stages):

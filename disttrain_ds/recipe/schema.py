@@ -90,6 +90,15 @@ class ParallelConfig:
     a watched rank's first heartbeat, counted from when its watchers start (the heartbeat judges a
     rank not yet seen by this, not by ``heartbeat_timeout_s``, below which it never falls); a rank
     not there by then stops the job, named."""
+    post_balance: bool = False
+    """Disaggregated layout (the reference runs the same math; monolithic refuses it): every encoder
+    and generator assigns each microbatch's samples to its own DP replicas by its own per-sample
+    costs (unequal counts allowed; ``reorder/post_balance.py``), and the boundaries route each
+    sample between the replicas that hold it; the LLM keeps its contiguous blocks. Off: every
+    module takes contiguous, equal blocks of one order."""
+    post_balance_share: float = 2.0
+    """With ``post_balance``: the most samples one replica takes from a microbatch, as a multiple of
+    its even share (>= 1; the memory estimate counts that many per replica)."""
 
 
 @dataclass

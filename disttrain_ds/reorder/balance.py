@@ -23,15 +23,18 @@ def module_columns(costs) -> dict[str, int]:
     return {n: costs.column(n) for n in costs.names if costs.role(n) != "llm"}
 
 
-def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int], columns: dict[str, int]) -> dict[str, float]:
+def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int], columns: dict[str, int],
+               groups: list[dict[str, list[list[int]]]] | None = None) -> dict[str, float]:
     """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, k]``; ``columns``:
-    module name -> its cost column (``module_columns``)."""
+    module name -> its cost column (``module_columns``); ``groups``: per microbatch slot, each
+    module's replicas' positions (post-balancing, ``runtime/placement.py``); None: contiguous blocks."""
     out: dict[str, float] = {}
     n = costs.shape[0]
     for module, col in columns.items():
         highs, lows, means = [], [], []
-        for start in range(0, n, slot):
-            loads = np.array([costs[start + b.start : start + b.stop, col].sum() for b in blocks(slot, dp[module])])
+        for g, start in enumerate(range(0, n, slot)):
+            parts = groups[g][module] if groups is not None else [list(b) for b in blocks(slot, dp[module])]
+            loads = np.array([costs[[start + p for p in part], col].sum() for part in parts])
             mean = loads.mean()
             highs.append(loads.max() / mean if mean else 1.0)  # nothing to do is perfectly balanced
             lows.append(loads.min() / mean if mean else 1.0)

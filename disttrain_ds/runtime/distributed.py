@@ -61,6 +61,7 @@ from disttrain_ds.runtime.callbacks.trace import TraceWriter
 from disttrain_ds.runtime.emulate import Emulator
 from disttrain_ds.runtime.health import Watchdog, connect_store
 from disttrain_ds.runtime.pipeline_step import PipelineExecutor
+from disttrain_ds.runtime.placement import Placement
 from disttrain_ds.runtime.preempt import EXIT_PREEMPTED, Preemption
 from disttrain_ds.runtime.rank_context import RankContext
 from disttrain_ds.runtime.setup import (
@@ -139,7 +140,9 @@ def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[
     consumed = rank_positions(topo.modules, slot, batch)
     units = source.inner.units()
     why = None
-    if units is None and d.source not in SHARD_PATHS:
+    if recipe.parallel.post_balance:
+        why = ("parallel.post_balance lets a replica take any sample of a microbatch", "")
+    elif units is None and d.source not in SHARD_PATHS:
         why = (f"data.source {d.source} reads each global batch as one stream, so every host would read all of it",
                "set data.read=all, or use webdataset / parquet / folder / hf with data.shard_parts")
     plan = None
@@ -286,7 +289,7 @@ def _train(job: JobStart) -> int:
                               backward[up.name]) for up in up_grids] if stage == 0 else []  # one per graph edge
     downstreams = [BoundaryComm(p2p, grid, down, slot, *boundary_tensor(spec, grid.name, down.name, recipe), tp)
                    for down in down_grids] if stage == grid.pp - 1 else []  # the LLM: one per generator
-    p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges))
+    p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges, every_pair=recipe.parallel.post_balance))
     check_free_memory(recipe, job.memory_rows, rank, device)  # after NCCL's set-up, before the weights
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, groups.module_axes(grid.name),
@@ -388,7 +391,7 @@ def _callbacks(ctx: RankContext, spec, engine, ckpt, watchdog, preempt, writer, 
         callbacks.append(Evaluation(recipe, build_eval_source(recipe)))
     if writer is not None:
         dps = {m.name: m.dp for m in ctx.topo.modules}
-        callbacks += [Balance(cost_model(recipe), spec, ctx.slot, dps),
+        callbacks += [Balance(cost_model(recipe), spec, ctx.slot, dps, Placement(recipe, spec, dps)),
                       MetricsLog(recipe, spec.special.pad, writer, mfu, writer.echo)]
     callbacks += [NonFiniteGuard(recipe.train.on_nonfinite), PreemptionStop(preempt), Checkpointing(ckpt, run_dir),
                   TraceWriter(engine, ctx.meta_group, run_dir, rank, ctx.label)]

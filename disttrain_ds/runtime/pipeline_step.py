@@ -12,7 +12,9 @@ from disttrain_ds.comm.routes import blocks
 from disttrain_ds.data.outline import outline, stand_in
 from disttrain_ds.mllm.model import BatchNorms, collate
 from disttrain_ds.models.vae import generator_vae
+from disttrain_ds.reorder.post_balance import owners_of
 from disttrain_ds.runtime.callbacks.evaluation import eval_figures
+from disttrain_ds.runtime.placement import Placement
 from disttrain_ds.runtime.rank_context import RankContext
 from disttrain_ds.runtime.setup import grad_accum_steps
 from disttrain_ds.runtime.step_record import gather_losses, gather_step_record
@@ -33,6 +35,7 @@ class PipelineExecutor:
         self.slot = ctx.slot
         self.chunks = self.gas * recipe.parallel.llm.dp
         self.block = blocks(self.slot, grid.dp)[ctx.dp_index]
+        self.placement = Placement(recipe, spec, {m.name: m.dp for m in topo.modules})
         self.dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
         llm_dp = topo.module(spec.name_of("llm")).dp
         self.gen_dp_scale = {g: topo.module(g).dp / llm_dp for g in spec.generators}  # each generator's DP / the LLM's
@@ -41,9 +44,17 @@ class PipelineExecutor:
         on_gen = bool(spec.generators) and grid.name == spec.generators[0] and place.first_of_engine
         self.vae = generator_vae(spec, str(getattr(engine, "device", "cpu")), self.dtype) if on_gen else None
 
+    def _place(self, samples: list) -> None:
+        """This step's samples of each module's replicas; the boundaries route by them."""
+        self.groups = self.placement.groups(samples)
+        if self.placement.balanced:
+            for comm in (*self.engine.upstreams, *self.engine.downstreams):
+                comm.set_owners([(owners_of(g[comm.up.name]), owners_of(g[comm.down.name])) for g in self.groups])
+
     def _mine(self, samples: list) -> list[list]:
-        """This rank's samples of each microbatch slot."""
-        return [samples[g * self.slot : (g + 1) * self.slot][self.block.start : self.block.stop] for g in range(self.gas)]
+        """This rank's samples of each microbatch slot (in slot order)."""
+        me, dp = self.grid.name, self.ctx.dp_index
+        return [[samples[g * self.slot + p] for p in groups[me][dp]] for g, groups in enumerate(self.groups)]
 
     def _check_read(self, samples: list) -> None:
         """Every sample this rank consumes or counts was read on this host (one line if not)."""
@@ -87,6 +98,7 @@ class PipelineExecutor:
     def train_step(self, step: int, samples: list, data_wait: float, t0: float) -> tuple[dict, bool]:
         if self.counted is not None:
             self._check_read(samples)
+        self._place(samples)
         batches = self._batches(samples, self._norms(samples))
         if self.engine.emulator is not None:
             self.engine.emulator.set_step(step, self._mine(samples), t0)
@@ -101,7 +113,10 @@ class PipelineExecutor:
         # Forward only through the same engines and boundary links as training (ModuleEngine.run_eval).
         # Held-out batches are read whole by every rank (``build_eval_source``).
         norms = [BatchNorms.of(samples, self.chunks, len(self.spec.generators)) for samples in batches]
-        own = sum(self.engine.run_eval(self._batches(samples, n))["own_loss"] for samples, n in zip(batches, norms))
+        own = 0.0
+        for samples, n in zip(batches, norms):
+            self._place(samples)
+            own += self.engine.run_eval(self._batches(samples, n))["own_loss"]
         lm, gens = gather_losses(self.ctx, own / len(batches), self.chunks, self.gen_dp_scale, self.spec.roles)
         return eval_figures(lm, gens, self.spec)
 

@@ -16,6 +16,8 @@ pair (a gradient receive posted ahead then holds up the next activation send).
 ``--fault perturb_recompute`` makes activation checkpointing's backward rerun of a block differ
 from its forward: the negative control for the checkpointing fidelity test. Every rank writes how
 many checkpointed blocks ran and how often their layers ran (``recompute_rank<r>.json``).
+``--fault post_balance_unplaced`` keeps rows a replica receives from several post-balanced replicas in
+arrival order instead of its samples' order: the negative control of per-module post-balancing.
 ``--fault eval_zero_encoder`` zeroes what the encoder sends while evaluating (training untouched):
 the negative control of the evaluation check.
 ``--fault skip_tied_reduce`` leaves out the sum of a tied weight's gradients over the stages holding
@@ -94,6 +96,9 @@ def main() -> int:
             return out.flip(0) if self.down.name == victim else out
 
         BoundaryComm.recv_activation = recv_flipped
+    elif fault == "post_balance_unplaced":
+        # Rows from several replicas kept in arrival order: samples' rows land on other samples.
+        BoundaryComm._in_local_order = lambda self, out, mb, rows_per_sample: out
     elif fault == "swap_audio_rows":
         original_recv = BoundaryComm.recv_activation
 

@@ -1,0 +1,231 @@
+"""Per-module post-balancing (OrchMLLM's dispatcher): each module splits a microbatch over its own replicas.
+
+Every microbatch slot is one ordered list of samples. The LLM keeps its contiguous, equal blocks
+(its order and packing), but every other module assigns the slot's samples to its replicas by its
+own per-sample costs: an image encoder by its images, a generator by its targets. Counts may differ
+between replicas (within ``[floor, cap]``), so a sample with twelve images can sit alone on one
+encoder replica while another takes six text-only samples. The boundary routes then carry each
+sample's rows from the replica that computed them to the one that needs them (``comm/routes.py``).
+
+``assign`` minimises the largest replica load (among equals it prefers a smaller sum of squared
+loads, best effort): the LPT schedule, then moves and swaps off the most loaded replica, then, unless
+that already meets the lower bound, a depth-first search over the heaviest-first assignment that
+proves the optimum or stops at a node budget. Everything is deterministic: the
+same costs give the same assignment on every rank, with no clock involved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+from disttrain_ds.comm.routes import blocks
+
+NODE_BUDGET = 5_000
+"""Search nodes ``assign`` may visit after its local search (a bound on time, the same everywhere)."""
+_EPS = 1e-12
+
+
+def _check(costs: Sequence[float], replicas: int, floor: int, cap: int) -> np.ndarray:
+    c = np.asarray(costs, dtype=np.float64)
+    if c.ndim != 1 or not np.isfinite(c).all() or (c < 0).any():
+        raise ValueError("costs must be a 1-D sequence of finite values >= 0")
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if not 0 <= floor <= cap or floor * replicas > len(c) or cap * replicas < len(c):
+        raise ValueError(f"{len(c)} samples do not fit {replicas} replicas of {floor}..{cap} samples each")
+    return c
+
+
+def _score(loads: np.ndarray) -> tuple[float, float]:
+    return float(loads.max()), float((loads * loads).sum())
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    tol = _EPS * max(1.0, abs(b[0]))
+    return a[0] < b[0] - tol or (a[0] <= b[0] + tol and a[1] < b[1] - _EPS * max(1.0, b[1]))
+
+
+def _lpt(c: np.ndarray, replicas: int, floor: int, cap: int) -> np.ndarray:
+    """Heaviest first to the least-loaded replica with room (ties: the lowest index); the last
+    samples fill replicas still short of ``floor``."""
+    owner = np.empty(len(c), dtype=np.int64)
+    loads, counts = np.zeros(replicas), np.zeros(replicas, dtype=np.int64)
+    order = np.argsort(-c, kind="stable")
+    for k, i in enumerate(order):
+        left = len(c) - k
+        short = np.maximum(floor - counts, 0)
+        room = counts < cap
+        if short.sum() >= left:  # the rest must go to replicas below their floor
+            room &= short > 0
+        r = int(np.flatnonzero(room)[np.argmin(loads[room])])
+        owner[i] = r
+        loads[r] += c[i]
+        counts[r] += 1
+    return owner
+
+
+def _improve(c: np.ndarray, owner: np.ndarray, replicas: int, floor: int, cap: int, rounds: int) -> np.ndarray:
+    """Best single move or swap involving the most loaded replica, while the score drops."""
+    owner = owner.copy()
+    loads = np.bincount(owner, weights=c, minlength=replicas)
+    counts = np.bincount(owner, minlength=replicas)
+    best = _score(loads)
+    for _ in range(rounds):
+        hot = int(np.argmax(loads))
+        mine, others = np.flatnonzero(owner == hot), np.flatnonzero(owner != hot)
+        choice, choice_score = None, best
+        if counts[hot] > floor:  # move one sample off the hot replica
+            for i in mine:
+                for r in range(replicas):
+                    if r == hot or counts[r] >= cap:
+                        continue
+                    trial = loads.copy()
+                    trial[hot] -= c[i]
+                    trial[r] += c[i]
+                    s = _score(trial)
+                    if _better(s, choice_score):
+                        choice, choice_score = ("move", int(i), r), s
+        for i in mine:  # swap one of its samples with a lighter one elsewhere
+            for j in others:
+                if c[j] >= c[i]:
+                    continue
+                trial = loads.copy()
+                trial[hot] += c[j] - c[i]
+                trial[owner[j]] += c[i] - c[j]
+                s = _score(trial)
+                if _better(s, choice_score):
+                    choice, choice_score = ("swap", int(i), int(j)), s
+        if choice is None:
+            break
+        if choice[0] == "move":
+            _, i, r = choice
+            loads[hot] -= c[i]
+            loads[r] += c[i]
+            counts[hot] -= 1
+            counts[r] += 1
+            owner[i] = r
+        else:
+            _, i, j = choice
+            rj = int(owner[j])
+            loads[hot] += c[j] - c[i]
+            loads[rj] += c[i] - c[j]
+            owner[i], owner[j] = rj, hot
+        best = choice_score
+    return owner
+
+
+def _search(c: np.ndarray, owner: np.ndarray, replicas: int, floor: int, cap: int, budget: int) -> np.ndarray:
+    """Depth-first search over assignments of the samples heaviest first, pruned by the incumbent's
+    largest load; returns the best found (optimal when the search finishes within ``budget``)."""
+    order = np.argsort(-c, kind="stable")
+    w = c[order]
+    suffix = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])
+    best_owner, best = owner.copy(), _score(np.bincount(owner, weights=c, minlength=replicas))
+    loads, counts = np.zeros(replicas), np.zeros(replicas, dtype=np.int64)
+    pick = np.empty(len(c), dtype=np.int64)
+    nodes = 0
+
+    def visit(k: int) -> None:
+        nonlocal nodes, best, best_owner
+        nodes += 1
+        if nodes > budget:
+            return
+        if k == len(w):
+            s = _score(loads)
+            if _better(s, best):
+                best = s
+                best_owner = np.empty(len(c), dtype=np.int64)
+                best_owner[order] = pick
+            return
+        # Bound: even spread of what is left cannot beat the incumbent's largest load.
+        if max(loads.max(), (loads.sum() + suffix[k]) / replicas) > best[0] + _EPS * max(1.0, best[0]):
+            return
+        left = len(w) - k
+        need = int(np.maximum(floor - counts, 0).sum())
+        tried: set[tuple[float, int]] = set()
+        for r in np.argsort(loads, kind="stable"):
+            r = int(r)
+            if counts[r] >= cap or (need >= left and counts[r] >= floor):
+                continue
+            key = (round(float(loads[r]), 12), int(counts[r]))
+            if key in tried:  # replicas alike so far lead to the same subtrees
+                continue
+            tried.add(key)
+            if loads[r] + w[k] > best[0] + _EPS * max(1.0, best[0]):
+                continue
+            loads[r] += w[k]
+            counts[r] += 1
+            pick[k] = r
+            visit(k + 1)
+            loads[r] -= w[k]
+            counts[r] -= 1
+            if nodes > budget:
+                return
+
+    visit(0)
+    return best_owner
+
+
+def assign(costs: Sequence[float], replicas: int, floor: int = 1, cap: int | None = None,
+           budget: int = NODE_BUDGET) -> list[list[int]]:
+    """Sample positions per replica (each ascending) that minimise the most loaded replica's summed
+    cost, each replica taking ``floor``..``cap`` samples (``cap`` None: any number). Deterministic;
+    the largest load is optimal when the search ends within ``budget`` nodes."""
+    cap = len(costs) if cap is None else cap
+    c = _check(costs, replicas, floor, cap)
+    if replicas == 1:
+        return [list(range(len(c)))]
+    owner = _lpt(c, replicas, floor, cap)
+    owner = _improve(c, owner, replicas, floor, cap, rounds=4 * len(c))
+    top = np.bincount(owner, weights=c, minlength=replicas).max()
+    if top > lower_bound(c, replicas) * (1 + 1e-9):  # not yet provably optimal (ties aside)
+        owner = _search(c, owner, replicas, floor, cap, budget)
+    return [sorted(int(i) for i in np.flatnonzero(owner == r)) for r in range(replicas)]
+
+
+def share_cap(slot: int, replicas: int, max_share: float) -> int:
+    """The most samples one replica of ``replicas`` takes from a slot of ``slot`` samples:
+    ``max_share`` times the even share, rounded up (what the memory estimate counts)."""
+    return min(slot, math.ceil(slot / replicas * max_share))
+
+
+def lower_bound(costs: Sequence[float], replicas: int) -> float:
+    """No assignment's largest load is below this: the heaviest sample, or the mean load."""
+    c = np.asarray(costs, dtype=np.float64)
+    return float(max(c.max(initial=0.0), c.sum() / replicas))
+
+
+def load_ratio(costs: Sequence[float], groups: Sequence[Sequence[int]]) -> float:
+    """Largest over mean replica load of ``groups`` (1.0 when nothing is to be done)."""
+    c = np.asarray(costs, dtype=np.float64)
+    loads = np.array([c[list(g)].sum() for g in groups])
+    mean = loads.mean() if len(loads) else 0.0
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def slot_groups(costs: np.ndarray, columns: dict[str, int], dps: dict[str, int], keep: Collection[str],
+                max_share: float) -> dict[str, list[list[int]]]:
+    """Each module's replicas' slot positions for one microbatch slot (``costs``: ``[slot, k]`` forward
+    costs, ``columns``: module -> its column): the modules in ``keep`` (the LLM) take contiguous,
+    equal blocks; every other module ``assign``s the slot by its own costs, each replica taking at
+    least one sample and at most ``share_cap`` of them."""
+    c = np.asarray(costs, dtype=np.float64)
+    slot, out = c.shape[0], {}
+    for name, dp in dps.items():
+        if name in keep or dp == 1:
+            out[name] = [list(b) for b in blocks(slot, dp)]
+        else:
+            out[name] = assign(c[:, columns[name]], dp, floor=1, cap=share_cap(slot, dp, max_share))
+    return out
+
+
+def owners_of(groups: Sequence[Sequence[int]]) -> list[int]:
+    """The replica of each slot position, from each replica's positions."""
+    out = [-1] * sum(len(g) for g in groups)
+    for r, g in enumerate(groups):
+        for p in g:
+            out[p] = r
+    return out
