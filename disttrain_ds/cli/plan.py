@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,9 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
                   " with PP microbatches in flight"]
         lines += [f"  {n:<{width}} h {m.straggler:6.3f}   g {m.pace:6.3f}"
                   for n, m in result.modules.items()]
+        if profile.post_balance_share:
+            lines.append(f"  (post-balanced: every module but the LLM splits a step by its own costs, up to "
+                         f"{profile.post_balance_share:g} x the even share per replica)")
     lines += ["", f"T_warmup  {result.t_warmup_ms:12.1f} ms",
               f"T_steady  {result.t_steady_ms:12.1f} ms",
               f"T_iter    {result.t_iter_ms:12.1f} ms   (closed form the search minimises)",
@@ -312,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             probe = probe_recipe(base_path, profile.graph, graph_form)
             profile, left_out = restrict_to_runtime(profile, probe)
             profile = with_recipe_memory(profile, probe)
+            if probe.parallel.post_balance and not profile.post_balance_share:  # price the splits it makes
+                profile = replace(profile, post_balance_share=probe.parallel.post_balance_share)
         make_plan = plan_measured_only if args.measured_only else plan
         limit = runtime_limit(probe, profile) if args.recipe is not None else None
         if limit is None:

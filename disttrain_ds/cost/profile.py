@@ -157,6 +157,10 @@ class Profile:
     """Peak dense throughput per GPU in TFLOPS (312 for A800 bf16); enables predicted MFU."""
     description: str = ""
     """Free text shown nowhere by the optimizer; say where the numbers come from."""
+    post_balance_share: float = 0.0
+    """The runtime's ``parallel.post_balance_share`` when the job post-balances (encoders and
+    generators split each microbatch by their own costs, a replica taking up to this multiple of
+    its even share): the straggler factors price those splits; 0: contiguous, equal blocks."""
     graph: ModuleGraph | None = None
     """Who feeds whom; None takes each module's name as its role (only ``encoder``, ``llm`` and
     ``generator`` can). Always a ModuleGraph once constructed."""

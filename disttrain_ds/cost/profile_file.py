@@ -23,7 +23,7 @@ from disttrain_ds.cost.profile import (
 from disttrain_ds.graph import DEFAULT_ROLES, ROLES
 
 _TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node", "gpu_memory_gb",
-               "peak_tflops", "description")
+               "peak_tflops", "description", "post_balance_share")
 _MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
                   "grad_bytes_per_param", "optimizer_bytes_per_param",
                   "activation_bytes_per_sample", "activation_tp_sharded", "flops_per_sample", "activation_checkpointing",
@@ -179,8 +179,16 @@ def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
         gpu_memory_gb=_num(data, "gpu_memory_gb", "gpu_memory_gb", src, None, positive=True),
         peak_tflops=_num(data, "peak_tflops", "peak_tflops", src, None, positive=True),
         description=description,
+        post_balance_share=_share(data, src),
         graph=graph,
     )
+
+
+def _share(data: dict, src: str) -> float:
+    value = _num(data, "post_balance_share", "post_balance_share", src, 0.0)
+    if value != 0 and value < 1:
+        raise _fail(src, "post_balance_share", f"must be 0 (no post-balancing) or >= 1, got {value!r}")
+    return float(value)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -198,6 +206,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             out[key] = getattr(profile, key)
     if profile.description:
         out["description"] = profile.description
+    if profile.post_balance_share:
+        out["post_balance_share"] = profile.post_balance_share
     out["modules"] = {}
     for name in profile.graph.names:
         spec, role = profile.modules[name], profile.graph.role(name)

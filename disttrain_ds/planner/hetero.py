@@ -27,6 +27,10 @@ swaps, so Y is over-estimated by at most LPT's gap: under 0.3 % of the mean load
 mean are summed over the same steps, so h >= 1 (and g >= h up to rounding; both are clamped
 at 1).
 
+With ``Profile.post_balance_share`` (the runtime's ``parallel.post_balance``) every module but the
+LLM splits a step by LPT with room for up to that share of samples per replica (``share_cap``), as
+its post-balancing allows; the runtime's assignment then improves on LPT by moves and swaps.
+
 The objective's terms become w = (m * C(tp)) * h and s = ((m * C(tp)) * g) / pp: C(tp) stays the
 profile's mean cost and the factors scale it (TP and PP shrink every sample's time alike).
 Factors are computed on first use and kept, so a search pays only for the (dp, m) pairs it looks
@@ -42,6 +46,7 @@ import numpy as np
 
 from disttrain_ds.cost.profile import Profile
 from disttrain_ds.reorder.intra import lpt_rows
+from disttrain_ds.reorder.post_balance import share_cap
 
 SAMPLES = 2048
 """Samples balanced per (dp, m) with m >= 2 (``max(MIN_STEPS, ceil(SAMPLES / D))`` steps)."""
@@ -63,6 +68,8 @@ class StragglerTable:
     def __init__(self, profile: Profile, samples: int = SAMPLES, seed: int = SEED) -> None:
         names = [n for n, m in profile.modules.items() if m.sample_cost_ms is not None]
         self.names = tuple(names)
+        # Post-balanced modules (all but the LLM) split a step unevenly, up to this share per replica.
+        self._share = np.array([profile.post_balance_share if n != profile.graph.llm else 0.0 for n in names])
         self._draws = np.array([profile.modules[n].sample_cost_ms for n in names],
                                dtype=np.float64).reshape(len(names), -1)
         self._sorted = np.sort(self._draws, axis=1)
@@ -86,7 +93,9 @@ class StragglerTable:
             idx = np.random.default_rng([self._seed, dp, m]).integers(0, self._draws.shape[1],
                                                                       (steps, d))
             costs.append(self._draws[:, idx].reshape(-1, d))  # rows: module-major, then step
-            room.append(np.broadcast_to(np.where(np.arange(k) < dp, m, 0), (n * steps, k)))
+            cap = np.array([share_cap(d, dp, s) if s else m for s in self._share])  # per module
+            per = np.where(np.arange(k)[None, :] < dp, cap[:, None], 0)  # [modules, ranks]
+            room.append(np.repeat(per, steps, axis=0))
         _, loads = lpt_rows(np.concatenate(costs), np.concatenate(room))
         for j, (dp, m) in enumerate(pairs):
             mine = loads[j * n * steps:(j + 1) * n * steps]

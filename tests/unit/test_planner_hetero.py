@@ -351,3 +351,20 @@ def test_baselines_are_priced_by_the_objective_of_their_layout(graph, seed, draw
     for p in rigid:
         assert p.t_iter_ms == t_iter(profile, p.degrees(), table).total_ms
         assert p.t_iter_ms == build_plan(profile, p.degrees(), table=table).t_iter_ms
+
+
+def test_post_balanced_modules_are_priced_with_their_own_uneven_splits():
+    data = random_data(GRAPHS["chain"], 5, draw=256)
+    rng = np.random.default_rng(5)
+    # A quarter of the samples generate three images, the rest one: a step with one heavy sample is
+    # even only if the heavy sample's replica takes fewer samples.
+    data["modules"]["generator"]["sample_cost_ms"] = (10.0 * np.where(rng.random(256) < 0.25, 3, 1)).tolist()
+    even = StragglerTable(profile_from_dict(data))
+    post = StragglerTable(profile_from_dict({**data, "post_balance_share": 2.0}))
+    assert 1.0 <= post.factor("generator", 2, 4) < even.factor("generator", 2, 4) - 0.02
+    assert post.factor("llm", 2, 4) == even.factor("llm", 2, 4)  # the LLM keeps its blocks
+    assert post.factor("generator", 4, 1) == even.factor("generator", 4, 1)  # one sample each: nothing to move
+    back = profile_from_dict(profile_to_dict(profile_from_dict({**data, "post_balance_share": 1.5})))
+    assert back.post_balance_share == 1.5
+    with pytest.raises(ProfileError, match="post_balance_share"):
+        profile_from_dict({**data, "post_balance_share": 0.5})

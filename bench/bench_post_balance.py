@@ -1,0 +1,153 @@
+"""Per-module post-balancing against one order for every module: replica loads and simulated step time.
+
+    python bench/bench_post_balance.py [--batches N] [--seed S]
+
+Workloads (per-sample costs of ViT-H/14, Llama-3 7B and SD 2.1 in FLOPs, ``CostModel.paper_mllm``):
+
+* ``paper``: the LAION-400M statistics of :mod:`disttrain_ds.data.paper_stats` (the paper's Fig. 3
+  profile: every image of a sequence is also generated);
+* ``mixed``: the same sequences where only some samples generate: none for 60 % of them, otherwise
+  a geometric count (p = 0.35, at most 8) of 512 px targets, so the encoder's and the generator's
+  heavy samples are different ones (the case one order cannot serve).
+
+Layouts: LLM DP 8 x micro_batch 4 (a 32-sample slot), encoder and generator on 4 or 8 replicas.
+Each global batch is first reordered as the runtime does with ``data.reorder`` (``reorder/inter.py``:
+microbatches, a DP split by summed cost refined module by module, the 1F1B order); then
+
+* ``one order``: every module takes contiguous, equal blocks of that order (today's default);
+* ``post-balanced``: encoder and generator each split the same slot by their own costs
+  (``reorder/post_balance.py``, at most 2 x the even share per replica), the LLM keeps its blocks.
+
+Figures per module: the mean over slots of its slowest replica's load over the mean load, and the
+same for the lower bound (the heaviest sample or the mean, whichever is larger), and the
+post-balanced slowest replica over the optimum (a MILP over every assignment with the same
+counts, scipy's HiGHS). Step time: 1F1B
+over encoder -> LLM (2 stages) -> generator with each stage's time its slowest replica's load, each
+module's times scaled so its mean per-microbatch time equals an LLM stage's (a balanced
+orchestration's sizing, leaving only data heterogeneity), backward = 2 x forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from disttrain_ds.comm.routes import blocks  # noqa: E402
+from disttrain_ds.cost.graph_costs import GraphCosts  # noqa: E402
+from disttrain_ds.cost.model import CostModel  # noqa: E402
+from disttrain_ds.data.paper_stats import draw_sample_stats  # noqa: E402
+from disttrain_ds.reorder.inter import batch_order  # noqa: E402
+from disttrain_ds.reorder.post_balance import lower_bound, share_cap, slot_groups  # noqa: E402
+from disttrain_ds.samples import SampleStats  # noqa: E402
+from disttrain_ds.schedule.simulate import makespan_1f1b  # noqa: E402
+
+SEQ, PATCH, SLOT, LLM_DP, MICRO = 8192, 14, 32, 8, 4
+COSTS = GraphCosts.three_module(CostModel.paper_mllm())
+NAMES = ("encoder", "llm", "generator")
+
+
+def workload(name: str, n: int, rng: np.random.Generator) -> list[SampleStats]:
+    stats = draw_sample_stats(n, SEQ, rng, patch_size=PATCH)
+    if name == "paper":
+        return stats
+    gens = [0 if rng.random() < 0.6 else min(8, int(rng.geometric(0.35))) for _ in stats]
+    return [replace(s, gens=((g, 512),)) for s, g in zip(stats, gens)]
+
+
+def loads(costs: np.ndarray, groups: list[list[int]]) -> np.ndarray:
+    return np.array([costs[g].sum() for g in groups])
+
+
+def optimum(costs: np.ndarray, replicas: int, cap: int) -> float:
+    """The smallest largest load over every assignment with 1..cap samples per replica (MILP, HiGHS)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    scale = costs.max() if costs.max() > 0 else 1.0
+    costs = costs / scale  # FLOPs near 1e14 are beyond the solver's tolerances
+    n, k = len(costs), replicas
+    nv = n * k + 1  # x[i, r] then the largest load
+    obj = np.zeros(nv)
+    obj[-1] = 1.0
+    one = np.zeros((n, nv))
+    for i in range(n):
+        one[i, i * k:(i + 1) * k] = 1.0
+    load, count = np.zeros((k, nv)), np.zeros((k, nv))
+    for r in range(k):
+        load[r, r:n * k:k], load[r, -1] = costs, -1.0
+        count[r, r:n * k:k] = 1.0
+    cons = [LinearConstraint(one, 1, 1), LinearConstraint(load, -np.inf, 0), LinearConstraint(count, 1, cap)]
+    integrality = np.r_[np.ones(n * k), 0]
+    res = milp(obj, constraints=cons, integrality=integrality, bounds=Bounds(0, np.r_[np.ones(n * k), np.inf]),
+               options={"time_limit": 5})
+    return float(res.fun) * scale if res.status == 0 else float("nan")
+
+
+def run(name: str, dps: dict[str, int], batches: int, seed: int) -> dict[str, list[float]]:
+    rng = np.random.default_rng(seed)
+    slots = 8  # microbatches per global batch
+    out: dict[str, list[float]] = {k: [] for k in ("enc_one", "enc_post", "enc_lb", "gen_one", "gen_post", "gen_lb", "enc_opt", "gen_opt",
+                                                     "span_one", "span_post", "ms_per_slot")}
+    groups_n = math.lcm(*dps.values())
+    for _ in range(batches):
+        stats = workload(name, SLOT * slots, rng)
+        per = COSTS.costs(stats)  # [n, 3] forward FLOPs
+        order = batch_order(per, COSTS, groups_n, SLOT // groups_n)
+        per = per[order]
+        stage = {k: np.zeros((slots, 3)) for k in ("one", "post")}
+        for g in range(slots):
+            c = per[g * SLOT:(g + 1) * SLOT]
+            t0 = time.perf_counter()
+            post = slot_groups(c, {n: i for i, n in enumerate(NAMES)}, dps, {"llm"}, 2.0)
+            out["ms_per_slot"].append(1e3 * (time.perf_counter() - t0))
+            for j, m in enumerate(NAMES):
+                one = loads(c[:, j], [list(b) for b in blocks(SLOT, dps[m])])
+                bal = loads(c[:, j], post[m])
+                stage["one"][g, j], stage["post"][g, j] = one.max(), bal.max()
+                if m != "llm" and one.mean() > 0:
+                    key = m[:3]
+                    out[f"{key}_one"].append(one.max() / one.mean())
+                    out[f"{key}_post"].append(bal.max() / bal.mean())
+                    out[f"{key}_lb"].append(lower_bound(c[:, j], dps[m]) / one.mean())
+                    out[f"{key}_opt"].append(bal.max() / optimum(c[:, j], dps[m], share_cap(SLOT, dps[m], 2.0)))
+        # Scale each module's stage times so its mean equals one LLM stage's (LLM on 2 stages).
+        llm_mean = stage["one"][:, 1].mean() / 2
+        for k, st in stage.items():
+            scale = [stage["one"][:, j].mean() / llm_mean if stage["one"][:, j].mean() > 0 else 1.0 for j in range(3)]
+            f = np.column_stack([st[:, 0] / scale[0], st[:, 1] / 2, st[:, 1] / 2, st[:, 2] / scale[2]]) / llm_mean
+            out[f"span_{k}"].append(makespan_1f1b(f, 2 * f))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print("| workload | encoder / generator replicas | encoder max/mean: one order, post-balanced, bound | "
+          "generator max/mean: one order, post-balanced, bound | post-balanced / optimum: encoder, generator | "
+          "step time: post-balanced / one order | assignment ms per slot |")
+    print("|---|---|---|---|---|---|---|")
+    for name in ("paper", "mixed"):
+        for enc, gen in ((4, 4), (8, 4), (4, 8)):
+            r = run(name, {"encoder": enc, "llm": LLM_DP, "generator": gen}, args.batches, args.seed)
+            m = {k: statistics.mean(v) if v else float("nan") for k, v in r.items()}
+            speed = statistics.mean(p / o for p, o in zip(r["span_post"], r["span_one"]))
+            print(f"| {name} | {enc} / {gen} | {m['enc_one']:.3f}, {m['enc_post']:.3f}, {m['enc_lb']:.3f} | "
+                  f"{m['gen_one']:.3f}, {m['gen_post']:.3f}, {m['gen_lb']:.3f} | "
+                  f"{m['enc_opt']:.4f} (max {max(r['enc_opt']):.3f}), {m['gen_opt']:.4f} (max {max(r['gen_opt']):.3f}) | "
+                  f"{speed:.3f} | "
+                  f"{m['ms_per_slot']:.1f} (max {max(r['ms_per_slot']):.0f}) |")
+
+
+if __name__ == "__main__":
+    main()
