@@ -50,28 +50,9 @@ def routes(slot: int, dp_up: int, dp_down: int) -> list[Route]:
     return out
 
 
-def routes_from(up: int, slot: int, dp_up: int, dp_down: int) -> list[Route]:
-    """Messages one upstream replica sends, in sample order."""
-    return [r for r in routes(slot, dp_up, dp_down) if r.up == up]
-
-
-def routes_to(down: int, slot: int, dp_up: int, dp_down: int) -> list[Route]:
-    """Messages one downstream replica receives, in sample order."""
-    return sorted((r for r in routes(slot, dp_up, dp_down) if r.down == down), key=lambda r: r.samples.start)
-
-
 def broker_groups(dp_up: int, dp_down: int) -> int:
     """Independent groups of replicas that exchange samples only among themselves."""
     return math.gcd(dp_up, dp_down)
-
-
-def split_rows(rows_per_sample: list[int], my_block: range, pieces: list[range]) -> list[int]:
-    """Row counts of each piece of a tensor packed over ``my_block``'s samples."""
-    sizes = []
-    for piece in pieces:
-        lo, hi = piece.start - my_block.start, piece.stop - my_block.start
-        sizes.append(sum(rows_per_sample[lo:hi]))
-    return sizes
 
 
 def block_owners(slot: int, dp: int) -> list[int]:

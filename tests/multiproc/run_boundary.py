@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from disttrain_ds.comm import nccl_emulation  # noqa: E402
 from disttrain_ds.comm.boundary import BoundaryComm, boundary_links  # noqa: E402
+from disttrain_ds.comm.routes import blocks  # noqa: E402
 from disttrain_ds.comm.p2p import P2P, PeerInfo, new_channel_groups  # noqa: E402
 from disttrain_ds.topology import ModuleGrid  # noqa: E402
 
@@ -64,7 +65,7 @@ def main() -> int:
                 raise SystemExit(f"gradient of microbatch {mb} came back wrong")
             got[mb] = grad[:, 0, 0].tolist()
     else:
-        block = comm.block
+        block = blocks(slot, down.dp)[comm.dp]  # this LLM replica's samples of every slot
         mine = [rows[block.start : block.stop] for rows in ROWS]
         comm.prefetch_activation(0, mine[0])
         for mb in range(len(ROWS)):
