@@ -40,9 +40,11 @@ def test_overrides_reach_the_reference():
     assert "data.gen_images=[0,1]" in _ref_overrides(LAYOUTS["some_samples_generate_nothing"][1])
 
 
-SLOW = {"enc1_llm_dp2_gen_dp2", "enc_dp2_llm_pp2_gen1"}
-"""Layouts whose default-tier twins cover the same traffic: ``some_samples_generate_nothing`` runs the
-same ranks; test_tensor_parallel.py's ``enc_dp2_llm_tp2_gen_tp2`` fans two encoder replicas in."""
+SLOW = {"enc1_llm_dp2_gen_dp2", "enc_dp2_llm_pp2_gen1", "some_samples_generate_nothing"}
+"""Layouts whose default-tier twins cover the same traffic: test_post_balance.py's layout fans two
+LLM replicas out to two generator replicas, with microbatches that generate nothing (the zero-weight
+stand-in), and test_reshard.py's README layout the same fan-out over contiguous blocks;
+test_tensor_parallel.py's ``enc_dp2_llm_tp2_gen_tp2`` fans two encoder replicas in."""
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
