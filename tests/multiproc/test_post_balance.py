@@ -53,3 +53,17 @@ def test_rows_left_in_arrival_order_are_caught(tmp_path, reference_run):
     _, ref_params = reference_run(["train.steps=2", *REFERENCE[1:]])
     worst, _ = max_param_mismatch(params, ref_params)
     assert worst > 1e-3
+
+
+@pytest.mark.slow  # 8 ranks; the default tier pins the routing and its negative control above
+def test_two_encoders_post_balanced_over_a_split_image_encoder_match_the_reference(tmp_path, reference_run):
+    """The image and audio encoders each split the slot by their own costs (the image encoder over
+    two replicas of two pipeline stages), both fanning in to one LLM replica of two stages."""
+    overrides = ["parallel.modules.vision.dp=2", "parallel.modules.vision.pp=2", "parallel.modules.ear.dp=2",
+                 "train.micro_batch=4", "data.max_audio=3"]
+    rows, params, _ = launch(tmp_path, 9, [STEPS, *SGD, "layout=disaggregated", "parallel.post_balance=true",
+                                           *overrides], recipe="tiny_omni")
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *overrides], "tiny_omni")
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e}"
