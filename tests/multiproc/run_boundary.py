@@ -24,8 +24,8 @@ import torch.distributed as dist  # noqa: E402
 
 from disttrain_ds.comm import nccl_emulation  # noqa: E402
 from disttrain_ds.comm.boundary import BoundaryComm, boundary_links  # noqa: E402
-from disttrain_ds.comm.routes import blocks  # noqa: E402
 from disttrain_ds.comm.p2p import P2P, PeerInfo, new_channel_groups  # noqa: E402
+from disttrain_ds.comm.routes import blocks  # noqa: E402
 from disttrain_ds.topology import ModuleGrid  # noqa: E402
 
 FEATURES = (3, 4)

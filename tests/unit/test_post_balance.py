@@ -75,3 +75,17 @@ def test_bad_input_is_one_clear_error(args, match):
 
 def test_share_cap_counts_the_most_samples_a_replica_may_take():
     assert share_cap(8, 4, 2.0) == 4 and share_cap(8, 4, 1.0) == 2 and share_cap(3, 2, 5.0) == 3
+
+
+def test_memory_estimate_counts_the_most_samples_a_post_balanced_replica_may_take():
+    from disttrain_ds.estimate.memory import estimate
+    from disttrain_ds.recipe.schema import load_recipe
+
+    layout = ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1", "parallel.encoder.dp=2",
+              "parallel.generator.dp=2", "train.micro_batch=2", "train.global_batch=8"]
+    even = {(r.module, r.stage): r for r in estimate(load_recipe("tiny_cpu", layout))}
+    post = {(r.module, r.stage): r for r in estimate(load_recipe("tiny_cpu", [*layout, "parallel.post_balance=true",
+                                                                            "parallel.post_balance_share=1.5"]))}
+    assert even[("encoder", 0)].samples == 2 and post[("encoder", 0)].samples == 3  # ceil(4 / 2 * 1.5)
+    assert post[("encoder", 0)].activations > even[("encoder", 0)].activations
+    assert post[("llm", 0)].samples == even[("llm", 0)].samples == 2  # the LLM keeps its blocks
