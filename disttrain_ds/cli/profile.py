@@ -34,6 +34,7 @@ from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.profiler.measure import ModuleResult, Options, profile_recipe
 from disttrain_ds.profiler.tp import cost_table, measure_tp
 from disttrain_ds.recipe.schema import Recipe, load_recipe
+from disttrain_ds.runtime.emulate import data_flops
 
 PROG = prog_name("disttrain-profile", "python -m disttrain_ds.cli.profile")
 
@@ -64,7 +65,8 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
     # Adam's two fp32 moments (this SGD has no momentum), plus fp32 master weights under bf16.
     optim = (8.0 if recipe.optim.name == "adamw" else 0.0) + (4.0 if recipe.train.dtype == "bf16" else 0.0)
     costs, tp_text = tp_table
-    draws = sample_draws(results, costs)
+    data = data_flops(recipe, args.draw_from) if args.draw_from else None
+    draws = sample_draws(results, costs, None if data is None else {n: list(v) for n, v in data.items()})
     modules = {r.name: ModuleProfile(
         layers=r.layers, cost_ms=costs[r.name],
         params=float(r.params), frozen=r.mode != "train", weight_bytes_per_param=width,
@@ -80,8 +82,9 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
             f"cost_ms: TP=1 measured (median; p90 ms: {p90}){tp_text}")
     text += (". flops_per_sample: median; activation_bytes_per_sample: largest over the samples; "
              f"peak_tflops: {peak[1]}; sample_cost_ms: "
-             + (f"the {opts.samples} samples' cost-model FLOPs scaled to each module's TP=1 cost." if draws is not None
-                else "left out (a sample without FLOPs in some module)."))
+             + (("the first {} samples of the recipe's data".format(args.draw_from) if args.draw_from else
+                 f"the {opts.samples} samples") + "' cost-model FLOPs at each module's timed ms per FLOP."
+                if draws is not None else "left out (a sample without FLOPs in some module)."))
     mem = args.gpu_memory_gb
     if mem is None and opts.device.type == "cuda":
         mem = torch.cuda.get_device_properties(opts.device).total_memory / GIB
@@ -93,21 +96,26 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
                    graph=ModuleGraph.from_roles({r.name: r.role for r in results}))
 
 
-def sample_draws(results: list[ModuleResult], costs: dict[str, dict[int, float]]
-                 ) -> dict[str, tuple[float, ...]] | None:
+def sample_draws(results: list[ModuleResult], costs: dict[str, dict[int, float]],
+                 data: dict[str, list[float]] | None = None) -> dict[str, tuple[float, ...]] | None:
     """Per-sample fwd+bwd ms at TP=1 of every module (``sample_cost_ms``): each timed sample's work
     by the runtime's cost model (``ModuleResult.work``, padding included: what the module computes,
     as reordering and emulation price it; not the useful FLOPs of MFU, whose spread over packed
     sequences is mostly padding) scaled so the module's mean is its C(1), time proportional to
-    work, which keeps the measurement's noise out of the spread. A sample with no work in a module
-    (no images for an encoder, no targets for a generator) keeps its 0; a module no sample gives work
-    has a draw of zeros. None when a module timed no sample."""
+    work, which keeps the measurement's noise out of the spread. With ``data`` (``--draw-from``:
+    the work of many samples of the recipe's data) those samples at the same ms per unit of work.
+    A sample with no work in a module (no images for an encoder, no targets for a generator) keeps
+    its 0; a module no sample gives work has a draw of zeros. None when a module timed no sample."""
     if any(not r.work for r in results):
         return None
     out = {}
     for r in results:
         mean = statistics.fmean(r.work)
-        out[r.name] = tuple(f / mean * costs[r.name][1] if mean > 0 else 0.0 for f in r.work)
+        work = r.work if data is None else data[r.name]
+        if mean == 0 and any(w > 0 for w in work):
+            raise ConfigError(f"--draw-from: no timed sample gave module {r.name} work to scale its costs by; "
+                              "time more samples (--samples)")
+        out[r.name] = tuple(f / mean * costs[r.name][1] if mean > 0 else 0.0 for f in work)
     return out
 
 
@@ -141,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. model.llm.layers=8")
     ap.add_argument("--samples", type=int, default=8, help="samples to time (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed passes per module first (default 2)")
+    ap.add_argument("--draw-from", type=int, metavar="N",
+                    help="sample_cost_ms from the first N samples of the recipe's data, priced by the cost model "
+                         "and scaled by the timed samples' ms per unit of it (default: the timed samples)")
     ap.add_argument("--gpus", type=int, help="GPUs the plan may use (default: the recipe's layout)")
     ap.add_argument("--global-batch", type=int, help="default: the recipe's train.global_batch")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="bounds TP (default 8)")
@@ -158,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The first problem with the arguments, or None."""
-    for key, low in {"samples": 1, "warmup": 0, "gpus": 1, "global_batch": 1, "gpus_per_node": 1}.items():
+    for key, low in {"samples": 1, "warmup": 0, "gpus": 1, "global_batch": 1, "gpus_per_node": 1,
+                     "draw_from": 1}.items():
         if getattr(args, key) is not None and getattr(args, key) < low:
             return f"--{key.replace('_', '-')} must be >= {low}, got {getattr(args, key)}"
     for key in ("gpu_memory_gb", "peak_tflops", "tp_efficiency"):

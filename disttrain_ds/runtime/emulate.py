@@ -135,20 +135,27 @@ def sample_flops(cost_model, name: str, sample, patch: int, special) -> float:
 
 def calibration_flops(recipe) -> dict[str, np.ndarray]:
     """Per module name, the cost-model forward FLOPs of each sample of the first
-    ``emulate.calibration_batches`` global batches of the recipe's data (in-process, unreordered:
-    the same samples in any setting)."""
+    ``emulate.calibration_batches`` global batches of the recipe's data."""
+    return data_flops(recipe, recipe.emulate.calibration_batches * recipe.train.global_batch)
+
+
+def data_flops(recipe, samples: int) -> dict[str, np.ndarray]:
+    """Per module name, the cost-model forward FLOPs of each of the first ``samples`` samples of the
+    recipe's data, global batch by global batch from step 0 (in-process, unreordered: the same
+    samples in any setting)."""
     # deferred: loads torch (safetensors too)
     from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 
     plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, producers=0, reorder=False))
     source, spec = build_data_and_spec(plain)
     try:
-        samples = [s for b in range(recipe.emulate.calibration_batches) for s in source.global_batch(b)]
+        batches = -(-samples // recipe.train.global_batch)
+        read = [s for b in range(batches) for s in source.global_batch(b)][:samples]
     finally:
         source.close()
     cm, graph = cost_model(recipe), graph_of(recipe)
     return {n: np.array([sample_flops(cm, n, s, patch_size(recipe, n), spec.special)
-                         for s in samples], dtype=np.float64) for n in graph.names}
+                         for s in read], dtype=np.float64) for n in graph.names}
 
 
 def recipe_rates(recipe, topo: Topology) -> dict[str, float]:

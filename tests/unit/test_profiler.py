@@ -17,6 +17,7 @@ import torch
 from disttrain_ds.cli import plan as plan_cli
 from disttrain_ds.cli import profile as cli
 from disttrain_ds.cost.profile_file import load_profile, profile_from_dict, profile_to_dict
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.planner.optimize import plan
 from disttrain_ds.recipe.schema import load_recipe
 
@@ -328,3 +329,32 @@ def test_a_failed_tp_worker_is_reported_by_its_own_exception_not_torchruns_summa
               "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
     assert worker_error(output) == "[rank1]: RuntimeError: Connection closed by peer"
     assert worker_error("") == "no output"
+
+
+def test_a_draw_from_the_data_prices_many_samples_at_the_timed_ms_per_unit_of_work():
+    ok = cli.ModuleResult("llm", "train", 2, 10, [5.0, 7.0], [9.0, 9.0], 0, 0.0, "llm", work=[2.0, 6.0])
+    idle = cli.ModuleResult("gen", "train", 2, 10, [1.0, 1.0], [1.0, 3.0], 0, 0.0, "gen", work=[0.0, 0.0])
+    costs = {"llm": {1: 8.0}, "gen": {1: 5.0}}
+    # The timed samples cost 8 ms for 4 units on average: 2 ms per unit, for every sample of the data.
+    assert cli.sample_draws([ok], costs, {"llm": [2.0, 4.0, 0.0, 1.0]}) == {"llm": (4.0, 8.0, 0.0, 2.0)}
+    assert cli.sample_draws([idle], costs, {"gen": [0.0, 0.0, 0.0]}) == {"gen": (0.0, 0.0, 0.0)}
+    with pytest.raises(ConfigError, match="--draw-from: no timed sample gave module gen work"):
+        cli.sample_draws([ok, idle], costs, {"llm": [1.0], "gen": [3.0]})
+
+
+def test_draw_from_reads_that_many_samples_of_the_recipes_data(tmp_path):
+    from disttrain_ds.runtime.emulate import data_flops
+
+    path = tmp_path / "p.json"
+    code, _, err = run("--recipe", TINY, "model.llm.layers=2", *FAST, "--draw-from", "6", "--out", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert "the first 6 samples of the recipe's data" in data["description"]
+    work = data_flops(load_recipe(TINY, ["model.llm.layers=2"]), 6)
+    for name, m in data["modules"].items():
+        draw = m["sample_cost_ms"]
+        assert len(draw) == 6 and len(work[name]) == 6
+        ratio = [d / w for d, w in zip(draw, work[name]) if w > 0]
+        assert ratio and max(ratio) == pytest.approx(min(ratio), rel=1e-9)  # one ms per unit of work
+    code, out, err = run("--recipe", TINY, *FAST, "--draw-from", "0", "--out", tmp_path / "q.json")
+    assert "--draw-from must be >= 1" in assert_one_line_error(code, out, err)
