@@ -15,8 +15,9 @@ Each global batch is first reordered as the runtime does with ``data.reorder`` (
 microbatches, a DP split by summed cost refined module by module, the 1F1B order); then
 
 * ``one order``: every module takes contiguous, equal blocks of that order (today's default);
-* ``post-balanced``: encoder and generator each split the same slot by their own costs
-  (``reorder/post_balance.py``, at most 2 x the even share per replica), the LLM keeps its blocks.
+* ``post-balanced``: the encoder splits the slot's images and the generator its samples, each by its
+  own costs (``reorder/post_balance.py``, at most 2 x the even share per replica, as
+  ``runtime/placement.py`` does), the LLM keeps its blocks.
 
 Figures per module: the mean over slots of its slowest replica's load over the mean load, and the
 same for the lower bound (the heaviest sample or the mean, whichever is larger: no assignment
@@ -46,7 +47,7 @@ from disttrain_ds.cost.graph_costs import GraphCosts  # noqa: E402
 from disttrain_ds.cost.model import CostModel  # noqa: E402
 from disttrain_ds.data.paper_stats import draw_sample_stats  # noqa: E402
 from disttrain_ds.reorder.inter import batch_order  # noqa: E402
-from disttrain_ds.reorder.post_balance import lower_bound, slot_groups  # noqa: E402
+from disttrain_ds.reorder.post_balance import assign, lower_bound, share_cap  # noqa: E402
 from disttrain_ds.samples import SampleStats  # noqa: E402
 from disttrain_ds.schedule.simulate import makespan_1f1b  # noqa: E402
 
@@ -77,22 +78,30 @@ def run(name: str, dps: dict[str, int], batches: int, seed: int) -> dict[str, li
         stats = workload(name, SLOT * slots, rng)
         per = COSTS.costs(stats)  # [n, 3] forward FLOPs
         order = batch_order(per, COSTS, groups_n, SLOT // groups_n)
-        per = per[order]
+        per, stats = per[order], [stats[i] for i in order]
         stage = {k: np.zeros((slots, 3)) for k in ("one", "post")}
         for g in range(slots):
             c = per[g * SLOT:(g + 1) * SLOT]
+            # The encoder's units are images (the runtime's items), the generator's samples.
+            items = [n for s in stats[g * SLOT:(g + 1) * SLOT] for n in s.image_patches]
+            item_cost = np.array([COSTS.module_cost("encoder", SampleStats(0, (n,), 0)) for n in items])
             t0 = time.perf_counter()
-            post = slot_groups(c, {n: i for i, n in enumerate(NAMES)}, dps, {"llm"}, 2.0)
+            enc, gen = dps["encoder"], dps["generator"]
+            post = {"llm": [list(b) for b in blocks(SLOT, dps["llm"])],
+                    "generator": assign(c[:, 2], gen, 1, share_cap(SLOT, gen, 2.0)),
+                    "encoder": assign(item_cost, enc, 1 if len(items) >= enc else 0,
+                                      max(share_cap(len(items), enc, 2.0), -(-len(items) // enc)))}
             out["ms_per_slot"].append(1e3 * (time.perf_counter() - t0))
             for j, m in enumerate(NAMES):
                 one = loads(c[:, j], [list(b) for b in blocks(SLOT, dps[m])])
-                bal = loads(c[:, j], post[m])
+                units = item_cost if m == "encoder" else c[:, j]
+                bal = loads(units, post[m])
                 stage["one"][g, j], stage["post"][g, j] = one.max(), bal.max()
                 if m != "llm" and one.mean() > 0:
                     key = m[:3]
                     out[f"{key}_one"].append(one.max() / one.mean())
                     out[f"{key}_post"].append(bal.max() / bal.mean())
-                    out[f"{key}_lb"].append(lower_bound(c[:, j], dps[m]) / one.mean())
+                    out[f"{key}_lb"].append(lower_bound(units, dps[m]) / one.mean())
         # Scale each module's stage times so its mean equals one LLM stage's (LLM on 2 stages).
         llm_mean = stage["one"][:, 1].mean() / 2
         for k, st in stage.items():

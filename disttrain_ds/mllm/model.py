@@ -212,8 +212,8 @@ class MicroBatch:
     gens: dict
     """Generator module name -> its ``GenInputs`` (empty without a generator)."""
     sample_rows: dict
-    """Per-sample row counts of the tensors that cross module boundaries (for DP splits):
-    ``<modality>_embeds`` per encoder modality, ``MLLMSpec.gen_rows_key`` per generator."""
+    """Row counts of the tensors that cross module boundaries (for DP splits): ``<modality>_embeds``
+    per item (image, clip) of every sample in order, ``MLLMSpec.gen_rows_key`` per sample."""
     audio: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """Audio encoder input: all log-mel clips flattened and concatenated (``pack_clips``)."""
     audio_shapes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
@@ -301,9 +301,10 @@ def collate(
         lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
         gens=gens,
         sample_rows={
-            "image_embeds": [sum((im.shape[1] // p) * (im.shape[2] // p) for im in s.images) for s in samples],
+            # Encoders' rows per item (image, clip) in sample order: a boundary may carry each item on its own.
+            "image_embeds": [(im.shape[1] // p) * (im.shape[2] // p) for im in images],
             **gen_rows,
-            "audio_embeds": [sum(rows(ear, int(c.shape[1])) for c in s.audio) for s in samples],
+            "audio_embeds": [rows(ear, int(c.shape[1])) for s in samples for c in s.audio],
         },
         audio=flat.to(dtype),
         audio_shapes=shapes,

@@ -27,17 +27,27 @@ def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int], columns: dict[s
                groups: list[dict[str, list[list[int]]]] | None = None) -> dict[str, float]:
     """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, k]``; ``columns``:
     module name -> its cost column (``module_columns``); ``groups``: per microbatch slot, each
-    module's replicas' positions (post-balancing, ``runtime/placement.py``); None: contiguous blocks."""
-    out: dict[str, float] = {}
-    n = costs.shape[0]
+    module's replicas' positions; None: contiguous blocks."""
+    loads: dict[str, list[np.ndarray]] = {}
     for module, col in columns.items():
-        highs, lows, means = [], [], []
-        for g, start in enumerate(range(0, n, slot)):
+        per_slot = []
+        for g, start in enumerate(range(0, costs.shape[0], slot)):
             parts = groups[g][module] if groups is not None else [list(b) for b in blocks(slot, dp[module])]
-            loads = np.array([costs[[start + p for p in part], col].sum() for part in parts])
-            mean = loads.mean()
-            highs.append(loads.max() / mean if mean else 1.0)  # nothing to do is perfectly balanced
-            lows.append(loads.min() / mean if mean else 1.0)
+            per_slot.append(np.array([costs[[start + p for p in part], col].sum() for part in parts]))
+        loads[module] = per_slot
+    return balance_figures(loads)
+
+
+def balance_figures(loads: dict[str, list[np.ndarray]]) -> dict[str, float]:
+    """``balance/<module>_load_{max,min,mean}`` from each module's replica loads of every slot: the
+    slowest and the least loaded replica over the mean, and the mean, averaged over the slots."""
+    out: dict[str, float] = {}
+    for module, per_slot in loads.items():
+        highs, lows, means = [], [], []
+        for row in per_slot:
+            mean = row.mean()
+            highs.append(row.max() / mean if mean else 1.0)  # nothing to do is perfectly balanced
+            lows.append(row.min() / mean if mean else 1.0)
             means.append(mean)
         out[f"balance/{module}_load_max"] = float(np.mean(highs))
         out[f"balance/{module}_load_min"] = float(np.mean(lows))

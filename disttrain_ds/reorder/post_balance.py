@@ -1,11 +1,12 @@
 """Per-module post-balancing (OrchMLLM's dispatcher): each module splits a microbatch over its own replicas.
 
 Every microbatch slot is one ordered list of samples. The LLM keeps its contiguous, equal blocks
-(its order and packing), but every other module assigns the slot's samples to its replicas by its
-own per-sample costs: an image encoder by its images, a generator by its targets. Counts may differ
-between replicas (within ``[floor, cap]``), so a sample with twelve images can sit alone on one
-encoder replica while another takes six text-only samples. The boundary routes then carry each
-sample's rows from the replica that computed them to the one that needs them (``comm/routes.py``).
+(its order and packing), but every other module assigns its own units of the slot to its replicas
+by its own per-unit costs: an encoder its items (images, audio clips: one sequence's images may be
+encoded on several replicas), a generator its samples (with their targets). Counts may differ
+between replicas (within ``[floor, cap]``). ``runtime/placement.py`` makes the placement; the
+boundary routes then carry each unit's rows from the replica that computed them to the one that
+needs them (``comm/routes.py``).
 
 ``assign`` minimises the largest replica load (among equals it prefers a smaller sum of squared
 loads, best effort): the LPT schedule, then moves and swaps off the most loaded replica, then, unless
@@ -17,11 +18,9 @@ same costs give the same assignment on every rank, with no clock involved.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import numpy as np
-
-from disttrain_ds.comm.routes import blocks
 
 NODE_BUDGET = 2_000
 """Search nodes ``assign`` may visit after its local search (a bound on time, the same everywhere)."""
@@ -204,22 +203,6 @@ def load_ratio(costs: Sequence[float], groups: Sequence[Sequence[int]]) -> float
     loads = np.array([c[list(g)].sum() for g in groups])
     mean = loads.mean() if len(loads) else 0.0
     return float(loads.max() / mean) if mean > 0 else 1.0
-
-
-def slot_groups(costs: np.ndarray, columns: dict[str, int], dps: dict[str, int], keep: Collection[str],
-                max_share: float) -> dict[str, list[list[int]]]:
-    """Each module's replicas' slot positions for one microbatch slot (``costs``: ``[slot, k]`` forward
-    costs, ``columns``: module -> its column): the modules in ``keep`` (the LLM) take contiguous,
-    equal blocks; every other module ``assign``s the slot by its own costs, each replica taking at
-    least one sample and at most ``share_cap`` of them."""
-    c = np.asarray(costs, dtype=np.float64)
-    slot, out = c.shape[0], {}
-    for name, dp in dps.items():
-        if name in keep or dp == 1:
-            out[name] = [list(b) for b in blocks(slot, dp)]
-        else:
-            out[name] = assign(c[:, columns[name]], dp, floor=1, cap=share_cap(slot, dp, max_share))
-    return out
 
 
 def owners_of(groups: Sequence[Sequence[int]]) -> list[int]:

@@ -68,7 +68,6 @@ from disttrain_ds.runtime.setup import (
     build_data_and_spec,
     build_eval_source,
     build_optimizer,
-    cost_model,
     grad_accum_steps,
     lr_lambda,
     param_groups,
@@ -391,7 +390,7 @@ def _callbacks(ctx: RankContext, spec, engine, ckpt, watchdog, preempt, writer, 
         callbacks.append(Evaluation(recipe, build_eval_source(recipe)))
     if writer is not None:
         dps = {m.name: m.dp for m in ctx.topo.modules}
-        callbacks += [Balance(cost_model(recipe), spec, ctx.slot, dps, Placement(recipe, spec, dps)),
+        callbacks += [Balance(Placement(recipe, spec, dps)),
                       MetricsLog(recipe, spec.special.pad, writer, mfu, writer.echo)]
     callbacks += [NonFiniteGuard(recipe.train.on_nonfinite), PreemptionStop(preempt), Checkpointing(ckpt, run_dir),
                   TraceWriter(engine, ctx.meta_group, run_dir, rank, ctx.label)]

@@ -12,9 +12,8 @@ from disttrain_ds.comm.routes import blocks
 from disttrain_ds.data.outline import outline, stand_in
 from disttrain_ds.mllm.model import BatchNorms, collate
 from disttrain_ds.models.vae import generator_vae
-from disttrain_ds.reorder.post_balance import owners_of
 from disttrain_ds.runtime.callbacks.evaluation import eval_figures
-from disttrain_ds.runtime.placement import Placement
+from disttrain_ds.runtime.placement import Placement, carriers
 from disttrain_ds.runtime.rank_context import RankContext
 from disttrain_ds.runtime.setup import grad_accum_steps
 from disttrain_ds.runtime.step_record import gather_losses, gather_step_record
@@ -45,16 +44,19 @@ class PipelineExecutor:
         self.vae = generator_vae(spec, str(getattr(engine, "device", "cpu")), self.dtype) if on_gen else None
 
     def _place(self, samples: list) -> None:
-        """This step's samples of each module's replicas; the boundaries route by them."""
-        self.groups = self.placement.groups(samples)
-        if self.placement.balanced:
-            for comm in (*self.engine.upstreams, *self.engine.downstreams):
-                comm.set_owners([(owners_of(g[comm.up.name]), owners_of(g[comm.down.name])) for g in self.groups])
+        """This step's samples and items of each module's replicas; the boundaries route by them."""
+        self.plans = self.placement.plans(samples)
+        for comm in (*self.engine.upstreams, *self.engine.downstreams):
+            comm.set_owners([plan.edge_owners(comm.up.name, comm.down.name) for plan in self.plans])
 
     def _mine(self, samples: list) -> list[list]:
-        """This rank's samples of each microbatch slot (in slot order)."""
+        """This rank's samples of each microbatch slot (in slot order); an encoder's: the samples it
+        holds items of, with only those items."""
         me, dp = self.grid.name, self.ctx.dp_index
-        return [[samples[g * self.slot + p] for p in groups[me][dp]] for g, groups in enumerate(self.groups)]
+        if me in self.spec.encoders:
+            modality = self.spec.modality(me)
+            return [carriers(samples, g * self.slot, plan.items[me][dp], modality) for g, plan in enumerate(self.plans)]
+        return [[samples[g * self.slot + p] for p in plan.samples[me][dp]] for g, plan in enumerate(self.plans)]
 
     def _check_read(self, samples: list) -> None:
         """Every sample this rank consumes or counts was read on this host (one line if not)."""

@@ -103,12 +103,13 @@ def test_balance_figures_exist_per_module_name_for_the_audio_encoder():
 
 def test_the_balance_callback_reports_the_audio_encoder_of_a_run():
     from disttrain_ds.runtime.callbacks.balance import Balance
+    from disttrain_ds.runtime.placement import Placement
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     recipe = load_recipe("tiny_omni", ["parallel.modules.ear.dp=2", "train.micro_batch=2"])
     source, spec = build_data_and_spec(recipe)
     rec: dict = {}
-    Balance(cost_model(recipe), spec, slot=2, dps={"vision": 1, "ear": 2, "llm": 1, "painter": 1}).on_step_end(
+    Balance(Placement(recipe, spec, {"vision": 1, "ear": 2, "llm": 1, "painter": 1})).on_step_end(
         None, source.global_batch(0), rec)
     assert rec["balance/ear_load_max"] >= 1.0 and rec["balance/ear_load_mean"] > 0
     assert "balance/llm_load_max" not in rec
