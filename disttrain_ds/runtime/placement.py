@@ -9,7 +9,9 @@ keeps its blocks. Every rank makes the same placement: the costs and the assignm
 deterministic functions of the step's samples, which every rank reads whole.
 
 A boundary carries units: an encoder's edge its items (rows per item, in slot order, so the LLM's
-rows keep its samples' order), a generator's edge whole samples (``SlotPlan.edge_owners``).
+rows keep its samples' order), a generator's edge whole samples (``SlotPlan.edge_owners``). A
+message carries the units both of its ends hold, in slot order, so a rank needs to know only the
+samples it holds (what a host reads with ``data.read: host``).
 """
 
 from __future__ import annotations
@@ -106,8 +108,11 @@ class Placement:
         return SlotPlan(samples, items, self.llm)
 
     def _items(self, slot: list, module: str) -> list[Item]:
+        """The slot's items of ``module``'s modality; with ``data.read: host`` (no post-balancing) only
+        those of the samples this host read: the two ends of a boundary both read the samples they
+        share, and each orders the items they share the same way."""
         modality = self.spec.modality(module)
-        return [(p, j) for p, s in enumerate(slot) for j in range(len(s.inputs(modality)))]
+        return [(p, j) for p, s in enumerate(slot) if s is not None for j in range(len(s.inputs(modality)))]
 
     def _item_costs(self, slot: list, module: str, units: list[Item]) -> list[float]:
         cfg, fam = self.spec.config(module), self.spec.family(module)
