@@ -55,7 +55,8 @@ class PipelineExecutor:
         me, dp = self.grid.name, self.ctx.dp_index
         if me in self.spec.encoders:
             modality = self.spec.modality(me)
-            return [carriers(samples, g * self.slot, plan.items[me][dp], modality) for g, plan in enumerate(self.plans)]
+            return [carriers(samples, g * self.slot, plan.items[me][dp], modality, self.slot)
+                    for g, plan in enumerate(self.plans)]
         return [[samples[g * self.slot + p] for p in plan.samples[me][dp]] for g, plan in enumerate(self.plans)]
 
     def _check_read(self, samples: list) -> None:

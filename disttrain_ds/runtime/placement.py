@@ -52,17 +52,18 @@ class SlotPlan:
         return owners_of(self.samples[up]), owners_of(self.samples[down])
 
 
-def carriers(samples: list, base: int, items: list[Item], modality: str) -> list[PackedSample]:
+def carriers(samples: list, base: int, items: list[Item], modality: str, slot: int) -> list[PackedSample]:
     """An encoder replica's microbatch: per sample it holds items of, that sample with only those
-    items of ``modality`` (and none of another); a replica holding nothing gets one sample with
-    no items, so it runs on zero rows."""
+    items of ``modality`` (and none of another); a replica holding nothing gets one sample of the
+    slot (one its host read) with no items, so it runs on zero rows."""
     field = "images" if modality == "image" else "audio"
     other = "audio" if modality == "image" else "images"
     by_pos: dict[int, list[int]] = {}
     for pos, j in items:
         by_pos.setdefault(pos, []).append(j)
     if not by_pos:
-        return [replace(samples[base], images=[], audio=[], gen_targets=[])]
+        held = next(s for s in samples[base:base + slot] if s is not None)
+        return [replace(held, images=[], audio=[], gen_targets=[])]
     out = []
     for pos, js in sorted(by_pos.items()):
         s = samples[base + pos]
