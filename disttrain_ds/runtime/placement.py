@@ -89,7 +89,7 @@ class Placement:
 
     def _plan(self, slot: list) -> SlotPlan:
         block = {m: [list(b) for b in blocks(self.slot, dp)] for m, dp in self.dps.items()}
-        samples, items = {}, {}
+        samples, items, stats = {}, {}, None  # the slot's cost views, made once if a module needs them
         for m, dp in self.dps.items():
             if m in self.spec.encoders:
                 units = self._items(slot, m)
@@ -101,9 +101,9 @@ class Placement:
                 else:
                     items[m] = [[u for u in units if u[0] in b] for b in block[m]]
             elif self.balanced and dp > 1 and m != self.llm:
-                stats = [s.stats(self.patch, self.spec.special) for s in slot]
-                cost = [self.costs.module_cost(m, st) for st in stats]
-                samples[m] = assign(cost, dp, 1, share_cap(self.slot, dp, self.share))
+                stats = self._stats(slot) if stats is None else stats
+                samples[m] = assign([self.costs.module_cost(m, st) for st in stats], dp, 1,
+                                    share_cap(self.slot, dp, self.share))
             else:
                 samples[m] = block[m]
         return SlotPlan(samples, items, self.llm)
@@ -114,6 +114,9 @@ class Placement:
         share, and each orders the items they share the same way."""
         modality = self.spec.modality(module)
         return [(p, j) for p, s in enumerate(slot) if s is not None for j in range(len(s.inputs(modality)))]
+
+    def _stats(self, slot: list) -> list[SampleStats]:
+        return [s.stats(self.patch, self.spec.special) for s in slot]
 
     def _item_costs(self, slot: list, module: str, units: list[Item]) -> list[float]:
         cfg, fam = self.spec.config(module), self.spec.family(module)
@@ -130,12 +133,11 @@ class Placement:
         out: dict[str, list[np.ndarray]] = {m: [] for m in self.dps if m != self.llm}
         for g, plan in enumerate(self.plans(samples)):
             slot = samples[g * self.slot:(g + 1) * self.slot]
+            stats = self._stats(slot)
             for m in out:
                 if m in plan.items:
-                    per = [self._item_costs(slot, m, part) for part in plan.items[m]]
-                    out[m].append(np.array([sum(c) for c in per]))
+                    out[m].append(np.array([sum(self._item_costs(slot, m, part)) for part in plan.items[m]]))
                 else:
-                    stats = [s.stats(self.patch, self.spec.special) for s in slot]
                     out[m].append(np.array([sum(self.costs.module_cost(m, stats[p]) for p in part)
                                             for part in plan.samples[m]]))
         return out
