@@ -9,7 +9,7 @@ and tokenised, so trainer ranks never touch raw data.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +155,10 @@ class PackedSample:
     audio: list[torch.Tensor] = field(default_factory=list)
     """Input audio clips for the audio encoder, float32 log-mel features [n_mels, frames] (frames
     even); clip i fills the i-th run of ``audio`` placeholders, ``frames // 2`` of them."""
+    target_index: tuple[tuple[int, ...], ...] = ()
+    """Per generator (graph order), where a copy holds only some of a sample's targets (a replica's
+    share under per-module post-balancing): the index in the whole sample of each image of
+    ``gen_targets[k]``, which seeds its noise; missing or empty entries: 0, 1, ... ."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.gen_targets, (list, tuple)):
@@ -170,6 +174,12 @@ class PackedSample:
     def targets(self, k: int) -> torch.Tensor | None:
         """The ``k``-th generator's targets (graph order); None where the sample holds none for it."""
         return self.gen_targets[k] if 0 <= k < len(self.gen_targets) else None
+
+    def target_ids(self, k: int) -> Sequence[int]:
+        """Index in the whole sample of each of the ``k``-th generator's targets held here."""
+        given = self.target_index[k] if 0 <= k < len(self.target_index) else ()
+        t = self.targets(k)
+        return given or range(0 if t is None else int(t.shape[0]))
 
     def stats(self, patch_size: int, special: SpecialTokens) -> SampleStats:
         """Cost-model view of this sample."""

@@ -97,7 +97,7 @@ class MLLMSpec:
         return self.generators.index(module)
 
     def gen_rows_key(self, module: str) -> str:
-        """``MicroBatch.sample_rows`` key of the LLM states ``module`` reads (one row per image)."""
+        """``MicroBatch.sample_rows`` key of the LLM states ``module`` reads (one row per target image)."""
         return f"gen_states/{module}"
 
     def placeholders(self) -> tuple[int, ...]:
@@ -213,7 +213,7 @@ class MicroBatch:
     """Generator module name -> its ``GenInputs`` (empty without a generator)."""
     sample_rows: dict
     """Row counts of the tensors that cross module boundaries (for DP splits): ``<modality>_embeds``
-    per item (image, clip) of every sample in order, ``MLLMSpec.gen_rows_key`` per sample."""
+    per item (image, clip) of every sample in order, ``MLLMSpec.gen_rows_key`` per target image (1 each)."""
     audio: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """Audio encoder input: all log-mel clips flattened and concatenated (``pack_clips``)."""
     audio_shapes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
@@ -244,7 +244,7 @@ def gen_inputs(samples: list[PackedSample], norms: BatchNorms, spec: MLLMSpec, m
         if targets is None:
             continue
         latents = next(encoded)
-        for j, target in enumerate(latents):
+        for j, target in zip(s.target_ids(k), latents):
             shape = (g.in_channels, g.resolution, g.resolution) if pixel_targets else tuple(target.shape)
             # The first generator keeps its historical noise index; the others get their own stream.
             t, e = noise_draw(shape, s.sample_id, j + (k << 20), spec.seed, g.train_timesteps)
@@ -286,7 +286,9 @@ def collate(
     scales = gen_dp_scale if isinstance(gen_dp_scale, dict) else {n: gen_dp_scale for n in spec.generators}
     gens = {n: gen_inputs(samples, norms, spec, n, scales[n], dtype, vae if spec.gen_index(n) == 0 else None)
             for n in spec.generators}
-    gen_rows = {spec.gen_rows_key(n): [_count(s.targets(spec.gen_index(n))) for s in samples] for n in spec.generators}
+    # One row per target image: a boundary may carry each target on its own.
+    gen_rows = {spec.gen_rows_key(n): [1] * sum(_count(s.targets(spec.gen_index(n))) for s in samples)
+                for n in spec.generators}
     vit = spec.encoder_of("image")
     p = vit.patch_size if vit is not None else 1
     flat, shapes = pack_clips([c for s in samples for c in s.audio])

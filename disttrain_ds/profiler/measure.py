@@ -256,7 +256,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
             embeds = [torch.zeros(0, lm.hidden_size, device=dev, dtype=dt)]
         embeds = [x.detach().clone().requires_grad_(mode[name][1]) for x in embeds]
         # What each generator sends back: gradients for the states at its own queries.
-        grads = {n: torch.randn(mb.sample_rows[spec.gen_rows_key(n)][0], spec.config(n).query_tokens, lm.hidden_size,
+        grads = {n: torch.randn(sum(mb.sample_rows[spec.gen_rows_key(n)]), spec.config(n).query_tokens, lm.hidden_size,
                                 device=dev, dtype=dt) for n in gens}
 
         def head(out: Any) -> Grads:

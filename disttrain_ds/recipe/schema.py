@@ -92,12 +92,13 @@ class ParallelConfig:
     not there by then stops the job, named."""
     post_balance: bool = False
     """Disaggregated layout (the reference runs the same math; monolithic refuses it): every encoder
-    and generator assigns each microbatch's samples to its own DP replicas by its own per-sample
-    costs (unequal counts allowed; ``reorder/post_balance.py``), and the boundaries route each
-    sample between the replicas that hold it; the LLM keeps its contiguous blocks. Off: every
-    module takes contiguous, equal blocks of one order."""
+    and generator assigns each microbatch's units of work (an encoder's images or audio clips, a
+    generator's target images) to its own DP replicas by its own per-unit costs (unequal counts
+    allowed; ``reorder/post_balance.py``), and the boundaries route each unit between the replicas
+    that hold it; the LLM keeps its contiguous blocks. Off: every module takes contiguous, equal
+    blocks of samples of one order."""
     post_balance_share: float = 2.0
-    """With ``post_balance``: the most samples one replica takes from a microbatch, as a multiple of
+    """With ``post_balance``: the most units one replica takes from a microbatch, as a multiple of
     its even share (>= 1; the memory estimate counts that many per replica)."""
 
 

@@ -3,7 +3,7 @@
 Every microbatch slot is one ordered list of samples. The LLM keeps its contiguous, equal blocks
 (its order and packing), but every other module assigns its own units of the slot to its replicas
 by its own per-unit costs: an encoder its items (images, audio clips: one sequence's images may be
-encoded on several replicas), a generator its samples (with their targets). Counts may differ
+encoded on several replicas), a generator its target images. Counts may differ
 between replicas (within ``[floor, cap]``). ``runtime/placement.py`` makes the placement; the
 boundary routes then carry each unit's rows from the replica that computed them to the one that
 needs them (``comm/routes.py``).

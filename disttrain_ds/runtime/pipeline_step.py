@@ -50,12 +50,11 @@ class PipelineExecutor:
             comm.set_owners([plan.edge_owners(comm.up.name, comm.down.name) for plan in self.plans])
 
     def _mine(self, samples: list) -> list[list]:
-        """This rank's samples of each microbatch slot (in slot order); an encoder's: the samples it
-        holds items of, with only those items."""
+        """This rank's samples of each microbatch slot (in slot order); an encoder's or generator's:
+        the samples it holds units of, with only those units."""
         me, dp = self.grid.name, self.ctx.dp_index
-        if me in self.spec.encoders:
-            modality = self.spec.modality(me)
-            return [carriers(samples, g * self.slot, plan.items[me][dp], modality, self.slot)
+        if me in self.plans[0].units:
+            return [carriers(samples, g * self.slot, plan.units[me][dp], self.slot, self.spec, me)
                     for g, plan in enumerate(self.plans)]
         return [[samples[g * self.slot + p] for p in plan.samples[me][dp]] for g, plan in enumerate(self.plans)]
 

@@ -1,17 +1,19 @@
-"""Which samples, and which of their items, every module's replicas hold in each microbatch slot.
+"""Which samples, and which of their units of work, every module's replicas hold in each microbatch slot.
 
-By default every module splits each slot into contiguous, equal blocks over its DP replicas, and an
-encoder replica encodes the items (images, audio clips) of its block's samples. With
-``parallel.post_balance`` (``reorder/post_balance.py``) every encoder assigns the slot's items
-themselves to its replicas by its own per-item costs, so one sequence's images may be encoded on
-several replicas, and every generator assigns the slot's samples (with their targets); the LLM
-keeps its blocks. Every rank makes the same placement: the costs and the assignment are
-deterministic functions of the step's samples, which every rank reads whole.
+A module's units are what it computes one by one: an encoder's items (images, audio clips), a
+generator's target images; the LLM's are whole samples. By default every module splits each slot
+into contiguous, equal blocks of samples over its DP replicas, and an encoder or generator replica
+computes the units of its block's samples. With ``parallel.post_balance``
+(``reorder/post_balance.py``) every encoder and generator assigns the slot's units themselves to its
+replicas by its own per-unit costs, so one sequence's images may be encoded, and its targets
+generated, on several replicas; the LLM keeps its blocks. Every rank makes the same placement: the
+costs and the assignment are deterministic functions of the step's samples, which every rank reads
+whole.
 
-A boundary carries units: an encoder's edge its items (rows per item, in slot order, so the LLM's
-rows keep its samples' order), a generator's edge whole samples (``SlotPlan.edge_owners``). A
-message carries the units both of its ends hold, in slot order, so a rank needs to know only the
-samples it holds (what a host reads with ``data.read: host``).
+A boundary carries units (one row count per unit, in slot order, so the LLM's rows keep its
+samples' order; ``SlotPlan.edge_owners``). A message carries the units both of its ends hold, in
+slot order, so a rank needs to know only the samples it holds (what a host reads with
+``data.read: host``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from disttrain_ds.reorder.post_balance import assign, owners_of, share_cap
 from disttrain_ds.runtime.setup import cost_model
 from disttrain_ds.samples import PackedSample, SampleStats
 
-Item = tuple[int, int]
-"""(slot position of the sample, index of the item among the sample's items of that modality)."""
+Unit = tuple[int, int]
+"""(slot position of the sample, index of the unit among the sample's units of the module: its
+items of the encoder's modality, or its targets of the generator)."""
 
 
 @dataclass(frozen=True)
@@ -35,44 +38,59 @@ class SlotPlan:
     """Who holds what of one microbatch slot."""
 
     samples: dict[str, list[list[int]]]
-    """Every module but the encoders: each replica's sample positions (ascending)."""
-    items: dict[str, list[list[Item]]]
-    """Every encoder: each replica's items (ascending)."""
+    """The LLM: each replica's sample positions (ascending)."""
+    units: dict[str, list[list[Unit]]]
+    """Every encoder and generator: each replica's units (ascending)."""
     llm: str
-    """The LLM's name (whose replica of a sample receives its items' rows)."""
+    """The LLM's name (the other end of every boundary)."""
 
     def edge_owners(self, up: str, down: str) -> tuple[list[int], list[int]]:
         """The (upstream, downstream) replica of each unit the boundary ``up`` -> ``down`` carries,
-        in slot order: an encoder's items, or samples."""
-        if up in self.items:
-            units = sorted(i for part in self.items[up] for i in part)
-            at = {i: r for r, part in enumerate(self.items[up]) for i in part}
-            llm = owners_of(self.samples[down])
-            return [at[i] for i in units], [llm[i[0]] for i in units]
-        return owners_of(self.samples[up]), owners_of(self.samples[down])
+        in slot order: the units of its module that is not the LLM."""
+        if up not in self.units and down not in self.units:
+            return owners_of(self.samples[up]), owners_of(self.samples[down])
+        module = up if up in self.units else down
+        units = sorted(u for part in self.units[module] for u in part)
+        at = {u: r for r, part in enumerate(self.units[module]) for u in part}
+        llm = owners_of(self.samples[self.llm])
+        mine, theirs = [at[u] for u in units], [llm[u[0]] for u in units]
+        return (mine, theirs) if module == up else (theirs, mine)
 
 
-def carriers(samples: list, base: int, items: list[Item], modality: str, slot: int) -> list[PackedSample]:
-    """An encoder replica's microbatch: per sample it holds items of, that sample with only those
-    items of ``modality`` (and none of another); a replica holding nothing gets one sample of the
-    slot (one its host read) with no items, so it runs on zero rows."""
-    field = "images" if modality == "image" else "audio"
-    other = "audio" if modality == "image" else "images"
+def carriers(samples: list, base: int, units: list[Unit], slot: int, spec, module: str) -> list[PackedSample]:
+    """A replica's microbatch of encoder or generator ``module``: per sample it holds units of,
+    that sample with only those units (and no other module's items or targets); a replica holding
+    nothing gets one sample of the slot (one its host read) with none, so it runs on zero rows (a
+    generator: on its zero-weight stand-in)."""
     by_pos: dict[int, list[int]] = {}
-    for pos, j in items:
+    for pos, j in units:
         by_pos.setdefault(pos, []).append(j)
     if not by_pos:
         held = next(s for s in samples[base:base + slot] if s is not None)
         return [replace(held, images=[], audio=[], gen_targets=[])]
-    out = []
-    for pos, js in sorted(by_pos.items()):
-        s = samples[base + pos]
-        out.append(replace(s, **{field: [s.inputs(modality)[j] for j in js], other: []}, gen_targets=[]))
-    return out
+    keep = _keep_targets if spec.roles[module] == "generator" else _keep_items
+    return [keep(samples[base + pos], js, spec, module) for pos, js in sorted(by_pos.items())]
+
+
+def _keep_items(s: PackedSample, js: list[int], spec, module: str) -> PackedSample:
+    modality = spec.modality(module)
+    field = "images" if modality == "image" else "audio"
+    other = "audio" if modality == "image" else "images"
+    return replace(s, **{field: [s.inputs(modality)[j] for j in js], other: []}, gen_targets=[])
+
+
+def _keep_targets(s: PackedSample, js: list[int], spec, module: str) -> PackedSample:
+    k = spec.gen_index(module)
+    ids = list(s.target_ids(k))
+    gen = [t[:0] for t in s.gen_targets]
+    gen[k] = s.gen_targets[k][js]
+    index = [()] * len(gen)
+    index[k] = tuple(ids[j] for j in js)
+    return replace(s, images=[], audio=[], gen_targets=gen, target_index=tuple(index))
 
 
 class Placement:
-    """Each module's replicas' samples and items, microbatch slot by slot, for one recipe."""
+    """Each module's replicas' samples and units, microbatch slot by slot, for one recipe."""
 
     def __init__(self, recipe: Recipe, spec, dps: dict[str, int]):
         self.spec, self.dps, self.slot = spec, dps, recipe.parallel.llm.dp * recipe.train.micro_batch
@@ -80,50 +98,51 @@ class Placement:
         self.share = recipe.parallel.post_balance_share
         self.costs = cost_model(recipe)
         self.llm = spec.name_of("llm")
-        image = spec.encoder_of("image")
-        self.patch = image.patch_size if image is not None else 1
 
     def plans(self, samples: list) -> list[SlotPlan]:
         """Per microbatch slot of the global batch ``samples``, who holds what."""
         return [self._plan(samples[g * self.slot:(g + 1) * self.slot]) for g in range(len(samples) // self.slot)]
 
     def _plan(self, slot: list) -> SlotPlan:
-        block = {m: [list(b) for b in blocks(self.slot, dp)] for m, dp in self.dps.items()}
-        samples, items, stats = {}, {}, None  # the slot's cost views, made once if a module needs them
+        samples, units = {}, {}
         for m, dp in self.dps.items():
-            if m in self.spec.encoders:
-                units = self._items(slot, m)
-                if self.balanced and dp > 1:
-                    cost = self._item_costs(slot, m, units)
-                    floor = 1 if len(units) >= dp else 0
-                    groups = assign(cost, dp, floor, max(share_cap(len(units), dp, self.share), -(-len(units) // dp)))
-                    items[m] = [[units[i] for i in g] for g in groups]
-                else:
-                    items[m] = [[u for u in units if u[0] in b] for b in block[m]]
-            elif self.balanced and dp > 1 and m != self.llm:
-                stats = self._stats(slot) if stats is None else stats
-                samples[m] = assign([self.costs.module_cost(m, st) for st in stats], dp, 1,
-                                    share_cap(self.slot, dp, self.share))
+            if m == self.llm:
+                samples[m] = [list(b) for b in blocks(self.slot, dp)]
+                continue
+            mine = self._units(slot, m)
+            if self.balanced and dp > 1:
+                floor = 1 if len(mine) >= dp else 0
+                cap = max(share_cap(len(mine), dp, self.share), -(-len(mine) // dp))
+                units[m] = [[mine[i] for i in g] for g in assign(self._unit_costs(slot, m, mine), dp, floor, cap)]
             else:
-                samples[m] = block[m]
-        return SlotPlan(samples, items, self.llm)
+                units[m] = [[u for u in mine if u[0] in b] for b in blocks(self.slot, dp)]
+        return SlotPlan(samples, units, self.llm)
 
-    def _items(self, slot: list, module: str) -> list[Item]:
-        """The slot's items of ``module``'s modality; with ``data.read: host`` (no post-balancing) only
-        those of the samples this host read: the two ends of a boundary both read the samples they
-        share, and each orders the items they share the same way."""
+    def _units(self, slot: list, module: str) -> list[Unit]:
+        """The slot's units of ``module`` (with ``data.read: host``, no post-balancing: those of the
+        samples this host read, which the two ends of a boundary share and order the same way)."""
+        count = self._counter(module)
+        return [(p, j) for p, s in enumerate(slot) if s is not None for j in range(count(s))]
+
+    def _counter(self, module: str):
+        if self.spec.roles[module] == "generator":
+            k = self.spec.gen_index(module)
+            return lambda s: 0 if s.targets(k) is None else int(s.targets(k).shape[0])
         modality = self.spec.modality(module)
-        return [(p, j) for p, s in enumerate(slot) if s is not None for j in range(len(s.inputs(modality)))]
+        return lambda s: len(s.inputs(modality))
 
-    def _stats(self, slot: list) -> list[SampleStats]:
-        return [s.stats(self.patch, self.spec.special) for s in slot]
-
-    def _item_costs(self, slot: list, module: str, units: list[Item]) -> list[float]:
+    def _unit_costs(self, slot: list, module: str, units: list[Unit]) -> list[float]:
+        """Each unit's forward cost in ``module``, priced on its own by the module's cost terms."""
         cfg, fam = self.spec.config(module), self.spec.family(module)
         out = []
         for p, j in units:
-            size = fam.item_size(cfg, slot[p].inputs(fam.modality)[j])
-            stats = (SampleStats(0, (size,), 0) if fam.modality == "image" else SampleStats(0, (), 0, audio_frames=(size,)))
+            if fam.role == "generator":
+                k = self.spec.gen_index(module)
+                stats = SampleStats(0, (), 0, gens=((0, 0),) * k + ((1, int(slot[p].targets(k).shape[-1])),))
+            elif fam.modality == "image":
+                stats = SampleStats(0, (fam.item_size(cfg, slot[p].images[j]),), 0)
+            else:
+                stats = SampleStats(0, (), 0, audio_frames=(fam.item_size(cfg, slot[p].audio[j]),))
             out.append(self.costs.module_cost(module, stats))
         return out
 
@@ -133,11 +152,6 @@ class Placement:
         out: dict[str, list[np.ndarray]] = {m: [] for m in self.dps if m != self.llm}
         for g, plan in enumerate(self.plans(samples)):
             slot = samples[g * self.slot:(g + 1) * self.slot]
-            stats = self._stats(slot)
             for m in out:
-                if m in plan.items:
-                    out[m].append(np.array([sum(self._item_costs(slot, m, part)) for part in plan.items[m]]))
-                else:
-                    out[m].append(np.array([sum(self.costs.module_cost(m, stats[p]) for p in part)
-                                            for part in plan.samples[m]]))
+                out[m].append(np.array([sum(self._unit_costs(slot, m, part)) for part in plan.units[m]]))
         return out

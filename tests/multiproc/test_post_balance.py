@@ -1,6 +1,7 @@
-"""Per-module post-balancing trains the reference math: encoders and generators split each microbatch
-over their replicas by their own costs, with unequal counts, and the boundaries route every sample's
-rows between the replicas that hold them (fp32, NCCL's point-to-point rules)."""
+"""Per-module post-balancing trains the reference math: encoders split each microbatch's images and
+generators its target images over their replicas by their own costs, with unequal counts, and the
+boundaries route every unit's rows between the replicas that hold them (fp32, NCCL's point-to-point
+rules)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ STEPS = "train.steps=3"
 SGD = ["optim.name=sgd", "optim.lr=0.05"]
 # Four samples per microbatch slot (LLM DP 2 x micro_batch 2), encoder and generator on two replicas
 # each; images per sample and targets per sample vary, so the two modules split the slot differently.
-LAYOUT = ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1", "parallel.encoder.dp=2",
+# The seed gives a microbatch with one target image in all (one generator replica holds none).
+SEED = "seed=1232"
+LAYOUT = [SEED, "layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1", "parallel.encoder.dp=2",
           "parallel.generator.dp=2", "train.micro_batch=2", "train.global_batch=8", "data.gen_images=[0,2]",
           "parallel.post_balance=true"]
-REFERENCE = [STEPS, *SGD, "train.micro_batch=2", "train.global_batch=8", "data.gen_images=[0,2]"]
+REFERENCE = [STEPS, *SGD, SEED, "train.micro_batch=2", "train.global_batch=8", "data.gen_images=[0,2]"]
 
 
 def test_post_balanced_layout_matches_the_reference(tmp_path, reference_run):
@@ -38,14 +41,16 @@ def test_post_balanced_layout_matches_the_reference(tmp_path, reference_run):
     source.close()
     plans = [(b, j, plan) for b in batches for j, plan in enumerate(placement.plans(b))]
     # Some generator replica had nothing to generate in a microbatch: it ran the zero-weight stand-in.
-    targets = [[sum(int(b[j * 4 + p].gen_targets[0].shape[0]) for p in rep) for rep in plan.samples["generator"]]
-               for b, j, plan in plans]
+    targets = [list(map(len, plan.units["generator"])) for _, _, plan in plans]
     assert any(0 in t for t in targets), targets
-    assert any(sorted(map(len, plan.samples["generator"])) != [2, 2] for _, _, plan in plans)  # unequal counts
-    # One sequence's images were encoded on both encoder replicas.
-    split = [{r for r, part in enumerate(plan.items["encoder"]) for p, _ in part if p == q}
-             for _, _, plan in plans for q in range(4)]
-    assert any(len(replicas) == 2 for replicas in split)
+    # Unequal counts: the two generator replicas held different numbers of samples' targets.
+    assert any(len({p for p, _ in a}) != len({p for p, _ in b}) for _, _, plan in plans
+               for a, b in [plan.units["generator"]])
+    # One sequence's images were encoded, and one sequence's targets generated, on both replicas.
+    for module in ("encoder", "generator"):
+        split = [{r for r, part in enumerate(plan.units[module]) for p, _ in part if p == q}
+                 for _, _, plan in plans for q in range(4)]
+        assert any(len(replicas) == 2 for replicas in split), module
 
 
 def test_rows_left_in_arrival_order_are_caught(tmp_path, reference_run):

@@ -75,7 +75,7 @@ def test_each_generator_gets_the_llm_states_at_its_own_queries_only(two):
     assert painter.shape[1:] == (4, spec.llm.hidden_size) and sketcher.shape[1:] == (2, spec.llm.hidden_size)
     assert torch.equal(sketcher.flatten(0, 1), hidden[mb.input_ids == spec.special.query(1)])
     assert torch.equal(painter.flatten(0, 1), hidden[mb.input_ids == spec.special.gen])
-    assert mb.sample_rows["gen_states/sketcher"] == [int(s.gen_targets[1].shape[0]) for s in samples[:4]]
+    assert mb.sample_rows["gen_states/sketcher"] == [1] * sum(int(s.gen_targets[1].shape[0]) for s in samples[:4])
     assert mb.gens["sketcher"].noisy.shape[1:] == (2, 8, 8)
 
 

@@ -1,0 +1,99 @@
+"""Who holds which units of a microbatch slot: encoders' items and generators' target images split
+over replicas, the replicas' microbatches keep each target's noise, and the boundary owners agree
+with the rows each side packs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from disttrain_ds.mllm.model import BatchNorms, collate
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.runtime.placement import Placement, carriers
+from disttrain_ds.runtime.setup import build_data_and_spec
+
+SLOT = 4
+LAYOUT = ["layout=disaggregated", "parallel.modules.llm.dp=2", "parallel.modules.llm.pp=1", "parallel.modules.painter.dp=2",
+          "parallel.modules.sketcher.dp=2", "train.micro_batch=2", "train.global_batch=8", "parallel.post_balance=true"]
+
+
+@pytest.fixture(scope="module")
+def job():
+    recipe = load_recipe("tiny_two_gen", LAYOUT)
+    source, spec = build_data_and_spec(recipe)
+    batches = [source.global_batch(step) for step in range(3)]
+    source.close()
+    dps = {n: 2 for n in spec.names}
+    return recipe, spec, batches, Placement(recipe, spec, dps)
+
+
+def _split_sample(spec, batches, placement):
+    """A (batch, slot, plan, generator) whose targets of one sample sit on both replicas."""
+    for b in batches:
+        for g, plan in enumerate(placement.plans(b)):
+            for n in spec.generators:
+                owners = [{r for r, part in enumerate(plan.units[n]) for p, _ in part if p == q} for q in range(SLOT)]
+                if any(len(o) == 2 for o in owners):
+                    return b, g, plan, n
+    pytest.fail("no sample's targets were split over both generator replicas")
+
+
+def test_every_generator_target_is_held_once_and_each_replica_gets_its_share(job):
+    _, spec, batches, placement = job
+    for b in batches:
+        for g, plan in enumerate(placement.plans(b)):
+            for n in spec.generators:
+                k = spec.gen_index(n)
+                want = sorted((p, j) for p in range(SLOT) for j in range(int(b[g * SLOT + p].gen_targets[k].shape[0])))
+                assert sorted(u for part in plan.units[n] for u in part) == want
+                assert all(part == sorted(part) for part in plan.units[n])
+
+
+def test_a_replicas_targets_keep_their_noise_when_a_sample_is_split(job):
+    recipe, spec, batches, placement = job
+    b, g, plan, name = _split_sample(spec, batches, placement)
+    norms = BatchNorms.of(b, 1, len(spec.generators))
+    whole = collate(b[g * SLOT:(g + 1) * SLOT], norms, spec).gens[name]
+    units = sorted(u for part in plan.units[name] for u in part)
+    got = {}
+    for part in plan.units[name]:
+        mine = collate(carriers(b, g * SLOT, part, SLOT, spec, name), norms, spec)
+        assert mine.sample_rows[spec.gen_rows_key(name)] == [1] * len(part)
+        for u, e, t in zip(part, mine.gens[name].noise, mine.gens[name].timesteps):
+            got[u] = (e, t)
+    for i, u in enumerate(units):
+        assert torch.equal(got[u][0], whole.noise[i]) and int(got[u][1]) == int(whole.timesteps[i])
+    # Negative control: a replica's copy that forgets where its targets sit draws other noise.
+    late = next(part for part in plan.units[name] if any(j > 0 for _, j in part))
+    forgot = [replace(s, target_index=()) for s in carriers(b, g * SLOT, late, SLOT, spec, name)]
+    noise = collate(forgot, norms, spec).gens[name].noise
+    assert not all(torch.equal(noise[i], got[u][0]) for i, u in enumerate(late))
+
+
+def test_boundary_owners_list_each_side_s_rows_in_slot_order(job):
+    _, spec, batches, placement = job
+    b = batches[0]
+    plan = placement.plans(b)[0]
+    norms = BatchNorms.of(b, 1, len(spec.generators))
+    llm = collate(b[:2], norms, spec)  # LLM replica 0 holds the first block of two samples
+    for n in spec.generators:
+        up, down = plan.edge_owners(spec.name_of("llm"), n)
+        assert len(up) == len(down) == sum(len(part) for part in plan.units[n])
+        assert up.count(0) == len(llm.sample_rows[spec.gen_rows_key(n)])
+        for r, part in enumerate(plan.units[n]):
+            assert down.count(r) == len(part)
+    for n in spec.encoders:
+        up, down = plan.edge_owners(n, spec.name_of("llm"))
+        assert down.count(0) == len(llm.sample_rows[f"{spec.modality(n)}_embeds"])
+
+
+def test_replica_loads_add_up_to_the_modules_per_sample_costs(job):
+    _, spec, batches, placement = job
+    b = batches[1]
+    loads = placement.loads(b)
+    stats = [s.stats(1, spec.special) for s in b]
+    for n in spec.generators:
+        total = sum(float(sum(slot)) for slot in loads[n])
+        assert total == pytest.approx(sum(placement.costs.module_cost(n, s) for s in stats), rel=1e-9)
