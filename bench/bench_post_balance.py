@@ -15,13 +15,13 @@ Each global batch is first reordered as the runtime does with ``data.reorder`` (
 microbatches, a DP split by summed cost refined module by module, the 1F1B order); then
 
 * ``one order``: every module takes contiguous, equal blocks of that order (today's default);
-* ``post-balanced``: the encoder splits the slot's images and the generator its samples, each by its
-  own costs (``reorder/post_balance.py``, at most 2 x the even share per replica, as
+* ``post-balanced``: the encoder splits the slot's images and the generator its target images, each
+  by its own costs (``reorder/post_balance.py``, at most 2 x the even share per replica, as
   ``runtime/placement.py`` does), the LLM keeps its blocks.
 
 Figures per module: the mean over slots of its slowest replica's load over the mean load, and the
-same for the lower bound (the heaviest sample or the mean, whichever is larger: no assignment
-does better, and with whole samples often none reaches it). Step time: 1F1B
+same for the lower bound (the heaviest unit or the mean, whichever is larger: no assignment
+does better). Step time: 1F1B
 over encoder -> LLM (2 stages) -> generator with each stage's time its slowest replica's load, each
 module's times scaled so its mean per-microbatch time equals an LLM stage's (a balanced
 orchestration's sizing, leaving only data heterogeneity), backward = 2 x forward.
@@ -64,6 +64,14 @@ def workload(name: str, n: int, rng: np.random.Generator) -> list[SampleStats]:
     return [replace(s, gens=((g, 512),)) for s, g in zip(stats, gens)]
 
 
+def unit_costs(stats: list[SampleStats], module: str) -> np.ndarray:
+    """Each unit's forward FLOPs: an encoder's images, a generator's target images, in slot order."""
+    if module == "encoder":
+        return np.array([COSTS.module_cost("encoder", SampleStats(0, (n,), 0)) for s in stats for n in s.image_patches])
+    return np.array([COSTS.module_cost("generator", SampleStats(0, (), 0, gens=((1, s.gen(0)[1]),)))
+                     for s in stats for _ in range(s.gen(0)[0])])
+
+
 def loads(costs: np.ndarray, groups: list[list[int]]) -> np.ndarray:
     return np.array([costs[g].sum() for g in groups])
 
@@ -82,19 +90,18 @@ def run(name: str, dps: dict[str, int], batches: int, seed: int) -> dict[str, li
         stage = {k: np.zeros((slots, 3)) for k in ("one", "post")}
         for g in range(slots):
             c = per[g * SLOT:(g + 1) * SLOT]
-            # The encoder's units are images (the runtime's items), the generator's samples.
-            items = [n for s in stats[g * SLOT:(g + 1) * SLOT] for n in s.image_patches]
-            item_cost = np.array([COSTS.module_cost("encoder", SampleStats(0, (n,), 0)) for n in items])
+            # The encoder's units are images, the generator's target images (the runtime's units).
+            mine = stats[g * SLOT:(g + 1) * SLOT]
+            unit = {"encoder": unit_costs(mine, "encoder"), "generator": unit_costs(mine, "generator"), "llm": c[:, 1]}
             t0 = time.perf_counter()
-            enc, gen = dps["encoder"], dps["generator"]
-            post = {"llm": [list(b) for b in blocks(SLOT, dps["llm"])],
-                    "generator": assign(c[:, 2], gen, 1, share_cap(SLOT, gen, 2.0)),
-                    "encoder": assign(item_cost, enc, 1 if len(items) >= enc else 0,
-                                      max(share_cap(len(items), enc, 2.0), -(-len(items) // enc)))}
+            post = {"llm": [list(b) for b in blocks(SLOT, dps["llm"])]}
+            for m in ("encoder", "generator"):
+                n, dp = len(unit[m]), dps[m]
+                post[m] = assign(unit[m], dp, 1 if n >= dp else 0, max(share_cap(n, dp, 2.0), -(-n // dp)))
             out["ms_per_slot"].append(1e3 * (time.perf_counter() - t0))
             for j, m in enumerate(NAMES):
                 one = loads(c[:, j], [list(b) for b in blocks(SLOT, dps[m])])
-                units = item_cost if m == "encoder" else c[:, j]
+                units = unit[m]
                 bal = loads(units, post[m])
                 stage["one"][g, j], stage["post"][g, j] = one.max(), bal.max()
                 if m != "llm" and one.mean() > 0:

@@ -197,9 +197,16 @@ def share_cap(slot: int, replicas: int, max_share: float) -> int:
 
 
 def lower_bound(costs: Sequence[float], replicas: int) -> float:
-    """No assignment's largest load is below this: the heaviest sample, or the mean load."""
-    c = np.asarray(costs, dtype=np.float64)
-    return float(max(c.max(initial=0.0), c.sum() / replicas))
+    """No assignment's largest load is below this: the mean load, or for every k >= 0 the sum of
+    the k + 1 lightest of the k * replicas + 1 heaviest units (some replica holds k + 1 of those;
+    k = 0: the heaviest unit; equal units: ceil(n / replicas) of them)."""
+    c = np.sort(np.asarray(costs, dtype=np.float64))[::-1]
+    if len(c) == 0:
+        return 0.0
+    prefix = np.concatenate([[0.0], np.cumsum(c)])
+    k = np.arange((len(c) - 1) // replicas + 1)
+    top = k * replicas + 1
+    return float(max(prefix[-1] / replicas, (prefix[top] - prefix[top - k - 1]).max()))
 
 
 def load_ratio(costs: Sequence[float], groups: Sequence[Sequence[int]]) -> float:

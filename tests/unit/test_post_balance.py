@@ -89,3 +89,17 @@ def test_memory_estimate_counts_the_most_samples_a_post_balanced_replica_may_tak
     assert even[("encoder", 0)].samples == 2 and post[("encoder", 0)].samples == 3  # ceil(4 / 2 * 1.5)
     assert post[("encoder", 0)].activations > even[("encoder", 0)].activations
     assert post[("llm", 0)].samples == even[("llm", 0)].samples == 2  # the LLM keeps its blocks
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_lower_bound_never_exceeds_the_optimum_and_is_tight_for_equal_units(seed):
+    rng = np.random.default_rng(100 + seed)
+    n, replicas = int(rng.integers(2, 9)), int(rng.integers(2, 4))
+    costs = list(rng.lognormal(0, 1.0, n) * (rng.random(n) < 0.8))
+    best = _brute(costs, replicas, 0, n)[0]
+    assert lower_bound(costs, replicas) <= best * (1 + 1e-12)
+    # Equal units: ceil(n / replicas) of them on the fullest replica, more than the mean load.
+    assert lower_bound([2.0] * n, replicas) == pytest.approx(2.0 * -(-n // replicas))
+    # Negative control: the mean and the heaviest unit alone are below that when n > replicas does not divide.
+    if n > replicas and n % replicas:
+        assert max(2.0, 2.0 * n / replicas) < lower_bound([2.0] * n, replicas)
