@@ -34,7 +34,7 @@ from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.profiler.measure import ModuleResult, Options, profile_recipe
 from disttrain_ds.profiler.tp import cost_table, measure_tp
 from disttrain_ds.recipe.schema import Recipe, load_recipe
-from disttrain_ds.runtime.emulate import data_flops
+from disttrain_ds.runtime.emulate import data_work
 
 PROG = prog_name("disttrain-profile", "python -m disttrain_ds.cli.profile")
 
@@ -65,14 +65,15 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
     # Adam's two fp32 moments (this SGD has no momentum), plus fp32 master weights under bf16.
     optim = (8.0 if recipe.optim.name == "adamw" else 0.0) + (4.0 if recipe.train.dtype == "bf16" else 0.0)
     costs, tp_text = tp_table
-    data = data_flops(recipe, args.draw_from) if args.draw_from else None
+    data, units = data_work(recipe, args.draw_from) if args.draw_from else (None, {})
     draws = sample_draws(results, costs, None if data is None else {n: list(v) for n, v in data.items()})
+    split = unit_draws(draws, units) if draws is not None else {}
     modules = {r.name: ModuleProfile(
         layers=r.layers, cost_ms=costs[r.name],
         params=float(r.params), frozen=r.mode != "train", weight_bytes_per_param=width,
         grad_bytes_per_param=width, optimizer_bytes_per_param=optim,
         activation_bytes_per_sample=float(r.activation_bytes), flops_per_sample=statistics.median(r.flops),
-        sample_cost_ms=None if draws is None else draws[r.name],
+        sample_cost_ms=None if draws is None else draws[r.name], unit_cost_ms=split.get(r.name),
         cost_source={t: "measured" if t == 1 or t in measured_tp else "interpolated" for t in costs[r.name]},
         **checkpointing_fields(recipe, r.name))
         for r in results}
@@ -116,6 +117,17 @@ def sample_draws(results: list[ModuleResult], costs: dict[str, dict[int, float]]
             raise ConfigError(f"--draw-from: no timed sample gave module {r.name} work to scale its costs by; "
                               "time more samples (--samples)")
         out[r.name] = tuple(f / mean * costs[r.name][1] if mean > 0 else 0.0 for f in work)
+    return out
+
+
+def unit_draws(draws: dict[str, tuple[float, ...]], units: dict[str, list[list[float]]]
+               ) -> dict[str, tuple[tuple[float, ...], ...]]:
+    """``unit_cost_ms`` of every module with unit costs: each sample's ms split over its units in
+    proportion to their costs (so they add up to ``sample_cost_ms``)."""
+    out = {}
+    for name, per in units.items():
+        out[name] = tuple(tuple(ms * u / sum(us) for u in us) if sum(us) > 0 else (0.0,) * len(us)
+                          for ms, us in zip(draws[name], per))
     return out
 
 

@@ -82,6 +82,11 @@ class ModuleProfile:
     """A representative draw of per-sample forward+backward times in ms at TP=1; entry i of every
     module's draw belongs to the same sample. With it the planner prices each stage by its
     expected slowest DP replica (:mod:`disttrain_ds.planner.hetero`) instead of the mean."""
+    unit_cost_ms: tuple[tuple[float, ...], ...] | None = None
+    """Per sample of ``sample_cost_ms``, the ms of each of its units of work in this module (an
+    encoder's images or audio clips, a generator's target images), summing to that sample's entry.
+    With it and ``Profile.post_balance_share`` the planner splits units over the replicas, as the
+    runtime's post-balancing does; without, whole samples."""
     activation_checkpointing: int = 0
     """Layers per checkpointed block (the recipe's ``parallel.<module>.activation_checkpointing``):
     a microbatch in flight keeps only each block's input, and backward recomputes one block at a
@@ -211,7 +216,17 @@ def roles_graph(roles: dict[str, str], src: str) -> ModuleGraph:
 
 def check_draws(modules: dict[str, ModuleProfile], src: str) -> None:
     """Per-sample draws are all-or-nothing per sample: every module that has one has the same
-    length (entry i of each belongs to sample i)."""
+    length (entry i of each belongs to sample i); a module's unit draw splits its sample draw."""
+    for n, m in modules.items():
+        if m.unit_cost_ms is None:
+            continue
+        if m.sample_cost_ms is None or len(m.unit_cost_ms) != len(m.sample_cost_ms):
+            raise ProfileError(f"{src}: 'modules.{n}.unit_cost_ms' needs one list per entry of "
+                               f"'modules.{n}.sample_cost_ms' ({len(m.sample_cost_ms or ())}), got {len(m.unit_cost_ms)}")
+        for i, (units, total) in enumerate(zip(m.unit_cost_ms, m.sample_cost_ms)):
+            if abs(sum(units) - total) > 1e-6 * max(1.0, total):
+                raise ProfileError(f"{src}: 'modules.{n}.unit_cost_ms[{i}]' sums to {sum(units):.6g} ms but "
+                                   f"'modules.{n}.sample_cost_ms[{i}]' is {total:.6g} (a sample's units add up to it)")
     lengths = {n: len(m.sample_cost_ms) for n, m in modules.items() if m.sample_cost_ms is not None}
     if not lengths:
         return

@@ -27,8 +27,8 @@ _TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node",
 _MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
                   "grad_bytes_per_param", "optimizer_bytes_per_param",
                   "activation_bytes_per_sample", "activation_tp_sharded", "flops_per_sample", "activation_checkpointing",
-                  "layer_output_bytes_per_sample", "sample_cost_ms", "cost_source")
-_NUMBER_FIELDS = _MODULE_FIELDS[2:-2]  # written only when they differ from the default
+                  "layer_output_bytes_per_sample", "sample_cost_ms", "unit_cost_ms", "cost_source")
+_NUMBER_FIELDS = _MODULE_FIELDS[2:-3]  # written only when they differ from the default
 
 
 def _fail(src: str, key: str, what: str) -> ProfileError:
@@ -125,6 +125,7 @@ def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
         activation_tp_sharded=_fraction(data, pre + "activation_tp_sharded", src),
         flops_per_sample=_num(data, "flops_per_sample", pre + "flops_per_sample", src, None),
         sample_cost_ms=_draw(data, pre + "sample_cost_ms", src),
+        unit_cost_ms=_unit_draw(data, pre + "unit_cost_ms", src),
         activation_checkpointing=_int(data, "activation_checkpointing", pre + "activation_checkpointing",
                                       src, 0, low=0),
         layer_output_bytes_per_sample=_num(data, "layer_output_bytes_per_sample",
@@ -154,6 +155,22 @@ def _draw(data: dict, key: str, src: str) -> tuple[float, ...] | None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise _fail(src, f"{key}[{i}]", f"must be a finite number >= 0 (ms of one sample), got {v!r}")
     return tuple(float(v) for v in raw)
+
+
+def _unit_draw(data: dict, key: str, src: str) -> tuple[tuple[float, ...], ...] | None:
+    """``unit_cost_ms``: per sample of the draw, a list of its units' ms (finite, >= 0), or absent."""
+    if "unit_cost_ms" not in data:
+        return None
+    raw = data["unit_cost_ms"]
+    if not isinstance(raw, list) or not raw:
+        raise _fail(src, key, "must be a non-empty list with one list of unit ms per sample")
+    for i, units in enumerate(raw):
+        if not isinstance(units, list):
+            raise _fail(src, f"{key}[{i}]", f"must be a list of ms per unit of one sample, got {units!r}")
+        for j, v in enumerate(units):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise _fail(src, f"{key}[{i}][{j}]", f"must be a finite number >= 0 (ms of one unit), got {v!r}")
+    return tuple(tuple(float(v) for v in units) for units in raw)
 
 
 def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:
@@ -219,6 +236,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
                 mod[f] = value
         if spec.sample_cost_ms is not None:
             mod["sample_cost_ms"] = list(spec.sample_cost_ms)
+        if spec.unit_cost_ms is not None:
+            mod["unit_cost_ms"] = [list(u) for u in spec.unit_cost_ms]
         if spec.cost_source:
             mod["cost_source"] = {str(t): v for t, v in sorted(spec.cost_source.items())}
         out["modules"][name] = mod

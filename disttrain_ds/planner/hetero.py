@@ -28,8 +28,10 @@ mean are summed over the same steps, so h >= 1 (and g >= h up to rounding; both 
 at 1).
 
 With ``Profile.post_balance_share`` (the runtime's ``parallel.post_balance``) every module but the
-LLM splits a step by LPT with room for up to that share of samples per replica (``share_cap``), as
-its post-balancing allows; the runtime's assignment then improves on LPT by moves and swaps.
+LLM splits a step by LPT with room for up to that share of its units per replica (``share_cap``),
+as its post-balancing allows: a module with a unit draw (``unit_cost_ms``: an encoder's images, a
+generator's target images) splits the units of the step's samples, for m = 1 too; one without
+splits whole samples. The runtime's assignment then improves on LPT by moves and swaps.
 
 The objective's terms become w = (m * C(tp)) * h and s = ((m * C(tp)) * g) / pp: C(tp) stays the
 profile's mean cost and the factors scale it (TP and PP shrink every sample's time alike).
@@ -62,6 +64,23 @@ def expected_max(sorted_draw: np.ndarray, n: int) -> float:
     return float(np.dot(sorted_draw, k**n - (k - 1 / len(sorted_draw))**n))
 
 
+def _unit_rows(flat: np.ndarray, first: np.ndarray, count: np.ndarray, idx: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Each step's units (row of ``idx``: its samples; ``flat[first[i]:first[i] + count[i]]``:
+    sample i's units), left-aligned and zero-padded: ``(costs, real)``, both ``[steps, width]``."""
+    per = count[idx]  # [steps, d]
+    total = per.sum(axis=1)
+    width = max(int(total.max(initial=0)), 1)
+    n = int(total.sum())
+    block = np.repeat(np.cumsum(per.ravel()) - per.ravel(), per.ravel())
+    values = flat[np.repeat(first[idx].ravel(), per.ravel()) + np.arange(n) - block] if n else np.zeros(0)
+    row = np.repeat(np.arange(len(idx)), total)
+    col = np.arange(n) - np.repeat(np.cumsum(total) - total, total)
+    costs, real = np.zeros((len(idx), width)), np.zeros((len(idx), width), dtype=bool)
+    costs[row, col], real[row, col] = values, True
+    return costs, real
+
+
 class StragglerTable:
     """h(dp, m) and g(dp, m, pp) per module of one profile, computed on demand and memoised."""
 
@@ -72,6 +91,17 @@ class StragglerTable:
         self._share = np.array([profile.post_balance_share if n != profile.graph.llm else 0.0 for n in names])
         self._draws = np.array([profile.modules[n].sample_cost_ms for n in names],
                                dtype=np.float64).reshape(len(names), -1)
+        # Post-balanced modules with a unit draw split units (images, targets), not samples:
+        # per module, every unit's ms in sample order and each sample's first unit and count.
+        self._units: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
+        for n, share in zip(names, self._share):
+            units = profile.modules[n].unit_cost_ms
+            if share and units is not None:
+                count = np.array([len(u) for u in units], dtype=np.int64)
+                first = np.concatenate([[0], np.cumsum(count)[:-1]])
+                self._units.append((np.array([v for u in units for v in u], dtype=np.float64), first, count))
+            else:
+                self._units.append(None)
         self._sorted = np.sort(self._draws, axis=1)
         self._mean = self._draws.mean(axis=1)
         self._samples, self._seed = samples, seed
@@ -84,21 +114,30 @@ class StragglerTable:
         return bool(self.names)
 
     def _balanced(self, d: int, pairs: list[tuple[int, int]]) -> None:
-        """Step maxima of every module for each (dp, m >= 2) in ``pairs``, all with dp * m =
-        ``d``: one batched LPT over every pair's steps (ranks past a pair's dp get no room)."""
+        """Step maxima of every module for each (dp, m) in ``pairs``, all with dp * m = ``d``:
+        one batched LPT over every pair's steps (ranks past a pair's dp get no room; a module
+        splitting units has rows of its steps' units, padded)."""
         steps = max(MIN_STEPS, math.ceil(self._samples / d))
         k, n = max(dp for dp, _ in pairs), len(self.names)
-        costs, room = [], []
+        rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (costs, counted, room) per pair and module
         for dp, m in pairs:
-            idx = np.random.default_rng([self._seed, dp, m]).integers(0, self._draws.shape[1],
-                                                                      (steps, d))
-            costs.append(self._draws[:, idx].reshape(-1, d))  # rows: module-major, then step
-            cap = np.array([share_cap(d, dp, s) if s else m for s in self._share])  # per module
-            per = np.where(np.arange(k)[None, :] < dp, cap[:, None], 0)  # [modules, ranks]
-            room.append(np.repeat(per, steps, axis=0))
-        _, loads = lpt_rows(np.concatenate(costs), np.concatenate(room))
-        for j, (dp, m) in enumerate(pairs):
-            mine = loads[j * n * steps:(j + 1) * n * steps]
+            idx = np.random.default_rng([self._seed, dp, m]).integers(0, self._draws.shape[1], (steps, d))
+            for j in range(n):
+                if self._units[j] is None:
+                    cost, real = self._draws[j][idx], np.ones((steps, d), dtype=bool)
+                    cap = np.full(steps, share_cap(d, dp, self._share[j]) if self._share[j] else m)
+                else:
+                    cost, real = _unit_rows(*self._units[j], idx)
+                    total = real.sum(axis=1)
+                    cap = np.maximum([share_cap(int(t), dp, self._share[j]) for t in total], -(-total // dp))
+                room = np.where(np.arange(k)[None, :] < dp, cap[:, None], 0)
+                rows.append((cost, real, room))
+        width = max(c.shape[1] for c, _, _ in rows)
+        pad = [np.pad(a, ((0, 0), (0, width - a.shape[1]))) for c, r, _ in rows for a in (c, r)]
+        _, loads = lpt_rows(np.concatenate(pad[0::2]), np.concatenate([room for _, _, room in rows]),
+                            np.concatenate(pad[1::2]))
+        for i, (dp, m) in enumerate(pairs):
+            mine = loads[i * n * steps:(i + 1) * n * steps]
             peak = mine.max(axis=1).reshape(n, steps)
             mean = (mine.sum(axis=1) / dp).reshape(n, steps).sum(axis=1) / steps
             self._steps[(dp, m)] = [(np.sort(y), float(mu)) for y, mu in zip(peak, mean)]
@@ -107,8 +146,9 @@ class StragglerTable:
         """Compute and memoise g for ``keys`` (dp, m, pp) not yet known."""
         todo = sorted(k for k in keys if k not in self._memo)
         by_step: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        units = any(u is not None for u in self._units)
         for dp, m, _ in todo:  # batched by step size and by dp rounded up to a power of two
-            if m == 1:
+            if m == 1 and not units:
                 self._steps[(dp, m)] = None
             elif (dp, m) not in self._steps:
                 group = by_step.setdefault((dp * m, 1 << (dp - 1).bit_length()), [])
@@ -118,10 +158,14 @@ class StragglerTable:
             self._balanced(d, group)
         for dp, m, pp in todo:
             steps = self._steps[(dp, m)]
-            if steps is None:  # exact: the max of dp * pp draws
-                g = self._max_of(dp * pp)
-            else:  # steps in which a module had no work at all wait for nothing there
-                g = [expected_max(y, pp) / mu if mu > 0 else 1.0 for y, mu in steps]
+            exact = self._max_of(dp * pp) if m == 1 else None
+            g = []
+            for j in range(len(self.names)):
+                if exact is not None and self._units[j] is None:
+                    g.append(exact[j])  # one sample per replica: the max of dp * pp draws
+                else:  # steps in which a module had no work at all wait for nothing there
+                    y, mu = steps[j]
+                    g.append(expected_max(y, pp) / mu if mu > 0 else 1.0)
             self._memo[(dp, m, pp)] = np.maximum(np.array(g), 1.0)  # >= 1 despite rounding
 
     def _max_of(self, n: int) -> np.ndarray:

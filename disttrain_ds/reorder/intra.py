@@ -49,13 +49,15 @@ def _check_dp(n: int, dp_size: int) -> None:
 # --------------------------------------------------------------------------- intra-microbatch
 
 
-def lpt_rows(costs: np.ndarray, room: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def lpt_rows(costs: np.ndarray, room: np.ndarray, counted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Equal-count LPT on many independent rows at once (the one implementation of it).
 
     ``costs[b]`` (``[B, n]``) are row b's samples and ``room[b, r]`` (``[B, k]``) how many
     samples rank r of row b takes (0 pads a row with fewer ranks). Samples go heaviest first
-    (stable) to the least-loaded rank that has room, ties to the lowest rank. Returns
-    ``(rank[B, n], loads[B, k])``: each sample's rank and each rank's summed cost."""
+    (stable) to the least-loaded rank that has room, ties to the lowest rank. ``counted``
+    (bool ``[B, n]``, default all): False marks padding of a shorter row (cost 0, after the row's
+    samples), which takes no room. Returns ``(rank[B, n], loads[B, k])``: each sample's rank and
+    each rank's summed cost."""
     c = np.asarray(costs, dtype=np.float64)
     left = np.array(room, dtype=np.int64)
     b, k = left.shape
@@ -65,13 +67,15 @@ def lpt_rows(costs: np.ndarray, room: np.ndarray) -> tuple[np.ndarray, np.ndarra
     avail = np.where(left > 0, 0.0, np.inf).reshape(-1)  # loads of ranks with room, else inf
     left = left.reshape(-1)
     base = np.arange(b) * k
+    takes = np.ones(c.shape, dtype=np.int64) if counted is None else np.take_along_axis(
+        np.asarray(counted, dtype=np.int64), order, axis=1)
     placed = np.empty((b, c.shape[1]), dtype=np.int64)
     for t in range(c.shape[1]):  # t-th heaviest sample of every row
         r = np.argmin(avail.reshape(b, k), axis=1)  # first minimum: ties go to the lowest rank
         placed[:, t] = r
         f = base + r
         loads[f] += heavy_first[:, t]
-        left[f] -= 1
+        left[f] -= takes[:, t]
         avail[f] = np.where(left[f] > 0, loads[f], np.inf)
     rank = np.empty_like(placed)
     np.put_along_axis(rank, order, placed, axis=1)

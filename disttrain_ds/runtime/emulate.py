@@ -143,7 +143,14 @@ def data_flops(recipe, samples: int) -> dict[str, np.ndarray]:
     """Per module name, the cost-model forward FLOPs of each of the first ``samples`` samples of the
     recipe's data, global batch by global batch from step 0 (in-process, unreordered: the same
     samples in any setting)."""
+    return data_work(recipe, samples)[0]
+
+
+def data_work(recipe, samples: int) -> tuple[dict[str, np.ndarray], dict[str, list[list[float]]]]:
+    """``data_flops``, and per encoder and generator the forward FLOPs of each of those samples'
+    units (images or audio clips, target images), each priced on its own."""
     # deferred: loads torch (safetensors too)
+    from disttrain_ds.runtime.placement import unit_costs
     from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 
     plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, producers=0, reorder=False))
@@ -154,8 +161,10 @@ def data_flops(recipe, samples: int) -> dict[str, np.ndarray]:
     finally:
         source.close()
     cm, graph = cost_model(recipe), graph_of(recipe)
-    return {n: np.array([sample_flops(cm, n, s, patch_size(recipe, n), spec.special)
-                         for s in read], dtype=np.float64) for n in graph.names}
+    flops = {n: np.array([sample_flops(cm, n, s, patch_size(recipe, n), spec.special)
+                          for s in read], dtype=np.float64) for n in graph.names}
+    units = {n: [unit_costs(spec, cm, n, s) for s in read] for n in graph.names if n != graph.llm}
+    return flops, units
 
 
 def recipe_rates(recipe, topo: Topology) -> dict[str, float]:

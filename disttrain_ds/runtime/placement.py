@@ -89,6 +89,20 @@ def _keep_targets(s: PackedSample, js: list[int], spec, module: str) -> PackedSa
     return replace(s, images=[], audio=[], gen_targets=gen, target_index=tuple(index))
 
 
+def unit_costs(spec, costs, module: str, s: PackedSample) -> list[float]:
+    """Forward cost of each of ``s``'s units in encoder or generator ``module``, each priced on its
+    own by the module's cost terms (``costs``: a ``GraphCosts``)."""
+    cfg, fam = spec.config(module), spec.family(module)
+    if fam.role == "generator":
+        k = spec.gen_index(module)
+        t = s.targets(k)
+        one = SampleStats(0, (), 0, gens=((0, 0),) * k + ((1, int(t.shape[-1]) if t is not None else 0),))
+        return [costs.module_cost(module, one)] * (0 if t is None else int(t.shape[0]))
+    if fam.modality == "image":
+        return [costs.module_cost(module, SampleStats(0, (fam.item_size(cfg, im),), 0)) for im in s.images]
+    return [costs.module_cost(module, SampleStats(0, (), 0, audio_frames=(fam.item_size(cfg, c),))) for c in s.audio]
+
+
 class Placement:
     """Each module's replicas' samples and units, microbatch slot by slot, for one recipe."""
 
@@ -132,19 +146,12 @@ class Placement:
         return lambda s: len(s.inputs(modality))
 
     def _unit_costs(self, slot: list, module: str, units: list[Unit]) -> list[float]:
-        """Each unit's forward cost in ``module``, priced on its own by the module's cost terms."""
-        cfg, fam = self.spec.config(module), self.spec.family(module)
-        out = []
-        for p, j in units:
-            if fam.role == "generator":
-                k = self.spec.gen_index(module)
-                stats = SampleStats(0, (), 0, gens=((0, 0),) * k + ((1, int(slot[p].targets(k).shape[-1])),))
-            elif fam.modality == "image":
-                stats = SampleStats(0, (fam.item_size(cfg, slot[p].images[j]),), 0)
-            else:
-                stats = SampleStats(0, (), 0, audio_frames=(fam.item_size(cfg, slot[p].audio[j]),))
-            out.append(self.costs.module_cost(module, stats))
-        return out
+        """Each unit's forward cost in ``module``."""
+        per: dict[int, list[float]] = {}
+        for p, _ in units:
+            if p not in per:
+                per[p] = unit_costs(self.spec, self.costs, module, slot[p])
+        return [per[p][j] for p, j in units]
 
     def loads(self, samples: list) -> dict[str, list[np.ndarray]]:
         """Every module but the LLM: its replicas' summed forward costs in each slot (what

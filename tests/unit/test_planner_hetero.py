@@ -368,3 +368,48 @@ def test_post_balanced_modules_are_priced_with_their_own_uneven_splits():
     assert back.post_balance_share == 1.5
     with pytest.raises(ProfileError, match="post_balance_share"):
         profile_from_dict({**data, "post_balance_share": 0.5})
+
+
+def test_post_balanced_modules_with_unit_draws_split_units_as_the_runtime_does():
+    data = random_data(GRAPHS["chain"], 5, draw=256)
+    rng = np.random.default_rng(6)
+    targets = np.where(rng.random(256) < 0.25, 3, 1) * (rng.random(256) < 0.7)  # 0, 1 or 3 target images
+    gen = data["modules"]["generator"]
+    gen["sample_cost_ms"] = (10.0 * targets).tolist()
+    gen["unit_cost_ms"] = [[10.0] * int(t) for t in targets]
+    samples = StragglerTable(profile_from_dict({**data, "post_balance_share": 2.0,
+                                                "modules": {**data["modules"], "generator": {
+                                                    k: v for k, v in gen.items() if k != "unit_cost_ms"}}}))
+    units = StragglerTable(profile_from_dict({**data, "post_balance_share": 2.0}))
+    # Equal units: the fullest replica holds ceil(T / dp) of a step's T targets (independent Monte Carlo).
+    for dp, m in ((2, 4), (4, 1), (4, 2)):
+        t = targets[np.random.default_rng(1).integers(0, 256, (200_000, dp * m))].sum(axis=1)
+        want = np.ceil(t / dp).mean() / (t / dp).mean()
+        assert units.factor("generator", dp, m) == pytest.approx(want, rel=0.04)
+        assert units.factor("generator", dp, m) < samples.factor("generator", dp, m)  # whole samples: worse
+    # One sample per replica: whole samples cannot move at all, units can.
+    assert units.factor("generator", 4, 1) < samples.factor("generator", 4, 1) - 0.2
+    assert units.factor("llm", 2, 4) == samples.factor("llm", 2, 4)
+    # Without post-balancing a unit draw changes nothing: replicas take whole samples.
+    assert StragglerTable(profile_from_dict(data)).factor("generator", 4, 1) == samples.factor("generator", 4, 1)
+    back = profile_from_dict(profile_to_dict(profile_from_dict(data)))
+    assert back.modules["generator"].unit_cost_ms == tuple(tuple(u) for u in gen["unit_cost_ms"])
+
+
+@pytest.mark.parametrize("units,match", [
+    ([[10.0]] * 3, r"'modules.generator.unit_cost_ms' needs one list per entry"),
+    ("first wrong", r"'modules.generator.unit_cost_ms\[0\]' sums to"),
+    ("negative", r"'modules.generator.unit_cost_ms\[0\]\[0\]' must be a finite number >= 0"),
+])
+def test_a_unit_draw_that_does_not_split_the_sample_draw_is_one_clear_error(units, match):
+    data = random_data(GRAPHS["chain"], 5, draw=8)
+    gen = data["modules"]["generator"]
+    draw = gen["sample_cost_ms"]
+    if units == "first wrong":
+        units = [[v] for v in draw]
+        units[0] = [draw[0] + 1.0]
+    elif units == "negative":
+        units = [[-1.0, draw[0] + 1.0]] + [[v] for v in draw[1:]]
+    gen["unit_cost_ms"] = units
+    with pytest.raises(ProfileError, match=match):
+        profile_from_dict(data)

@@ -343,18 +343,27 @@ def test_a_draw_from_the_data_prices_many_samples_at_the_timed_ms_per_unit_of_wo
 
 
 def test_draw_from_reads_that_many_samples_of_the_recipes_data(tmp_path):
-    from disttrain_ds.runtime.emulate import data_flops
+    from disttrain_ds.runtime.emulate import data_work
 
     path = tmp_path / "p.json"
     code, _, err = run("--recipe", TINY, "model.llm.layers=2", *FAST, "--draw-from", "6", "--out", path)
     assert code == 0, err
     data = json.loads(path.read_text())
     assert "the first 6 samples of the recipe's data" in data["description"]
-    work = data_flops(load_recipe(TINY, ["model.llm.layers=2"]), 6)
+    work, unit_work = data_work(load_recipe(TINY, ["model.llm.layers=2"]), 6)
     for name, m in data["modules"].items():
         draw = m["sample_cost_ms"]
         assert len(draw) == 6 and len(work[name]) == 6
         ratio = [d / w for d, w in zip(draw, work[name]) if w > 0]
         assert ratio and max(ratio) == pytest.approx(min(ratio), rel=1e-9)  # one ms per unit of work
+        # Encoders and generators split each sample's ms over its units (images, target images).
+        if name == "llm":
+            assert "unit_cost_ms" not in m
+            continue
+        units = m["unit_cost_ms"]
+        assert [sum(u) for u in units] == pytest.approx(draw, rel=1e-9, abs=1e-12)
+        assert [len(u) for u in units] == [len(u) for u in unit_work[name]] and sum(map(len, units)) > 0
+        flat = [(ms, w) for u, uw in zip(units, unit_work[name]) for ms, w in zip(u, uw) if w > 0]
+        assert max(ms / w for ms, w in flat) == pytest.approx(min(ms / w for ms, w in flat), rel=1e-9)
     code, out, err = run("--recipe", TINY, *FAST, "--draw-from", "0", "--out", tmp_path / "q.json")
     assert "--draw-from must be >= 1" in assert_one_line_error(code, out, err)
