@@ -20,6 +20,14 @@ out unless a boundary partner makes it wait. ``lock_step=True`` gives the coarse
 every stage waits for its slowest replica at every microbatch (an upper bound, kept for
 comparison).
 
+Per-module post-balancing (``PostBalance``, the runtime's ``parallel.post_balance``): every module
+but the LLM splits each step over its replicas by LPT with room (``reorder.post_balance.unit_cap``;
+the runtime's assignment improves on it by moves and swaps, so its loads are at most these), of its
+units where ``PostBalance.units`` gives them (an encoder's images, a generator's target images:
+each sample's share of its time), else of whole samples; any replica of such a module may then
+exchange units with any LLM replica, so the replicas form one group in which those modules' replicas
+wait for every LLM replica (an upper bound on the runtime's per-microbatch links).
+
 Reordering: intra (:func:`balance_steps`) balances each step's replicas with
 ``intra_microbatch_reorder``; inter reorders the steps with ``inter_microbatch_reorder`` on the
 lock-step stage times. Either is kept only when the simulated iteration does not get longer.
@@ -28,7 +36,8 @@ lock-step stage times. Either is kept only when the simulated iteration does not
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache, reduce
 
 import numpy as np
@@ -36,14 +45,32 @@ import numpy as np
 from disttrain_ds.comm.routes import routes
 from disttrain_ds.planner.optimize import Plan
 from disttrain_ds.planner.pipeline import split_fwd_bwd
-from disttrain_ds.reorder.intra import intra_microbatch_reorder
+from disttrain_ds.reorder.intra import intra_microbatch_reorder, lpt_rows
 from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder
+from disttrain_ds.reorder.post_balance import flat_units, unit_cap, unit_rows
 from disttrain_ds.schedule.simulate import Preds, graph_stages, is_chain, longest_path_view, makespan_1f1b, makespan_dag
 from disttrain_ds.schedule.sweep import makespans
 
 VARIANTS: dict[str, tuple[bool, bool]] = {"none": (False, False), "intra": (True, False),
                                            "inter": (False, True), "both": (True, True)}
 """Reordering variants: name -> (intra-microbatch, inter-microbatch)."""
+
+
+@dataclass(frozen=True)
+class PostBalance:
+    """Per-module post-balancing in the simulation (module docstring)."""
+
+    share: float = 2.0
+    """The runtime's ``parallel.post_balance_share``: at most this many times the even share per replica."""
+    units: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """Module name -> ``reorder.post_balance.flat_units`` of its units' shares of each sample's time
+    (samples as the rows of ``times``; a sample's shares sum to 1, none where it has no work there);
+    a module not named splits whole samples."""
+
+    @staticmethod
+    def of(shares: dict[str, Sequence[Sequence[float]]], share: float = 2.0) -> "PostBalance":
+        """From each module's per-sample lists of unit shares."""
+        return PostBalance(share, {n: flat_units(u) for n, u in shares.items()})
 
 
 @dataclass(frozen=True)
@@ -87,6 +114,28 @@ def replica_max(steps: np.ndarray, plan_: Plan) -> np.ndarray:
                      for j, m in enumerate(plan_.modules.values())], axis=1)
 
 
+def replica_loads(times: np.ndarray, plan_: Plan, arrangement: np.ndarray,
+                  post: PostBalance | None = None) -> list[np.ndarray]:
+    """Per module (plan order), ``[K, dp]`` replica loads of every step: contiguous blocks of the
+    arrangement, or with ``post`` every module but the LLM split by LPT with room (module docstring)."""
+    d = _step_size(plan_)
+    idx = np.asarray(arrangement).reshape(-1, d)
+    out = []
+    for j, (name, m) in enumerate(plan_.modules.items()):
+        col = np.asarray(times, dtype=np.float64)[:, j]
+        if post is None or name == plan_.graph.llm or m.dp == 1:
+            out.append(col[idx].reshape(len(idx), m.dp, -1).sum(axis=2))
+            continue
+        flat = post.units.get(name)
+        if flat is None:
+            costs, real = col[idx], np.ones(idx.shape, dtype=bool)
+        else:
+            costs, real = unit_rows(*flat, idx, scale=col)
+        room = np.repeat(unit_cap(real.sum(axis=1), m.dp, post.share)[:, None], m.dp, axis=1)
+        out.append(lpt_rows(costs, room, real)[1])
+    return out
+
+
 def _stages(loads: np.ndarray, plan_: Plan) -> np.ndarray:
     """``[K, modules]`` loads per step -> ``[K, P]`` stage times (load / PP on each stage), in
     ``simulate.graph_stages`` numbering."""
@@ -98,11 +147,12 @@ def _pp(plan_: Plan) -> dict[str, int]:
     return {n: m.pp for n, m in plan_.modules.items()}
 
 
-def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
+def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray, post: PostBalance | None = None
+                ) -> np.ndarray:
     """``[K, P]`` fwd+bwd time per step and pipeline stage (each module's stages in the plan's
     data-flow order): a module's slowest replica load split evenly over its PP stages."""
-    steps = times[arrangement].reshape(-1, _step_size(plan_), len(plan_.modules))
-    return _stages(replica_max(steps, plan_), plan_)
+    loads = replica_loads(times, plan_, arrangement, post)
+    return _stages(np.stack([x.max(axis=1) for x in loads], axis=1), plan_)
 
 
 def balance_step(step: np.ndarray, plan_: Plan) -> np.ndarray:
@@ -145,20 +195,23 @@ def balance_steps(times: np.ndarray, plan_: Plan) -> np.ndarray:
     return out
 
 
-def replica_groups(plan_: Plan) -> int:
+def replica_groups(plan_: Plan, post: PostBalance | None = None) -> int:
     """Groups of replicas that never wait for each other within an iteration: the gcd of every
     module's DP. Across one boundary the communicator's broker groups number
-    ``gcd(dp_up, dp_down)`` (``comm.routes.broker_groups``); along the graph they join."""
-    return reduce(math.gcd, (m.dp for m in plan_.modules.values()))
+    ``gcd(dp_up, dp_down)`` (``comm.routes.broker_groups``); along the graph they join. With
+    post-balancing every replica may exchange with every LLM replica: one group."""
+    return 1 if post is not None else reduce(math.gcd, (m.dp for m in plan_.modules.values()))
 
 
 @lru_cache(maxsize=64)
 def _group_preds(names: tuple[str, ...], upstream: tuple[tuple[str, ...], ...],
-                 replicas: tuple[int, ...], pps: tuple[int, ...], samples: int) -> Preds:
+                 replicas: tuple[int, ...], pps: tuple[int, ...], samples: int,
+                 linked: frozenset[str] = frozenset()) -> Preds:
     """Upstream replica-stages of every replica-stage of one group: modules in data-flow order,
     each module's replicas in DP order, each replica's stages consecutive; a replica's first
     stage waits for the last stage of every upstream replica it takes samples from
-    (``comm.routes.routes`` over the group's ``samples`` slots)."""
+    (``comm.routes.routes`` over the group's ``samples`` slots; every one across a boundary with a
+    ``linked`` (post-balanced) module)."""
     index = {n: i for i, n in enumerate(names)}
     last: dict[str, list[int]] = {}
     preds: list[tuple[int, ...]] = []
@@ -167,66 +220,70 @@ def _group_preds(names: tuple[str, ...], upstream: tuple[tuple[str, ...], ...],
         last[n] = []
         for r in range(c):
             feeds = sorted(last[u][rt.up] for u in ups
-                           for rt in routes(samples, replicas[index[u]], c) if rt.down == r)
+                           for rt in routes(samples, replicas[index[u]], c)
+                           if rt.down == r or {u, n} & linked)
+            feeds = sorted(set(feeds))
             preds.append(tuple(feeds))
             preds.extend((len(preds) - 1,) for _ in range(pp - 1))
             last[n].append(len(preds) - 1)
     return tuple(preds)
 
 
-def group_stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray) -> np.ndarray:
+def group_stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray,
+                      post: PostBalance | None = None) -> np.ndarray:
     """``[G, K, S]`` fwd+bwd time of every replica-stage of each of the :func:`replica_groups`
     per step (columns as :func:`_group_preds`): the replica's load / PP on each of its stages."""
-    d, g = _step_size(plan_), replica_groups(plan_)
-    steps = np.asarray(times, dtype=np.float64)[arrangement].reshape(-1, d, len(plan_.modules))
-    k = len(steps)
-    cols = [np.repeat(steps[:, :, j].reshape(k, g, m.dp // g, -1).sum(axis=3) / m.pp, m.pp,
-                      axis=2) for j, m in enumerate(plan_.modules.values())]
+    g = replica_groups(plan_, post)
+    loads = replica_loads(times, plan_, arrangement, post)
+    k = len(loads[0])
+    cols = [np.repeat(x.reshape(k, g, m.dp // g) / m.pp, m.pp, axis=2) for x, m in zip(loads, plan_.modules.values())]
     return np.concatenate(cols, axis=2).transpose(1, 0, 2)
 
 
 def _span(times: np.ndarray, plan_: Plan, arrangement: np.ndarray, order: list[int],
-          lock_step: bool) -> float:
+          lock_step: bool, post: PostBalance | None = None) -> float:
     """Simulated makespan of one arrangement and step order (module docstring)."""
     if lock_step:
-        fwd, bwd = split_fwd_bwd(stage_times(times, plan_, arrangement)[order])
+        fwd, bwd = split_fwd_bwd(stage_times(times, plan_, arrangement, post)[order])
         _, preds = graph_stages(plan_.graph, _pp(plan_))
         return makespan_1f1b(fwd, bwd) if is_chain(preds) else makespan_dag(fwd, bwd, preds)
-    graph, g = plan_.graph, replica_groups(plan_)
+    graph, g = plan_.graph, replica_groups(plan_, post)
+    linked = frozenset(n for n in graph.names if n != graph.llm) if post is not None else frozenset()
     preds = _group_preds(graph.names, tuple(graph.upstream(n) for n in graph.names),
                          tuple(m.dp // g for m in plan_.modules.values()),
-                         tuple(m.pp for m in plan_.modules.values()), _step_size(plan_) // g)
-    groups = group_stage_times(times, plan_, arrangement)[:, order]
+                         tuple(m.pp for m in plan_.modules.values()), _step_size(plan_) // g, linked)
+    groups = group_stage_times(times, plan_, arrangement, post)[:, order]
     return float(makespans(*split_fwd_bwd(groups), preds).max())
 
 
 def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
                        inter: bool = False, budget_s: float = 0.5, seed: int = 0,
-                       lock_step: bool = False) -> IterationSim:
+                       lock_step: bool = False, post: PostBalance | None = None) -> IterationSim:
     """Simulate one iteration of ``plan_`` on ``times`` (``[global_batch, modules]`` ms from
     :func:`sample_times`, in loader order): the slowest replica group's 1F1B, or with
     ``lock_step`` every stage at its slowest replica's pace (module docstring). ``intra`` and
     ``inter`` reorder (the latter searches up to ``budget_s`` seconds on the lock-step stage
     times, or their ``simulate.longest_path_view`` for parallel encoders or generators); each
-    is kept only when the iteration does not get longer."""
+    is kept only when the iteration does not get longer. ``post``: per-module post-balancing
+    (module docstring)."""
     times = np.asarray(times, dtype=np.float64)
     shape = (plan_.microbatches * _step_size(plan_), len(plan_.modules))
     if times.shape != shape:
         raise ValueError(f"times must be {list(shape)}, got {list(times.shape)}")
     order = list(range(plan_.microbatches))
     arrangement = np.arange(len(times))
-    span = _span(times, plan_, arrangement, order, lock_step)
+    span = _span(times, plan_, arrangement, order, lock_step, post)
     if intra:
         balanced = balance_steps(times, plan_)
-        t = _span(times, plan_, balanced, order, lock_step)
+        t = _span(times, plan_, balanced, order, lock_step, post)
         if t <= span:
             arrangement, span = balanced, t
-    stages = stage_times(times, plan_, arrangement)
+    stages = stage_times(times, plan_, arrangement, post)
     if inter:
         _, preds = graph_stages(plan_.graph, _pp(plan_))
         view = stages if is_chain(preds) else longest_path_view(stages, plan_.graph, _pp(plan_))
         found = inter_microbatch_reorder(*split_fwd_bwd(view), time_budget_s=budget_s, seed=seed)
-        t = _span(times, plan_, arrangement, found, lock_step)
+        t = _span(times, plan_, arrangement, found, lock_step, post)
         if t < span:
             order, span = list(found), t
     return IterationSim(float(span), stages[order], arrangement, tuple(order))

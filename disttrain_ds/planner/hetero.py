@@ -48,7 +48,7 @@ import numpy as np
 
 from disttrain_ds.cost.profile import Profile
 from disttrain_ds.reorder.intra import lpt_rows
-from disttrain_ds.reorder.post_balance import share_cap
+from disttrain_ds.reorder.post_balance import flat_units, share_cap, unit_cap, unit_rows
 
 SAMPLES = 2048
 """Samples balanced per (dp, m) with m >= 2 (``max(MIN_STEPS, ceil(SAMPLES / D))`` steps)."""
@@ -62,23 +62,6 @@ def expected_max(sorted_draw: np.ndarray, n: int) -> float:
     """E[max of ``n`` i.i.d. picks] from the empirical distribution of ``sorted_draw``."""
     k = np.arange(1, len(sorted_draw) + 1) / len(sorted_draw)
     return float(np.dot(sorted_draw, k**n - (k - 1 / len(sorted_draw))**n))
-
-
-def _unit_rows(flat: np.ndarray, first: np.ndarray, count: np.ndarray, idx: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Each step's units (row of ``idx``: its samples; ``flat[first[i]:first[i] + count[i]]``:
-    sample i's units), left-aligned and zero-padded: ``(costs, real)``, both ``[steps, width]``."""
-    per = count[idx]  # [steps, d]
-    total = per.sum(axis=1)
-    width = max(int(total.max(initial=0)), 1)
-    n = int(total.sum())
-    block = np.repeat(np.cumsum(per.ravel()) - per.ravel(), per.ravel())
-    values = flat[np.repeat(first[idx].ravel(), per.ravel()) + np.arange(n) - block] if n else np.zeros(0)
-    row = np.repeat(np.arange(len(idx)), total)
-    col = np.arange(n) - np.repeat(np.cumsum(total) - total, total)
-    costs, real = np.zeros((len(idx), width)), np.zeros((len(idx), width), dtype=bool)
-    costs[row, col], real[row, col] = values, True
-    return costs, real
 
 
 class StragglerTable:
@@ -96,12 +79,7 @@ class StragglerTable:
         self._units: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
         for n, share in zip(names, self._share):
             units = profile.modules[n].unit_cost_ms
-            if share and units is not None:
-                count = np.array([len(u) for u in units], dtype=np.int64)
-                first = np.concatenate([[0], np.cumsum(count)[:-1]])
-                self._units.append((np.array([v for u in units for v in u], dtype=np.float64), first, count))
-            else:
-                self._units.append(None)
+            self._units.append(flat_units(units) if share and units is not None else None)
         self._sorted = np.sort(self._draws, axis=1)
         self._mean = self._draws.mean(axis=1)
         self._samples, self._seed = samples, seed
@@ -127,9 +105,8 @@ class StragglerTable:
                     cost, real = self._draws[j][idx], np.ones((steps, d), dtype=bool)
                     cap = np.full(steps, share_cap(d, dp, self._share[j]) if self._share[j] else m)
                 else:
-                    cost, real = _unit_rows(*self._units[j], idx)
-                    total = real.sum(axis=1)
-                    cap = np.maximum([share_cap(int(t), dp, self._share[j]) for t in total], -(-total // dp))
+                    cost, real = unit_rows(*self._units[j], idx)
+                    cap = unit_cap(real.sum(axis=1), dp, self._share[j])
                 room = np.where(np.arange(k)[None, :] < dp, cap[:, None], 0)
                 rows.append((cost, real, room))
         width = max(c.shape[1] for c, _, _ in rows)

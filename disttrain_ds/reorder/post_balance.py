@@ -196,6 +196,40 @@ def share_cap(slot: int, replicas: int, max_share: float) -> int:
     return min(slot, math.ceil(slot / replicas * max_share))
 
 
+def unit_cap(units: np.ndarray, replicas: int, max_share: float) -> np.ndarray:
+    """Per slot of ``units`` units, the most one replica takes: ``share_cap``, at least the even
+    share rounded up (what ``runtime/placement.py`` allows)."""
+    n = np.asarray(units, dtype=np.int64)
+    return np.maximum(np.minimum(n, np.ceil(n / replicas * max_share)).astype(np.int64), -(-n // replicas))
+
+
+def flat_units(units: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-sample unit costs as flat arrays: every unit in sample order, each sample's first unit, its count."""
+    count = np.array([len(u) for u in units], dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+    return np.array([v for u in units for v in u], dtype=np.float64), first, count
+
+
+def unit_rows(flat: np.ndarray, first: np.ndarray, count: np.ndarray, idx: np.ndarray,
+              scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The units of each row of sample indices ``idx`` (``[rows, n]``; ``flat_units``' arrays),
+    left-aligned and zero-padded: ``(costs, real)``, both ``[rows, width]``; ``scale`` (one per
+    sample index) multiplies each sample's units."""
+    per = count[idx]
+    total = per.sum(axis=1)
+    width = max(int(total.max(initial=0)), 1)
+    n = int(total.sum())
+    block = np.repeat(np.cumsum(per.ravel()) - per.ravel(), per.ravel())
+    values = flat[np.repeat(first[idx].ravel(), per.ravel()) + np.arange(n) - block]
+    if scale is not None:
+        values = values * np.repeat(np.asarray(scale)[idx].ravel(), per.ravel())
+    row = np.repeat(np.arange(len(idx)), total)
+    col = np.arange(n) - np.repeat(np.cumsum(total) - total, total)
+    costs, real = np.zeros((len(idx), width)), np.zeros((len(idx), width), dtype=bool)
+    costs[row, col], real[row, col] = values, True
+    return costs, real
+
+
 def lower_bound(costs: Sequence[float], replicas: int) -> float:
     """No assignment's largest load is below this: the mean load, or for every k >= 0 the sum of
     the k + 1 lightest of the k * replicas + 1 heaviest units (some replica holds k + 1 of those;

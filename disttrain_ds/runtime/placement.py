@@ -24,7 +24,7 @@ import numpy as np
 
 from disttrain_ds.comm.routes import blocks
 from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.reorder.post_balance import assign, owners_of, share_cap
+from disttrain_ds.reorder.post_balance import assign, owners_of, unit_cap
 from disttrain_ds.runtime.setup import cost_model
 from disttrain_ds.samples import PackedSample, SampleStats
 
@@ -126,7 +126,7 @@ class Placement:
             mine = self._units(slot, m)
             if self.balanced and dp > 1:
                 floor = 1 if len(mine) >= dp else 0
-                cap = max(share_cap(len(mine), dp, self.share), -(-len(mine) // dp))
+                cap = int(unit_cap(len(mine), dp, self.share))
                 units[m] = [[mine[i] for i in g] for g in assign(self._unit_costs(slot, m, mine), dp, floor, cap)]
             else:
                 units[m] = [[u for u in mine if u[0] in b] for b in blocks(self.slot, dp)]
