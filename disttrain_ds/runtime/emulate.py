@@ -201,9 +201,12 @@ class Emulator:
                    cost_model(recipe), patch_size(recipe, grid.name), spec.special,
                    role=graph_of(recipe).role(grid.name))
 
-    def set_step(self, step: int, blocks: Sequence[Sequence], started: float | None = None) -> None:
+    def set_step(self, step: int, blocks: Sequence[Sequence], started: float | None = None,
+                 peers: dict[str, list[list[int]]] | None = None) -> None:
         """This rank's samples of each microbatch of ``step`` (``PackedSample`` lists);
-        ``started``: ``perf_counter()`` at the step's start (records the data preparation time)."""
+        ``started``: ``perf_counter()`` at the step's start (records the data preparation time);
+        ``peers``: per module across a boundary, per microbatch, the replicas this rank exchanges
+        units with (recorded for the simulator: ``schedule/replay.py::RankCosts.peers``)."""
         prep = 0.0 if started is None else time.perf_counter() - started
         self.fwd_ms, self.bwd_ms = [], []
         for block in blocks:
@@ -212,7 +215,7 @@ class Emulator:
             self.fwd_ms.append(f)
             self.bwd_ms.append(b if self.backward else 0.0)
         self.steps.append({"step": step + 1, "fwd_ms": list(self.fwd_ms), "bwd_ms": list(self.bwd_ms),
-                           "prep_s": prep, "waited_s": 0.0, "overruns": 0, "overrun_s": 0.0})
+                           "prep_s": prep, "waited_s": 0.0, "overruns": 0, "overrun_s": 0.0, "peers": peers or {}})
 
     def wait(self, kind: str, mb: int, t0: float) -> None:
         """Hold the op that started at ``t0`` until its emulated time has passed."""

@@ -49,6 +49,19 @@ class PipelineExecutor:
         for comm in (*self.engine.upstreams, *self.engine.downstreams):
             comm.set_owners([plan.edge_owners(comm.up.name, comm.down.name) for plan in self.plans])
 
+    def _peers(self) -> dict[str, list[list[int]]] | None:
+        """With post-balancing, per module across this rank's boundaries, per microbatch, the
+        replicas of it this replica exchanges units with (for the emulation's record)."""
+        if not self.placement.balanced:
+            return None
+        me, dp, out = self.grid.name, self.ctx.dp_index, {}
+        for comm in (*self.engine.upstreams, *self.engine.downstreams):
+            other = comm.up.name if comm.down.name == me else comm.down.name
+            pairs = [plan.edge_owners(comm.up.name, comm.down.name) for plan in self.plans]
+            mine, theirs = (1, 0) if comm.down.name == me else (0, 1)
+            out[other] = [sorted({o[theirs][u] for u in range(len(o[0])) if o[mine][u] == dp}) for o in pairs]
+        return out
+
     def _mine(self, samples: list) -> list[list]:
         """This rank's samples of each microbatch slot (in slot order); an encoder's or generator's:
         the samples it holds units of, with only those units."""
@@ -103,7 +116,7 @@ class PipelineExecutor:
         self._place(samples)
         batches = self._batches(samples, self._norms(samples))
         if self.engine.emulator is not None:
-            self.engine.emulator.set_step(step, self._mine(samples), t0)
+            self.engine.emulator.set_step(step, self._mine(samples), t0, self._peers())
         stats = self.engine.run_step(batches)
         stats["data_wait_s"] = data_wait
         elapsed = time.perf_counter() - t0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,9 @@ class RankCosts:
     """Backward time of each microbatch (0 where the module runs no backward)."""
     prep_ms: float = 0.0
     """Time from the step's start to the first instruction (data wait and collation)."""
+    peers: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    """At a module boundary under per-module post-balancing: the other module's name -> per
+    microbatch, the replicas of it this rank exchanges units with (empty: contiguous blocks)."""
 
 
 def stage_tables(ranks: Sequence[RankCosts], total_stages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,27 +97,35 @@ def simulate_step(ranks: Sequence[RankCosts], total_stages: int,
     return head + float((ends + tails).max()), res
 
 
-def links(ranks: Sequence[RankCosts], slot: int) -> dict[tuple[int, int], list[int]]:
-    """``(rank, FWD)`` -> ranks whose forward output it receives; ``(rank, BWD)`` -> ranks whose
-    input gradient it receives. Inside a module: the same replica's neighbouring stage; across a
-    module boundary (a module's last stage right before another's first, as the graph's stage
-    offsets lay a star out: every encoder ends where the LLM starts, every generator starts where
-    it ends): every replica whose DP block of the ``slot`` samples overlaps its own. Two modules
-    on different paths (two encoders, two generators) never feed each other."""
+def links(ranks: Sequence[RankCosts], slot: int) -> dict[tuple[int, int, int], list[int]]:
+    """``(rank, FWD, i)`` -> ranks whose forward output of microbatch ``i`` it receives;
+    ``(rank, BWD, i)`` -> ranks whose input gradient of it it receives. Inside a module: the same
+    replica's neighbouring stage; across a module boundary (a module's last stage right before
+    another's first, as the graph's stage offsets lay a star out: every encoder ends where the LLM
+    starts, every generator starts where it ends): every replica it exchanges units with in that
+    microbatch (``RankCosts.peers``, post-balancing), else every replica whose DP block of the
+    ``slot`` samples overlaps its own. Two modules on different paths (two encoders, two
+    generators) never feed each other."""
     span = {m: (min(r.global_stage for r in ranks if r.module == m), max(r.global_stage for r in ranks if r.module == m))
             for m in {r.module for r in ranks}}
     dps = {m: len({r.dp for r in ranks if r.module == m}) for m in span}
 
-    def feeds(u: RankCosts, d: RankCosts) -> bool:  # u (stage g) sends activations to d (stage g + 1)
+    def feeds(u: RankCosts, d: RankCosts, i: int) -> bool:  # u (stage g) sends activations to d (stage g + 1)
         if u.module == d.module:
             return u.dp == d.dp
         if u.global_stage != span[u.module][1] or d.global_stage != span[d.module][0]:
             return False
+        if d.module in u.peers:
+            return d.dp in u.peers[d.module][i]
+        if u.module in d.peers:
+            return u.dp in d.peers[u.module][i]
         bu, bd = blocks(slot, dps[u.module])[u.dp], blocks(slot, dps[d.module])[d.dp]
         return bu.start < bd.stop and bd.start < bu.stop
 
-    return {(r.rank, kind): [x.rank for x in ranks if x.global_stage == r.global_stage + (1 if kind else -1)
-                             and (feeds(r, x) if kind else feeds(x, r))] for r in ranks for kind in (FWD, BWD)}
+    k = len(ranks[0].fwd_ms)
+    return {(r.rank, kind, i): [x.rank for x in ranks if x.global_stage == r.global_stage + (1 if kind else -1)
+                                and (feeds(r, x, i) if kind else feeds(x, r, i))]
+            for r in ranks for kind in (FWD, BWD) for i in range(k)}
 
 
 def simulate_ranks(ranks: Sequence[RankCosts], slot: int,
@@ -133,7 +144,7 @@ def simulate_ranks(ranks: Sequence[RankCosts], slot: int,
         for r in ranks:
             while todo[r.rank]:
                 kind, i = todo[r.rank][0]
-                srcs = deps[(r.rank, kind)]
+                srcs = deps[(r.rank, kind, i)]
                 if any((x, kind, i) not in done for x in srcs):
                     break
                 start = max([free[r.rank]] + [done[(x, kind, i)] + o.comm_ms for x in srcs])
@@ -162,7 +173,7 @@ def crossing_latencies(spans: dict[int, list[dict]], ranks: Sequence[RankCosts],
             if x["name"] != "recv" or nxt is None:
                 continue
             kind = FWD if nxt["name"] == "forward" else BWD
-            produced = [ends.get((u, nxt["name"], x["mb"])) for u in deps[(rank, kind)]]
+            produced = [ends.get((u, nxt["name"], x["mb"])) for u in deps.get((rank, kind, x["mb"]), [])]
             if produced and None not in produced and x["start"] < max(produced):
                 out.append(x["end"] - max(produced))
     return out
@@ -244,7 +255,8 @@ def load_records(directory: str | os.PathLike) -> dict[int, list[RankCosts]]:
         for s in d["steps"]:
             out.setdefault(s["step"], []).append(
                 RankCosts(d["rank"], d["module"], d["global_stage"], d["dp"], tuple(s["fwd_ms"]),
-                          tuple(s["bwd_ms"]), 1e3 * s["prep_s"]))
+                          tuple(s["bwd_ms"]), 1e3 * s["prep_s"],
+                          {m: tuple(map(tuple, per)) for m, per in s.get("peers", {}).items()}))
     return out
 
 

@@ -229,3 +229,26 @@ def test_emulated_image_and_audio_encoders_run_matches_the_simulator(tmp_path, r
     assert replay.wait_summary(run / "emulate")["waited_s"] > 1.0
 
     check_step_time(rows, run, recs[3], slot=2, stages=3)
+
+
+@pytest.mark.slow
+def test_emulated_post_balanced_run_matches_the_simulator_with_each_microbatchs_links(tmp_path, reference_run):
+    """Encoder and generator on two replicas each, post-balanced: each rank records which replicas
+    it exchanged units with in every microbatch, and the simulator fed those links explains the step."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"gpus": 6, "global_batch": 8, "modules": {
+        m: {"layers": 2, "cost_ms": {"1": c}} for m, c in COST_MS.items()}}))
+    emu = ["emulate.enabled=true", f"emulate.profile={profile}", "train.peak_tflops=1"]
+    layout = [*LAYOUT, "parallel.encoder.dp=2", "parallel.post_balance=true", "data.gen_images=[0,2]"]
+    rows, _, _ = launch(tmp_path, 6, [*layout, *emu])
+    run = tmp_path / "run"
+    ref_losses, _ = reference_run([o for o in layout if not o.startswith(("layout=", "parallel."))])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+
+    recs = replay.load_records(run / "emulate")
+    boundary = [r for r in recs[3] if r.peers]
+    assert {r.module for r in boundary} == {"encoder", "llm", "generator"}
+    # Somewhere a replica exchanged with another set than its contiguous block would give.
+    blocks = replay.links([dataclasses.replace(r, peers={}) for r in recs[3]], slot=2)
+    assert replay.links(recs[3], slot=2) != blocks
+    check_step_time(rows, run, recs[3], slot=2, stages=3)

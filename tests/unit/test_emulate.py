@@ -3,6 +3,8 @@ with measured overheads, the wait itself, and the recipe checks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import dataclasses
 import json
 import time
@@ -173,10 +175,25 @@ def test_links_follow_replicas_inside_a_module_and_dp_blocks_across_modules():
     ranks = [_rc(0, 0, 0, [1], module="encoder"), _rc(1, 1, 0, [1]), _rc(2, 1, 1, [1]),
              _rc(3, 2, 0, [1], module="generator")]
     d = replay.links(ranks, slot=2)
-    assert d[(1, replay.FWD)] == [0] and d[(0, replay.BWD)] == [1, 2] and d[(3, replay.FWD)] == [1, 2]
+    assert d[(1, replay.FWD, 0)] == [0] and d[(0, replay.BWD, 0)] == [1, 2] and d[(3, replay.FWD, 0)] == [1, 2]
     # inside a module (llm pp 2, dp 2): only the same replica
     ranks = [_rc(0, 0, 0, [1]), _rc(1, 0, 1, [1]), _rc(2, 1, 0, [1]), _rc(3, 1, 1, [1])]
-    assert replay.links(ranks, slot=2)[(3, replay.FWD)] == [1]
+    assert replay.links(ranks, slot=2)[(3, replay.FWD, 0)] == [1]
+
+
+def test_post_balanced_links_change_with_each_microbatchs_placement():
+    # encoder dp 2 -> llm dp 2 (one stage): blocks would pair replica r with r; post-balancing
+    # recorded other peers per microbatch (microbatch 1: encoder replica 1 held no image).
+    peers = {0: {"llm": ((0,), (0, 1))}, 1: {"llm": ((0, 1), ())}}
+    ranks = [replace(_rc(r, 0, r, [1, 1], module="encoder"), peers=peers[r]) for r in (0, 1)]
+    ranks += [_rc(2, 1, 0, [1, 1]), _rc(3, 1, 1, [1, 1])]
+    d = replay.links(ranks, slot=2)
+    assert d[(2, replay.FWD, 0)] == [0, 1] and d[(3, replay.FWD, 0)] == [1]
+    assert d[(2, replay.FWD, 1)] == [0] and d[(3, replay.FWD, 1)] == [0]
+    assert d[(1, replay.BWD, 1)] == [] and d[(0, replay.BWD, 1)] == [2, 3]
+    # Negative control: without the record, contiguous blocks.
+    plain = [replace(r, peers={}) for r in ranks]
+    assert replay.links(plain, slot=2)[(3, replay.FWD, 1)] == [1]
 
 
 def test_links_join_every_encoder_to_the_llm_and_never_two_encoders():
@@ -187,9 +204,9 @@ def test_links_join_every_encoder_to_the_llm_and_never_two_encoders():
              _rc(6, 4, 0, [1], module="gen_b")]
     d = replay.links(ranks, slot=1)
     fwd, bwd = replay.FWD, replay.BWD
-    assert d[(3, fwd)] == [1, 2] and d[(2, fwd)] == [] and d[(1, fwd)] == [0]
-    assert d[(0, bwd)] == [1] and d[(2, bwd)] == [3] and d[(3, bwd)] == [4, 5]
-    assert d[(6, fwd)] == [5] and d[(4, fwd)] == [3] and d[(4, bwd)] == []
+    assert d[(3, fwd, 0)] == [1, 2] and d[(2, fwd, 0)] == [] and d[(1, fwd, 0)] == [0]
+    assert d[(0, bwd, 0)] == [1] and d[(2, bwd, 0)] == [3] and d[(3, bwd, 0)] == [4, 5]
+    assert d[(6, fwd, 0)] == [5] and d[(4, fwd, 0)] == [3] and d[(4, bwd, 0)] == []
     t, _ = replay.simulate_ranks(ranks, 1)  # the graph's ranks simulate without a cycle
     assert t > 0
 
