@@ -162,14 +162,16 @@ class Config:
     plan: Plan
     profile_path: Path
     reps: list[dict] = field(default_factory=list)
+    post_balance: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.layout}{' + reorder' if self.reorder else ''}"
+        return f"{self.layout}{' + reorder' if self.reorder else ''}{' + post-balance' if self.post_balance else ''}"
 
     @property
     def slug(self) -> str:
-        return f"{self.profile}_{self.ranks}r_{self.layout[:4]}{'_reorder' if self.reorder else ''}"
+        return (f"{self.profile}_{self.ranks}r_{self.layout[:4]}{'_reorder' if self.reorder else ''}"
+                f"{'_post' if self.post_balance else ''}")
 
     @property
     def world(self) -> int:
@@ -195,7 +197,8 @@ class Config:
             "emulate.enabled=true",
             f"emulate.profile={self.profile_path}", f"emulate.time_scale={TIME_SCALE[self.profile]}",
             f"logging.dir={run_dir}", "logging.wandb=disabled", "logging.every=1000",
-            "parallel.heartbeat_timeout_s=120", "parallel.comm_timeout_s=600"]
+            "parallel.heartbeat_timeout_s=120", "parallel.comm_timeout_s=600",
+            f"parallel.post_balance={str(self.post_balance).lower()}"]
 
 
 def launch(cfg: Config, run_dir: Path, steps: int, batch: int) -> None:
@@ -323,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run directories (must not exist yet)")
     ap.add_argument("--gantt-dir", type=Path, default=None, help="Gantt PNGs (default: OUT/gantt)")
     ap.add_argument("--only", default="", help="run only configurations whose name contains this (e.g. 16r_disa)")
+    ap.add_argument("--post-balance", action="store_true",
+                    help="also run every disaggregated configuration with parallel.post_balance")
     args = ap.parse_args(argv)
     if args.quick:
         args.ranks, args.profiles, args.reps, args.steps = [8], ["cpu"], 1, 4
@@ -355,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             for layout in ("monolithic", "disaggregated"):
                 for reorder in ((False,) if args.quick else (False, True)):
                     cfgs.append(Config(name, n, p.global_batch, layout, reorder, plans[layout], path))
+                    if args.post_balance and layout == "disaggregated":
+                        cfgs.append(Config(name, n, p.global_batch, layout, reorder, plans[layout], path,
+                                           post_balance=True))
     cfgs = [c for c in cfgs if args.only in c.slug]
     if not cfgs:
         raise BenchError(f"--only {args.only!r} matches no configuration")
@@ -381,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(group, TIME_SCALE[name])
             print()
             for reorder in sorted({c.reorder for c in group}):
-                pair = {c.layout: c for c in group if c.reorder == reorder}
+                pair = {c.layout: c for c in group if c.reorder == reorder and not c.post_balance}
                 if len(pair) < 2:
                     continue
                 mono, dis = pair["monolithic"], pair["disaggregated"]
@@ -389,15 +397,22 @@ def main(argv: list[str] | None = None) -> int:
                       f"{median_of(mono, 'measured') / median_of(dis, 'measured'):.3f}, simulated "
                       f"{median_of(mono, 'sim') / median_of(dis, 'sim'):.3f}, planner "
                       f"{mono.plan.t_iter_ms / dis.plan.t_iter_ms:.3f}")
+            for reorder in sorted({c.reorder for c in group}):
+                pair = [c for c in group if c.layout == "disaggregated" and c.reorder == reorder]
+                if len(pair) == 2:
+                    print(f"post-balancing gain{' with reordering' if reorder else ''}: measured "
+                          f"{median_of(pair[0], 'measured') / median_of(pair[1], 'measured'):.3f}, "
+                          f"simulated {median_of(pair[0], 'sim') / median_of(pair[1], 'sim'):.3f}")
             for layout in ("monolithic", "disaggregated"):
-                pair = [c for c in group if c.layout == layout]
+                pair = [c for c in group if c.layout == layout and not c.post_balance]
                 if len(pair) == 2:
                     print(f"reordering gain, {layout}: measured {median_of(pair[0], 'measured') / median_of(pair[1], 'measured'):.3f}, "
                           f"simulated {median_of(pair[0], 'sim') / median_of(pair[1], 'sim'):.3f}")
             print()
     ratios = [r["measured"] / r["sim"] for c in cfgs for r in c.reps]
     r_all = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-    first = {c.layout: c for c in cfgs if (c.profile, c.ranks, c.reorder) == (cfgs[0].profile, cfgs[0].ranks, False)}
+    first = {c.layout: c for c in cfgs
+             if (c.profile, c.ranks, c.reorder, c.post_balance) == (cfgs[0].profile, cfgs[0].ranks, False, False)}
     s = (f"{median_of(first['monolithic'], 'measured') / median_of(first['disaggregated'], 'measured'):.3f}"
          if len(first) == 2 else "n/a")
     print(f"Gantt charts: {gantt_dir}; runs: {out}; total {time.perf_counter() - started:.0f} s")

@@ -49,6 +49,13 @@ def rank_positions(modules, slot: int, batch: int) -> dict[int, set[int]]:
     return out
 
 
+def replica_hosts(modules, hosts: list[str]) -> dict[str, list[frozenset[str]]]:
+    """Per module (the topology's ``ModuleGrid``s), the hosts each DP replica's ranks run on: a
+    replica reads (and may compute units of) only the samples all of them read."""
+    return {m.name: [frozenset(hosts[r] for r in m.ranks if m.coords(r)[1] == d) for d in range(m.dp)]
+            for m in modules}
+
+
 @dataclass(frozen=True)
 class HostReading:
     """What every host reads, and who counts each position once."""

@@ -176,9 +176,6 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
         _check(r.layout != "monolithic", src, "parallel.post_balance",
                "needs modules on their own replicas (layout: disaggregated; the reference runs it as one process), "
                "got monolithic")
-        _check(r.data.read != "host", src, "parallel.post_balance",
-               "needs every host to read whole batches (a replica may take any sample of a microbatch): "
-               "data.read all or auto, got host")
     _check(r.parallel.post_balance_share >= 1, src, "parallel.post_balance_share",
            f"must be >= 1 (a multiple of the even share), got {r.parallel.post_balance_share:g}")
     if r.layout != "reference":

@@ -34,6 +34,7 @@ from disttrain_ds.data.host_read import (
     plan_reading,
     rank_positions,
     reader_classes,
+    replica_hosts,
 )
 from disttrain_ds.data.spool import default_base, host_key, plan_shares
 from disttrain_ds.errors import ConfigError
@@ -139,9 +140,7 @@ def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[
     consumed = rank_positions(topo.modules, slot, batch)
     units = source.inner.units()
     why = None
-    if recipe.parallel.post_balance:
-        why = ("parallel.post_balance lets a replica take any sample of a microbatch", "")
-    elif units is None and d.source not in SHARD_PATHS:
+    if units is None and d.source not in SHARD_PATHS:
         why = (f"data.source {d.source} reads each global batch as one stream, so every host would read all of it",
                "set data.read=all, or use webdataset / parquet / folder / hf with data.shard_parts")
     plan = None
@@ -332,8 +331,9 @@ def _train(job: JobStart) -> int:
     watchdog.failure_dir = dirs[0]
     console.move_to(dirs[0])
 
-    executor = PipelineExecutor(ctx, spec, engine, preempt, counted)
-    callbacks = _callbacks(ctx, spec, engine, ckpt, watchdog, preempt, writer, mfu, dirs[0])
+    homes = replica_hosts(topo.modules, hosts[0]) if counted is not None else None
+    executor = PipelineExecutor(ctx, spec, engine, preempt, counted, homes)
+    callbacks = _callbacks(ctx, executor.placement, engine, ckpt, watchdog, preempt, writer, mfu, dirs[0])
     trainer = Trainer(recipe, source, executor, callbacks, start, echo=writer.echo if writer else None)
     trainer.fit()
     if job.export_dir and not trainer.preempted:
@@ -382,16 +382,16 @@ def _engine(ctx: RankContext, spec, pm, upstreams, downstreams, frozen: bool):
     return engine
 
 
-def _callbacks(ctx: RankContext, spec, engine, ckpt, watchdog, preempt, writer, mfu, run_dir: str) -> list:
+def _callbacks(ctx: RankContext, placement: Placement, engine, ckpt, watchdog, preempt, writer, mfu,
+               run_dir: str) -> list:
     """The loop's concerns on this rank, in the order they see each step (metrics on rank 0 only)."""
     recipe, rank = ctx.recipe, ctx.rank
     callbacks = [Heartbeat(watchdog)]
     if recipe.eval.every > 0:
         callbacks.append(Evaluation(recipe, build_eval_source(recipe)))
     if writer is not None:
-        dps = {m.name: m.dp for m in ctx.topo.modules}
-        callbacks += [Balance(Placement(recipe, spec, dps)),
-                      MetricsLog(recipe, spec.special.pad, writer, mfu, writer.echo)]
+        callbacks += [Balance(placement),
+                      MetricsLog(recipe, placement.spec.special.pad, writer, mfu, writer.echo)]
     callbacks += [NonFiniteGuard(recipe.train.on_nonfinite), PreemptionStop(preempt), Checkpointing(ckpt, run_dir),
                   TraceWriter(engine, ctx.meta_group, run_dir, rank, ctx.label)]
     if engine.emulator is not None:

@@ -26,7 +26,9 @@ class PipelineExecutor:
     own ranks (None elsewhere): the batch-wide counts are summed over the ranks, each position
     counted by one rank (``counted`` lists this rank's)."""
 
-    def __init__(self, ctx: RankContext, spec, engine, preempt, counted: list[int] | None = None):
+    def __init__(self, ctx: RankContext, spec, engine, preempt, counted: list[int] | None = None,
+                 homes: dict[str, list[frozenset[str]]] | None = None):
+        """``homes``: with ``counted``, the hosts of every module's replicas (``Placement``)."""
         recipe, topo, grid, place = ctx.recipe, ctx.topo, ctx.grid, ctx.place
         self.ctx, self.counted, self.spec, self.engine, self.preempt = ctx, counted, spec, engine, preempt
         self.grid, self.group = grid, ctx.meta_group
@@ -34,7 +36,8 @@ class PipelineExecutor:
         self.slot = ctx.slot
         self.chunks = self.gas * recipe.parallel.llm.dp
         self.block = blocks(self.slot, grid.dp)[ctx.dp_index]
-        self.placement = Placement(recipe, spec, {m.name: m.dp for m in topo.modules})
+        self.placement = Placement(recipe, spec, {m.name: m.dp for m in topo.modules}, homes)
+        self._shared: tuple[list, list] | None = None  # (a step's samples, every rank's outlines of them)
         self.dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
         llm_dp = topo.module(spec.name_of("llm")).dp
         self.gen_dp_scale = {g: topo.module(g).dp / llm_dp for g in spec.generators}  # each generator's DP / the LLM's
@@ -44,8 +47,10 @@ class PipelineExecutor:
         self.vae = generator_vae(spec, str(getattr(engine, "device", "cpu")), self.dtype) if on_gen else None
 
     def _place(self, samples: list) -> None:
-        """This step's samples and items of each module's replicas; the boundaries route by them."""
-        self.plans = self.placement.plans(samples)
+        """This step's samples and units of each module's replicas; the boundaries route by them.
+        Post-balancing with ``data.read: host`` prices the samples other hosts read by their outlines."""
+        view = self._everyone(samples) if self.counted is not None and self.placement.balanced else samples
+        self.plans = self.placement.plans(view)
         for comm in (*self.engine.upstreams, *self.engine.downstreams):
             comm.set_owners([plan.edge_owners(comm.up.name, comm.down.name) for plan in self.plans])
 
@@ -74,6 +79,9 @@ class PipelineExecutor:
     def _check_read(self, samples: list) -> None:
         """Every sample this rank consumes or counts was read on this host (one line if not)."""
         mine = {g * self.slot + p for g in range(self.gas) for p in self.block} | set(self.counted or ())
+        me = self.grid.name
+        if me in self.plans[0].units:  # post-balanced: the samples of the units it holds
+            mine |= {g * self.slot + p for g, plan in enumerate(self.plans) for p, _ in plan.units[me][self.ctx.dp_index]}
         missing = sorted(p for p in mine if samples[p] is None)
         if missing:
             raise RuntimeError(f"data.read: this host did not read samples {missing[:4]} of the global batch that "
@@ -93,11 +101,27 @@ class PipelineExecutor:
         return [collate(mine, norms, self.spec, gen_dp_scale=self.gen_dp_scale, dtype=self.dtype, vae=self.vae)
                 for mine in self._mine(samples)]
 
+    def _everyone(self, samples: list) -> list:
+        """The global batch on every rank: the samples this host read and stand-ins of the others'
+        (their outlines, gathered from the ranks that count them)."""
+        if self._shared is None or self._shared[0] is not samples:
+            mine = [(p, outline(samples[p], self.spec.special)) for p in self.counted]
+            got = [None] * tdist.get_world_size()
+            tdist.all_gather_object(got, mine, group=self.group)
+            view = list(samples)
+            for p, o in (item for part in got for item in part):
+                if view[p] is None:
+                    view[p] = stand_in(o, self.spec.special)
+            self._shared = (samples, view)
+        return self._shared[1]
+
     def batch_view(self, samples: list) -> list:
         """The global batch for the step's figures: on the logging rank (0), the samples it read
         and stand-ins (counts and shapes, ``data/outline.py``) of those other hosts read."""
         if self.counted is None:
             return samples
+        if self._shared is not None and self._shared[0] is samples:  # every rank already has them
+            return self._shared[1]
         mine = [(p, outline(samples[p], self.spec.special)) for p in self.counted]
         rank = tdist.get_rank()
         got = [None] * tdist.get_world_size() if rank == 0 else None
@@ -111,9 +135,9 @@ class PipelineExecutor:
         return view
 
     def train_step(self, step: int, samples: list, data_wait: float, t0: float) -> tuple[dict, bool]:
+        self._place(samples)
         if self.counted is not None:
             self._check_read(samples)
-        self._place(samples)
         batches = self._batches(samples, self._norms(samples))
         if self.engine.emulator is not None:
             self.engine.emulator.set_step(step, self._mine(samples), t0, self._peers())

@@ -14,6 +14,11 @@ A boundary carries units (one row count per unit, in slot order, so the LLM's ro
 samples' order; ``SlotPlan.edge_owners``). A message carries the units both of its ends hold, in
 slot order, so a rank needs to know only the samples it holds (what a host reads with
 ``data.read: host``).
+
+With ``data.read: host`` a host reads only the samples of its ranks' contiguous blocks, so a
+post-balanced module splits into groups of replicas on the same hosts (``homes``): each group
+assigns the units of its own blocks' samples among its replicas. The costs of the samples a host
+did not read come from their outlines (``data/outline.py``), which every rank gets each step.
 """
 
 from __future__ import annotations
@@ -106,12 +111,15 @@ def unit_costs(spec, costs, module: str, s: PackedSample) -> list[float]:
 class Placement:
     """Each module's replicas' samples and units, microbatch slot by slot, for one recipe."""
 
-    def __init__(self, recipe: Recipe, spec, dps: dict[str, int]):
+    def __init__(self, recipe: Recipe, spec, dps: dict[str, int], homes: dict[str, list[frozenset[str]]] | None = None):
+        """``homes``: with ``data.read: host``, the hosts of each module's replicas
+        (``data.host_read.replica_hosts``); None: every host reads whole batches."""
         self.spec, self.dps, self.slot = spec, dps, recipe.parallel.llm.dp * recipe.train.micro_batch
         self.balanced = recipe.parallel.post_balance
         self.share = recipe.parallel.post_balance_share
         self.costs = cost_model(recipe)
         self.llm = spec.name_of("llm")
+        self.homes = homes
 
     def plans(self, samples: list) -> list[SlotPlan]:
         """Per microbatch slot of the global batch ``samples``, who holds what."""
@@ -124,13 +132,28 @@ class Placement:
                 samples[m] = [list(b) for b in blocks(self.slot, dp)]
                 continue
             mine = self._units(slot, m)
-            if self.balanced and dp > 1:
-                floor = 1 if len(mine) >= dp else 0
-                cap = int(unit_cap(len(mine), dp, self.share))
-                units[m] = [[mine[i] for i in g] for g in assign(self._unit_costs(slot, m, mine), dp, floor, cap)]
-            else:
-                units[m] = [[u for u in mine if u[0] in b] for b in blocks(self.slot, dp)]
+            own = blocks(self.slot, dp)
+            if not (self.balanced and dp > 1):
+                units[m] = [[u for u in mine if u[0] in b] for b in own]
+                continue
+            units[m] = [[] for _ in range(dp)]
+            for group in self._groups(m, dp):  # replicas on the same hosts share their blocks' units
+                held = {p for r in group for p in own[r]}
+                part = [u for u in mine if u[0] in held]
+                floor = 1 if len(part) >= len(group) else 0
+                cap = int(unit_cap(len(part), len(group), self.share))
+                for r, g in zip(group, assign(self._unit_costs(slot, m, part), len(group), floor, cap)):
+                    units[m][r] = [part[i] for i in g]
         return SlotPlan(samples, units, self.llm)
+
+    def _groups(self, module: str, dp: int) -> list[list[int]]:
+        """``module``'s replicas grouped by the hosts they run on (one group: every host reads all)."""
+        if self.homes is None:
+            return [list(range(dp))]
+        out: dict[frozenset[str], list[int]] = {}
+        for r, hosts in enumerate(self.homes[module]):
+            out.setdefault(hosts, []).append(r)
+        return list(out.values())
 
     def _units(self, slot: list, module: str) -> list[Unit]:
         """The slot's units of ``module`` (with ``data.read: host``, no post-balancing: those of the

@@ -136,3 +136,27 @@ def test_hosts_reading_their_parts_through_producers_resume_exactly(tmp_path, re
     assert worst < 1e-5, f"{where} differs by {worst:.2e}"
     assert "resumed from" in (out / "launch.log").read_text()
     assert list(spool.iterdir()) == []
+
+
+# Encoder dp 4 (ranks 0-3), LLM dp 2 (4, 5), generator dp 2 (6, 7); host a holds encoder replicas
+# 0, 1 and every other replica 0, host b the rest: each host reads half of every microbatch.
+POST_HOSTS = {EMULATED_HOSTS_ENV: "a,a,b,b,a,b,a,b"}
+POST_LAYOUT = ["layout=disaggregated", "parallel.encoder.dp=4", "parallel.llm.dp=2", "parallel.llm.pp=1",
+               "parallel.generator.dp=2", "parallel.post_balance=true", "parallel.heartbeat_timeout_s=120",
+               "train.micro_batch=2", "train.global_batch=8", "data.read=host"]
+
+
+@pytest.mark.slow
+def test_post_balanced_replicas_split_their_own_hosts_samples_and_train_the_reference(tmp_path, reference_run):
+    out = tmp_path / "job"
+    rows, params, _ = launch(out, 8, [STEPS, *SGD, *POST_LAYOUT], env_extra=POST_HOSTS)
+    ref_losses, ref_params = reference_run([STEPS, *SGD, "train.micro_batch=2", "train.global_batch=8"])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e}"
+    names = POST_HOSTS[EMULATED_HOSTS_ENV].split(",")
+    reads = {}
+    for rank, host in enumerate(names):
+        reads.setdefault(host, set()).update(map(tuple, json.loads((out / f"reads_rank{rank}.json").read_text())))
+    assert not reads["a"] & reads["b"] and len(reads["a"]) == len(reads["b"]) == 3 * 8 // 2
+    assert "each host reading only its ranks' samples (this host: 4 of 8)" in (out / "launch.log").read_text()

@@ -216,7 +216,6 @@ RANGE = [  # (dotted overrides applied to tiny_cpu, key named in the message)
     ({"layout": "disaggregated", "parallel.generator.dp": 8}, "parallel.generator.dp"),
     ({"parallel.llm.partition": "random"}, "parallel.llm.partition"),
     ({"layout": "monolithic", "parallel.post_balance": True}, "parallel.post_balance"),
-    ({"layout": "disaggregated", "parallel.post_balance": True, "data.read": "host"}, "parallel.post_balance"),
     ({"parallel.post_balance_share": 0.5}, "parallel.post_balance_share"),
     ({"parallel.comm_timeout_s": 0}, "parallel.comm_timeout_s"),
     ({"parallel.heartbeat_timeout_s": -1}, "parallel.heartbeat_timeout_s"),

@@ -97,3 +97,24 @@ def test_replica_loads_add_up_to_the_modules_per_sample_costs(job):
     for n in spec.generators:
         total = sum(float(sum(slot)) for slot in loads[n])
         assert total == pytest.approx(sum(placement.costs.module_cost(n, s) for s in stats), rel=1e-9)
+
+
+def test_with_per_host_reading_replicas_split_only_their_hosts_blocks(job):
+    recipe, spec, batches, _ = job
+    dps = {"vision": 4, "llm": 2, "painter": 2, "sketcher": 2}
+    # Vision replicas 0, 1 on host a, 2, 3 on host b; each generator replica on a host of its own.
+    homes = {"vision": [frozenset("a")] * 2 + [frozenset("b")] * 2, "llm": [frozenset("a"), frozenset("b")],
+             "painter": [frozenset("a"), frozenset("b")], "sketcher": [frozenset("a"), frozenset("b")]}
+    hosted = Placement(recipe, spec, dps, homes)
+    free = Placement(recipe, spec, dps)
+    crossed = False
+    for b in batches:
+        for plan, loose in zip(hosted.plans(b), free.plans(b)):
+            for r, part in enumerate(plan.units["vision"]):  # blocks of one sample: a's are 0, 1
+                assert {p for p, _ in part} <= ({0, 1} if r < 2 else {2, 3})
+            for n in spec.generators:  # alone on its host: its own block, as without post-balancing
+                assert all({p for p, _ in part} <= {2 * r, 2 * r + 1} for r, part in enumerate(plan.units[n]))
+            # Negative control: without hosts a replica takes units of samples the other host read.
+            crossed |= any(not {p for p, _ in part} <= ({0, 1} if r < 2 else {2, 3})
+                           for r, part in enumerate(loose.units["vision"]))
+    assert crossed
