@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from disttrain_ds.comm.p2p import ACT, GRAD, P2P, PendingRecv
+from disttrain_ds.comm.p2p import ACT, GRAD, P2P, PendingRecv, channel
 from disttrain_ds.comm.routes import block_owners, owned, pair_links, pieces, row_index
 from disttrain_ds.topology import ModuleGrid
 
@@ -49,6 +49,7 @@ class BoundaryComm:
         backward: bool = True,
     ):
         self.p2p, self.up, self.down, self.slot = p2p, up, down, slot
+        self.channels = {kind: channel(kind, up.name, down.name) for kind in (ACT, GRAD)}  # this edge's own lanes
         self.rows_key, self.features, self.dtype = rows_key, tuple(features), dtype
         self.backward = backward  # the upstream module runs backward: gradients cross this boundary
         me = p2p.rank
@@ -101,7 +102,7 @@ class BoundaryComm:
         if key not in self._pending:
             what = f"{'activation' if channel == ACT else 'gradient'} of microbatch {mb}"
             self._pending[key] = [
-                self.p2p.irecv((n, *self.features), self.dtype, src, channel, what) if n else None
+                self.p2p.irecv((n, *self.features), self.dtype, src, self.channels[channel], what) if n else None
                 for n, src in zip(self._sizes(mb, rows_per_sample), self.peer_ranks)
             ]
         return self._pending[key]
@@ -152,7 +153,7 @@ class BoundaryComm:
             if n:
                 rows = row_index(rows_per_sample, part)
                 piece = tensor.narrow(0, rows[0], n) if rows[-1] - rows[0] == n - 1 else tensor[torch.tensor(rows, device=tensor.device)]
-                self.p2p.isend(piece.contiguous(), dst, channel, what)
+                self.p2p.isend(piece.contiguous(), dst, self.channels[channel], what)
 
     # upstream side
     def send_activation(self, mb: int, tensor: torch.Tensor, rows_per_sample: list[int]) -> None:
@@ -192,7 +193,7 @@ def boundary_links(modules: tuple[ModuleGrid, ...], slot: int, backward: dict[st
                    edges: tuple[tuple[str, str], ...] | None = None,
                    every_pair: bool = False) -> list[tuple[str, int, int]]:
     """Every (channel, low rank, high rank) pair that talks across a boundary, in one global order:
-    activations between the TP-0 ranks of the two modules of every graph edge (``edges``: (upstream,
+    activations (the edge's own channel, ``p2p.channel``) between the TP-0 ranks of the two modules of every graph edge (``edges``: (upstream,
     downstream) names; None: a chain in ``modules`` order), gradients where upstream runs backward.
     ``every_pair``: each upstream replica with each downstream one (post-balancing may route any
     sample between them); otherwise the pairs whose contiguous blocks share a sample."""
@@ -207,7 +208,7 @@ def boundary_links(modules: tuple[ModuleGrid, ...], slot: int, backward: dict[st
         for u, d in replicas:
             a, b = up.rank(stage=up.pp - 1, dp=u), down.rank(stage=0, dp=d)
             lo, hi = min(a, b), max(a, b)
-            links.add((ACT, lo, hi))
+            links.add((channel(ACT, up.name, down.name), lo, hi))
             if backward[up.name]:
-                links.add((GRAD, lo, hi))
+                links.add((channel(GRAD, up.name, down.name), lo, hi))
     return sorted(links, key=lambda link: (link[1], link[2], link[0]))

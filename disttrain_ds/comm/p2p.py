@@ -4,9 +4,10 @@ NCCL matches point-to-point messages between two ranks in posting order (no tags
 directions of a pair on one stream (a pending receive blocks later ops to that peer), and a send
 completes only when the peer's receive runs. So this transport:
 
-- has one **channel per direction**, each its own process group (hence its own NCCL communicator
-  and stream per pair): activations flow down one, gradients up the other, and a receive posted
-  ahead on one can never hold up a send on the other;
+- has one **channel per graph edge and direction**, each its own process group (hence its own NCCL
+  communicator and stream): activations flow down one, gradients up the other, and a receive posted
+  ahead on one can never hold up a send on another (the LLM's receive from an encoder and its send
+  to a generator take different lanes);
 - sends **no shape headers**: both ends compute every message's shape from the microbatch they
   both hold, so each message is one transfer and receives can be posted early, into buffers of
   the right size (an empty message is skipped by both ends);
@@ -65,9 +66,22 @@ class PeerInfo:
         return f"rank {rank} ({self.names.get(rank, '?')})"
 
 
-def new_channel_groups(world: int) -> dict[str, object]:
-    """One process group per direction (every rank calls this, in the same order)."""
-    return {ch: dist.new_group(list(range(world))) for ch in CHANNELS}
+def channel(kind: str, up: str, down: str) -> str:
+    """The channel of one graph edge ``up -> down`` in one direction (``kind``: ACT or GRAD). Each
+    is its own process group: on a device-bound world a group is one ordered lane per rank, so with
+    one group per direction the LLM's receive from an encoder, posted ahead, would hold up its send
+    to a generator until that encoder produced the next microbatch."""
+    return f"{kind}:{up}->{down}"
+
+
+def edge_channels(edges) -> list[str]:
+    """Every channel of the graph ``edges`` ((upstream, downstream) names), in one order."""
+    return [channel(kind, up, down) for up, down in edges for kind in CHANNELS]
+
+
+def new_channel_groups(world: int, names=CHANNELS) -> dict[str, object]:
+    """One process group per channel name (every rank calls this, in the same order)."""
+    return {ch: dist.new_group(list(range(world))) for ch in names}
 
 
 class P2P:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch.distributed as tdist
 
-from disttrain_ds.comm.p2p import CHANNELS
+from disttrain_ds.comm.p2p import CHANNELS, channel
 from disttrain_ds.parallel.grid import GRID_AXES, grid_groups
 from disttrain_ds.topology import ModuleGrid
 
@@ -58,15 +58,22 @@ def tied_pairs(m: ModuleGrid) -> list[tuple[int, int]]:
     return [(m.rank(stage=0, dp=d, tp=t), m.rank(stage=m.pp - 1, dp=d, tp=t)) for d in range(m.dp) for t in range(m.tp)]
 
 
-def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str] = frozenset()) -> list[GroupSpec]:
+def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str] = frozenset(),
+                edges: tuple[tuple[str, str], ...] | None = None) -> list[GroupSpec]:
     """Every group of the job in the one order all ranks make them: the gloo bookkeeping group, one
-    world-wide group per boundary channel, then each module's DeepSpeed grid groups (replica, data,
-    pipe, model axes, as ``SubsetGrid`` uses them) and, for the modules named in ``tied`` (a weight
-    shared by their first and last layers), their tied-weight groups. Pure: every rank computes the
-    same list."""
+    group per boundary channel (each graph edge's activations and gradients, ``p2p.channel``: the
+    upstream module's last-stage ranks and the downstream's first-stage ones; ``edges`` None: a
+    chain in ``modules`` order), then each module's DeepSpeed grid groups (replica, data, pipe, model
+    axes, as ``SubsetGrid`` uses them) and, for the modules named in ``tied`` (a weight shared by
+    their first and last layers), their tied-weight groups. Pure: every rank computes the same list."""
     everyone = tuple(range(world))
     specs = [GroupSpec((META,), everyone, "gloo")]
-    specs += [GroupSpec(("channel", ch), everyone) for ch in CHANNELS]
+    grids = {m.name: m for m in modules}
+    for up, down in edges if edges is not None else [(a.name, b.name) for a, b in zip(modules, modules[1:])]:
+        u, d = grids[up], grids[down]
+        ends = tuple(sorted({*(r for r in u.ranks if u.coords(r)[0] == u.pp - 1),
+                             *(r for r in d.ranks if d.coords(r)[0] == 0)}))
+        specs += [GroupSpec(("channel", channel(kind, up, down)), ends) for kind in CHANNELS]
     for m in modules:
         lists = grid_groups(m)
         for axis in GRID_AXES:

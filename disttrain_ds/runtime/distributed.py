@@ -24,7 +24,7 @@ from disttrain_ds.checkpoint.lock import hold
 from disttrain_ds.checkpoint.manifest import checkpoint_root
 from disttrain_ds.checkpoint.steps import Checkpointer, resolve_resume
 from disttrain_ds.comm.boundary import BoundaryComm, boundary_links
-from disttrain_ds.comm.p2p import CHANNELS, P2P, PeerInfo, waiting_on
+from disttrain_ds.comm.p2p import P2P, PeerInfo, edge_channels, waiting_on
 from disttrain_ds.console import Console, tell_launcher
 from disttrain_ds.data.config import SHARD_PATHS
 from disttrain_ds.data.host_read import (
@@ -270,12 +270,12 @@ def _train(job: JobStart) -> int:
     backward = needs_backward(recipe, topo)
 
     # Every rank makes every group of the job, in one order (eager NCCL splits them off the world):
-    # the gloo bookkeeping group for step figures, one group per boundary channel (one per
-    # direction, apart from DeepSpeed's own P2P), and every module's grid groups.
-    groups = ProcessGroups(rank).make(plan_groups(topo.modules, world, spec.tied_modules()),
+    # the gloo bookkeeping group for step figures, one group per boundary channel (per graph edge
+    # and direction, apart from DeepSpeed's own P2P), and every module's grid groups.
+    groups = ProcessGroups(rank).make(plan_groups(topo.modules, world, spec.tied_modules(), topo.edges),
                                       nccl_timeout_s(recipe.parallel.comm_timeout_s))
     meta_group = groups.get((META,))
-    channels = {ch: groups.get(("channel", ch)) for ch in CHANNELS}
+    channels = {ch: groups.handles[("channel", ch)] for ch in edge_channels(topo.edges) if ("channel", ch) in groups.handles}
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     watchdog.heart.waiting = waiting_on  # beats say whom a blocked transfer waits for
     hosts = gather_hosts(world, meta_group)

@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 from disttrain_ds.comm import nccl_emulation  # noqa: E402
 from disttrain_ds.comm.boundary import BoundaryComm, boundary_links  # noqa: E402
-from disttrain_ds.comm.p2p import P2P, PeerInfo, new_channel_groups  # noqa: E402
+from disttrain_ds.comm.p2p import P2P, PeerInfo, edge_channels, new_channel_groups  # noqa: E402
 from disttrain_ds.comm.routes import blocks  # noqa: E402
 from disttrain_ds.topology import ModuleGrid  # noqa: E402
 
@@ -48,7 +48,7 @@ def main() -> int:
     slot = 6
     if slot % down.dp:
         raise SystemExit(f"{world - 1} LLM replicas do not split a slot of {slot}")
-    p2p = P2P(new_channel_groups(world), rank, device, 60.0, PeerInfo({r: f"rank {r}" for r in range(world)}))
+    p2p = P2P(new_channel_groups(world, edge_channels([("encoder", "llm")])), rank, device, 60.0, PeerInfo({r: f"rank {r}" for r in range(world)}))
     comm = BoundaryComm(p2p, up, down, slot, "image_embeds", FEATURES, torch.float32)
     p2p.connect(boundary_links((up, down), slot, {"encoder": True, "llm": True}))
     got = {}

@@ -113,8 +113,10 @@ def main() -> int:
 
         original_get = ProcessGroups.get
 
-        def one_group(self, key):  # the gradient channel is the activation channel's group
-            return original_get(self, ("channel", ACT) if key == ("channel", GRAD) else key)
+        def one_group(self, key):  # each edge's gradient channel is its activation channel's group
+            if key[0] == "channel" and key[1].startswith(GRAD):
+                key = ("channel", ACT + key[1].removeprefix(GRAD))
+            return original_get(self, key)
 
         ProcessGroups.get = one_group
     elif fault == "eval_zero_encoder":

@@ -77,10 +77,10 @@ def run_ranks(world: int, fn, timeout: float = 120, emulate: bool = True, pg_tim
 def _p2p(rank, timeout_s=30.0):
     import torch.distributed as dist
 
-    from disttrain_ds.comm.p2p import P2P, PeerInfo, new_channel_groups
+    from disttrain_ds.comm.p2p import P2P, PeerInfo, edge_channels, new_channel_groups
 
     names = {0: "encoder stage 0 dp 0", 1: "llm stage 0 dp 0", 2: "llm stage 0 dp 1"}
-    return P2P(new_channel_groups(dist.get_world_size()), rank, torch.device("cpu"), timeout_s, PeerInfo(names))
+    return P2P(new_channel_groups(dist.get_world_size(), edge_channels([("encoder", "llm")])), rank, torch.device("cpu"), timeout_s, PeerInfo(names))
 
 
 def _fan_out_case(rank):
@@ -129,12 +129,13 @@ def test_fan_out_keeps_sample_order_and_gradients_route_back():
 
 
 def _stuck_peer_case(rank):
-    from disttrain_ds.comm.p2p import ACT
+    from disttrain_ds.comm.p2p import ACT, channel
 
     p2p = _p2p(rank, timeout_s=2.0)
-    p2p.connect([(ACT, 0, 1)])
+    act = channel(ACT, "encoder", "llm")
+    p2p.connect([(act, 0, 1)])
     if rank == 0:
-        pending = p2p.irecv((3,), torch.float32, 1, ACT, "activation of microbatch 0")
+        pending = p2p.irecv((3,), torch.float32, 1, act, "activation of microbatch 0")
         return pending.result().tolist()  # rank 1 never sends
     import time
 
@@ -197,3 +198,51 @@ def test_boundary_check_script_passes_under_nccl_rules(tmp_path):
     got = {r: json.loads((tmp_path / f"boundary_rank{r}.json").read_text()) for r in range(3)}
     assert got[2]["2"] == []  # its samples have no rows in microbatch 2: nothing crossed
     assert got[1]["0"] == [0.0] * 3 + [1.0] + [2.0] * 2
+
+
+def _cross_edge_case(rank, shared: bool):
+    """Encoder (0) -> LLM (1) -> generator (2), each graph edge on its own channel. The LLM posts
+    its receive from the encoder ahead, then sends to the generator; the encoder sends only once the
+    generator has its message. On a device-bound (eager) world a group is one lane per rank, so with
+    one group for both edges (``shared``) the LLM's send waits behind the receive: a deadlock."""
+    import torch.distributed as dist
+
+    from disttrain_ds.comm.p2p import ACT, P2P, PeerInfo, channel, new_channel_groups
+
+    names = [channel(ACT, "encoder", "llm"), channel(ACT, "llm", "generator")]
+    groups = new_channel_groups(3, names)
+    if shared:
+        groups = {n: groups[names[0]] for n in names}
+    p2p = P2P(groups, rank, torch.device("cpu"), 4.0, PeerInfo({0: "encoder", 1: "llm", 2: "generator"}))
+    p2p.connect([(names[0], 0, 1), (names[1], 1, 2)])
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.wait(["generator got it"])
+        p2p.isend(torch.ones(2), 1, names[0], "activation of microbatch 1")
+        p2p.flush_sends()
+        return "sent"
+    if rank == 1:
+        ahead = p2p.irecv((2,), torch.float32, 0, names[0], "activation of microbatch 1")
+        p2p.isend(torch.full((3,), 7.0), 2, names[1], "states of microbatch 0")
+        p2p.flush_sends()
+        return ahead.result().tolist()
+    got = p2p.irecv((3,), torch.float32, 1, names[1], "states of microbatch 0").result().tolist()
+    store.set("generator got it", "1")
+    return got
+
+
+def _cross_edge(rank):
+    return _cross_edge_case(rank, shared=False)
+
+
+def _cross_edge_shared(rank):
+    return _cross_edge_case(rank, shared=True)
+
+
+def test_a_receive_posted_ahead_on_one_edge_does_not_hold_up_a_send_on_another(monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_NCCL_EMULATION", "eager")
+    res = run_ranks(3, _cross_edge, timeout=60, pg_timeout_s=20)
+    assert res == {0: ("ok", "sent"), 1: ("ok", [1.0, 1.0]), 2: ("ok", [7.0, 7.0, 7.0])}, res
+    # Negative control: one group (one lane per rank) for both edges deadlocks until the deadline.
+    res = run_ranks(3, _cross_edge_shared, timeout=60, pg_timeout_s=20)
+    assert res[2][0] != "ok" and "CommTimeoutError" in str(res[1][1]) + str(res[2][1]), res

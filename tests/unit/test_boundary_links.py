@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from disttrain_ds.comm.boundary import boundary_links
-from disttrain_ds.comm.p2p import ACT, GRAD
+from disttrain_ds.comm.p2p import ACT, GRAD, channel
 from disttrain_ds.topology import ModuleGrid
 
 TRAIN_ALL = {"encoder": True, "llm": True, "generator": True}
+# Each graph edge has its own channel per direction.
+A_IN, G_IN = channel(ACT, "encoder", "llm"), channel(GRAD, "encoder", "llm")
+A_OUT, G_OUT = channel(ACT, "llm", "generator"), channel(GRAD, "llm", "generator")
 
 
 def _readme_layout(enc_dp=1, llm_tp=1):
@@ -18,18 +21,18 @@ def _readme_layout(enc_dp=1, llm_tp=1):
 
 def test_readme_layout_links_encoder_to_llm_first_stage_and_llm_last_stage_to_generator():
     links = boundary_links(_readme_layout(), slot=2, backward=TRAIN_ALL)
-    assert links == [(ACT, 0, 1), (GRAD, 0, 1), (ACT, 2, 3), (GRAD, 2, 3)]
+    assert links == [(A_IN, 0, 1), (G_IN, 0, 1), (A_OUT, 2, 3), (G_OUT, 2, 3)]
 
 
 def test_dp_fan_in_links_every_upstream_replica_to_the_replica_owning_its_samples():
     links = boundary_links(_readme_layout(enc_dp=2), slot=2, backward=TRAIN_ALL)
-    assert [(lo, hi) for ch, lo, hi in links if ch == ACT] == [(0, 2), (1, 2), (3, 4)]
+    assert [(lo, hi) for ch, lo, hi in links if ch in (A_IN, A_OUT)] == [(0, 2), (1, 2), (3, 4)]
 
 
 def test_a_frozen_front_module_gets_no_gradient_channel():
     frozen_encoder = {**TRAIN_ALL, "encoder": False}
     links = boundary_links(_readme_layout(), slot=2, backward=frozen_encoder)
-    assert (GRAD, 0, 1) not in links and (ACT, 0, 1) in links and (GRAD, 2, 3) in links
+    assert (G_IN, 0, 1) not in links and (A_IN, 0, 1) in links and (G_OUT, 2, 3) in links
 
 
 def test_only_tensor_parallel_index_zero_talks_across_boundaries():

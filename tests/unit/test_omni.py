@@ -9,7 +9,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from disttrain_ds.comm.boundary import boundary_links
-from disttrain_ds.comm.p2p import ACT, GRAD
+from disttrain_ds.comm.p2p import ACT, GRAD, channel
 from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.schedule.onef1b import BoundaryRecvActivation, StagePlace, engine_schedule
@@ -35,9 +35,10 @@ def test_links_join_every_encoder_to_the_llm_and_never_the_encoders_to_each_othe
     backward = {"vision": True, "ear": False, "llm": True, "painter": True}
     links = boundary_links(topo.modules, 2, backward, topo.edges)
     assert links == sorted(links, key=lambda link: (link[1], link[2], link[0]))
-    assert set(links) == {(ACT, 0, 4), (GRAD, 0, 4), (ACT, 1, 4), (GRAD, 1, 4),
-                          (ACT, 2, 4), (ACT, 3, 4),  # a frozen ear gets no gradient channel
-                          (ACT, 5, 6), (GRAD, 5, 6)}
+    vision, ear, painter = (("vision", "llm"), ("ear", "llm"), ("llm", "painter"))
+    assert set(links) == {(channel(ACT, *vision), 0, 4), (channel(GRAD, *vision), 0, 4), (channel(ACT, *vision), 1, 4),
+                          (channel(GRAD, *vision), 1, 4), (channel(ACT, *ear), 2, 4), (channel(ACT, *ear), 3, 4),
+                          (channel(ACT, *painter), 5, 6), (channel(GRAD, *painter), 5, 6)}  # a frozen ear: no gradients
 
 
 def test_a_first_stage_without_upstream_past_global_stage_zero_receives_nothing():

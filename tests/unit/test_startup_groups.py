@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as tdist
 
 from disttrain_ds.comm import nccl_emulation as emu
+from disttrain_ds.comm.p2p import edge_channels
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.parallel import groups as pg
 from disttrain_ds.parallel.grid import GRID_AXES
@@ -29,7 +30,13 @@ def test_group_plan_gives_every_rank_one_group_per_axis_of_its_module():
     world = sum(m.size for m in topo.modules)
     specs = pg.plan_groups(topo.modules, world)
     assert specs[0] == pg.GroupSpec((pg.META,), tuple(range(world)), "gloo")
-    assert [s.key for s in specs[1:3]] == [("channel", "activations"), ("channel", "gradients")]
+    # One group per graph edge and direction, of the two modules' boundary ranks only.
+    edges = [(a.name, b.name) for a, b in zip(topo.modules, topo.modules[1:])]
+    chans = [s for s in specs if s.key[0] == "channel"]
+    assert [s.key[1] for s in chans] == edge_channels(edges)
+    for s, (up, down) in zip(chans, [e for e in edges for _ in range(2)]):
+        u, d = (next(m for m in topo.modules if m.name == n) for n in (up, down))
+        assert set(s.ranks) == {r for r in u.ranks if u.coords(r)[0] == u.pp - 1} | {r for r in d.ranks if d.coords(r)[0] == 0}
     for m in topo.modules:
         for axis in GRID_AXES:
             mine = [s for s in specs if s.key[:2] == (m.name, axis)]
