@@ -205,6 +205,8 @@ def _cross_edge_case(rank, shared: bool):
     its receive from the encoder ahead, then sends to the generator; the encoder sends only once the
     generator has its message. On a device-bound (eager) world a group is one lane per rank, so with
     one group for both edges (``shared``) the LLM's send waits behind the receive: a deadlock."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from disttrain_ds.comm.p2p import ACT, P2P, PeerInfo, channel, new_channel_groups
@@ -217,7 +219,7 @@ def _cross_edge_case(rank, shared: bool):
     p2p.connect([(names[0], 0, 1), (names[1], 1, 2)])
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
-        store.wait(["generator got it"])
+        store.wait(["generator got it"], timedelta(seconds=6))
         p2p.isend(torch.ones(2), 1, names[0], "activation of microbatch 1")
         p2p.flush_sends()
         return "sent"
