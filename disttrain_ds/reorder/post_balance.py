@@ -171,22 +171,46 @@ def _search(c: np.ndarray, owner: np.ndarray, replicas: int, floor: int, cap: in
 
 
 def assign(costs: Sequence[float], replicas: int, floor: int = 1, cap: int | None = None,
-           budget: int = NODE_BUDGET) -> list[list[int]]:
+           budget: int = NODE_BUDGET, home: Sequence[int] | None = None) -> list[list[int]]:
     """Sample positions per replica (each ascending) that minimise the most loaded replica's summed
     cost, each replica taking ``floor``..``cap`` samples (``cap`` None: any number). Deterministic;
     on slots of up to ``SEARCH_MAX`` samples the largest load is optimal when the search ends within
-    ``budget`` nodes."""
+    ``budget`` nodes.
+
+    ``home``: the replica each unit would take without balancing (its contiguous block's). The
+    local search then starts there too, and its result is kept when it is within ``GOOD_ENOUGH`` of
+    the lower bound or no worse than the search from LPT: units leave home only where balance
+    needs it, so fewer replicas wait on one another across a boundary."""
     cap = len(costs) if cap is None else cap
     c = _check(costs, replicas, floor, cap)
     if replicas == 1:
         return [list(range(len(c)))]
+    kept = None
+    if home is not None:
+        h = np.asarray(home, dtype=np.int64)
+        counts = np.bincount(h, minlength=replicas)
+        if len(h) != len(c) or h.min(initial=0) < 0 or h.max(initial=0) >= replicas:
+            raise ValueError(f"home must name one of {replicas} replicas for each of {len(c)} units")
+        if counts.min() >= floor and counts.max() <= cap:
+            kept = _improve(c, h, replicas, floor, cap, rounds=4 * len(c))
+            if _top(c, kept, replicas) <= lower_bound(c, replicas) * (1 + GOOD_ENOUGH):
+                return _groups(kept, replicas)
     owner = _lpt(c, replicas, floor, cap)
     owner = _improve(c, owner, replicas, floor, cap, rounds=4 * len(c))
-    top = np.bincount(owner, weights=c, minlength=replicas).max()
     # The search proves small slots optimal; on larger ones it never beat the local search on the
     # paper's draws (bench/bench_post_balance.py) and only costs time.
-    if len(c) <= SEARCH_MAX and top > lower_bound(c, replicas) * (1 + 1e-9):  # not provably optimal yet
+    if len(c) <= SEARCH_MAX and _top(c, owner, replicas) > lower_bound(c, replicas) * (1 + 1e-9):
         owner = _search(c, owner, replicas, floor, cap, budget)
+    if kept is not None and _top(c, kept, replicas) <= _top(c, owner, replicas) * (1 + _EPS):
+        owner = kept
+    return _groups(owner, replicas)
+
+
+def _top(c: np.ndarray, owner: np.ndarray, replicas: int) -> float:
+    return float(np.bincount(owner, weights=c, minlength=replicas).max())
+
+
+def _groups(owner: np.ndarray, replicas: int) -> list[list[int]]:
     return [sorted(int(i) for i in np.flatnonzero(owner == r)) for r in range(replicas)]
 
 

@@ -140,9 +140,12 @@ class Placement:
             for group in self._groups(m, dp):  # replicas on the same hosts share their blocks' units
                 held = {p for r in group for p in own[r]}
                 part = [u for u in mine if u[0] in held]
-                floor = 1 if len(part) >= len(group) else 0
                 cap = int(unit_cap(len(part), len(group), self.share))
-                for r, g in zip(group, assign(self._unit_costs(slot, m, part), len(group), floor, cap)):
+                # A unit stays on its block's replica unless balance needs it elsewhere.
+                home = [next(i for i, r in enumerate(group) if u[0] in own[r]) for u in part]
+                if max(np.bincount(home, minlength=len(group))) > cap:
+                    home = None
+                for r, g in zip(group, assign(self._unit_costs(slot, m, part), len(group), 0, cap, home=home)):
                     units[m][r] = [part[i] for i in g]
         return SlotPlan(samples, units, self.llm)
 

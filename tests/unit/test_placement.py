@@ -23,7 +23,7 @@ LAYOUT = ["layout=disaggregated", "parallel.modules.llm.dp=2", "parallel.modules
 def job():
     recipe = load_recipe("tiny_two_gen", LAYOUT)
     source, spec = build_data_and_spec(recipe)
-    batches = [source.global_batch(step) for step in range(3)]
+    batches = [source.global_batch(step) for step in range(12)]
     source.close()
     dps = {n: 2 for n in spec.names}
     return recipe, spec, batches, Placement(recipe, spec, dps)

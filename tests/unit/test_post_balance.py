@@ -103,3 +103,24 @@ def test_the_lower_bound_never_exceeds_the_optimum_and_is_tight_for_equal_units(
     # Negative control: the mean and the heaviest unit alone are below that when n > replicas does not divide.
     if n > replicas and n % replicas:
         assert max(2.0, 2.0 * n / replicas) < lower_bound([2.0] * n, replicas)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_units_stay_home_unless_balance_needs_them_elsewhere(seed):
+    rng = np.random.default_rng(200 + seed)
+    n, replicas = int(rng.integers(6, 30)), int(rng.integers(2, 5))
+    costs = list(rng.lognormal(0, 1.0, n))
+    home = sorted(int(x) for x in rng.integers(0, replicas, n))  # contiguous blocks of unequal size
+    free, kept = assign(costs, replicas, 0), assign(costs, replicas, 0, home=home)
+    top = lambda groups: max(sum(costs[i] for i in g) for g in groups)  # noqa: E731
+    # As balanced as without a home (or within GOOD_ENOUGH of the lower bound)...
+    assert top(kept) <= max(top(free), lower_bound(costs, replicas) * (1 + 1e-3)) * (1 + 1e-9)
+    # ...with no more units away from home.
+    moved = lambda groups: sum(home[i] != r for r, g in enumerate(groups) for i in g)  # noqa: E731
+    assert moved(kept) <= moved(free)
+
+
+def test_a_balanced_home_moves_nothing_where_lpt_would_reshuffle():
+    costs, home = [2.0, 2.0, 3.0, 1.0], [0, 0, 1, 1]  # both replicas already at 4, the bound
+    assert assign(costs, 2, 0, home=home) == [[0, 1], [2, 3]]
+    assert assign(costs, 2, 0) == [[2, 3], [0, 1]]  # negative control: LPT swaps every unit's replica
