@@ -63,7 +63,7 @@ class Setting:
     """Plan key -> ``scale.straggler_factors`` in loader order."""
     lock_step: float
     """MFU of Megatron-LM's plan (no reordering) with every stage waiting for its slowest
-    replica at every microbatch (``scale_sim``'s coarser replica model)."""
+    replica at every microbatch (``planner/iteration_sim``'s coarser replica model)."""
 
 
 def run_setting(paper: dict, spec: scale.ModelSpec, costs: scale.SampleCosts, gpus: int,

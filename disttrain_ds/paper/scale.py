@@ -16,14 +16,14 @@ Pipeline of this module (every step a small pure function):
 3. **Plans** (:func:`paper_plans`): ours (``optimize.plan``), Megatron-LM's rigid layout at the
    paper's TP/PP, and two ratio-based splits (by profiled GPU-time, ``baselines.ratio_plan``, and
    by FLOPs), all on the same GPU budget.
-4. **Simulation** (:mod:`disttrain_ds.paper.scale_sim`, ``simulate_iteration``): per-sample
+4. **Simulation** (:mod:`disttrain_ds.planner.iteration_sim`, ``simulate_iteration``): per-sample
    module times are the cost model's FLOPs rescaled so each module's mean equals the plan's
    per-sample profile cost (so profile and variation agree); samples fill pipeline steps of
    D = DP_llm x M in order; within a step a module's replica r takes the r-th contiguous chunk of
    D / DP samples (DP fan-out/fan-in between modules of different DP); each replica's stages run
    its load / PP, and replicas wait for each other only where the runtime makes them (sample
    exchange at module boundaries, the all-reduce at the end); no communication time.
-5. **Reordering** (``scale_sim``): intra (``balance_steps``) balances each step's replicas with
+5. **Reordering** (``iteration_sim``): intra (``balance_steps``) balances each step's replicas with
    ``intra_microbatch_reorder``; inter reorders the steps with ``inter_microbatch_reorder``.
 6. **Scores**: MFU = cost-model training FLOPs of the iteration / (GPUs x peak x time);
    throughput = sequences x sequence length / time.
@@ -53,23 +53,14 @@ from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.cost.tp_scaling import tp_scaled
 from disttrain_ds.data.paper_stats import Subsequence, layout_to_stats
 from disttrain_ds.graph import MODULES  # noqa: F401
+from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 
-# Steps 4-5 live in scale_sim; their names stay reachable from here.
-from disttrain_ds.paper.scale_sim import (
+# Steps 4-5 live in planner/iteration_sim; their names stay reachable from here.
+from disttrain_ds.planner.iteration_sim import (
     VARIANTS,
-    IterationSim,
-    balance_step,
-    balance_steps,
-    group_stage_times,
-    replica_groups,
-    replica_max,
     sample_times,
     simulate_iteration,
-    split_fwd_bwd,
-    stage_times,
-    straggler_factors,
 )
-from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 from disttrain_ds.planner.optimize import Plan, plan
 from disttrain_ds.samples import SampleStats
 
@@ -292,7 +283,7 @@ def evaluate_plan(plan_: Plan, profile: Profile, costs: SampleCosts, *, iteratio
                   seq_len: int, variants: Sequence[str] = tuple(VARIANTS),
                   budget_s: float = 0.5, lock_step: bool = False) -> PlanResult:
     """Simulate ``iterations`` consecutive global batches of ``costs`` under ``plan_`` for each
-    reordering variant (``lock_step``: the coarser replica model, ``scale_sim``); MFU and
+    reordering variant (``lock_step``: the coarser replica model, ``iteration_sim``); MFU and
     throughput aggregate all iterations (total work / total time)."""
     bs = profile.global_batch
     if profile.peak_tflops is None:

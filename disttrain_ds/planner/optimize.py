@@ -15,13 +15,15 @@ minimum with :func:`disttrain_ds.planner.search.search` (complexity in that modu
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import replace
+from typing import Mapping
+
+import numpy as np
 
 from disttrain_ds.cost.mfu import overall_mfu
 from disttrain_ds.cost.profile import GIB, Profile
-from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.hetero import StragglerTable
+from disttrain_ds.planner.iteration_sim import sample_times, simulate_iteration
 from disttrain_ds.planner.objective import (  # noqa: F401
     Degrees,
     IterTime,
@@ -37,95 +39,9 @@ from disttrain_ds.planner.objective import (  # noqa: F401
 )
 from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
+from disttrain_ds.planner.plan import ModulePlan, Plan, PlanError  # noqa: F401 (re-exported)
 from disttrain_ds.planner.search import batch_splits, options, search
-
-
-class PlanError(ValueError):
-    """No layout satisfies the constraints; the message is one line naming the binding one."""
-
-
-@dataclass(frozen=True)
-class ModulePlan:
-    """One module's share of a plan."""
-
-    gpus: int
-    """GPUs the module occupies."""
-    dp: int
-    """Data-parallel degree."""
-    tp: int
-    """Tensor-parallel degree (for Megatron's replicated stages: the GPUs sharing the work)."""
-    pp: int
-    """Pipeline-parallel degree."""
-    samples_per_microbatch: int
-    """Samples one replica processes per pipeline step."""
-    warmup_ms: float
-    """Time for one microbatch to pass the whole module (its term in T_warmup)."""
-    stage_ms: float
-    """Time of one pipeline stage per microbatch (its candidate for the steady-state max)."""
-    memory_gib: float | None
-    """Predicted peak memory per GPU (first stage); None when the profile has no memory figures."""
-    straggler: float = 1.0
-    """Expected slowest replica's load over the mean one, h(dp, m), already in ``warmup_ms``
-    (1.0 without per-sample draws)."""
-    cost_source: str = "assumed"
-    """Where the cost at this TP degree comes from: measured | interpolated | assumed."""
-    pace: float = 1.0
-    """Expected slowest of PP steps' slowest replicas over the mean replica load, g(dp, m, pp),
-    already in ``stage_ms`` (1.0 without per-sample draws)."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A complete layout with its predicted iteration time."""
-
-    modules: dict[str, ModulePlan]
-    """Module name -> its layout, in the graph's data-flow order."""
-    graph: ModuleGraph
-    """The module graph the plan lays out (the profile's)."""
-    microbatches: int
-    """Pipeline steps per iteration, K = global_batch / (DP_llm * M)."""
-    t_warmup_ms: float
-    """Warm-up and cool-down time (the modules' warm-up terms along the critical path)."""
-    t_steady_ms: float
-    """Steady-state time: the bottleneck stage time times (K - 1)."""
-    t_iter_ms: float
-    """t_warmup_ms + t_steady_ms."""
-    mfu: float | None = None
-    """Predicted model FLOPs utilisation of the GPUs used (0..1) over ``t_pred_ms``; None
-    without FLOPs and peak."""
-    layout: str = "disaggregated"
-    """How modules share GPUs: ``disaggregated``, ``ratio-based`` or ``megatron``."""
-    t_pred_ms: float | None = None
-    """Predicted iteration time under the runtime's 1F1B schedule (``pipeline.predict``):
-    t_iter_ms less what the schedule overlaps; <= t_iter_ms. None: not computed."""
-
-    @property
-    def gpus(self) -> int:
-        """GPUs used by all modules."""
-        return sum(m.gpus for m in self.modules.values())
-
-    @property
-    def llm(self) -> ModulePlan:
-        """The LLM's layout (every graph has exactly one LLM)."""
-        return self.modules[self.graph.llm]
-
-    def module(self, name: str) -> ModulePlan:
-        """The layout of module ``name``."""
-        return self.modules[name]
-
-    def degrees(self) -> dict[str, Degrees]:
-        """Module name -> (dp, tp, pp), the layout ``t_iter`` and ``build_plan`` take."""
-        return {n: Degrees(m.dp, m.tp, m.pp) for n, m in self.modules.items()}
-
-    def to_json(self) -> dict[str, Any]:
-        """The plan as plain data: per-module gpus/dp/tp/pp, the closed form's three times, the
-        predicted time under 1F1B, and where each module's cost at its TP degree comes from."""
-        out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp}
-                               for n, m in self.modules.items()}
-        out.update(t_iter_ms=self.t_iter_ms, t_warmup_ms=self.t_warmup_ms,
-                   t_steady_ms=self.t_steady_ms, t_pred_ms=self.t_pred_ms,
-                   cost_source={n: m.cost_source for n, m in self.modules.items()})
-        return out
+from disttrain_ds.planner.search import finalists as best_layouts
 
 
 def predicted_mfu(profile: Profile, t_iter_ms: float, gpus: int) -> float | None:
@@ -165,22 +81,51 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
                 layout=layout_name, t_pred_ms=pred)
 
 
+FINALISTS = 8
+"""With per-sample draws: how many layouts (the best of as many samples-per-step splits) the
+search hands to the simulator, which keeps the one whose simulated iterations are fastest."""
+SIM_SAMPLES = 2048
+"""Samples resampled from the draw for each finalist's simulated iterations (at least 2 batches)."""
+SIM_SEED = 0
+"""Seed of the resampled global batches (the same batches for every finalist)."""
+
+
 def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
-         aligned: bool = True) -> Plan:
+         aligned: bool = True, finalists: int | None = None) -> Plan:
     """The exact minimum-T_iter layout; ``gpu_caps`` optionally bounds each module's GPUs.
     ``aligned`` (the default; what ``disttrain-plan`` writes): every module's first rank is a
     multiple of its TP degree, so no TP group spans nodes; False drops that rule (the paper's
-    model, for comparisons only). Raises PlanError with the binding constraint when nothing is
-    feasible."""
+    model, for comparisons only). With per-sample draws the ``finalists`` (default ``FINALISTS``)
+    best layouts of the closed form are simulated on global batches resampled from the draw
+    (``simulated_ms``: each step waits for its slowest replica and module, which the closed form
+    prices only in expectation) and the fastest is returned; 1: the closed form's best. Raises
+    PlanError with the binding constraint when nothing is feasible."""
     caps = {n: profile.gpus if gpu_caps is None else min(gpu_caps[n], profile.gpus)
             for n in profile.graph.names}
     table = straggler_table(profile)
-    found = search(profile, caps, table, aligned)
-    if found is None:
+    count = (FINALISTS if table is not None else 1) if finalists is None else finalists
+    found = best_layouts(profile, caps, table, aligned, count)
+    if not found:
         if aligned and search(profile, caps, aligned=False) is not None:
             raise PlanError(_unaligned_only(profile, caps))
         raise PlanError(_diagnose(profile, caps))
-    return build_plan(profile, found, table=table)
+    plans = [build_plan(profile, layout, table=table) for layout in found]
+    if len(plans) == 1 or not profile.has_draw:
+        return plans[0]
+    timed = [replace(p, t_sim_ms=simulated_ms(profile, p), finalists=len(plans)) for p in plans]
+    return min(timed, key=lambda p: p.t_sim_ms)  # ties: the closed form's order
+
+
+def simulated_ms(profile: Profile, plan_: Plan, samples: int = SIM_SAMPLES, seed: int = SIM_SEED) -> float:
+    """Mean simulated iteration (ms) of ``plan_`` on global batches resampled from the profile's
+    per-sample draws (``iteration_sim.simulate_iteration``: every replica on its own 1F1B
+    timeline, no reordering, as a job runs with ``data.reorder`` off)."""
+    draw = np.column_stack([profile.modules[n].sample_cost_ms for n in plan_.modules])
+    times = sample_times(draw, plan_)
+    bs = profile.global_batch
+    batches = max(2, -(-samples // bs))
+    idx = np.random.default_rng(seed).integers(0, len(draw), (batches, bs))
+    return float(np.mean([simulate_iteration(times[i], plan_).makespan_ms for i in idx]))
 
 
 def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:

@@ -225,6 +225,15 @@ def search(profile: Profile, caps: Mapping[str, int], table: StragglerTable | No
 
     With ``table`` (straggler factors h >= 1) a D's layouts are priced only when it is visited:
     its bound from mean costs is still a lower bound, so the search stays exact."""
+    found = finalists(profile, caps, table, aligned, 1)
+    return found[0] if found else None
+
+
+def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable | None = None,
+              aligned: bool = True, count: int = 1) -> list[dict[str, Degrees]]:
+    """The ``count`` best layouts among each group's best (a group: one samples-per-step D and
+    memory variant), best first, exactly: a group is skipped only when its lower bound exceeds the
+    ``count``-th best found. ``count`` = 1: ``search``'s layout."""
     graph, n_gpus, limit = Roles.of(profile.graph), profile.gpus, profile.memory_limit_bytes
     grids = {n: module_grid(profile, n) for n in graph.names}
     align = alignment(profile) if aligned else 1
@@ -262,11 +271,11 @@ def search(profile: Profile, caps: Mapping[str, int], table: StragglerTable | No
             lb = float(combine_arrays(graph, {n: float(o.warm.min()) for n, o in opts.items()},
                                       {n: float(o.stage.min()) for n, o in opts.items()}, k))
             groups.append((lb, d, len(groups), k, opts))
-    best: tuple | None = None
+    top: list[tuple] = []  # (key, layout) of the best groups so far, best first
     for lb, d, _, k, opts in sorted(groups, key=lambda g: (g[0], g[1], g[2])):
-        if best is not None and lb > best[0][0]:
+        bound = top[-1][0][0] if len(top) == count else None
+        if bound is not None and lb > bound:
             break  # groups are sorted by a valid lower bound: none of the rest can win
-        bound = None if best is None else best[0][0]
         if table is not None:
             opts = {n: priced(profile, n, o, d, table) for n, o in opts.items()}
         opts = _prune(graph, opts, k, n_gpus, bound)
@@ -277,6 +286,6 @@ def search(profile: Profile, caps: Mapping[str, int], table: StragglerTable | No
         if units[0] is None or units[1] is None:
             continue
         found = _best_in_group(graph, opts, units, k, n_gpus, align)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
-    return None if best is None else best[1]
+        if found is not None and all(found[1] != layout for _, layout in top):
+            top = sorted([*top, found], key=lambda x: x[0])[:count]
+    return [layout for _, layout in top]

@@ -26,6 +26,9 @@ NODE_BUDGET = 2_000
 """Search nodes ``assign`` may visit after its local search (a bound on time, the same everywhere)."""
 GOOD_ENOUGH = 1e-3
 """The local search stops once the largest load is within this fraction of the lower bound."""
+HOME_GAIN = 0.01
+"""With a home replica per unit: a unit leaves home only when that lowers the slot's largest load
+by more than this fraction (each unit away from home makes two replicas wait on each other)."""
 SEARCH_MAX = 16
 """Slots of at most this many samples are searched after the local search."""
 _EPS = 1e-12
@@ -70,9 +73,11 @@ def _lpt(c: np.ndarray, replicas: int, floor: int, cap: int) -> np.ndarray:
     return owner
 
 
-def _improve(c: np.ndarray, owner: np.ndarray, replicas: int, floor: int, cap: int, rounds: int) -> np.ndarray:
+def _improve(c: np.ndarray, owner: np.ndarray, replicas: int, floor: int, cap: int, rounds: int,
+             min_gain: float = 0.0) -> np.ndarray:
     """Best single move or swap involving the most loaded replica, while the score drops (every
-    candidate of a round priced at once)."""
+    candidate of a round priced at once); ``min_gain`` > 0: only while the largest load drops by
+    more than that fraction of it."""
     owner = owner.copy()
     loads = np.bincount(owner, weights=c, minlength=replicas)
     counts = np.bincount(owner, minlength=replicas)
@@ -101,7 +106,10 @@ def _improve(c: np.ndarray, owner: np.ndarray, replicas: int, floor: int, cap: i
         trial[rows, dst] += delta
         top, sq = trial.max(axis=1), (trial * trial).sum(axis=1)
         tol = _EPS * max(1.0, best[0])
-        better = (top < best[0] - tol) | ((top <= best[0] + tol) & (sq < best[1] - _EPS * max(1.0, best[1])))
+        if min_gain > 0:
+            better = top < best[0] * (1 - min_gain)
+        else:
+            better = (top < best[0] - tol) | ((top <= best[0] + tol) & (sq < best[1] - _EPS * max(1.0, best[1])))
         if not better.any():
             break
         k = np.flatnonzero(better)[np.lexsort((sq[better], top[better]))[0]]
@@ -178,9 +186,10 @@ def assign(costs: Sequence[float], replicas: int, floor: int = 1, cap: int | Non
     ``budget`` nodes.
 
     ``home``: the replica each unit would take without balancing (its contiguous block's). The
-    local search then starts there too, and its result is kept when it is within ``GOOD_ENOUGH`` of
-    the lower bound or no worse than the search from LPT: units leave home only where balance
-    needs it, so fewer replicas wait on one another across a boundary."""
+    local search then starts there too, moving a unit only when that lowers the largest load by
+    more than ``HOME_GAIN``, and its result is kept when it is within ``GOOD_ENOUGH`` of the lower
+    bound or within ``HOME_GAIN`` of the search from LPT: units leave home only where balance needs
+    it, so fewer replicas wait on one another across a boundary."""
     cap = len(costs) if cap is None else cap
     c = _check(costs, replicas, floor, cap)
     if replicas == 1:
@@ -192,7 +201,7 @@ def assign(costs: Sequence[float], replicas: int, floor: int = 1, cap: int | Non
         if len(h) != len(c) or h.min(initial=0) < 0 or h.max(initial=0) >= replicas:
             raise ValueError(f"home must name one of {replicas} replicas for each of {len(c)} units")
         if counts.min() >= floor and counts.max() <= cap:
-            kept = _improve(c, h, replicas, floor, cap, rounds=4 * len(c))
+            kept = _improve(c, h, replicas, floor, cap, rounds=4 * len(c), min_gain=HOME_GAIN)
             if _top(c, kept, replicas) <= lower_bound(c, replicas) * (1 + GOOD_ENOUGH):
                 return _groups(kept, replicas)
     owner = _lpt(c, replicas, floor, cap)
@@ -201,7 +210,7 @@ def assign(costs: Sequence[float], replicas: int, floor: int = 1, cap: int | Non
     # paper's draws (bench/bench_post_balance.py) and only costs time.
     if len(c) <= SEARCH_MAX and _top(c, owner, replicas) > lower_bound(c, replicas) * (1 + 1e-9):
         owner = _search(c, owner, replicas, floor, cap, budget)
-    if kept is not None and _top(c, kept, replicas) <= _top(c, owner, replicas) * (1 + _EPS):
+    if kept is not None and _top(c, kept, replicas) <= _top(c, owner, replicas) * (1 + HOME_GAIN):
         owner = kept
     return _groups(owner, replicas)
 

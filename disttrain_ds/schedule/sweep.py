@@ -13,7 +13,7 @@ down) and back (backwards flow up) until nothing changes reaches the schedule's 
 grow from 0 towards the unique solution of the DAG's equations, and each sweep pair carries every
 dependency chain one turn further (a critical path turns a few times, so a few sweeps suffice).
 Leading axes of the cost arrays are independent pipelines with the same stage DAG (the replica
-groups of ``scale_sim``), all swept at once. Sums are formed in scan order, so a makespan can
+groups of ``planner/iteration_sim``), all swept at once. Sums are formed in scan order, so a makespan can
 differ from the op-by-op simulators in the last bits.
 """
 

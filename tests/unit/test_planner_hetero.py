@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import random
+from functools import partial
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from disttrain_ds.planner import hetero
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 from disttrain_ds.planner.hetero import StragglerTable, expected_max
 from disttrain_ds.planner.objective import combine, samples_per_step, straggler_table, t_iter
-from disttrain_ds.planner.optimize import PlanError, build_plan, exhaustive_plan, plan
+from disttrain_ds.planner.optimize import PlanError, build_plan, exhaustive_plan, plan, simulated_ms
+from disttrain_ds.planner.search import finalists
 from disttrain_ds.reorder.intra import lpt_equal_count, lpt_rows
 from disttrain_ds.schedule.simulate import makespan_1f1b
 
@@ -231,11 +233,11 @@ def test_without_a_draw_the_objective_is_the_mean_cost_formula_float_for_float()
 @pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in range(12)])
 def test_search_with_a_draw_equals_brute_force(graph, seed):
     profile = profile_from_dict(random_data(GRAPHS[graph], seed, draw=24))
-    assert outcome(plan, profile) == outcome(exhaustive_plan, profile)
+    assert outcome(partial(plan, finalists=1), profile) == outcome(exhaustive_plan, profile)
 
 
 def test_random_draw_instances_are_feasible_and_priced_so_the_comparison_means_something():
-    found = [outcome(plan, profile_from_dict(random_data(GRAPHS["chain"], s, draw=24)))
+    found = [outcome(partial(plan, finalists=1), profile_from_dict(random_data(GRAPHS["chain"], s, draw=24)))
              for s in range(12)]
     feasible = [f for f in found if not isinstance(f, str)]
     assert len(feasible) >= 8
@@ -276,6 +278,22 @@ def test_skewed_draw_changes_the_plan_and_it_simulates_faster():
     assert sims["draw"] < 0.95 * sims["mean"]
     # The draw-priced plan predicts its own simulated time far better than the mean-cost one.
     assert abs(sims["draw"] / draw_plan.t_iter_ms - 1) < abs(sims["mean"] / mean_plan.t_iter_ms - 1)
+
+
+def test_finalists_are_the_closed_forms_best_and_the_fastest_simulated_one_is_chosen():
+    profile = skewed_profile(True)
+    table = straggler_table(profile)
+    caps = {n: profile.gpus for n in profile.graph.names}
+    found = finalists(profile, caps, table, True, 8)
+    keys = [t_iter(profile, f, table).total_ms for f in found]
+    assert keys == sorted(keys) and len(found) == len({tuple(f.values()) for f in found}) > 1
+    assert found[0] == plan(profile, finalists=1).degrees()  # the closed form's best comes first
+    chosen = plan(profile)
+    assert chosen.finalists == len(found) and chosen.degrees() in found
+    sims = [simulated_ms(profile, build_plan(profile, f, table=table)) for f in found]
+    assert chosen.t_sim_ms == min(sims)
+    # Negative control: a plan from mean costs is never simulated.
+    assert plan(skewed_profile(False)).t_sim_ms is None
 
 
 # --------------------------------------------------------------------------- paper scale

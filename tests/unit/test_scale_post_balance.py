@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from disttrain_ds.cost.profile_file import profile_from_dict
-from disttrain_ds.paper.scale_sim import PostBalance, replica_loads, sample_times, simulate_iteration
+from disttrain_ds.planner.iteration_sim import PostBalance, replica_loads, sample_times, simulate_iteration
 from disttrain_ds.planner.optimize import Degrees, build_plan
 from disttrain_ds.reorder.post_balance import assign, lower_bound, unit_cap
 

@@ -43,8 +43,8 @@ from functools import lru_cache, reduce
 import numpy as np
 
 from disttrain_ds.comm.routes import routes
-from disttrain_ds.planner.optimize import Plan
 from disttrain_ds.planner.pipeline import split_fwd_bwd
+from disttrain_ds.planner.plan import Plan
 from disttrain_ds.reorder.intra import intra_microbatch_reorder, lpt_rows
 from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder
 from disttrain_ds.reorder.post_balance import flat_units, unit_cap, unit_rows
