@@ -37,10 +37,15 @@ from disttrain_ds.paper import (
     load_paper_figures,  # noqa: E402
     scale,  # noqa: E402
 )
-from disttrain_ds.planner.optimize import Plan, PlanError, plan  # noqa: E402
+from disttrain_ds.planner.objective import straggler_table  # noqa: E402
+from disttrain_ds.planner.optimize import Plan, PlanError, build_plan, plan  # noqa: E402
+from disttrain_ds.planner.search import finalists  # noqa: E402
 
 DRAW = 1024
 """Samples in the profile's draw."""
+POOL = 24
+"""Layouts of the closed form (the best of as many samples-per-step splits) simulated to find the
+best plan the chosen one is compared with."""
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
 
@@ -93,16 +98,18 @@ def random_profile(rng: np.random.Generator, draw: np.ndarray | None) -> dict:
             "microbatch": 1, "gpus_per_node": 8, "modules": mods}
 
 
-def simulate(p: Plan, costs: np.ndarray, batch: int, iterations: int, budget: float) -> float:
+def simulate(p: Plan, costs: np.ndarray, batch: int, iterations: int, budget: float, reorder: bool) -> float:
     """Mean simulated iteration time of ``p`` over ``iterations`` batches of ``costs``."""
     times = scale.sample_times(costs, p)
     return statistics.fmean(
-        scale.simulate_iteration(times[i * batch:(i + 1) * batch], p, intra=True, inter=True,
+        scale.simulate_iteration(times[i * batch:(i + 1) * batch], p, intra=reorder, inter=reorder,
                                  budget_s=budget, seed=i).makespan_ms for i in range(iterations))
 
 
-def run_case(sampler: Sampler, seed: int, iterations: int, budget: float) -> dict | None:
-    """Plan a seed's profile from mean costs and from a draw, simulate both on fresh samples."""
+def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorder: bool) -> dict | None:
+    """Plan a seed's profile from mean costs, from a draw by the closed form alone and with its
+    finalists simulated; simulate them and the ``POOL`` best layouts of the closed form (one per
+    samples-per-step split) on fresh samples."""
     draw = sampler(np.random.default_rng([seed, 1]), DRAW)
     data = random_profile(np.random.default_rng([seed, 0]), draw)
     with_draw = profile_from_dict(data)
@@ -110,14 +117,23 @@ def run_case(sampler: Sampler, seed: int, iterations: int, budget: float) -> dic
         m.pop("sample_cost_ms")
     mean_only = profile_from_dict(data)
     try:
-        plans = {"mean": plan(mean_only), "draw": plan(with_draw)}
+        t0 = time.perf_counter()
+        chosen = plan(with_draw)
+        took = time.perf_counter() - t0
+        plans = {"mean": plan(mean_only), "closed": plan(with_draw, finalists=1), "draw": chosen}
     except PlanError:
         return None
+    table = straggler_table(with_draw)
+    pool = [build_plan(with_draw, f, table=table)
+            for f in finalists(with_draw, {n: with_draw.gpus for n in MODULES}, table, True, POOL)]
     batch = mean_only.global_batch
     fresh = sampler(np.random.default_rng([seed, 2]), batch * iterations)
-    sim = {k: simulate(p, fresh, batch, iterations, budget) for k, p in plans.items()}
+    sim = {k: simulate(p, fresh, batch, iterations, budget, reorder) for k, p in plans.items()}
+    best = min(simulate(p, fresh, batch, iterations, budget, reorder) for p in pool)
+    best = min(best, *sim.values())
     return {"gain": sim["mean"] / sim["draw"], "same": plans["mean"].degrees() == plans["draw"].degrees(),
-            **{f"err_{k}": sim[k] / p.t_pred_ms - 1 for k, p in plans.items()}}
+            "vs_best": sim["draw"] / best, "closed_vs_best": sim["closed"] / best, "mean_vs_best": sim["mean"] / best,
+            "plan_s": took, **{f"err_{k}": sim[k] / p.t_pred_ms - 1 for k, p in plans.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,19 +142,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=2, help="global batches simulated per plan")
     ap.add_argument("--budget", type=float, default=0.05,
                     help="seconds of inter-microbatch search per iteration")
+    ap.add_argument("--reorder", action="store_true",
+                    help="simulate with intra + inter reordering (data.reorder); default: without, as the planner does")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     print(f"{args.seeds} random profiles per distribution, draw of {DRAW} samples, "
-          f"{args.iterations} simulated iteration(s) per plan with intra + inter reordering; "
+          f"{args.iterations} simulated iteration(s) per plan "
+          f"{'with intra + inter reordering' if args.reorder else 'without reordering'}; "
           f"Python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} CPUs\n")
     print("| distribution | cases | same plan | gain median | gain min / max | draw slower "
-          "| T_sim/T_plan - 1 mean plan: median / worst | draw plan: median / worst |")
-    print("|" + "---|" * 8)
+          "| T_sim/T_plan - 1 mean plan: median / worst | draw plan: median / worst "
+          f"| over the best of {POOL}: chosen mean / worst | closed form mean / worst | mean-cost plan mean / worst "
+          "| planning s, max |")
+    print("|" + "---|" * 12)
     for name, sampler in distributions().items():
         rows = [r for s in range(args.seeds) if (r := run_case(sampler, s, args.iterations,
-                                                                args.budget)) is not None]
+                                                                args.budget, args.reorder)) is not None]
         if not rows:
-            print(f"| {name} | 0 | - | - | - | - | - | - |")
+            print(f"| {name} | 0 |" + " - |" * 10)
             continue
         gain = [r["gain"] for r in rows]
         worst = {k: max((r[f"err_{k}"] for r in rows), key=abs) for k in ("mean", "draw")}
@@ -147,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
               f"| {statistics.median(gain):.3f} | {min(gain):.3f} / {max(gain):.3f} "
               f"| {sum(g < 1 for g in gain)} "
               f"| {med['mean'] * 100:+.1f}% / {worst['mean'] * 100:+.1f}% "
-              f"| {med['draw'] * 100:+.1f}% / {worst['draw'] * 100:+.1f}% |")
+              f"| {med['draw'] * 100:+.1f}% / {worst['draw'] * 100:+.1f}% "
+              + "".join(f"| {statistics.fmean(r[k] for r in rows):.3f} / {max(r[k] for r in rows):.3f} "
+                        for k in ("vs_best", "closed_vs_best", "mean_vs_best"))
+              + f"| {max(r['plan_s'] for r in rows):.2f} |")
     print("\ngain: simulated time of the mean-cost plan over the draw plan's (> 1: the draw plan "
           "is faster); same plan: cases where both chose the same layout.")
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

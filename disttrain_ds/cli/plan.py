@@ -88,7 +88,11 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
               f"T_steady  {result.t_steady_ms:12.1f} ms",
               f"T_iter    {result.t_iter_ms:12.1f} ms   (closed form the search minimises)",
               f"T_pred    {result.t_pred_ms:12.1f} ms   (the runtime's 1F1B schedule over these"
-              " stage times)", f"predicted MFU  {mfu}"]
+              " stage times)"]
+    if result.t_sim_ms is not None:
+        lines.append(f"T_sim     {result.t_sim_ms:12.1f} ms   (simulated on batches resampled from the draw: the "
+                     f"fastest of {result.finalists} finalists)")
+    lines.append(f"predicted MFU  {mfu}")
     return "\n".join(lines)
 
 

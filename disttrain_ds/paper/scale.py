@@ -56,10 +56,19 @@ from disttrain_ds.graph import MODULES  # noqa: F401
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 
 # Steps 4-5 live in planner/iteration_sim; their names stay reachable from here.
-from disttrain_ds.planner.iteration_sim import (
+from disttrain_ds.planner.iteration_sim import (  # noqa: F401 (re-exported)
     VARIANTS,
+    IterationSim,
+    balance_step,
+    balance_steps,
+    group_stage_times,
+    replica_groups,
+    replica_max,
     sample_times,
     simulate_iteration,
+    split_fwd_bwd,
+    stage_times,
+    straggler_factors,
 )
 from disttrain_ds.planner.optimize import Plan, plan
 from disttrain_ds.samples import SampleStats

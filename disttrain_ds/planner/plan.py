@@ -93,10 +93,13 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain data: per-module gpus/dp/tp/pp, the closed form's three times, the
-        predicted time under 1F1B, and where each module's cost at its TP degree comes from."""
+        predicted time under 1F1B, where each module's cost at its TP degree comes from, and the
+        simulated time when the plan was chosen among finalists."""
         out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp}
                                for n, m in self.modules.items()}
         out.update(t_iter_ms=self.t_iter_ms, t_warmup_ms=self.t_warmup_ms,
-                   t_steady_ms=self.t_steady_ms, t_pred_ms=self.t_pred_ms, t_sim_ms=self.t_sim_ms,
+                   t_steady_ms=self.t_steady_ms, t_pred_ms=self.t_pred_ms,
                    cost_source={n: m.cost_source for n, m in self.modules.items()})
+        if self.t_sim_ms is not None:  # chosen among finalists by simulation
+            out.update(t_sim_ms=self.t_sim_ms, finalists=self.finalists)
         return out
