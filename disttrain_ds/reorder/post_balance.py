@@ -187,9 +187,9 @@ def assign(costs: Sequence[float], replicas: int, floor: int = 1, cap: int | Non
 
     ``home``: the replica each unit would take without balancing (its contiguous block's). The
     local search then starts there too, moving a unit only when that lowers the largest load by
-    more than ``HOME_GAIN``, and its result is kept when it is within ``GOOD_ENOUGH`` of the lower
-    bound or within ``HOME_GAIN`` of the search from LPT: units leave home only where balance needs
-    it, so fewer replicas wait on one another across a boundary."""
+    more than ``HOME_GAIN``, and its result is kept when it is within ``HOME_GAIN`` of the lower
+    bound (no search from LPT then) or of the search from LPT: units leave home only where balance
+    needs it, so fewer replicas wait on one another across a boundary."""
     cap = len(costs) if cap is None else cap
     c = _check(costs, replicas, floor, cap)
     if replicas == 1:
@@ -202,8 +202,8 @@ def assign(costs: Sequence[float], replicas: int, floor: int = 1, cap: int | Non
             raise ValueError(f"home must name one of {replicas} replicas for each of {len(c)} units")
         if counts.min() >= floor and counts.max() <= cap:
             kept = _improve(c, h, replicas, floor, cap, rounds=4 * len(c), min_gain=HOME_GAIN)
-            if _top(c, kept, replicas) <= lower_bound(c, replicas) * (1 + GOOD_ENOUGH):
-                return _groups(kept, replicas)
+            if _top(c, kept, replicas) <= lower_bound(c, replicas) * (1 + HOME_GAIN):
+                return _groups(kept, replicas)  # within HOME_GAIN of the optimum: nothing else pays
     owner = _lpt(c, replicas, floor, cap)
     owner = _improve(c, owner, replicas, floor, cap, rounds=4 * len(c))
     # The search proves small slots optimal; on larger ones it never beat the local search on the
