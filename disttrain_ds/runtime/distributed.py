@@ -275,7 +275,7 @@ def _train(job: JobStart) -> int:
     groups = ProcessGroups(rank).make(plan_groups(topo.modules, world, spec.tied_modules(), topo.edges),
                                       nccl_timeout_s(recipe.parallel.comm_timeout_s))
     meta_group = groups.get((META,))
-    channels = {ch: groups.handles[("channel", ch)] for ch in edge_channels(topo.edges) if ("channel", ch) in groups.handles}
+    channels = {ch: groups.get(("channel", ch)) for ch in edge_channels(topo.edges) if ("channel", ch) in groups.handles}
     p2p = P2P(channels, rank, device, recipe.parallel.comm_timeout_s, PeerInfo(names))
     watchdog.heart.waiting = waiting_on  # beats say whom a blocked transfer waits for
     hosts = gather_hosts(world, meta_group)
