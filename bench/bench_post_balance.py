@@ -101,7 +101,7 @@ def run(name: str, dps: dict[str, int], batches: int, seed: int) -> dict[str, li
             for m in ("encoder", "generator"):
                 n, dp = len(unit[m]), dps[m]
                 home = [b for b, part in enumerate(blocks(SLOT, dp)) for i in part for _ in range(counts[m][i])]
-                cap = max(share_cap(n, dp, 2.0), -(-n // dp))
+                cap = share_cap(n, dp, 2.0)
                 post[m] = assign(unit[m], dp, 0, cap, home=home if max(np.bincount(home, minlength=dp)) <= cap else None)
                 out[f"{m[:3]}_moved"].append(sum(home[i] != r for r, g in enumerate(post[m]) for i in g) / max(n, 1))
             out["ms_per_slot"].append(1e3 * (time.perf_counter() - t0))

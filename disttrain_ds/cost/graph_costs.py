@@ -108,6 +108,21 @@ class GraphCosts:
         return out
 
 
+def unit_costs(spec, costs: GraphCosts, module: str, s) -> list[float]:
+    """Forward cost of each of sample ``s``'s units in encoder or generator ``module`` (an encoder's
+    images or clips, sized by its family through ``spec``, the model spec; a generator's target
+    images), each priced on its own by the module's cost terms."""
+    cfg, fam = spec.config(module), spec.family(module)
+    if fam.role == "generator":
+        k = spec.gen_index(module)
+        t = s.targets(k)
+        one = SampleStats(0, (), 0, gens=((0, 0),) * k + ((1, int(t.shape[-1]) if t is not None else 0),))
+        return [costs.module_cost(module, one)] * (0 if t is None else int(t.shape[0]))
+    if fam.modality == "image":
+        return [costs.module_cost(module, SampleStats(0, (fam.item_size(cfg, im),), 0)) for im in s.images]
+    return [costs.module_cost(module, SampleStats(0, (), 0, audio_frames=(fam.item_size(cfg, c),))) for c in s.audio]
+
+
 def as_graph_costs(model: GraphCosts | CostModel | None) -> GraphCosts:
     """``model`` as a ``GraphCosts``: a bare ``CostModel`` prices the three-module graph; None is
     the paper's MLLM (ViT-H/14, Llama-3 7B, SD 2.1) in FLOPs."""

@@ -151,9 +151,14 @@ def _draw(data: dict, key: str, src: str) -> tuple[float, ...] | None:
     raw = data["sample_cost_ms"]
     if not isinstance(raw, list) or not raw:
         raise _fail(src, key, "must be a non-empty list of ms per sample")
+    return _ms_list(raw, key, src, "ms of one sample")
+
+
+def _ms_list(raw: list, key: str, src: str, what: str) -> tuple[float, ...]:
+    """Every entry of ``raw`` a finite number >= 0 (one line naming the first that is not)."""
     for i, v in enumerate(raw):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise _fail(src, f"{key}[{i}]", f"must be a finite number >= 0 (ms of one sample), got {v!r}")
+            raise _fail(src, f"{key}[{i}]", f"must be a finite number >= 0 ({what}), got {v!r}")
     return tuple(float(v) for v in raw)
 
 
@@ -167,10 +172,7 @@ def _unit_draw(data: dict, key: str, src: str) -> tuple[tuple[float, ...], ...] 
     for i, units in enumerate(raw):
         if not isinstance(units, list):
             raise _fail(src, f"{key}[{i}]", f"must be a list of ms per unit of one sample, got {units!r}")
-        for j, v in enumerate(units):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise _fail(src, f"{key}[{i}][{j}]", f"must be a finite number >= 0 (ms of one unit), got {v!r}")
-    return tuple(tuple(float(v) for v in units) for units in raw)
+    return tuple(_ms_list(units, f"{key}[{i}]", src, "ms of one unit") for i, units in enumerate(raw))
 
 
 def profile_from_dict(data: Any, src: str = "<profile>") -> Profile:

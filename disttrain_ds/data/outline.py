@@ -44,3 +44,13 @@ def stand_in(o: dict, special: SpecialTokens) -> PackedSample:
         [_hollow(sh) for sh in o["gen"]], o["sample_id"], tuple(o["doc_lens"]), {"stand_in": True},
         [_hollow(sh) for sh in o["audio"]],
     )
+
+
+def fill_in(samples: list, outlines, special: SpecialTokens) -> list:
+    """``samples`` with every position this host did not read (None) replaced by the stand-in of
+    its outline; ``outlines``: (position, outline) pairs gathered from the ranks that read them."""
+    view = list(samples)
+    for p, o in outlines:
+        if view[p] is None:
+            view[p] = stand_in(o, special)
+    return view

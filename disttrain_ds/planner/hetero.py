@@ -48,7 +48,7 @@ import numpy as np
 
 from disttrain_ds.cost.profile import Profile
 from disttrain_ds.reorder.intra import lpt_rows
-from disttrain_ds.reorder.post_balance import flat_units, share_cap, unit_cap, unit_rows
+from disttrain_ds.reorder.post_balance import flat_units, share_cap, unit_rows
 
 SAMPLES = 2048
 """Samples balanced per (dp, m) with m >= 2 (``max(MIN_STEPS, ceil(SAMPLES / D))`` steps)."""
@@ -106,7 +106,7 @@ class StragglerTable:
                     cap = np.full(steps, share_cap(d, dp, self._share[j]) if self._share[j] else m)
                 else:
                     cost, real = unit_rows(*self._units[j], idx)
-                    cap = unit_cap(real.sum(axis=1), dp, self._share[j])
+                    cap = np.array([share_cap(int(t), dp, self._share[j]) for t in real.sum(axis=1)])
                 room = np.where(np.arange(k)[None, :] < dp, cap[:, None], 0)
                 rows.append((cost, real, room))
         width = max(c.shape[1] for c, _, _ in rows)

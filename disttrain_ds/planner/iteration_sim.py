@@ -21,7 +21,7 @@ every stage waits for its slowest replica at every microbatch (an upper bound, k
 comparison).
 
 Per-module post-balancing (``PostBalance``, the runtime's ``parallel.post_balance``): every module
-but the LLM splits each step over its replicas by LPT with room (``reorder.post_balance.unit_cap``;
+but the LLM splits each step over its replicas by LPT with room (``reorder.post_balance.share_cap``;
 the runtime's assignment improves on it by moves and swaps, so its loads are at most these), of its
 units where ``PostBalance.units`` gives them (an encoder's images, a generator's target images:
 each sample's share of its time), else of whole samples; any replica of such a module may then
@@ -47,7 +47,7 @@ from disttrain_ds.planner.pipeline import split_fwd_bwd
 from disttrain_ds.planner.plan import Plan
 from disttrain_ds.reorder.intra import intra_microbatch_reorder, lpt_rows
 from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder
-from disttrain_ds.reorder.post_balance import flat_units, unit_cap, unit_rows
+from disttrain_ds.reorder.post_balance import flat_units, share_cap, unit_rows
 from disttrain_ds.schedule.simulate import Preds, graph_stages, is_chain, longest_path_view, makespan_1f1b, makespan_dag
 from disttrain_ds.schedule.sweep import makespans
 
@@ -66,6 +66,10 @@ class PostBalance:
     """Module name -> ``reorder.post_balance.flat_units`` of its units' shares of each sample's time
     (samples as the rows of ``times``; a sample's shares sum to 1, none where it has no work there);
     a module not named splits whole samples."""
+
+    def __post_init__(self) -> None:
+        if not self.share >= 1:
+            raise ValueError(f"share must be >= 1 (a multiple of the even share), got {self.share}")
 
     @staticmethod
     def of(shares: dict[str, Sequence[Sequence[float]]], share: float = 2.0) -> "PostBalance":
@@ -131,7 +135,8 @@ def replica_loads(times: np.ndarray, plan_: Plan, arrangement: np.ndarray,
             costs, real = col[idx], np.ones(idx.shape, dtype=bool)
         else:
             costs, real = unit_rows(*flat, idx, scale=col)
-        room = np.repeat(unit_cap(real.sum(axis=1), m.dp, post.share)[:, None], m.dp, axis=1)
+        cap = [share_cap(int(t), m.dp, post.share) for t in real.sum(axis=1)]
+        room = np.repeat(np.array(cap)[:, None], m.dp, axis=1)
         out.append(lpt_rows(costs, room, real)[1])
     return out
 

@@ -23,18 +23,12 @@ def module_columns(costs) -> dict[str, int]:
     return {n: costs.column(n) for n in costs.names if costs.role(n) != "llm"}
 
 
-def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int], columns: dict[str, int],
-               groups: list[dict[str, list[list[int]]]] | None = None) -> dict[str, float]:
-    """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, k]``; ``columns``:
-    module name -> its cost column (``module_columns``); ``groups``: per microbatch slot, each
-    module's replicas' positions; None: contiguous blocks."""
-    loads: dict[str, list[np.ndarray]] = {}
-    for module, col in columns.items():
-        per_slot = []
-        for g, start in enumerate(range(0, costs.shape[0], slot)):
-            parts = groups[g][module] if groups is not None else [list(b) for b in blocks(slot, dp[module])]
-            per_slot.append(np.array([costs[[start + p for p in part], col].sum() for part in parts]))
-        loads[module] = per_slot
+def dp_balance(costs: np.ndarray, slot: int, dp: dict[str, int], columns: dict[str, int]) -> dict[str, float]:
+    """``balance/<module>_load_{max,min,mean}`` for per-sample costs ``[n, k]`` split into each
+    module's contiguous blocks; ``columns``: module name -> its cost column (``module_columns``)."""
+    loads = {module: [np.array([costs[start:start + slot][b, col].sum() for b in blocks(slot, dp[module])])
+                      for start in range(0, costs.shape[0], slot)]
+             for module, col in columns.items()}
     return balance_figures(loads)
 
 

@@ -224,16 +224,10 @@ def _groups(owner: np.ndarray, replicas: int) -> list[list[int]]:
 
 
 def share_cap(slot: int, replicas: int, max_share: float) -> int:
-    """The most samples one replica of ``replicas`` takes from a slot of ``slot`` samples:
-    ``max_share`` times the even share, rounded up (what the memory estimate counts)."""
+    """The most units (samples, items or target images) one replica of ``replicas`` takes from a
+    slot of ``slot`` units: ``max_share`` (>= 1) times the even share, rounded up (what the memory
+    estimate counts)."""
     return min(slot, math.ceil(slot / replicas * max_share))
-
-
-def unit_cap(units: np.ndarray, replicas: int, max_share: float) -> np.ndarray:
-    """Per slot of ``units`` units, the most one replica takes: ``share_cap``, at least the even
-    share rounded up (what ``runtime/placement.py`` allows)."""
-    n = np.asarray(units, dtype=np.int64)
-    return np.maximum(np.minimum(n, np.ceil(n / replicas * max_share)).astype(np.int64), -(-n // replicas))
 
 
 def flat_units(units: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from disttrain_ds.cost.backward import BACKWARD_FACTOR
+from disttrain_ds.cost.graph_costs import unit_costs
 from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.families import default_config
 from disttrain_ds.recipe.graph import graph_of, module_config
@@ -150,7 +151,6 @@ def data_work(recipe, samples: int) -> tuple[dict[str, np.ndarray], dict[str, li
     """``data_flops``, and per encoder and generator the forward FLOPs of each of those samples'
     units (images or audio clips, target images), each priced on its own."""
     # deferred: loads torch (safetensors too)
-    from disttrain_ds.runtime.placement import unit_costs
     from disttrain_ds.runtime.setup import build_data_and_spec, cost_model
 
     plain = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, producers=0, reorder=False))

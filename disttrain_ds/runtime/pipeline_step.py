@@ -9,7 +9,7 @@ import torch
 import torch.distributed as tdist
 
 from disttrain_ds.comm.routes import blocks
-from disttrain_ds.data.outline import outline, stand_in
+from disttrain_ds.data.outline import fill_in, outline
 from disttrain_ds.mllm.model import BatchNorms, collate
 from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.runtime.callbacks.evaluation import eval_figures
@@ -51,8 +51,11 @@ class PipelineExecutor:
         Post-balancing with ``data.read: host`` prices the samples other hosts read by their outlines."""
         view = self._everyone(samples) if self.counted is not None and self.placement.balanced else samples
         self.plans = self.placement.plans(view)
+        self.owners = {}  # (upstream, downstream) -> per microbatch, each unit's replica on either side
         for comm in (*self.engine.upstreams, *self.engine.downstreams):
-            comm.set_owners([plan.edge_owners(comm.up.name, comm.down.name) for plan in self.plans])
+            edge = (comm.up.name, comm.down.name)
+            self.owners[edge] = [plan.edge_owners(*edge) for plan in self.plans]
+            comm.set_owners(self.owners[edge])
 
     def _peers(self) -> dict[str, list[list[int]]] | None:
         """With post-balancing, per module across this rank's boundaries, per microbatch, the
@@ -60,10 +63,8 @@ class PipelineExecutor:
         if not self.placement.balanced:
             return None
         me, dp, out = self.grid.name, self.ctx.dp_index, {}
-        for comm in (*self.engine.upstreams, *self.engine.downstreams):
-            other = comm.up.name if comm.down.name == me else comm.down.name
-            pairs = [plan.edge_owners(comm.up.name, comm.down.name) for plan in self.plans]
-            mine, theirs = (1, 0) if comm.down.name == me else (0, 1)
+        for (up, down), pairs in self.owners.items():
+            other, (mine, theirs) = (up, (1, 0)) if down == me else (down, (0, 1))
             out[other] = [sorted({o[theirs][u] for u in range(len(o[0])) if o[mine][u] == dp}) for o in pairs]
         return out
 
@@ -97,9 +98,10 @@ class PipelineExecutor:
         tdist.all_reduce(counts, group=self.group)
         return BatchNorms.of_counts(counts.tolist(), self.chunks)
 
-    def _batches(self, samples: list, norms: BatchNorms) -> list:
-        return [collate(mine, norms, self.spec, gen_dp_scale=self.gen_dp_scale, dtype=self.dtype, vae=self.vae)
-                for mine in self._mine(samples)]
+    def _batches(self, mine: list[list], norms: BatchNorms) -> list:
+        """Each microbatch's module inputs from this rank's samples of it (``_mine``)."""
+        return [collate(part, norms, self.spec, gen_dp_scale=self.gen_dp_scale, dtype=self.dtype, vae=self.vae)
+                for part in mine]
 
     def _everyone(self, samples: list) -> list:
         """The global batch on every rank: the samples this host read and stand-ins of the others'
@@ -108,11 +110,7 @@ class PipelineExecutor:
             mine = [(p, outline(samples[p], self.spec.special)) for p in self.counted]
             got = [None] * tdist.get_world_size()
             tdist.all_gather_object(got, mine, group=self.group)
-            view = list(samples)
-            for p, o in (item for part in got for item in part):
-                if view[p] is None:
-                    view[p] = stand_in(o, self.spec.special)
-            self._shared = (samples, view)
+            self._shared = (samples, fill_in(samples, (item for part in got for item in part), self.spec.special))
         return self._shared[1]
 
     def batch_view(self, samples: list) -> list:
@@ -128,19 +126,16 @@ class PipelineExecutor:
         tdist.gather_object(mine, got, dst=0, group=self.group)
         if rank != 0:
             return samples
-        view = list(samples)
-        for p, o in (item for part in got for item in part):
-            if view[p] is None:
-                view[p] = stand_in(o, self.spec.special)
-        return view
+        return fill_in(samples, (item for part in got for item in part), self.spec.special)
 
     def train_step(self, step: int, samples: list, data_wait: float, t0: float) -> tuple[dict, bool]:
         self._place(samples)
         if self.counted is not None:
             self._check_read(samples)
-        batches = self._batches(samples, self._norms(samples))
+        mine = self._mine(samples)
+        batches = self._batches(mine, self._norms(samples))
         if self.engine.emulator is not None:
-            self.engine.emulator.set_step(step, self._mine(samples), t0, self._peers())
+            self.engine.emulator.set_step(step, mine, t0, self._peers())
         stats = self.engine.run_step(batches)
         stats["data_wait_s"] = data_wait
         elapsed = time.perf_counter() - t0
@@ -155,7 +150,7 @@ class PipelineExecutor:
         own = 0.0
         for samples, n in zip(batches, norms):
             self._place(samples)
-            own += self.engine.run_eval(self._batches(samples, n))["own_loss"]
+            own += self.engine.run_eval(self._batches(self._mine(samples), n))["own_loss"]
         lm, gens = gather_losses(self.ctx, own / len(batches), self.chunks, self.gen_dp_scale, self.spec.roles)
         return eval_figures(lm, gens, self.spec)
 

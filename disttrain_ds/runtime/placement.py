@@ -29,9 +29,10 @@ import numpy as np
 
 from disttrain_ds.comm.routes import blocks
 from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.reorder.post_balance import assign, owners_of, unit_cap
+from disttrain_ds.cost.graph_costs import unit_costs
+from disttrain_ds.reorder.post_balance import assign, owners_of, share_cap
 from disttrain_ds.runtime.setup import cost_model
-from disttrain_ds.samples import PackedSample, SampleStats
+from disttrain_ds.samples import PackedSample
 
 Unit = tuple[int, int]
 """(slot position of the sample, index of the unit among the sample's units of the module: its
@@ -94,20 +95,6 @@ def _keep_targets(s: PackedSample, js: list[int], spec, module: str) -> PackedSa
     return replace(s, images=[], audio=[], gen_targets=gen, target_index=tuple(index))
 
 
-def unit_costs(spec, costs, module: str, s: PackedSample) -> list[float]:
-    """Forward cost of each of ``s``'s units in encoder or generator ``module``, each priced on its
-    own by the module's cost terms (``costs``: a ``GraphCosts``)."""
-    cfg, fam = spec.config(module), spec.family(module)
-    if fam.role == "generator":
-        k = spec.gen_index(module)
-        t = s.targets(k)
-        one = SampleStats(0, (), 0, gens=((0, 0),) * k + ((1, int(t.shape[-1]) if t is not None else 0),))
-        return [costs.module_cost(module, one)] * (0 if t is None else int(t.shape[0]))
-    if fam.modality == "image":
-        return [costs.module_cost(module, SampleStats(0, (fam.item_size(cfg, im),), 0)) for im in s.images]
-    return [costs.module_cost(module, SampleStats(0, (), 0, audio_frames=(fam.item_size(cfg, c),))) for c in s.audio]
-
-
 class Placement:
     """Each module's replicas' samples and units, microbatch slot by slot, for one recipe."""
 
@@ -120,10 +107,15 @@ class Placement:
         self.costs = cost_model(recipe)
         self.llm = spec.name_of("llm")
         self.homes = homes
+        self._last: tuple[list, list[SlotPlan]] | None = None  # (a batch, its plans)
 
     def plans(self, samples: list) -> list[SlotPlan]:
-        """Per microbatch slot of the global batch ``samples``, who holds what."""
-        return [self._plan(samples[g * self.slot:(g + 1) * self.slot]) for g in range(len(samples) // self.slot)]
+        """Per microbatch slot of the global batch ``samples``, who holds what (the last batch's
+        kept: the step and its balance figures ask for the same one)."""
+        if self._last is None or self._last[0] is not samples:
+            self._last = (samples, [self._plan(samples[g * self.slot:(g + 1) * self.slot])
+                                    for g in range(len(samples) // self.slot)])
+        return self._last[1]
 
     def _plan(self, slot: list) -> SlotPlan:
         samples, units = {}, {}
@@ -140,7 +132,7 @@ class Placement:
             for group in self._groups(m, dp):  # replicas on the same hosts share their blocks' units
                 held = {p for r in group for p in own[r]}
                 part = [u for u in mine if u[0] in held]
-                cap = int(unit_cap(len(part), len(group), self.share))
+                cap = share_cap(len(part), len(group), self.share)
                 # A unit stays on its block's replica unless balance needs it elsewhere.
                 home = [next(i for i, r in enumerate(group) if u[0] in own[r]) for u in part]
                 if max(np.bincount(home, minlength=len(group))) > cap:

@@ -9,7 +9,7 @@ import pytest
 from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.planner.iteration_sim import PostBalance, replica_loads, sample_times, simulate_iteration
 from disttrain_ds.planner.optimize import Degrees, build_plan
-from disttrain_ds.reorder.post_balance import assign, lower_bound, unit_cap
+from disttrain_ds.reorder.post_balance import assign, lower_bound, share_cap
 
 LAYOUT = {"encoder": Degrees(4, 1, 1), "llm": Degrees(2, 1, 2), "generator": Degrees(4, 1, 1)}
 
@@ -48,7 +48,7 @@ def test_post_balanced_loads_are_conserved_and_within_lpt_of_the_best_split():
             continue
         for k, step in enumerate(steps):
             units = np.concatenate([shares[name][i] * times[i, j] for i in range(k * d, (k + 1) * d)])
-            cap = int(unit_cap(len(units), p.module(name).dp, 2.0))
+            cap = share_cap(len(units), p.module(name).dp, 2.0)
             best = max(units[g].sum() for g in assign(units, p.module(name).dp, 1 if len(units) >= 4 else 0, cap))
             assert lower_bound(units, 4) - 1e-9 <= best <= balanced[j][k].max() + 1e-9
             assert balanced[j][k].max() <= 4 / 3 * best + 1e-9  # LPT's guarantee
