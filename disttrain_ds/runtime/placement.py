@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from disttrain_ds.comm.routes import blocks
-from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.cost.graph_costs import unit_costs
+from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.reorder.post_balance import assign, owners_of, share_cap
 from disttrain_ds.runtime.setup import cost_model
 from disttrain_ds.samples import PackedSample
