@@ -159,10 +159,22 @@ def doc_attention_kwargs(doc_ids: torch.Tensor, choice: str = "auto") -> dict:
 
 
 def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                  doc_spans=None, doc_blocks: BlockMask | None = None, **kwargs):
+                  doc_spans=None, doc_blocks: BlockMask | None = None, seq_parallel=None, **kwargs):
     """transformers attention interface: q [B, Hq, S, D], k / v [B, Hkv, S, D] -> [B, S, Hq, D],
     causal inside each span of ``doc_spans`` (lengths covering the B rows in order), or under the
-    block mask ``doc_blocks`` (``doc_block_mask``) through compiled flex attention."""
+    block mask ``doc_blocks`` (``doc_block_mask``) through compiled flex attention.
+
+    ``seq_parallel`` (an ``SPContext``): q, k, v hold this rank's slice of every row; they are
+    exchanged for whole rows of 1/SP of the heads, attended, and exchanged back (Ulysses), while
+    ``doc_spans`` / ``doc_blocks`` describe the whole rows. With fewer KV heads than SP ranks
+    each KV head is repeated for the ranks whose query heads read it (as DeepSpeed-Ulysses does)."""
+    if seq_parallel is not None:
+        if key.shape[1] < seq_parallel.size:  # fewer KV heads than SP ranks: each rank gets a copy of its group's
+            reps = seq_parallel.size // key.shape[1]
+            key, value = key.repeat_interleave(reps, dim=1), value.repeat_interleave(reps, dim=1)
+        query, key, value = (seq_parallel.heads_to_seq(t) for t in (query, key, value))
+        out, _ = doc_attention(module, query, key, value, attention_mask, dropout, scaling, doc_spans, doc_blocks)
+        return seq_parallel.seq_to_heads(out), None
     if attention_mask is not None or (doc_spans is None) == (doc_blocks is None):
         raise ValueError(f"{DOC_ATTENTION} attention takes doc_spans or doc_blocks and no attention_mask")
     b, hq, s, d = query.shape

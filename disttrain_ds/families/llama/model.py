@@ -78,10 +78,15 @@ class LlmEmbed(nn.Module):
     The placeholders of ``tokens[i]`` are replaced, in sequence order, by the rows of ``embeds_i``
     (the projected outputs of the i-th upstream encoder: image patches, audio frames). ``doc_ids``
     (each position's document, ``models/doc_mask.py``) travels with the hidden states to every
-    block, across pipeline stages too."""
+    block, across pipeline stages too.
+
+    Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``)
+    every rank of the SP group embeds whole rows and keeps its slice of the hidden states; ``doc_ids``
+    stay whole, since attention sees whole rows."""
 
     def __init__(self, cfg: LLMConfig, image_token: int, tokens: tuple[int, ...] = ()):
         super().__init__()
+        self.seq_parallel = None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.vocab_parallel = cfg.tie_embeddings  # under TP: rows split like the head it is tied to
         self.image_token = image_token
@@ -102,16 +107,20 @@ class LlmEmbed(nn.Module):
                 raise ValueError(f"{n} {kind} placeholders but {rows.shape[0]} encoder rows for them")
             if n:
                 hidden = hidden.masked_scatter(mask.unsqueeze(-1), rows.to(hidden.dtype))
+        if self.seq_parallel is not None:
+            hidden = self.seq_parallel.shard(hidden).contiguous()
         return hidden, doc_ids
 
 
 class LlmBlock(nn.Module):
     """(hidden, doc_ids) -> (hidden, doc_ids): one decoder layer, causal inside each document
     (per span or through flex attention, ``cfg.doc_attention``), rotary positions restarting at
-    each document."""
+    each document. Under sequence parallelism ``hidden`` is this rank's slice of every row and
+    ``doc_ids`` the whole rows: positions are the slice's own, attention exchanges heads for rows."""
 
     def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
         super().__init__()
+        self.seq_parallel = None
         hf = decoder.config(cfg)
         hf._attn_implementation = DOC_ATTENTION  # this block's own config: attention per document
         self.doc_attention = cfg.doc_attention
@@ -121,9 +130,13 @@ class LlmBlock(nn.Module):
     def forward(self, inputs):
         hidden, doc_ids = inputs
         pos = doc_positions(doc_ids)
+        attention = doc_attention_kwargs(doc_ids, self.doc_attention)
+        if self.seq_parallel is not None:
+            pos = self.seq_parallel.shard(pos)
+            attention = {**attention, "seq_parallel": self.seq_parallel}
         # No [S, S] mask: spans or a block mask, built once per microbatch (bench/bench_doc_mask.py).
         out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos),
-                         **doc_attention_kwargs(doc_ids, self.doc_attention))
+                         **attention)
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 

@@ -1,0 +1,154 @@
+"""Ulysses sequence parallelism computes the reference LLM's loss and gradients (fp32, gloo under
+NCCL's rules).
+
+Every rank builds the seeded LLM layers (embedding with image rows, decoder blocks, head) whole,
+runs the single-process reference on packed multi-document rows with padding, then the SP run:
+its slice of each row, the all-to-all around attention, the lead's image rows broadcast to the
+group. The LLM's parameter gradients, averaged over the SP group as DeepSpeed's data axis averages
+them, and the image rows' gradient on the lead equal the reference's; the loss summed over the
+group equals the reference loss. Negative controls: the loss without the SP factor, attention
+across documents, and an all-to-all whose gradient is not exchanged back, each caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disttrain_ds.families.base import BuildContext
+from disttrain_ds.families.llama.config import LLMConfig
+from disttrain_ds.families.llama.model import llm_layers
+from disttrain_ds.samples import IGNORE_INDEX, NO_DOC
+
+from .test_comm import run_ranks
+
+IMAGE = 3
+CFG = LLMConfig(hidden_size=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2, vocab_size=40, max_position=64)
+TOL = 1e-5
+
+
+def _batch() -> dict:
+    """Two rows of 16: several documents of unequal lengths, image placeholders, then padding."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(4, CFG.vocab_size, (2, 16), generator=g)
+    doc = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 4 + [NO_DOC] * 3])
+    ids[0, 6:9] = IMAGE
+    ids[1, 1:3] = IMAGE
+    ids[1, 13:] = 0
+    labels = torch.randint(4, CFG.vocab_size, (2, 16), generator=g)
+    labels[1, 13:] = IGNORE_INDEX
+    labels[0, 6:9] = IGNORE_INDEX
+    embeds = torch.randn(5, CFG.hidden_size, generator=g)
+    return {"ids": ids, "doc": doc, "labels": labels, "embeds": embeds}
+
+
+def _layers():
+    ctx = BuildContext(module="llm", seed=11, llm_hidden=CFG.hidden_size, image_token=IMAGE)
+    return [d.build() for d in llm_layers(CFG, ctx)]
+
+
+def _run(layers, b: dict, embeds: torch.Tensor, doc: torch.Tensor, sp=None, factor: float = 1.0):
+    """The loss (summed cross-entropy over this rank's labelled positions, times ``factor``)."""
+    x = (b["ids"], embeds, doc)
+    for layer in layers:
+        x = layer(x)
+    logits, _ = x
+    labels = b["labels"] if sp is None else sp.shard(b["labels"])
+    valid = labels != IGNORE_INDEX
+    return torch.nn.functional.cross_entropy(logits[valid], labels[valid], reduction="sum") * factor
+
+
+def _sp_worker(rank: int, fault: str = "", tp: int = 1) -> dict:
+    import torch.distributed as dist
+
+    from disttrain_ds.parallel.sequence_parallel import SPContext, attach
+    from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
+
+    world = dist.get_world_size()
+    sp_size = world // tp
+    b = _batch()
+    ref = _layers()
+    ref_embeds = b["embeds"].clone().requires_grad_(True)
+    ref_loss = _run(ref, b, ref_embeds, b["doc"])
+    ref_loss.backward()
+
+    # Ranks laid out (sp, tp) as in a module's data axis: TP index fastest. Every rank makes every
+    # group in one order (eager NCCL start-up).
+    tp_groups = [dist.new_group([s * tp + t for t in range(tp)]) for s in range(sp_size)]
+    sp_groups = [dist.new_group([s * tp + t for s in range(sp_size)]) for t in range(tp)]
+    sp_rank, tp_rank = divmod(rank, tp)
+    sp = SPContext(sp_groups[tp_rank], sp_rank, sp_size, lead=tp_rank, drop_grad=fault == "drop_grad")
+    tpc = TPContext(tp_groups[sp_rank] if tp > 1 else None, tp_rank, tp, sp_rank * tp)
+    layers = [attach(shard_layer(layer, tpc), sp) for layer in _layers()]
+    placeholder = b["embeds"] if sp.is_lead else torch.zeros_like(b["embeds"])
+    embeds = placeholder.clone().requires_grad_(True)
+    doc = torch.zeros_like(b["doc"]) if fault == "one_document" else b["doc"]
+    factor = 1.0 if fault == "no_factor" else sp.grad_factor
+    loss = _run(layers, b, sp.from_lead(embeds), doc, sp, factor)
+    loss.backward()
+
+    total = loss.detach() / factor
+    dist.all_reduce(total, group=sp.group)
+    worst = {"loss": abs(float(total) - float(ref_loss)) / abs(float(ref_loss))}
+    # Parameter gradients averaged over the SP group (DeepSpeed's data axis averages over it).
+    ref_params = {f"{i}.{n}": p for i, layer in enumerate(ref) for n, p in layer.named_parameters()}
+    err = 0.0
+    for i, layer in enumerate(layers):
+        for n, p in layer.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g, group=sp.group)
+            g /= sp_size
+            want = ref_params[f"{i}.{n}"].grad
+            if g.shape != want.shape:  # a TP shard: compare with its rows or columns of the whole
+                want = _tp_slice(want, g.shape, tp_rank)
+            err = max(err, float((g - want).abs().max() / want.abs().max().clamp_min(1e-12)))
+    worst["params"] = err
+    if sp.is_lead:
+        worst["embeds"] = float((embeds.grad - ref_embeds.grad).abs().max() / ref_embeds.grad.abs().max())
+    else:
+        worst["embeds"] = float(embeds.grad.abs().max())  # a placeholder's gradient stays zero
+    return worst
+
+
+def _tp_slice(whole: torch.Tensor, shape: torch.Size, tp_rank: int) -> torch.Tensor:
+    dim = next(d for d, (a, b) in enumerate(zip(whole.shape, shape)) if a != b)
+    return whole.narrow(dim, tp_rank * shape[dim], shape[dim])
+
+
+def _results(world: int, fault: str = "", tp: int = 1) -> dict:
+    out = run_ranks(world, _Worker(fault, tp), timeout=180)
+    bad = {r: v for r, v in out.items() if v[0] != "ok"}
+    assert not bad, bad
+    return {r: v[1] for r, v in out.items()}
+
+
+class _Worker:
+    """Picklable ``fn(rank)`` for ``run_ranks``."""
+
+    def __init__(self, fault: str, tp: int):
+        self.fault, self.tp = fault, tp
+
+    def __call__(self, rank: int) -> dict:
+        return _sp_worker(rank, self.fault, self.tp)
+
+
+def test_sp2_llm_loss_and_gradients_equal_the_reference_with_packed_documents():
+    for rank, worst in _results(2).items():
+        assert worst["loss"] < TOL, (rank, worst)
+        assert worst["params"] < TOL, (rank, worst)
+        assert worst["embeds"] < TOL, (rank, worst)
+
+
+@pytest.mark.parametrize("fault", ["no_factor", "one_document", "drop_grad"])
+def test_sp2_faults_are_caught(fault):
+    """A loss without the SP factor, attention across documents, a dropped all-to-all gradient."""
+    worst = _results(2, fault)
+    assert max(max(w["loss"], w["params"]) for w in worst.values()) > 1e-3, worst
+
+
+@pytest.mark.slow
+def test_tp2_sp2_llm_gradients_equal_the_reference():
+    for rank, worst in _results(4, tp=2).items():
+        assert worst["loss"] < TOL, (rank, worst)
+        assert worst["params"] < TOL, (rank, worst)
+        assert worst["embeds"] < TOL, (rank, worst)
