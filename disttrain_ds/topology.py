@@ -15,7 +15,11 @@ from disttrain_ds.graph import ModuleGraph
 
 @dataclass(frozen=True)
 class ModuleGrid:
-    """One module's ranks and degrees."""
+    """One module's ranks and degrees.
+
+    With sequence parallelism the SP ranks of a replica sit inside DeepSpeed's data axis (which has
+    DP x SP coordinates, replica-major): they hold the same samples, each a slice of every sequence.
+    ``dp`` counts replicas; a rank's data-axis coordinate is ``data_coords``'."""
 
     name: str
     """The module's name in the graph."""
@@ -27,29 +31,45 @@ class ModuleGrid:
     """Pipeline stages."""
     tp: int = 1
     """Tensor-parallel degree."""
+    sp: int = 1
+    """Sequence-parallel degree: ranks per replica that split every sequence (Ulysses)."""
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.sp * self.pp * self.tp
+
+    @property
+    def data_size(self) -> int:
+        """Coordinates of DeepSpeed's data axis: DP x SP."""
+        return self.dp * self.sp
 
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.size)
 
-    def rank(self, *, stage: int, dp: int, tp: int = 0) -> int:
-        """Global rank at (pipe stage, data replica, tensor slice)."""
-        if not (0 <= stage < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp):
-            raise ValueError(f"{self.name}: coordinate (stage={stage}, dp={dp}, tp={tp}) out of range")
-        return self.first_rank + (stage * self.dp + dp) * self.tp + tp
+    def rank(self, *, stage: int, dp: int, tp: int = 0, sp: int = 0) -> int:
+        """Global rank at (pipe stage, data replica, tensor slice, sequence slice)."""
+        if not (0 <= stage < self.pp and 0 <= dp < self.dp and 0 <= tp < self.tp and 0 <= sp < self.sp):
+            raise ValueError(f"{self.name}: coordinate (stage={stage}, dp={dp}, tp={tp}, sp={sp}) out of range")
+        return self.first_rank + (stage * self.data_size + dp * self.sp + sp) * self.tp + tp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(stage, dp, tp) of a global rank owned by this module."""
+    def data_coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, data-axis index, tp) of a global rank owned by this module: DeepSpeed's coordinates."""
         if rank not in self.ranks:
             raise ValueError(f"rank {rank} is not in module {self.name} ({self.ranks.start}..{self.ranks.stop - 1})")
         local = rank - self.first_rank
         tp = local % self.tp
-        dp = (local // self.tp) % self.dp
-        return local // (self.tp * self.dp), dp, tp
+        data = (local // self.tp) % self.data_size
+        return local // (self.tp * self.data_size), data, tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(stage, dp replica, tp) of a global rank owned by this module."""
+        stage, data, tp = self.data_coords(rank)
+        return stage, data // self.sp, tp
+
+    def sp_index(self, rank: int) -> int:
+        """Which slice of every sequence ``rank`` holds (0 without SP: the rank that talks across boundaries)."""
+        return self.data_coords(rank)[1] % self.sp
 
     def dp_group(self, *, stage: int, tp: int = 0) -> list[int]:
         return [self.rank(stage=stage, dp=d, tp=tp) for d in range(self.dp)]
@@ -59,8 +79,13 @@ class ModuleGrid:
 
     def tp_groups(self) -> list[list[int]]:
         """Every tensor-parallel group's global ranks (TP consecutive ranks each)."""
-        return [[self.rank(stage=s, dp=d, tp=t) for t in range(self.tp)]
-                for s in range(self.pp) for d in range(self.dp)]
+        return [[self.rank(stage=s, dp=d, tp=t, sp=q) for t in range(self.tp)]
+                for s in range(self.pp) for d in range(self.dp) for q in range(self.sp)]
+
+    def sp_groups(self) -> list[list[int]]:
+        """Every sequence-parallel group's global ranks (one per stage, replica and TP index)."""
+        return [[self.rank(stage=s, dp=d, tp=t, sp=q) for q in range(self.sp)]
+                for s in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
 
 
 @dataclass(frozen=True)
@@ -140,13 +165,12 @@ class Topology:
         return (ups[0] if ups else None), (downs[0] if downs else None)
 
     @staticmethod
-    def build(graph: ModuleGraph, degrees: dict[str, tuple[int, int, int]], layout: str) -> "Topology":
+    def build(graph: ModuleGraph, degrees: dict[str, tuple[int, ...]], layout: str) -> "Topology":
         """The modules of ``graph`` on consecutive rank ranges in data-flow order, each with its
-        ``(dp, pp, tp)`` from ``degrees`` (a recipe's: ``recipe/graph.py::topology_of``)."""
+        ``(dp, pp, tp)`` or ``(dp, pp, tp, sp)`` from ``degrees`` (a recipe's: ``recipe/graph.py::topology_of``)."""
         grids, first = [], 0
         for name in graph.names:
-            dp, pp, tp = degrees[name]
-            g = ModuleGrid(name, first, dp, pp, tp)
+            g = ModuleGrid(name, first, *degrees[name])
             grids.append(g)
             first += g.size
         return Topology(tuple(grids), layout, tuple(graph.role(n) for n in graph.names))
@@ -164,6 +188,7 @@ class Topology:
         for m in self.modules:
             lines.append(
                 f"  {m.name:<9} ranks {m.ranks.start:>3}-{m.ranks.stop - 1:<3} dp={m.dp} pp={m.pp} tp={m.tp}"
+                + (f" sp={m.sp}" if m.sp > 1 else "") +
                 f"  stages {self.stage_offset(m.name)}-{self.stage_offset(m.name) + m.pp - 1}"
             )
         return "\n".join(lines)

@@ -35,8 +35,8 @@ def must_reshard(ckpt, manifest: dict) -> bool:
     fits = True
     if isinstance(saved, dict):
         grid = topology_of(ckpt.recipe).module(ckpt.module)
-        mine = describe_rank(ckpt.engine.module, ckpt.engine.optimizer, grid.coords(ckpt.rank),
-                             (grid.pp, grid.dp, grid.tp), [])
+        mine = describe_rank(ckpt.engine.module, ckpt.engine.optimizer, grid.data_coords(ckpt.rank),
+                             (grid.pp, grid.data_size, grid.tp), [])
         # DeepSpeed 0.19.8 cannot read its own bf16-optimizer files back under ZeRO stage 0 (it looks
         # for the optimizer in the model-state file: KeyError 0), so those are always re-sharded.
         fits = files_fit(saved.get(ckpt.module, []), mine) and mine["optimizer"] != "bf16"

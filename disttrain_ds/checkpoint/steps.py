@@ -204,8 +204,8 @@ class Checkpointer:
         failure = take_failure() if take_failure else None
         engine_files = [Path(os.path.relpath(os.path.abspath(p), os.path.abspath(partial))).as_posix() for p in written]
         grid = topology_of(self.recipe).module(self.module)
-        record = describe_rank(self.engine.module, self.engine.optimizer, grid.coords(self.rank),
-                               (grid.pp, grid.dp, grid.tp), engine_files)
+        record = describe_rank(self.engine.module, self.engine.optimizer, grid.data_coords(self.rank),
+                               (grid.pp, grid.data_size, grid.tp), engine_files)
         record["module"] = self.module
         failure = failure or _attempt(lambda: save_rng(partial / rng_file(self.rank)))
         written.append(str(partial / rng_file(self.rank)))

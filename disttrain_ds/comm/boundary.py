@@ -57,7 +57,10 @@ class BoundaryComm:
         grid = up if self.side == "up" else down
         _, self.dp, tp_index = grid.coords(me)
         self.tp = tp  # TPContext of this rank's TP group, or None without tensor parallelism
-        self.talks = tp_index == 0  # only TP index 0 sends and receives across the boundary
+        # SP index > 0: the lead of its SP group talks and shares (parallel/sequence_parallel.py); the
+        # whole TP group of such a rank stands by with placeholders.
+        self.sp_lead = grid.sp_index(me) == 0
+        self.talks = tp_index == 0 and self.sp_lead  # only TP index 0 of SP index 0 crosses the boundary
         other = down if self.side == "up" else up
         self.peer_ranks = [other.rank(stage=0, dp=r) if self.side == "up" else other.rank(stage=other.pp - 1, dp=r)
                            for r in range(other.dp)]
@@ -87,8 +90,9 @@ class BoundaryComm:
 
     @property
     def grad_scale(self) -> float:
-        """Factor on gradients coming back upstream: each engine averages over its own DP group."""
-        return self.up.dp / self.down.dp
+        """Factor on gradients coming back upstream: each engine averages over its own data axis
+        (DP x SP ranks), while the downstream's gradients are per replica."""
+        return self.up.data_size / self.down.dp
 
     def _sizes(self, mb: int, rows_per_sample: list[int]) -> list[int]:
         """Rows of the message to or from each replica on the other side."""
@@ -128,7 +132,10 @@ class BoundaryComm:
         return back
 
     def _share(self, tensor: torch.Tensor | None, rows: int) -> torch.Tensor:
-        """TP index 0's tensor on every rank of its TP group (all of them know its shape)."""
+        """TP index 0's tensor on every rank of its TP group (all of them know its shape); a
+        placeholder of that shape off SP index 0, whose SP lead shares the tensor itself."""
+        if not self.sp_lead:
+            return torch.zeros((rows, *self.features), dtype=self.dtype, device=self.p2p.device)
         if self.tp is None or self.tp.size == 1:
             return tensor
         t0 = time.perf_counter()

@@ -40,7 +40,7 @@ class FlexShape:
     """Softmax scale the attention passes (``head_dim ** -0.5`` for Llama-shaped blocks)."""
 
 
-def flex_shapes(stage: nn.Module, *, batch: int, seq_len: int, tp: int = 1,
+def flex_shapes(stage: nn.Module, *, batch: int, seq_len: int, tp: int = 1, sp: int = 1,
                 device_type: str = "cuda") -> list[FlexShape]:
     """The distinct shapes flex attention will see in ``stage``: one per LLM block configuration
     whose ``doc_attention`` takes the flex path on ``device_type`` (none on a stage without LLM
@@ -54,7 +54,9 @@ def flex_shapes(stage: nn.Module, *, batch: int, seq_len: int, tp: int = 1,
             continue
         attn = block.layer.self_attn
         dtype = next(attn.parameters()).dtype
-        shape = FlexShape(batch, seq_len, attn.config.num_attention_heads // tp, attn.config.num_key_value_heads // tp,
+        # Under SP attention sees whole rows with 1/SP of the heads (at least one KV head: repeated).
+        kv = max(attn.config.num_key_value_heads // tp // sp, 1)
+        shape = FlexShape(batch, seq_len, attn.config.num_attention_heads // tp // sp, kv,
                           attn.head_dim, dtype, float(attn.scaling))
         if shape not in out:
             out.append(shape)
@@ -85,14 +87,14 @@ def exercise(shape: FlexShape, device: torch.device, backward: bool = True) -> N
 
 
 def warm_up_stage(stage: nn.Module, *, batch: int, seq_len: int, device: torch.device, tp: int = 1,
-                  backward: bool = True) -> int:
+                  sp: int = 1, backward: bool = True) -> int:
     """Compile flex attention for every shape ``stage``'s LLM blocks will give it (``flex_shapes``),
     before the first step; the number of shapes compiled. A no-op (0) off CUDA. ``batch``: the
-    LLM's samples per microbatch on this rank; ``tp``: its TP degree; ``backward``: whether the
+    LLM's samples per microbatch on this rank; ``tp``, ``sp``: its TP and SP degrees; ``backward``: whether the
     stage runs backward (its inputs need gradients)."""
     if device.type != "cuda":
         return 0
-    shapes = flex_shapes(stage, batch=batch, seq_len=seq_len, tp=tp)
+    shapes = flex_shapes(stage, batch=batch, seq_len=seq_len, tp=tp, sp=sp)
     for shape in shapes:
         exercise(shape, device, backward)
     return len(shapes)

@@ -165,8 +165,11 @@ class ModuleEngine(PipelineEngine):
         self._next_fwd += 1
         self.extra["mb"][buffer_id] = mb
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        # Clones keep the received leaves (whose .grad we send back) out of in-place ops.
-        inputs = tuple(t.clone() for t in inputs) if isinstance(inputs, tuple) else inputs.clone()
+        # Clones keep the received leaves (whose .grad we send back) out of in-place ops; under SP
+        # the SP lead's received tensors are broadcast to its group instead (a copy too).
+        shared = self.role.boundary_input_indices if self.role.sp is not None and self.place.first_of_engine else ()
+        inputs = (tuple(self.role.sp.from_lead(t) if i in shared else t.clone() for i, t in enumerate(inputs))
+                  if isinstance(inputs, tuple) else inputs.clone())
         with torch.set_grad_enabled(self.place.backward):
             if self.optimizer is None or not self.place.backward:
                 # Frozen or evaluating: DeepSpeed's forward hooks insist on engine.backward(), which needs an optimizer.
@@ -180,8 +183,8 @@ class ModuleEngine(PipelineEngine):
             batch = _to_device_mb(self.batches[mb], self.device)
             loss = self.role.own_loss(outputs, batch)
             out = self.role.boundary_outputs(outputs, batch)
-            if loss is not None:
-                self.stats["own_loss"] += float(loss.detach())
+            if loss is not None:  # under SP each rank reports its slice's share (its loss carries the factor)
+                self.stats["own_loss"] += float(loss.detach()) / (self.role.sp.grad_factor if self.role.sp else 1)
             if len(out) != len(self.downstreams):
                 raise RuntimeError(f"{len(out)} boundary outputs for {len(self.downstreams)} downstream engines")
             for comm, tensor in zip(self.downstreams, out):  # disjoint ranks: each pair keeps microbatch order

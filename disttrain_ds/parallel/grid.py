@@ -19,14 +19,18 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataP
 from disttrain_ds.topology import ModuleGrid
 
 GRID_AXES = ("replica", "data", "pipe", "model")
-"""The groups of a module's grid: one DP replica (pipe x model), and one per DeepSpeed axis."""
+"""The groups of a module's grid: one data-axis coordinate (pipe x model), and one per DeepSpeed axis."""
+
+SEQ = "seq"
+"""Axis name of a module's sequence-parallel groups (made only where SP > 1)."""
 
 
 class OffsetTopology(PipeModelDataParallelTopology):
-    """DeepSpeed's (pipe, data, model) topology whose ranks start at ``first_rank``."""
+    """DeepSpeed's (pipe, data, model) topology whose ranks start at ``first_rank``; its data axis
+    holds every replica's SP ranks (``ModuleGrid.data_coords``)."""
 
     def __init__(self, grid: ModuleGrid):
-        super().__init__(num_pp=grid.pp, num_mp=grid.tp, num_dp=grid.dp)
+        super().__init__(num_pp=grid.pp, num_mp=grid.tp, num_dp=grid.data_size)
         self.first_rank = grid.first_rank
         self.mapping = {coord: rank + grid.first_rank for coord, rank in self.mapping.items()}
 
@@ -35,7 +39,7 @@ def grid_groups(grid: ModuleGrid) -> dict[str, list[list[int]]]:
     """The rank lists of every group of the module's grid, per axis of ``GRID_AXES`` (pure)."""
     topo = OffsetTopology(grid)
     return {
-        "replica": [sorted(topo.get_axis_list(axis="data", idx=d)) for d in range(grid.dp)],
+        "replica": [sorted(topo.get_axis_list(axis="data", idx=d)) for d in range(grid.data_size)],
         "data": topo.get_axis_comm_lists("data"),
         "pipe": topo.get_axis_comm_lists("pipe"),
         "model": topo.get_axis_comm_lists("model"),

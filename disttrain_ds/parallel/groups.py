@@ -21,7 +21,7 @@ from typing import Callable
 import torch.distributed as tdist
 
 from disttrain_ds.comm.p2p import CHANNELS, channel
-from disttrain_ds.parallel.grid import GRID_AXES, grid_groups
+from disttrain_ds.parallel.grid import GRID_AXES, SEQ, grid_groups
 from disttrain_ds.topology import ModuleGrid
 
 META = "meta"
@@ -50,12 +50,13 @@ TIED = "tied"
 
 
 def tied_pairs(m: ModuleGrid) -> list[tuple[int, int]]:
-    """(first-stage rank, last-stage rank) of every (DP, TP) coordinate of ``m``: the ranks whose copies
+    """(first-stage rank, last-stage rank) of every (DP, SP, TP) coordinate of ``m``: the ranks whose copies
     of a tied weight (the input embedding on the first stage, the LM head on the last) sum their
     gradients. Empty on a single stage, where the tie is one parameter."""
     if m.pp == 1:
         return []
-    return [(m.rank(stage=0, dp=d, tp=t), m.rank(stage=m.pp - 1, dp=d, tp=t)) for d in range(m.dp) for t in range(m.tp)]
+    return [(m.rank(stage=0, dp=d, tp=t, sp=q), m.rank(stage=m.pp - 1, dp=d, tp=t, sp=q))
+            for d in range(m.dp) for q in range(m.sp) for t in range(m.tp)]
 
 
 def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str] = frozenset(),
@@ -64,20 +65,23 @@ def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str
     group per boundary channel (each graph edge's activations and gradients, ``p2p.channel``: the
     upstream module's last-stage ranks and the downstream's first-stage ones; ``edges`` None: a
     chain in ``modules`` order), then each module's DeepSpeed grid groups (replica, data, pipe, model
-    axes, as ``SubsetGrid`` uses them) and, for the modules named in ``tied`` (a weight shared by
+    axes, as ``SubsetGrid`` uses them), its sequence-parallel groups where SP > 1 and, for the modules named in ``tied`` (a weight shared by
     their first and last layers), their tied-weight groups. Pure: every rank computes the same list."""
     everyone = tuple(range(world))
     specs = [GroupSpec((META,), everyone, "gloo")]
     grids = {m.name: m for m in modules}
     for up, down in edges if edges is not None else [(a.name, b.name) for a, b in zip(modules, modules[1:])]:
         u, d = grids[up], grids[down]
-        ends = tuple(sorted({*(r for r in u.ranks if u.coords(r)[0] == u.pp - 1),
-                             *(r for r in d.ranks if d.coords(r)[0] == 0)}))
+        # SP index 0 of a stage talks across a boundary for its group.
+        ends = tuple(sorted({*(r for r in u.ranks if u.coords(r)[0] == u.pp - 1 and u.sp_index(r) == 0),
+                             *(r for r in d.ranks if d.coords(r)[0] == 0 and d.sp_index(r) == 0)}))
         specs += [GroupSpec(("channel", channel(kind, up, down)), ends) for kind in CHANNELS]
     for m in modules:
         lists = grid_groups(m)
         for axis in GRID_AXES:
             specs += [GroupSpec((m.name, axis, i), tuple(sorted(r))) for i, r in enumerate(lists[axis])]
+        if m.sp > 1:
+            specs += [GroupSpec((m.name, SEQ, i), tuple(r)) for i, r in enumerate(m.sp_groups())]
         if m.name in tied:
             specs += [GroupSpec((m.name, TIED, i), pair) for i, pair in enumerate(tied_pairs(m))]
     return specs
@@ -119,6 +123,12 @@ class ProcessGroups:
             raise KeyError(f"rank {self.rank} has no {module} group on axes {missing}")
         return out
 
+
+    def seq_group(self, module: str) -> tuple[list[int], object] | None:
+        """This rank's sequence-parallel group of ``module``: (ranks, handle), or None without SP."""
+        found = [(list(self.ranks[k]), h) for k, h in self.handles.items()
+                 if len(k) == 3 and k[0] == module and k[1] == SEQ]
+        return found[0] if found else None
 
     def tied_group(self, module: str):
         """This rank's tied-weight group of ``module`` (None: it holds no copy of a tied weight that

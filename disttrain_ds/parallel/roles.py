@@ -17,9 +17,10 @@ class Role:
     name = ""
     boundary_input_indices: tuple[int, ...] = ()  # positions of the upstream tensors in the first stage's input tuple
 
-    def __init__(self, spec: MLLMSpec, module: str | None = None):
+    def __init__(self, spec: MLLMSpec, module: str | None = None, sp=None):
         self.spec = spec
         self.module = module or spec.name_of(self.name)
+        self.sp = sp  # this rank's SPContext (parallel/sequence_parallel.py), None without SP
 
     @property
     def boundary_input_index(self) -> int:
@@ -79,10 +80,15 @@ class LLMRole(Role):
 
     def own_loss(self, outputs: Outputs, mb: MicroBatch) -> torch.Tensor | None:
         logits, _ = outputs
-        return lm_loss_sum(logits, mb.labels, mb.lm_scale)
+        if self.sp is None:
+            return lm_loss_sum(logits, mb.labels, mb.lm_scale)
+        # This rank's slice of the positions, times the SP factor DeepSpeed's DP x SP average takes back.
+        return lm_loss_sum(logits, self.sp.shard(mb.labels), mb.lm_scale * self.sp.grad_factor)
 
     def boundary_outputs(self, outputs: Outputs, mb: MicroBatch) -> list[torch.Tensor]:
         _, hidden = outputs  # understanding only: no generator, nothing goes downstream
+        if self.sp is not None and self.spec.generators:
+            hidden = self.sp.gather(hidden)  # query positions lie on any slice: whole rows on every SP rank
         return gen_states(hidden, mb, self.spec)
 
     def rows_key(self, down: str) -> str:

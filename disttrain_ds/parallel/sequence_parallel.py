@@ -24,23 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from disttrain_ds.errors import ConfigError
-
-
-def check_sp(module: str, sp: int, heads: int, kv_heads: int, tp: int, seq_len: int) -> None:
-    """One-line errors for an SP degree this module's attention or sequence cannot split by."""
-    if sp < 1:
-        raise ConfigError(f"parallel.{module}.sp must be >= 1, got {sp}")
-    if sp == 1:
-        return
-    if heads % tp or (heads // tp) % sp:
-        raise ConfigError(f"parallel.{module}.sp={sp}: heads per TP rank ({heads} / tp {tp}) must be divisible by sp")
-    kv = kv_heads // tp if kv_heads % tp == 0 else 0
-    if not kv or (kv % sp and sp % kv):  # fewer KV heads than SP ranks: each is repeated (models/doc_mask.py)
-        raise ConfigError(f"parallel.{module}.sp={sp}: kv_heads per TP rank ({kv_heads} / tp {tp}) must divide "
-                          f"or be divisible by sp")
-    if seq_len % sp:
-        raise ConfigError(f"parallel.{module}.sp={sp}: data.seq_len {seq_len} must be divisible by sp")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -90,13 +73,15 @@ class _FromLead(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group, lead: int, is_lead: bool, size: int):
         ctx.group, ctx.is_lead, ctx.size = group, is_lead, size
         x = x.detach().clone().contiguous()
-        dist.broadcast(x, src=lead, group=group)
+        if x.numel():  # every rank knows the shape: an empty one (no image rows) needs no message
+            dist.broadcast(x, src=lead, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        if grad.numel():
+            dist.all_reduce(grad, group=ctx.group)
         return (grad / ctx.size if ctx.is_lead else torch.zeros_like(grad)), None, None, None, None
 
 

@@ -162,9 +162,11 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
     for name in graph.names:
         mp: ModuleParallel = module_parallel(r, name)
         pkey = parallel_key(r, name)
-        for axis in ("dp", "tp", "pp"):
+        for axis in ("dp", "tp", "pp", "sp"):
             v = getattr(mp, axis)
             _check(v >= 1, src, f"{pkey}.{axis}", f"must be >= 1, got {v}")
+        if mp.sp > 1:
+            check_sequence_parallel(r, graph, name, mp, src)
         _check(mp.tp in (1, 2, 4, 8), src, f"{pkey}.tp", f"must be 1, 2, 4 or 8, got {mp.tp}")
         _check(mp.pp <= counts[name], src, f"{pkey}.pp", f"{mp.pp} exceeds the module's {counts[name]} pipeline layers")
         _check(mp.partition in ("uniform", "parameters"), src, f"{pkey}.partition", "must be uniform | parameters")
@@ -185,6 +187,23 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
             bad = tp_shape_problem(r, name, tp) if tp > 1 else None
             if bad:
                 raise ConfigError(f"{src}: '{bad[0]}' {bad[1]}")
+
+
+def check_sequence_parallel(r: Recipe, graph: ModuleGraph, name: str, mp: ModuleParallel, src: str) -> None:
+    """``parallel.<module>.sp`` > 1: where it runs, and the sizes it must split."""
+    key = f"{parallel_key(r, name)}.sp"
+    _check(name == graph.llm, src, key, f"sequence parallelism runs in the LLM ({graph.llm}) only, got sp={mp.sp}")
+    _check(r.layout == "disaggregated", src, key,
+           f"needs layout disaggregated (the LLM on its own ranks), got {r.layout}")
+    _check(not r.parallel.post_balance, src, key, "is not combined with parallel.post_balance yet; set one of them")
+    llm = module_config(r, name)
+    _check(llm.heads % mp.tp == 0 and (llm.heads // mp.tp) % mp.sp == 0, src, key,
+           f"heads per TP rank ({llm.heads} / tp {mp.tp}) must be divisible by sp {mp.sp}")
+    kv = llm.kv_heads // mp.tp
+    # Fewer KV heads than SP ranks: each is repeated for the ranks that read it (models/doc_mask.py).
+    _check(kv >= 1 and (kv % mp.sp == 0 or mp.sp % kv == 0), src, key,
+           f"kv_heads per TP rank ({llm.kv_heads} / tp {mp.tp}) must divide or be divisible by sp {mp.sp}")
+    _check(r.data.seq_len % mp.sp == 0, src, key, f"data.seq_len {r.data.seq_len} must be divisible by sp {mp.sp}")
 
 
 def check_optim(r: Recipe, graph: ModuleGraph, src: str) -> None:
@@ -366,7 +385,7 @@ def check_emulate(recipe, src: str) -> None:
         return
     path = require_file(e.profile, "emulate.profile", src, recipe.source_file)
     profile = load_profile(path)  # ProfileError (a ConfigError) names the field and the file
-    for name, (_, _, tp) in module_degrees(recipe).items():
+    for name, (_, _, tp, _) in module_degrees(recipe).items():
         if name not in profile.modules:
             raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no module {name!r} (it profiles "
                               f"{', '.join(profile.modules)}; profile this recipe's modules)")

@@ -56,6 +56,10 @@ class ModuleParallel:
     """Data-parallel replicas."""
     tp: int = 1
     """Tensor-parallel degree."""
+    sp: int = 1
+    """Sequence-parallel degree (Ulysses, the LLM only): ranks per replica that each hold a slice
+    of every sequence and exchange heads for sequence around attention. The module then runs on
+    dp x sp x tp x pp ranks; heads (and KV heads, or SP by them) and data.seq_len split by it."""
     pp: int = 1
     """Pipeline stages; must not exceed the module's layer count."""
     partition: str = "uniform"

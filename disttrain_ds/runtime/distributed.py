@@ -45,6 +45,7 @@ from disttrain_ds.parallel.engine import make_engine
 from disttrain_ds.parallel.groups import META, ProcessGroups, plan_groups
 from disttrain_ds.parallel.pipeline_module import build_pipeline_module
 from disttrain_ds.parallel.roles import ROLES
+from disttrain_ds.parallel.sequence_parallel import SPContext
 from disttrain_ds.parallel.tensor_parallel import TPContext, full_state
 from disttrain_ds.recipe.deepspeed import engine_config, load_ds_config
 from disttrain_ds.recipe.graph import topology_of
@@ -94,6 +95,15 @@ def tp_context(grid, groups: ProcessGroups, tp_index: int) -> TPContext:
     """This rank's tensor-parallel group (the module's "model" axis, made by every rank)."""
     ranks, group = groups.module_axes(grid.name)["model"]
     return TPContext(group if grid.tp > 1 else None, tp_index, grid.tp, ranks[0])
+
+
+def sp_context(grid, groups: ProcessGroups, rank: int) -> SPContext | None:
+    """This rank's sequence-parallel group (made by every rank where SP > 1), None without SP."""
+    found = groups.seq_group(grid.name)
+    if found is None:
+        return None
+    ranks, group = found
+    return SPContext(group, grid.sp_index(rank), grid.sp, ranks[0])
 
 
 def boundary_tensor(spec, module: str, down: str, recipe: Recipe) -> tuple[str, tuple[int, ...], torch.dtype]:
@@ -282,6 +292,7 @@ def _train(job: JobStart) -> int:
     share_batches(recipe, source, rank, world, hosts)
     counted = read_by_host(recipe, topo, source, rank, hosts[0], meta_group, log)
     tp = tp_context(grid, groups, tp_index)
+    sp = sp_context(grid, groups, rank)
     up_grids, down_grids = topo.upstreams(grid.name), topo.downstreams(grid.name)
     upstreams = [BoundaryComm(p2p, up, grid, slot, *boundary_tensor(spec, up.name, grid.name, recipe), tp,
                               backward[up.name]) for up in up_grids] if stage == 0 else []  # one per graph edge
@@ -291,7 +302,7 @@ def _train(job: JobStart) -> int:
     check_free_memory(recipe, job.memory_rows, rank, device)  # after NCCL's set-up, before the weights
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, groups.module_axes(grid.name),
-                               mp.activation_checkpointing, groups.tied_group(grid.name))
+                               mp.activation_checkpointing, groups.tied_group(grid.name), sp)
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
     frozen = not any(p.requires_grad for p in pm.parameters())  # this stage holds nothing to train
@@ -308,10 +319,10 @@ def _train(job: JobStart) -> int:
     ctx = RankContext(recipe, topo, rank, world, device, names, grid, stage, dp_index, tp_index, place, groups,
                       meta_group, tp, p2p)
 
-    engine = _engine(ctx, spec, pm, upstreams, downstreams, frozen)
+    engine = _engine(ctx, spec, pm, upstreams, downstreams, frozen, sp)
     # Compiled kernels (flex attention) are built now, not inside step 1 under the step's deadlines;
     # the broadcast below is the last start-up collective, so no rank's step waits on a compile.
-    warm_up_stage(pm, batch=slot // grid.dp, seq_len=recipe.data.seq_len, device=device, tp=grid.tp,
+    warm_up_stage(pm, batch=slot // grid.dp, seq_len=recipe.data.seq_len, device=device, tp=grid.tp, sp=grid.sp,
                   backward=place.backward)
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
@@ -357,7 +368,7 @@ def check_free_memory(recipe: Recipe, rows: list | None, rank: int, device: torc
         raise ConfigError(problem)
 
 
-def _engine(ctx: RankContext, spec, pm, upstreams, downstreams, frozen: bool):
+def _engine(ctx: RankContext, spec, pm, upstreams, downstreams, frozen: bool, sp: SPContext | None = None):
     """This stage's ``ModuleEngine``: optimizer and LR schedule unless frozen, the module's DeepSpeed
     config completed for its DP and accumulation, boundary links, emulated compute if asked."""
     recipe, grid = ctx.recipe, ctx.grid
@@ -371,11 +382,11 @@ def _engine(ctx: RankContext, spec, pm, upstreams, downstreams, frozen: bool):
     base = load_ds_config(resolve_path(mp.ds_config or recipe.deepspeed_config))
     micro = ctx.slot // grid.dp
     cfg = engine_config(
-        base, micro_batch=micro, grad_accum=grad_accum_steps(recipe), dp=grid.dp, dtype=recipe.train.dtype,
+        base, micro_batch=micro, grad_accum=grad_accum_steps(recipe), dp=grid.data_size, dtype=recipe.train.dtype,
         grad_clip=recipe.optim.grad_clip, frozen=frozen,
     )
     engine = make_engine(pm, optimizer, scheduler, cfg, install_safe_checkpoint_engine)
-    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name), ctx.place, upstreams, downstreams,
+    engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name, sp), ctx.place, upstreams, downstreams,
                                frozen)
     if recipe.emulate.enabled:
         engine.emulator = Emulator.for_rank(recipe, ctx.topo, ctx.rank, spec, ctx.place.backward)

@@ -1,16 +1,22 @@
 """Ulysses sequence parallelism computes the reference LLM's loss and gradients (fp32, gloo under
 NCCL's rules).
 
-Every rank builds the seeded LLM layers (embedding with image rows, decoder blocks, head) whole,
+Layers: every rank builds the seeded LLM layers (embedding with image rows, decoder blocks, head) whole,
 runs the single-process reference on packed multi-document rows with padding, then the SP run:
 its slice of each row, the all-to-all around attention, the lead's image rows broadcast to the
 group. The LLM's parameter gradients, averaged over the SP group as DeepSpeed's data axis averages
 them, and the image rows' gradient on the lead equal the reference's; the loss summed over the
 group equals the reference loss. Negative controls: the loss without the SP factor, attention
 across documents, and an all-to-all whose gradient is not exchanged back, each caught.
+
+Jobs: the LLM engine with ``parallel.llm.sp`` trains the reference's losses and parameters over
+3 SGD steps (synthetic rows of one or two documents plus padding), alone and composed with DP, PP
+and TP; the SP lead alone crosses module boundaries.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -20,7 +26,9 @@ from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.families.llama.model import llm_layers
 from disttrain_ds.samples import IGNORE_INDEX, NO_DOC
 
+from .conftest import launch, max_param_mismatch
 from .test_comm import run_ranks
+from .test_fidelity import SGD, STEPS
 
 IMAGE = 3
 CFG = LLMConfig(hidden_size=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2, vocab_size=40, max_position=64)
@@ -152,3 +160,46 @@ def test_tp2_sp2_llm_gradients_equal_the_reference():
         assert worst["loss"] < TOL, (rank, worst)
         assert worst["params"] < TOL, (rank, worst)
         assert worst["embeds"] < TOL, (rank, worst)
+
+
+JOBS = {
+    # name: (ranks, overrides)
+    "llm_sp2": (4, ["parallel.llm.pp=1", "parallel.llm.sp=2"]),
+}
+SLOW_JOBS = {
+    "llm_pp2_sp2": (6, ["parallel.llm.sp=2"]),
+    "llm_tp2_sp2": (6, ["parallel.llm.pp=1", "parallel.llm.tp=2", "parallel.llm.sp=2"]),
+    "llm_dp2_sp2_gen_dp2": (7, ["parallel.llm.pp=1", "parallel.llm.dp=2", "parallel.llm.sp=2",
+                                "parallel.generator.dp=2"]),
+    "llm_dp2_same_samples": (4, ["parallel.llm.pp=1", "parallel.llm.dp=2"]),  # DP 2 beside SP 2: the reference's too
+}
+
+
+def _job(name: str, jobs: dict, tmp_path, reference_run) -> None:
+    nproc, overrides = jobs[name]
+    rows, params, _ = launch(tmp_path, nproc, [STEPS, *SGD, "layout=disaggregated", *overrides])
+    ref_losses, ref_params = reference_run([STEPS, *SGD])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    llm = next(m for m in _topology(overrides).modules if m.name == "llm")
+    senders = {r for r in llm.ranks if json.loads((tmp_path / f"sends_rank{r}.json").read_text())}
+    assert senders and all(llm.sp_index(r) == 0 and llm.coords(r)[2] == 0 for r in senders), senders
+
+
+def _topology(overrides: list[str]):
+    from disttrain_ds.recipe.graph import topology_of
+    from disttrain_ds.recipe.schema import load_recipe
+
+    return topology_of(load_recipe("tiny_cpu", ["layout=disaggregated", *overrides]))
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_sp_job_trains_the_reference(name, tmp_path, reference_run):
+    _job(name, JOBS, tmp_path, reference_run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_JOBS))
+def test_more_sp_jobs_train_the_reference(name, tmp_path, reference_run):
+    _job(name, SLOW_JOBS, tmp_path, reference_run)
