@@ -174,10 +174,25 @@ def differences(a, b, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix} (checkpoint: {a!r}, this run: {b!r})"]
 
 
+PARALLEL_KEYS_LATER = {"sp": 1}
+"""``parallel.<module>`` fields added after checkpoints were first written, with their defaults:
+at those they lay the module out as before, so a checkpoint without them compares as if it held them."""
+
+
+def _layout(fp: dict) -> dict:
+    out = copy.deepcopy({k: fp.get(k) for k in LAYOUT_KEYS})
+    par = out.get("parallel") if isinstance(out.get("parallel"), dict) else {}
+    nested = par.get("modules") if isinstance(par.get("modules"), dict) else {}
+    for m in [*par.values(), *nested.values()]:
+        if isinstance(m, dict) and "dp" in m:  # one module's degrees
+            for key, default in PARALLEL_KEYS_LATER.items():
+                m.setdefault(key, default)
+    return out
+
+
 def layout_changes(manifest: dict, recipe: Recipe, world: int) -> list[str]:
     """How this run's layout differs from the checkpoint's (empty: the same layout)."""
-    old, new = manifest["fingerprint"], fingerprint(recipe, world)
-    return differences({k: old.get(k) for k in LAYOUT_KEYS}, {k: new[k] for k in LAYOUT_KEYS})
+    return differences(_layout(manifest["fingerprint"]), _layout(fingerprint(recipe, world)))
 
 
 def _rank0_print(line: str) -> None:

@@ -205,7 +205,8 @@ def _per_gpu(params: float, kept: float, per_param: tuple, dp: int, tp: int, sam
             mm.activation_bytes(kept, workspace, samples, k)]
 
 
-def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int = 1) -> tuple[float, float]:
+def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int = 1,
+                       sp: int = 1) -> tuple[float, float]:
     """Per-sample bytes on one TP rank of a stage holding layers ``lo:hi`` kept for each
     microbatch in flight (what its layers save, the TP-sharded part over ``tp``; the input it
     received beside the copy its first layer reads; its output), and the backward workspace of one
@@ -215,15 +216,18 @@ def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int
     layer, as DeepSpeed's PipelineModule forms them), a microbatch in flight keeps only each
     block's input and the stage's output; backward recomputes one block at a time, so the
     workspace also holds what the largest block saves. Layer inputs and outputs are whole on
-    every TP rank (no sequence parallelism)."""
-    saved = lb.on_rank(tp)
-    received = lb.inputs if lo == 0 else lb.outputs[lo - 1]
-    out = lb.outputs[hi - 1] if hi > lo else 0.0
+    every TP rank. With sequence parallelism (``sp``) every rank keeps 1/SP of each sequence: of
+    what layers save and pass on, all but the module's own inputs (token ids and encoder rows,
+    received whole by every SP rank)."""
+    saved = [b / sp for b in lb.on_rank(tp)]
+    outputs = [b / sp for b in lb.outputs]
+    received = lb.inputs if lo == 0 else outputs[lo - 1]
+    out = outputs[hi - 1] if hi > lo else 0.0
     grads = max(saved[lo:hi], default=0.0)
     if every <= 0:
         return sum(saved[lo:hi]) + received + out, grads
     starts = range(lo, hi, every)
-    kept = received + sum(lb.outputs[s - 1] for s in starts if s > lo) + out
+    kept = received + sum(outputs[s - 1] for s in starts if s > lo) + out
     block = max((sum(saved[s:min(s + every, hi)]) for s in starts), default=0.0)
     return kept, block + grads
 
@@ -235,14 +239,14 @@ def stage_params(params: list[int], lo: int, hi: int, shared: tuple[Shared, ...]
 
 
 def module_stages(params: list[int], lb: LayerBytes, bounds: list[int], tp: int, every: int,
-                  backward: bool, shared: tuple[Shared, ...] = ()) -> list[StageBytes]:
-    """Each stage of a module split at ``bounds`` (``stage_bounds``) at TP degree ``tp``: its
+                  backward: bool, shared: tuple[Shared, ...] = (), sp: int = 1) -> list[StageBytes]:
+    """Each stage of a module split at ``bounds`` (``stage_bounds``) at TP degree ``tp`` (and SP ``sp``): its
     parameters (``stage_params``) and the per-sample bytes one microbatch keeps there and one
     backward needs (``_stage_activations``; none for a module that runs no backward). What
     ``estimate`` prices every rank by, and the planner every layout by."""
     rows = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        kept, work = _stage_activations(lb, lo, hi, every, tp) if backward else (0.0, 0.0)
+        kept, work = _stage_activations(lb, lo, hi, every, tp, sp) if backward else (0.0, 0.0)
         rows.append(StageBytes(float(stage_params(params, lo, hi, shared)), kept, work))
     return rows
 
@@ -287,12 +291,13 @@ def estimate(recipe) -> list[StageMemory]:
         bounds = stage_bounds(params, grid.pp, par.partition)
         samples, extra, bucket = replica_samples(recipe, grid, slot), extra_bytes(recipe, grid.name), reduce_bucket_bytes(recipe, grid.name)
         stages = module_stages(params, lb, bounds, grid.tp, par.activation_checkpointing, backward[grid.name],
-                               shared_params(recipe, grid.name, vocab))
+                               shared_params(recipe, grid.name, vocab), grid.sp)
         for s, st in enumerate(stages):
             k = int(in_flight(topo.total_stages - topo.stage_offset(grid.name) - s, gas))
-            parts = _per_gpu(st.params, st.kept, state_bytes(recipe, grid.name), grid.dp, grid.tp, samples, k,
+            # ZeRO shards optimizer state over DeepSpeed's whole data axis (DP x SP).
+            parts = _per_gpu(st.params, st.kept, state_bytes(recipe, grid.name), grid.data_size, grid.tp, samples, k,
                              st.workspace)
-            ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1) + 1)
+            ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1, sp=grid.sp - 1) + 1)
             rows.append(StageMemory(grid.name, s, ranks, range(bounds[s], bounds[s + 1]), int(st.params), *parts,
                                     k, samples, extra if s == 0 else 0.0, bucket))
     return rows

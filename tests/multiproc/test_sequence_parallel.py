@@ -203,3 +203,20 @@ def test_sp_job_trains_the_reference(name, tmp_path, reference_run):
 @pytest.mark.parametrize("name", list(SLOW_JOBS))
 def test_more_sp_jobs_train_the_reference(name, tmp_path, reference_run):
     _job(name, SLOW_JOBS, tmp_path, reference_run)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_under_sp_resumes_without_it_and_back(tmp_path, reference_run):
+    """SP ranks are data-axis coordinates to the checkpoint: 3 steps at SP 2 resume at PP 2 (and
+    3 steps at PP 2 resume at DP 2 x SP 2), with the reference's 6 losses and parameters."""
+    from .test_reshard import README, check_against_reference, first_three_steps, resume
+
+    ref_losses, ref_params = reference_run(["optim.warmup_steps=5", "train.steps=6"])
+    sp = (4, ["parallel.llm.pp=1", "parallel.llm.sp=2"])
+    losses, params, log = resume(tmp_path, first_three_steps(tmp_path, sp), (4, README), "b")
+    check_against_reference(losses, params, ref_losses, ref_params)
+    assert "parallel.llm.sp (checkpoint: 2, this run: 1)" in log, log[-2000:]
+    back = tmp_path / "back"
+    wide_sp = (6, ["parallel.llm.pp=1", "parallel.llm.dp=2", "parallel.llm.sp=2"])
+    losses, params, _ = resume(back, first_three_steps(back, (4, README)), wide_sp, "b")
+    check_against_reference(losses, params, ref_losses, ref_params)
