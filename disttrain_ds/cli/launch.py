@@ -112,13 +112,19 @@ def _check_options(args: argparse.Namespace, train_script: Path | None) -> None:
 
 
 def _tp_span_warning(recipe, active: dict[str, list[int]]) -> list[str]:
+    out = []
     spans = tp_span_problems(recipe, active)
-    if not spans:
-        return []
-    more = f" and {len(spans) - 1} more" if len(spans) > 1 else ""
-    return [f"warning: {plural(len(spans), 'tensor-parallel group')} span hosts, so their all-reduces leave "
-            f"the node: {spans[0]}{more}; plan with disttrain-plan (it keeps TP groups inside a node) "
-            "or give every host a multiple of the TP degrees' slots"]
+    if spans:
+        more = f" and {len(spans) - 1} more" if len(spans) > 1 else ""
+        out.append(f"warning: {plural(len(spans), 'tensor-parallel group')} span hosts, so their all-reduces leave "
+                   f"the node: {spans[0]}{more}; plan with disttrain-plan (it keeps TP groups inside a node) "
+                   "or give every host a multiple of the TP degrees' slots")
+    spans = tp_span_problems(recipe, active, "sp")
+    if spans:
+        more = f" and {len(spans) - 1} more" if len(spans) > 1 else ""
+        out.append(f"warning: {plural(len(spans), 'sequence-parallel group')} span hosts, so their all-to-alls "
+                   f"leave the node: {spans[0]}{more}; give every host a multiple of the LLM's tp x sp slots")
+    return out
 
 
 def _reachability_line(args: argparse.Namespace, used: list[Host], remote: list[Host], local: frozenset[str]) -> str:

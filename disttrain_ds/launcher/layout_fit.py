@@ -46,16 +46,18 @@ def check_memory(recipe: Recipe) -> str:
             f"{recipe.train.device_memory_gib:g} GiB per device: fits")
 
 
-def tp_span_problems(recipe: Recipe, active: dict[str, list[int]]) -> list[str]:
-    """TP groups whose ranks the launcher puts on more than one host (ranks go host by host in
-    hostfile order, as DeepSpeed's runner assigns them): "module ranks a-b (host x, host y)"."""
+def tp_span_problems(recipe: Recipe, active: dict[str, list[int]], axis: str = "tp") -> list[str]:
+    """TP groups (``axis="sp"``: sequence-parallel groups) whose ranks the launcher puts on more
+    than one host (ranks go host by host in hostfile order, as DeepSpeed's runner assigns them):
+    "module ranks a-b (host x, host y)"."""
     if recipe.layout == "reference":
         return []
 
     host_of = [name for name, slots in active.items() for _ in slots]
     out = []
     for m in topology_of(recipe).modules:
-        for group in m.tp_groups() if m.tp > 1 else ():
+        degree, groups = (m.tp, m.tp_groups) if axis == "tp" else (m.sp, m.sp_groups)
+        for group in groups() if degree > 1 else ():
             hosts = list(dict.fromkeys(host_of[r] for r in group if r < len(host_of)))
             if len(hosts) > 1:
                 out.append(f"{m.name} ranks {group[0]}-{group[-1]} ({', '.join(hosts)})")
