@@ -1,0 +1,217 @@
+"""Sequence-parallel groups adapted to each microbatch's lengths (FlexSP, Wang et al., ASPLOS '25).
+
+One static SP degree wastes GPUs on long-tailed lengths: short sequences pay all-to-alls they do
+not need, while the longest sequence alone decides how far every sequence must be split. Here the
+``n`` ranks of a module split, per microbatch, into SP groups of different power-of-two sizes,
+aligned (a group of size p starts at a multiple of p, so groups nest like a buddy allocator and
+fit inside a node whenever p does), and every sequence runs on one group:
+
+- ``SPCost`` prices a sequence on a group of size p: its training FLOPs (linear per token,
+  attention per attended pair) over p GPUs at an achieved rate, plus its all-to-all bytes over the
+  group's bandwidth; a group must hold its sequences' tokens in p GPUs' activation memory.
+- ``static_groups`` is one degree for everything: n / p groups of size p, sequences by LPT.
+- ``adaptive_groups`` searches the makespan T (bisection): for a given T, best-fit decreasing
+  puts each sequence (longest first) on the open group where it fits in time and memory leaving
+  the least slack, or opens the smallest group that runs it within T; T is feasible if the opened
+  groups need at most ``n`` ranks. The best static degree is a candidate too, so the adaptive plan
+  is never slower than any static one under the cost model.
+
+Pure and deterministic: every rank of a module computes the same groups from the same lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+SEARCH_STEPS = 40
+"""Bisection steps of ``adaptive_groups`` (the makespan to within 2^-40 of its starting bracket)."""
+
+
+@dataclass(frozen=True)
+class SPCost:
+    """What one sequence costs on an SP group of a given size."""
+
+    ms_per_flop: float
+    """Milliseconds per training FLOP on one GPU (its achieved rate)."""
+    linear_flops: float
+    """Training FLOPs per token of everything but attention scores (projections, MLP, LM head)."""
+    pair_flops: float
+    """Training FLOPs per attended (query, key) pair, summed over layers."""
+    a2a_bytes_per_token: float
+    """Bytes one token's activations carry through a step's all-to-alls (q, k, v and output, every
+    layer, forward and backward) when its sequence is split; each GPU sends (p-1)/p of its share."""
+    bandwidth_gbs: Mapping[int, float]
+    """All-to-all bandwidth per GPU (GB/s) by group size (sizes above the largest key use its value)."""
+    tokens_per_gpu: float
+    """Tokens of activations one GPU holds: a group of size p holds p times that."""
+
+    def bandwidth(self, size: int) -> float:
+        known = sorted(self.bandwidth_gbs)
+        fit = [k for k in known if k >= size]
+        return self.bandwidth_gbs[fit[0] if fit else known[-1]]
+
+    def seq_ms(self, length: int, size: int) -> float:
+        """Milliseconds of one sequence of ``length`` tokens on a group of ``size`` GPUs (causal attention)."""
+        compute = (self.linear_flops * length + self.pair_flops * length * (length + 1) / 2) * self.ms_per_flop / size
+        if size == 1:
+            return compute
+        sent = self.a2a_bytes_per_token * length / size * (size - 1) / size
+        return compute + sent / (self.bandwidth(size) * 1e9) * 1e3
+
+    def min_size(self, length: int) -> int:
+        """The smallest power-of-two group whose memory holds ``length`` tokens."""
+        p = 1
+        while p * self.tokens_per_gpu < length:
+            p *= 2
+        return p
+
+
+@dataclass(frozen=True)
+class SPGroup:
+    """One SP group of a microbatch."""
+
+    first: int
+    """Its first rank among the module's ``n`` (a multiple of ``size``)."""
+    size: int
+    """Ranks in it (a power of two)."""
+    seqs: tuple[int, ...]
+    """Indices of the sequences it runs."""
+    ms: float
+    """Its time under the cost model."""
+
+
+@dataclass(frozen=True)
+class SPPlan:
+    """A microbatch's groups, covering the ranks ``0 .. n-1`` (a rank of no listed group idles)."""
+
+    groups: tuple[SPGroup, ...]
+
+    @property
+    def makespan(self) -> float:
+        return max((g.ms for g in self.groups), default=0.0)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(g.size for g in self.groups)
+
+
+def _aligned(groups: list[tuple[int, list[int], float]]) -> SPPlan:
+    """(size, sequences, ms) groups placed largest first: consecutive powers of two, non-increasing,
+    each start at a multiple of its size."""
+    out, first = [], 0
+    for size, seqs, ms in sorted(groups, key=lambda g: (-g[0], g[1])):
+        out.append(SPGroup(first, size, tuple(sorted(seqs)), ms))
+        first += size
+    return SPPlan(tuple(out))
+
+
+def _check(lengths: Sequence[int], n: int) -> None:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the module's ranks must be a power of two to split into aligned groups, got {n}")
+    if any(int(x) != x or x < 1 for x in lengths):
+        raise ValueError("sequence lengths must be positive integers")
+
+
+def _lpt(lengths: Sequence[int], sizes: Sequence[int], cost: SPCost) -> list[tuple[int, list[int], float]] | None:
+    """Sequences longest first, each on the group of ``sizes`` (large enough, with memory left) where
+    it finishes first; None if one fits no group."""
+    load, tokens = [0.0] * len(sizes), [0] * len(sizes)
+    seqs: list[list[int]] = [[] for _ in sizes]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        x = lengths[i]
+        room = [g for g, p in enumerate(sizes) if tokens[g] + x <= p * cost.tokens_per_gpu]
+        if not room:
+            return None
+        g = min(room, key=lambda g: (load[g] + cost.seq_ms(x, sizes[g]), g))
+        load[g] += cost.seq_ms(x, sizes[g])
+        tokens[g] += x
+        seqs[g].append(i)
+    return [(p, seqs[g], load[g]) for g, p in enumerate(sizes)]
+
+
+def static_groups(lengths: Sequence[int], n: int, size: int, cost: SPCost) -> SPPlan | None:
+    """``n / size`` groups of ``size``, sequences longest first on the group that finishes first
+    among those with memory left (LPT); None if a sequence fits no group's memory."""
+    _check(lengths, n)
+    if size < 1 or size > n or n % size:
+        raise ValueError(f"SP degree {size} does not divide {n} ranks")
+    got = _lpt(lengths, [size] * (n // size), cost)
+    return None if got is None else _aligned(got)
+
+
+def _key(plan: SPPlan) -> tuple[float, float, float]:
+    """Shorter makespan first; among equal ones (to rounding), less GPU time (fewer all-to-alls),
+    then the more even loads (slack for the runtime's noise)."""
+    return (round(plan.makespan, 6), round(sum(g.size * g.ms for g in plan.groups), 6),
+            sum(g.ms ** 2 for g in plan.groups))
+
+
+def _fit(lengths: Sequence[int], n: int, cost: SPCost, limit: float) -> list[tuple[int, list[int], float]] | None:
+    """Best-fit decreasing under makespan ``limit``: the groups, or None if they need more than n ranks."""
+    groups: list[list] = []  # [size, tokens, ms, seqs]
+    used = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length, need = lengths[i], cost.min_size(lengths[i])
+        best, best_left = None, None
+        for g in groups:
+            if g[0] < need or g[1] + length > g[0] * cost.tokens_per_gpu:
+                continue
+            left = limit - g[2] - cost.seq_ms(length, g[0])
+            if left >= 0 and (best_left is None or left < best_left):
+                best, best_left = g, left
+        if best is None:
+            size = need
+            while size <= n and cost.seq_ms(length, size) > limit:
+                size *= 2
+            if size > n or used + size > n:
+                return None
+            best = [size, 0, 0.0, []]
+            groups.append(best)
+            used += size
+        best[1] += length
+        best[2] += cost.seq_ms(length, best[0])
+        best[3].append(i)
+    return [(g[0], g[3], g[2]) for g in groups]
+
+
+def adaptive_groups(lengths: Sequence[int], n: int, cost: SPCost,
+                    degrees: Callable[[int], bool] | None = None) -> SPPlan | None:
+    """The microbatch's groups of mixed sizes with the smallest makespan found (module docstring);
+    None if no plan fits memory. ``degrees``: which static degrees to take as candidates (all)."""
+    _check(lengths, n)
+    if not lengths:
+        return SPPlan(())
+    if max(cost.min_size(x) for x in lengths) > n:
+        return None  # a sequence more than all n GPUs hold
+    sizes = [1 << k for k in range(n.bit_length()) if (1 << k) <= n]
+    statics = [p for p in (static_groups(lengths, n, s, cost) for s in sizes if degrees is None or degrees(s))
+               if p is not None]
+    best = min(statics, key=lambda p: p.makespan, default=None)
+    # Bracket: no plan beats the longest sequence on all n ranks, or the whole work spread evenly.
+    low = max(max(min(cost.seq_ms(x, s) for s in sizes if s >= cost.min_size(x)) for x in lengths),
+              sum(cost.seq_ms(x, 1) for x in lengths) / n)
+    high = best.makespan if best is not None else 2 * low
+    found = _fit(lengths, n, cost, high)
+    if found is None and best is None:  # widen until something fits (memory permitting)
+        for _ in range(60):
+            found = _fit(lengths, n, cost, high)
+            if found is not None:
+                break
+            high *= 2
+        if found is None:
+            return None
+    for _ in range(SEARCH_STEPS):
+        mid = (low + high) / 2
+        got = _fit(lengths, n, cost, mid)
+        if got is None:
+            low = mid
+        else:
+            high, found = mid, got
+    if found is None:
+        return best
+    # Ranks the search left free become SP 1 groups, and the sequences are spread again over all groups.
+    sizes = [size for size, _, _ in found] + [1] * (n - sum(size for size, _, _ in found))
+    spread = _lpt(lengths, sorted(sizes, reverse=True), cost)
+    plans = [p for p in (_aligned(found), spread and _aligned(spread), best) if p]
+    return min(plans, key=_key)
