@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-SEARCH_STEPS = 40
-"""Bisection steps of ``adaptive_groups`` (the makespan to within 2^-40 of its starting bracket)."""
+SEARCH_STEPS = 24
+"""Bisection steps of ``adaptive_groups`` (the makespan to within 2^-24 of its starting bracket)."""
 
 
 @dataclass(frozen=True)
