@@ -172,7 +172,7 @@ def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.
         if key.shape[1] < seq_parallel.size:  # fewer KV heads than SP ranks: each rank gets a copy of its group's
             reps = seq_parallel.size // key.shape[1]
             key, value = key.repeat_interleave(reps, dim=1), value.repeat_interleave(reps, dim=1)
-        query, key, value = (seq_parallel.heads_to_seq(t) for t in (query, key, value))
+        query, key, value = seq_parallel.heads_to_seq(query, key, value)
         out, _ = doc_attention(module, query, key, value, attention_mask, dropout, scaling, doc_spans, doc_blocks)
         return seq_parallel.seq_to_heads(out), None
     if attention_mask is not None or (doc_spans is None) == (doc_blocks is None):

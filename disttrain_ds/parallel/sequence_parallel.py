@@ -116,14 +116,18 @@ class SPContext:
             raise ValueError(f"sequence length {n} is not divisible by sp {self.size}")
         return x.narrow(dim, self.rank * (n // self.size), n // self.size)
 
-    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, S/SP, D] (all heads, this rank's slice) -> [B, H/SP, S, D] (its heads, whole rows)."""
-        b, h, s, d = x.shape
-        if h % self.size:
-            raise ValueError(f"{h} heads are not divisible by sp {self.size}")
-        chunks = x.reshape(b, self.size, h // self.size, s, d).permute(1, 0, 2, 3, 4)  # by destination rank
-        got = _AllToAll.apply(chunks, self.group, self.drop_grad)  # [source rank = sequence slice, B, H/SP, s, D]
-        return got.permute(1, 2, 0, 3, 4).reshape(b, h // self.size, self.size * s, d)
+    def heads_to_seq(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each [B, H_i, S/SP, D] (all heads, this rank's slice) -> [B, H_i/SP, S, D] (its heads, whole
+        rows), in one all-to-all for all of them (q, k and v travel together)."""
+        b, _, s, d = xs[0].shape
+        heads = [x.shape[1] for x in xs]
+        if any(h % self.size for h in heads):
+            raise ValueError(f"{heads} heads are not divisible by sp {self.size}")
+        # [B, SP (destination rank), H_i/SP, s, D], joined along the heads of each destination.
+        joined = torch.cat([x.reshape(b, self.size, h // self.size, s, d) for x, h in zip(xs, heads)], dim=2)
+        got = _AllToAll.apply(joined.permute(1, 0, 2, 3, 4), self.group, self.drop_grad)  # [source slice, B, .., s, D]
+        parts = got.split([h // self.size for h in heads], dim=2)
+        return tuple(p.permute(1, 2, 0, 3, 4).reshape(b, h // self.size, self.size * s, d) for p, h in zip(parts, heads))
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, H/SP, D] (whole rows, its heads) -> [B, S/SP, H, D] (this rank's slice, all heads)."""
