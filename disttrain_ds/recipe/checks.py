@@ -195,7 +195,6 @@ def check_sequence_parallel(r: Recipe, graph: ModuleGraph, name: str, mp: Module
     _check(name == graph.llm, src, key, f"sequence parallelism runs in the LLM ({graph.llm}) only, got sp={mp.sp}")
     _check(r.layout == "disaggregated", src, key,
            f"needs layout disaggregated (the LLM on its own ranks), got {r.layout}")
-    _check(not r.parallel.post_balance, src, key, "is not combined with parallel.post_balance yet; set one of them")
     llm = module_config(r, name)
     _check(llm.heads % mp.tp == 0 and (llm.heads // mp.tp) % mp.sp == 0, src, key,
            f"heads per TP rank ({llm.heads} / tp {mp.tp}) must be divisible by sp {mp.sp}")

@@ -29,6 +29,7 @@ from disttrain_ds.samples import IGNORE_INDEX, NO_DOC
 from .conftest import launch, max_param_mismatch
 from .test_comm import run_ranks
 from .test_fidelity import SGD, STEPS
+from .test_post_balance import LAYOUT as POST_BALANCED
 
 IMAGE = 3
 CFG = LLMConfig(hidden_size=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2, vocab_size=40, max_position=64)
@@ -172,13 +173,15 @@ SLOW_JOBS = {
     "llm_dp2_sp2_gen_dp2": (7, ["parallel.llm.pp=1", "parallel.llm.dp=2", "parallel.llm.sp=2",
                                 "parallel.generator.dp=2"]),
     "llm_dp2_same_samples": (4, ["parallel.llm.pp=1", "parallel.llm.dp=2"]),  # DP 2 beside SP 2: the reference's too
+    # Post-balanced encoder and generator replicas (units routed one by one) around an SP LLM.
+    "post_balanced_llm_dp2_sp2": (8, [*POST_BALANCED, "parallel.llm.sp=2"]),
 }
 
 
 def _job(name: str, jobs: dict, tmp_path, reference_run) -> None:
     nproc, overrides = jobs[name]
     rows, params, _ = launch(tmp_path, nproc, [STEPS, *SGD, "layout=disaggregated", *overrides])
-    ref_losses, ref_params = reference_run([STEPS, *SGD])
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *(o for o in overrides if not o.startswith(("layout=", "parallel.")))])
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"

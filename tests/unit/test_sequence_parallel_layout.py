@@ -75,7 +75,6 @@ def test_topology_of_an_sp_recipe_counts_its_ranks_and_says_sp():
     (["parallel.llm.sp=4", "model.llm.kv_heads=6", "model.llm.heads=12", "model.llm.hidden_size=96"],
      "parallel.llm.sp", "kv_heads per TP rank"),
     (["parallel.llm.sp=2", "data.seq_len=127"], "parallel.llm.sp", "seq_len 127"),
-    (["parallel.llm.sp=2", "parallel.post_balance=true"], "parallel.llm.sp", "post_balance"),
     (["parallel.llm.sp=2", "emulate.enabled=true"], "emulate.enabled", "sequence parallelism"),
 ])
 def test_sp_the_runtime_cannot_run_is_refused_in_one_line(overrides, key, words):
