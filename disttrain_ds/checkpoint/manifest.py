@@ -102,7 +102,7 @@ function either way): left out of every fingerprint comparison."""
 DATA_KEYS_IGNORED = ("read",)
 """``data`` fields that do not change the samples (which host reads what; the data state's own
 fingerprint leaves them out too): left out of every fingerprint comparison."""
-DATA_KEYS_LATER = ("max_audio", "audio_frames", "fields.audio", "fields.audios")
+DATA_KEYS_LATER = ("max_audio", "audio_frames", "fields.audio", "fields.audios", "max_seq_len")
 """``data`` fields added after checkpoints were first written: at their defaults they read the data
 as before, so a checkpoint without them compares as if it held the defaults."""
 

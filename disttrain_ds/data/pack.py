@@ -12,6 +12,13 @@ piece of each document. Every piece is one entry of ``doc_lens``. Per sequence, 
 ``data.max_images`` input images, ``data.gen_images[1]`` generated images and ``data.max_audio`` audio
 clips are placed.
 
+With ``data.max_seq_len`` above ``seq_len``, what is left of a document that does not fit an empty
+``seq_len`` sequence closes the sequence being filled and opens one of its own: k x ``seq_len``
+tokens, the fewest that hold it, at most ``max_seq_len`` (what still does not fit continues in the
+next sequence), with k times the per-sequence image and clip limits; shorter documents fill the rest.
+Lengths stay multiples of ``seq_len``, so few shapes reach the model and every SP degree that
+divides ``seq_len`` divides them.
+
 Planning needs only token counts and image sizes (no pixels), so every producer can plan all steps
 cheaply and decode the images of its own steps only.
 """
@@ -26,6 +33,7 @@ import torch
 
 from disttrain_ds.data import blobs
 from disttrain_ds.data.audio import load_clip, load_clip_bytes
+from disttrain_ds.data.config import longest_seq
 from disttrain_ds.data.formats import AudioSeg, Bad, Document, ImageSeg, ParseContext, TextSeg, seg_cost
 from disttrain_ds.data.images import load_image
 from disttrain_ds.data.source import labels_for
@@ -61,6 +69,8 @@ class Piece:
     """(segment, first token, end token) per placed segment; images use (segment, 0, 0)."""
     eod: bool
     """The document ends in this piece."""
+    scale: int = 1
+    """Length of the piece's sequence in ``seq_len`` units (``data.max_seq_len``)."""
 
 
 @dataclass
@@ -70,6 +80,8 @@ class _Fill:
     gens: int
     pieces: list[Piece] = field(default_factory=list)
     clips: int = 0
+    scale: int = 1
+    """The sequence's length in ``seq_len`` units (its image and clip limits scale with it)."""
 
 
 DocGetter = Callable[[int, int], "Document | Bad"]
@@ -87,11 +99,28 @@ class Packer:
     def _fits(self, fill: _Fill, seg, room_needed: int) -> bool:
         if room_needed > fill.room - 1:  # one slot always stays free for the closing eod
             return False
+        cfg = self.ctx.cfg
         if isinstance(seg, ImageSeg):
-            return fill.gens < self.ctx.cfg.gen_images[1] if seg.generate else fill.images < self.ctx.cfg.max_images
+            return fill.gens < cfg.gen_images[1] * fill.scale if seg.generate else fill.images < cfg.max_images * fill.scale
         if isinstance(seg, AudioSeg):
-            return fill.clips < self.ctx.cfg.max_audio
+            return fill.clips < cfg.max_audio * fill.scale
         return True
+
+    def _lengthen(self, fill: _Fill, segs, seg_i: int, off: int) -> bool:
+        """With ``max_seq_len``: whether what is left of a document (from segment ``seg_i``, token
+        ``off``) closes the sequence being filled; an empty one grows to hold it instead."""
+        cfg = self.ctx.cfg
+        longest = longest_seq(cfg)
+        if longest == cfg.seq_len:
+            return False
+        left = sum(seg_cost(s, self.ctx) for s in segs[seg_i:]) - off + 1  # + eod
+        if left <= cfg.seq_len:
+            return False
+        if fill.pieces:
+            return True
+        fill.scale = min(-(-left // cfg.seq_len), longest // cfg.seq_len)
+        fill.room = fill.scale * cfg.seq_len
+        return False
 
     def _take(self, fill: _Fill, seg, cost: int) -> None:
         fill.room -= cost
@@ -134,9 +163,11 @@ class Packer:
                     self._take(fill, s, seg_cost(s, self.ctx))
                 fill.room -= 1
                 parts = tuple((i, 0, len(s.ids)) if isinstance(s, TextSeg) else (i, 0, 0) for i, s in enumerate(segs))
-                fill.pieces.append(Piece(epoch, record, parts, eod=True))
+                fill.pieces.append(Piece(epoch, record, parts, eod=True, scale=fill.scale))
                 pos += 1
                 continue
+            if self._lengthen(fill, segs, seg_i, off):
+                break
             parts: list[tuple[int, int, int]] = []
             while seg_i < len(segs):
                 s = segs[seg_i]
@@ -159,7 +190,7 @@ class Packer:
             done = seg_i == len(segs)
             if parts:
                 fill.room -= done  # the eod slot kept free above
-                fill.pieces.append(Piece(epoch, record, tuple(parts), eod=done))
+                fill.pieces.append(Piece(epoch, record, tuple(parts), eod=done, scale=fill.scale))
             if not done:
                 break
             pos, seg_i, off = pos + 1, 0, 0
@@ -215,9 +246,10 @@ def materialise(
         if piece.eod:
             ids.append(special.eod)
         doc_lens.append(len(ids) - start)
-    if len(ids) > ctx.cfg.seq_len:
-        raise AssertionError(f"packed {len(ids)} tokens into seq_len {ctx.cfg.seq_len}")
-    ids += [special.pad] * (ctx.cfg.seq_len - len(ids))
+    length = pieces[0].scale * ctx.cfg.seq_len  # the planned length (module docstring)
+    if len(ids) > length or length > longest_seq(ctx.cfg):
+        raise AssertionError(f"packed {len(ids)} tokens into {length} (at most {longest_seq(ctx.cfg)})")
+    ids += [special.pad] * (length - len(ids))
     t = torch.tensor(ids, dtype=torch.long)
     gen = [torch.stack(ts) if ts else torch.zeros(0, 3, r, r) for ts, r in zip(targets, sides)]
     meta = {"source": source, "records": [(int(pc.epoch), int(pc.record)) for pc in pieces]}

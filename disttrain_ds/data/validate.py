@@ -28,13 +28,18 @@ def _starts(mask: torch.Tensor) -> list[int]:
 
 def sample_problems(
     s: PackedSample, special: SpecialTokens, patch_size: int, seq_len: int, gens: Sequence[GenShape],
+    max_seq_len: int = 0,
 ) -> list[str]:
     """Every way ``s`` breaks the contract; empty when it is valid. ``gens``: each generator's target
-    shape (``ShapeSpec.gens``: its targets in ``gen_targets[k]``, its own query tokens)."""
+    shape (``ShapeSpec.gens``: its targets in ``gen_targets[k]``, its own query tokens);
+    ``max_seq_len``: sequences may be any multiple of ``seq_len`` up to it (``data.max_seq_len``)."""
     bad: list[str] = []
     ids, labels = s.input_ids, s.labels
-    if ids.dtype != torch.long or labels.dtype != torch.long or ids.shape != (seq_len,) or labels.shape != (seq_len,):
-        return [f"input_ids/labels must be int64 [{seq_len}], got {tuple(ids.shape)} {ids.dtype} / {tuple(labels.shape)}"]
+    n = int(ids.shape[0]) if ids.dim() == 1 else -1
+    if (ids.dtype != torch.long or labels.dtype != torch.long or ids.dim() != 1 or labels.shape != ids.shape
+            or n % seq_len or not seq_len <= n <= max(seq_len, max_seq_len)):
+        want = f"[{seq_len}]" if max_seq_len <= seq_len else f"[k x {seq_len}] up to {max_seq_len}"
+        return [f"input_ids/labels must be int64 {want}, got {tuple(ids.shape)} {ids.dtype} / {tuple(labels.shape)}"]
     if int(ids.min()) < 0 or int(ids.max()) >= special.vocab_size:
         bad.append("token id outside the vocabulary")
     patches = []

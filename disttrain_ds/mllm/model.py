@@ -22,7 +22,7 @@ from disttrain_ds.models.objectives import add_noise, diffusion_loss, gen_condit
 from disttrain_ds.models.packed import pack_clips
 from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.models.projectors import ConditionProjector, InputProjector
-from disttrain_ds.samples import IGNORE_INDEX, PackedSample, SpecialTokens
+from disttrain_ds.samples import IGNORE_INDEX, NO_DOC, PackedSample, SpecialTokens
 
 
 @dataclass
@@ -260,11 +260,23 @@ def gen_inputs(samples: list[PackedSample], norms: BatchNorms, spec: MLLMSpec, m
         c, r = g.in_channels, g.resolution
         noisy, ts, noise, weights = [torch.zeros(c, r, r)], [torch.tensor(0)], [torch.zeros(c, r, r)], [0.0]
     return GenInputs(
-        mask=torch.stack([s.input_ids == spec.special.query(k) for s in samples]),
+        mask=padded_rows([s.input_ids == spec.special.query(k) for s in samples], False),
         noisy=torch.stack(noisy).to(dtype) if noisy else torch.zeros(0, dtype=dtype),
         timesteps=torch.stack(ts), noise=torch.stack(noise).to(dtype),
         weights=torch.tensor(weights, dtype=torch.float32),
     )
+
+
+def padded_rows(rows: Sequence[torch.Tensor], fill) -> torch.Tensor:
+    """1-D rows stacked, the shorter ones padded at the end with ``fill`` (sequences of their own
+    lengths, ``data.max_seq_len``: padding is a run of its own, which nothing attends to)."""
+    n = max(int(r.shape[0]) for r in rows)
+    if all(int(r.shape[0]) == n for r in rows):
+        return torch.stack(list(rows))
+    out = torch.full((len(rows), n), fill, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
 
 
 def collate(
@@ -297,9 +309,9 @@ def collate(
     return MicroBatch(
         pixels=pixels.to(dtype),
         image_hw=hw,
-        input_ids=torch.stack([s.input_ids for s in samples]),
-        labels=torch.stack([s.labels for s in samples]),
-        doc_ids=torch.stack([s.doc_ids() for s in samples]),
+        input_ids=padded_rows([s.input_ids for s in samples], spec.special.pad),
+        labels=padded_rows([s.labels for s in samples], IGNORE_INDEX),
+        doc_ids=padded_rows([s.doc_ids() for s in samples], NO_DOC),
         lm_scale=torch.tensor(norms.chunks / norms.text_tokens),
         gens=gens,
         sample_rows={

@@ -26,7 +26,7 @@ from disttrain_ds.checkpoint.steps import Checkpointer, resolve_resume
 from disttrain_ds.comm.boundary import BoundaryComm, boundary_links
 from disttrain_ds.comm.p2p import P2P, PeerInfo, edge_channels, waiting_on
 from disttrain_ds.console import Console, tell_launcher
-from disttrain_ds.data.config import SHARD_PATHS
+from disttrain_ds.data.config import SHARD_PATHS, longest_seq
 from disttrain_ds.data.host_read import (
     EMULATED_HOSTS_ENV,
     aligned_parts,
@@ -322,8 +322,9 @@ def _train(job: JobStart) -> int:
     engine = _engine(ctx, spec, pm, upstreams, downstreams, frozen, sp)
     # Compiled kernels (flex attention) are built now, not inside step 1 under the step's deadlines;
     # the broadcast below is the last start-up collective, so no rank's step waits on a compile.
-    warm_up_stage(pm, batch=slot // grid.dp, seq_len=recipe.data.seq_len, device=device, tp=grid.tp, sp=grid.sp,
-                  backward=place.backward)
+    for length in range(recipe.data.seq_len, longest_seq(recipe.data) + 1, recipe.data.seq_len):  # every length the data makes
+        warm_up_stage(pm, batch=slot // grid.dp, seq_len=length, device=device, tp=grid.tp, sp=grid.sp,
+                      backward=place.backward)
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
     start = 0

@@ -143,3 +143,46 @@ def test_paper_stats_sequences_fit_and_match_their_images():
     assert sum(int(s.gen_targets[0].shape[0]) for b in batches for s in b) > 0
     again = build_source(cfg, shape, 4, seed=3).global_batch(2)
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(again, batches[2]))
+
+
+# --- sequences of their own length (data.max_seq_len) -------------------------------------------
+
+
+def test_a_long_document_gets_a_sequence_of_its_own_and_short_ones_still_pack_to_seq_len():
+    ctx = ctx_for(max_seq_len=128)
+    short = Document((text(10),), splittable=True)
+    long = Document((text(40), image(), text(30, start=40)), splittable=True)  # 77 tokens with eod
+    seqs, _ = pack([short, long, short, short], ctx, 3)
+    assert [int(s.input_ids.shape[0]) for s in seqs] == [32, 96, 32]
+    assert seqs[0].doc_lens == (11,)  # the short document, then the sequence closes for the long one
+    assert seqs[1].doc_lens[:2] == (77, 11)  # whole, then short ones fill the rest
+    for s in seqs:
+        assert sample_problems(s, SPECIAL, PATCH, 32, (GenShape(GEN_RES, 3, QUERY),), max_seq_len=128) == []
+    flat = [t for s in seqs for t in text_ids(s)]
+    assert flat[10:80] == [i % 200 for i in range(70)]  # the long document's text, once, in order
+    with_short_limit = sample_problems(seqs[1], SPECIAL, PATCH, 32, (GenShape(GEN_RES, 3, QUERY),))
+    assert with_short_limit and "up to" not in with_short_limit[0]  # without max_seq_len: refused
+
+
+def test_a_document_beyond_max_seq_len_continues_in_the_next_long_sequence():
+    ctx = ctx_for(max_seq_len=64)
+    doc = Document((text(150),), splittable=True)  # 151 tokens with eod
+    seqs, _ = pack([doc], ctx, 3)
+    assert [int(s.input_ids.shape[0]) for s in seqs] == [64, 64, 32]
+    assert [t for s in seqs for t in text_ids(s)][:150] == [i % 200 for i in range(150)]
+    assert [s.doc_lens for s in seqs] == [(63,), (63,), (25,)]  # one eod slot kept free in each piece's sequence
+
+
+def test_without_max_seq_len_packing_is_unchanged():
+    docs = [Document((text(10),), splittable=True), Document((text(40), image(), text(30, start=40)), splittable=True)]
+    plain, _ = pack(docs, ctx_for(), 4)
+    same, _ = pack(docs, ctx_for(max_seq_len=32), 4)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(plain, same))
+    assert {int(s.input_ids.shape[0]) for s in plain} == {32}
+
+
+def test_a_long_sequence_holds_its_multiple_of_the_image_limit():
+    ctx = ctx_for(max_seq_len=96, max_images=1)
+    doc = Document((text(5), image(), text(5), image(), text(5), image(), text(5)), splittable=True)  # 39 with eod
+    seqs, _ = pack([doc], ctx, 1)
+    assert int(seqs[0].input_ids.shape[0]) == 64 and len(seqs[0].images) == 2  # 2 x 32 tokens: 2 images

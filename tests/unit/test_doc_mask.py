@@ -205,3 +205,22 @@ def test_no_label_crosses_a_document_boundary_and_the_norms_count_what_is_labell
         assert sample_problems(s, src.special, 8, cfg.seq_len, (GenShape(16, 3, 4),)) == []
     labelled = sum(int((s.labels != IGNORE_INDEX).sum()) for s in samples)
     assert BatchNorms.of(samples, 1).text_tokens == labelled
+
+
+def test_collate_pads_shorter_sequences_as_padding_that_nothing_attends_to_or_learns(tiny_spec, tiny_samples):
+    """Sequences of their own lengths (data.max_seq_len) in one microbatch: the shorter rows end in
+    pad tokens, ignored labels and NO_DOC, and each row's loss is the one it has alone."""
+    short, other = tiny_samples[0], tiny_samples[1]
+    n = int(other.input_ids.shape[0])
+    pad = torch.full((n,), tiny_spec.special.pad, dtype=torch.long)
+    longer = dataclasses.replace(other, input_ids=torch.cat([other.input_ids, pad]),
+                                 labels=torch.cat([other.labels, torch.full((n,), IGNORE_INDEX)]))
+    mb = collate([short, longer], BatchNorms.of([short, longer], 1), tiny_spec)
+    assert mb.input_ids.shape == (2, 2 * n)
+    assert (mb.input_ids[0, n:] == tiny_spec.special.pad).all() and (mb.labels[0, n:] == IGNORE_INDEX).all()
+    assert (mb.doc_ids[0, n:] == NO_DOC).all()
+    model = ReferenceMLLM(tiny_spec)
+    with torch.no_grad():
+        both = model(mb)["lm"]
+        alone = [model(collate([s], BatchNorms.of([short, longer], 1), tiny_spec))["lm"] for s in (short, longer)]
+    assert float(both) == pytest.approx(float(sum(alone)), rel=1e-5)
