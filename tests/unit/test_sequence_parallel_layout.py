@@ -115,3 +115,23 @@ def test_a_checkpoint_from_before_sp_existed_resumes_in_the_same_layout():
     assert layout_changes({"fingerprint": old}, recipe, 4) == []
     moved = layout_changes({"fingerprint": old}, load_recipe("tiny_cpu", SP2), 4)
     assert any("sp" in m for m in moved), moved
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["data.max_seq_len=200"], "multiple of seq_len 128"),
+    (["data.max_seq_len=64"], "multiple of seq_len 128"),
+    (["data.max_seq_len=256"], "not synthetic"),
+])
+def test_max_seq_len_the_data_cannot_make_is_refused_in_one_line(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_recipe("tiny_cpu", overrides)
+    assert "\n" not in str(e.value) and "'data.max_seq_len'" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_memory_estimate_prices_every_sample_at_max_seq_len(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"segments": [{"text": "a short document"}]}\n')
+    base = ["layout=disaggregated", "data.source=local", f"data.path={path}", "model.generator.in_channels=3"]
+    one = {r.module: r for r in estimate(load_recipe("tiny_cpu", base))}
+    four = {r.module: r for r in estimate(load_recipe("tiny_cpu", [*base, "data.max_seq_len=512"]))}
+    assert four["llm"].activations > 3 * one["llm"].activations
