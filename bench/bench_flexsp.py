@@ -56,8 +56,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from disttrain_ds.cost.flops import llm_flops_packed  # noqa: E402
-from disttrain_ds.reorder.sp_groups import SPCost, adaptive_groups, static_groups  # noqa: E402
+from disttrain_ds.reorder.sp_groups import SPCost, adaptive_groups, static_groups, transformer_cost  # noqa: E402
 
 LLAMA_7B = dict(layers=32, hidden=4096, ffn_hidden=11008, heads=32, kv_heads=32, vocab=32000)
 MAX_LEN = 192 * 1024
@@ -70,13 +69,9 @@ TFLOPS, GPU_GB_FOR_ACTIVATIONS, FILL = 400.0, 68.0, 0.9
 
 
 def llama_cost() -> SPCost:
-    one, two = (llm_flops_packed(doc_lens=[n], **LLAMA_7B) for n in (1, 2))
-    pair = two - 2 * one  # training FLOPs per attended pair: F(L) = lin L + pair L (L + 1) / 2
-    h, layers = LLAMA_7B["hidden"], LLAMA_7B["layers"]
-    per_token = 34 * h * layers  # bytes of activations per token (bf16, attention scores not kept)
-    return SPCost(ms_per_flop=1e3 / (TFLOPS * 1e12), linear_flops=one - pair, pair_flops=pair,
-                  a2a_bytes_per_token=4 * 2 * h * 2 * layers, bandwidth_gbs=A2A_GBS,
-                  tokens_per_gpu=GPU_GB_FOR_ACTIVATIONS * 1e9 / per_token)
+    per_token = 34 * LLAMA_7B["hidden"] * LLAMA_7B["layers"]  # bytes of activations per token (bf16, scores not kept)
+    return transformer_cost(**LLAMA_7B, tflops=TFLOPS, bandwidth_gbs=A2A_GBS,
+                            tokens_per_gpu=GPU_GB_FOR_ACTIVATIONS * 1e9 / per_token)
 
 
 def draw(kind: str, n: int, rng: random.Random) -> list[int]:

@@ -33,6 +33,8 @@ class ModuleGrid:
     """Tensor-parallel degree."""
     sp: int = 1
     """Sequence-parallel degree: ranks per replica that split every sequence (Ulysses)."""
+    sp_auto: bool = False
+    """Adaptive SP (``parallel.<module>.sp: auto``): the ``dp`` ranks form SP groups per microbatch."""
 
     @property
     def size(self) -> int:
@@ -81,6 +83,21 @@ class ModuleGrid:
         """Every tensor-parallel group's global ranks (TP consecutive ranks each)."""
         return [[self.rank(stage=s, dp=d, tp=t, sp=q) for t in range(self.tp)]
                 for s in range(self.pp) for d in range(self.dp) for q in range(self.sp)]
+
+    def adaptive_groups(self) -> list[tuple[tuple[int, int], list[int]]]:
+        """With ``sp_auto``: every aligned group of 2 or more of the ``dp`` ranks of each stage and TP
+        index, as ((first data index, size), global ranks), sizes ascending; empty without it."""
+        if not self.sp_auto:
+            return []
+        out = []
+        size = 2
+        while size <= self.dp:
+            for s in range(self.pp):
+                for t in range(self.tp):
+                    for first in range(0, self.dp, size):
+                        out.append(((first, size), [self.rank(stage=s, dp=d, tp=t) for d in range(first, first + size)]))
+            size *= 2
+        return out
 
     def sp_groups(self) -> list[list[int]]:
         """Every sequence-parallel group's global ranks (one per stage, replica and TP index)."""
@@ -188,7 +205,7 @@ class Topology:
         for m in self.modules:
             lines.append(
                 f"  {m.name:<9} ranks {m.ranks.start:>3}-{m.ranks.stop - 1:<3} dp={m.dp} pp={m.pp} tp={m.tp}"
-                + (f" sp={m.sp}" if m.sp > 1 else "") +
+                + (f" sp={m.sp}" if m.sp > 1 else " sp=auto" if m.sp_auto else "") +
                 f"  stages {self.stage_offset(m.name)}-{self.stage_offset(m.name) + m.pp - 1}"
             )
         return "\n".join(lines)

@@ -72,6 +72,8 @@ class ModuleEngine(PipelineEngine):
         empty elsewhere."""
         self.role, self.place, self.upstreams, self.downstreams = role, place, upstreams, downstreams
         self.frozen = frozen
+        self.fixed_sp = role.sp  # parallel.<module>.sp > 1: one group for every microbatch
+        self.sp_groups: list | None = None  # sp: auto: this rank's SPContext (or None) per microbatch
         self._steps = engine_schedule(self.micro_batches, place)
         self._reserve_pipe_buffers(num_buffers(self.micro_batches, place))
         self.extra = {k: [None] * self.num_pipe_buffers for k in ("mb", "loss", "out", "out_grad", "recv")}
@@ -127,8 +129,24 @@ class ModuleEngine(PipelineEngine):
         return {**self.stats, "comm_wait_s": comm_wait}
 
     def _rows(self, comm: BoundaryComm, mb: int) -> list[int]:
-        """Per-sample rows of ``comm``'s boundary tensor in microbatch ``mb``: both ends know them."""
+        """Per-sample rows of ``comm``'s boundary tensor in microbatch ``mb``: both ends know them
+        (none where this rank is an adaptive SP group's member: its lead talks for the group)."""
+        if self._member(mb):
+            return []
         return self.batches[mb].sample_rows[comm.rows_key]
+
+    def _member(self, mb: int) -> bool:
+        """This rank is in an adaptive SP group of microbatch ``mb`` and is not its lead."""
+        return self.sp_groups is not None and self.sp_groups[mb] is not None and not self.sp_groups[mb].is_lead
+
+    def _use_groups(self, mb: int) -> None:
+        """Adaptive SP: the layers and the role take microbatch ``mb``'s group (autograd keeps it for backward)."""
+        if self.sp_groups is None:
+            return
+        self.role.sp = self.sp_groups[mb]
+        for m in self.module.modules():
+            if hasattr(m, "seq_parallel"):
+                m.seq_parallel = self.role.sp
 
     def _comms(self) -> list[BoundaryComm]:
         return [*self.upstreams, *self.downstreams]
@@ -165,6 +183,13 @@ class ModuleEngine(PipelineEngine):
         self._next_fwd += 1
         self.extra["mb"][buffer_id] = mb
         inputs = self.pipe_buffers["inputs"][buffer_id]
+        self._use_groups(mb)
+        if self._member(mb) and self.place.first_of_engine:  # placeholders of the lead's rows, filled by from_lead
+            inputs = list(inputs)
+            for comm, i in zip(self.upstreams, self.role.boundary_input_indices):
+                rows = sum(self.batches[mb].sample_rows[comm.rows_key])
+                inputs[i] = inputs[i].new_zeros((rows, *inputs[i].shape[1:])).requires_grad_(inputs[i].requires_grad)
+            inputs = tuple(inputs)
         # Clones keep the received leaves (whose .grad we send back) out of in-place ops; under SP
         # the SP lead's received tensors are broadcast to its group instead (a copy too).
         shared = self.role.boundary_input_indices if self.role.sp is not None and self.place.first_of_engine else ()
@@ -188,6 +213,8 @@ class ModuleEngine(PipelineEngine):
             if len(out) != len(self.downstreams):
                 raise RuntimeError(f"{len(out)} boundary outputs for {len(self.downstreams)} downstream engines")
             for comm, tensor in zip(self.downstreams, out):  # disjoint ranks: each pair keeps microbatch order
+                if self._member(mb):
+                    continue  # the group's lead sends the group's rows
                 rows = self._rows(comm, mb)
                 comm.send_activation(mb, tensor.detach(), rows)
                 if self.place.backward:
@@ -198,6 +225,9 @@ class ModuleEngine(PipelineEngine):
 
     def _exec_boundary_recv_grad(self, buffer_id: int) -> None:
         mb = self.extra["mb"][buffer_id]
+        if self._member(mb):  # the lead injects the group's boundary gradients
+            self.extra["out_grad"][buffer_id] = [torch.zeros_like(o) for o in self.extra["out"][buffer_id]]
+            return
         self.extra["out_grad"][buffer_id] = [comm.recv_grad(mb, self._rows(comm, mb)) * comm.grad_scale
                                              for comm in self.downstreams]
 

@@ -82,6 +82,8 @@ def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str
             specs += [GroupSpec((m.name, axis, i), tuple(sorted(r))) for i, r in enumerate(lists[axis])]
         if m.sp > 1:
             specs += [GroupSpec((m.name, SEQ, i), tuple(r)) for i, r in enumerate(m.sp_groups())]
+        # Adaptive SP: every group a microbatch may form, made once (keyed by (first, size, ranks)).
+        specs += [GroupSpec((m.name, SEQ, (first, size, tuple(r))), tuple(r)) for (first, size), r in m.adaptive_groups()]
         if m.name in tied:
             specs += [GroupSpec((m.name, TIED, i), pair) for i, pair in enumerate(tied_pairs(m))]
     return specs
@@ -127,8 +129,13 @@ class ProcessGroups:
     def seq_group(self, module: str) -> tuple[list[int], object] | None:
         """This rank's sequence-parallel group of ``module``: (ranks, handle), or None without SP."""
         found = [(list(self.ranks[k]), h) for k, h in self.handles.items()
-                 if len(k) == 3 and k[0] == module and k[1] == SEQ]
+                 if len(k) == 3 and k[0] == module and k[1] == SEQ and isinstance(k[2], int)]
         return found[0] if found else None
+
+    def adaptive_groups(self, module: str) -> dict[tuple[int, int], tuple[list[int], object]]:
+        """With adaptive SP: each group of ``module`` this rank is in, by (first data index, size)."""
+        return {k[2][:2]: (list(self.ranks[k]), h) for k, h in self.handles.items()
+                if len(k) == 3 and k[0] == module and k[1] == SEQ and isinstance(k[2], tuple)}
 
     def tied_group(self, module: str):
         """This rank's tied-weight group of ``module`` (None: it holds no copy of a tied weight that

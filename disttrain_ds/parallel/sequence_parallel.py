@@ -14,7 +14,9 @@ Gradient scale: SP ranks sit inside DeepSpeed's data axis, which averages gradie
 ranks, while the ranks of one SP group hold the same samples. Each SP rank's gradient entry points
 (its slice's loss, a boundary gradient it injects) are therefore multiplied by SP (``grad_factor``),
 which turns that average over DP x SP back into the average over DP that the loss normalisation
-expects.
+expects; a gradient that leaves the group for an upstream module is divided by it again
+(``from_lead``), since upstream engines average over their own replicas only. Adaptive groups
+(``sp: auto``) need no factor: there the norms count every rank of the data axis as a replica.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class SPContext:
     """Global rank of SP index 0 (the rank that talks across module boundaries)."""
     drop_grad: bool = False
     """Tests only: the all-to-all's backward leaves the gradient unexchanged (a fault to catch)."""
+    adaptive: bool = False
+    """A group of adaptive SP (``sp: auto``): the module's data axis holds its ``dp`` ranks only and
+    the loss norms count each of them as a replica, so no factor is needed (``grad_factor`` 1)."""
 
     @property
     def is_lead(self) -> bool:
@@ -107,7 +112,7 @@ class SPContext:
     @property
     def grad_factor(self) -> int:
         """What each gradient entry point is multiplied by (module docstring)."""
-        return self.size
+        return 1 if self.adaptive else self.size
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's contiguous 1/SP slice of ``x`` along ``dim`` (the sequence)."""

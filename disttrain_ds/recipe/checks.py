@@ -162,11 +162,13 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
     for name in graph.names:
         mp: ModuleParallel = module_parallel(r, name)
         pkey = parallel_key(r, name)
-        for axis in ("dp", "tp", "pp", "sp"):
+        for axis in ("dp", "tp", "pp"):
             v = getattr(mp, axis)
             _check(v >= 1, src, f"{pkey}.{axis}", f"must be >= 1, got {v}")
-        if mp.sp > 1:
+        if mp.sp == "auto" or mp.sp > 1:
             check_sequence_parallel(r, graph, name, mp, src)
+        else:
+            _check(mp.sp >= 1, src, f"{pkey}.sp", f"must be >= 1 or auto, got {mp.sp}")
         _check(mp.tp in (1, 2, 4, 8), src, f"{pkey}.tp", f"must be 1, 2, 4 or 8, got {mp.tp}")
         _check(mp.pp <= counts[name], src, f"{pkey}.pp", f"{mp.pp} exceeds the module's {counts[name]} pipeline layers")
         _check(mp.partition in ("uniform", "parameters"), src, f"{pkey}.partition", "must be uniform | parameters")
@@ -178,6 +180,9 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
         _check(r.layout != "monolithic", src, "parallel.post_balance",
                "needs modules on their own replicas (layout: disaggregated; the reference runs it as one process), "
                "got monolithic")
+    bw = r.parallel.sp_bandwidth_gbs
+    _check(len(bw) == 2 and all(b > 0 for b in bw), src, "parallel.sp_bandwidth_gbs",
+           f"must be [inside a node, across nodes], both > 0 GB/s, got {bw}")
     _check(r.parallel.post_balance_share >= 1, src, "parallel.post_balance_share",
            f"must be >= 1 (a multiple of the even share), got {r.parallel.post_balance_share:g}")
     if r.layout != "reference":
@@ -195,14 +200,22 @@ def check_sequence_parallel(r: Recipe, graph: ModuleGraph, name: str, mp: Module
     _check(name == graph.llm, src, key, f"sequence parallelism runs in the LLM ({graph.llm}) only, got sp={mp.sp}")
     _check(r.layout == "disaggregated", src, key,
            f"needs layout disaggregated (the LLM on its own ranks), got {r.layout}")
+    sp = mp.sp
+    if sp == "auto":  # every power of two up to dp may be a group's size
+        _check(mp.dp & (mp.dp - 1) == 0, src, key, f"auto needs {parallel_key(r, name)}.dp a power of two "
+               f"(groups are aligned powers of two), got {mp.dp}")
+        _check(mp.activation_checkpointing == 0, src, key, "auto is not combined with activation_checkpointing "
+               "(a recomputed layer would see another microbatch's groups); set one of them")
+        _check(not r.parallel.post_balance, src, key, "auto is not combined with parallel.post_balance yet")
+        sp = mp.dp
     llm = module_config(r, name)
-    _check(llm.heads % mp.tp == 0 and (llm.heads // mp.tp) % mp.sp == 0, src, key,
-           f"heads per TP rank ({llm.heads} / tp {mp.tp}) must be divisible by sp {mp.sp}")
+    _check(llm.heads % mp.tp == 0 and (llm.heads // mp.tp) % sp == 0, src, key,
+           f"heads per TP rank ({llm.heads} / tp {mp.tp}) must be divisible by sp {sp}")
     kv = llm.kv_heads // mp.tp
     # Fewer KV heads than SP ranks: each is repeated for the ranks that read it (models/doc_mask.py).
-    _check(kv >= 1 and (kv % mp.sp == 0 or mp.sp % kv == 0), src, key,
-           f"kv_heads per TP rank ({llm.kv_heads} / tp {mp.tp}) must divide or be divisible by sp {mp.sp}")
-    _check(r.data.seq_len % mp.sp == 0, src, key, f"data.seq_len {r.data.seq_len} must be divisible by sp {mp.sp}")
+    _check(kv >= 1 and (kv % sp == 0 or sp % kv == 0), src, key,
+           f"kv_heads per TP rank ({llm.kv_heads} / tp {mp.tp}) must divide or be divisible by sp {sp}")
+    _check(r.data.seq_len % sp == 0, src, key, f"data.seq_len {r.data.seq_len} must be divisible by sp {sp}")
 
 
 def check_optim(r: Recipe, graph: ModuleGraph, src: str) -> None:
@@ -242,7 +255,7 @@ def check_emulation(r: Recipe, graph: ModuleGraph, src: str) -> None:
     _check(e.time_scale >= 0, src, "emulate.time_scale", f"must be >= 0, got {e.time_scale}")
     _check(e.calibration_batches >= 1, src, "emulate.calibration_batches", f"must be >= 1, got {e.calibration_batches}")
     if e.enabled:
-        sp = {n: module_parallel(r, n).sp for n in graph.names if module_parallel(r, n).sp > 1}
+        sp = {n: module_parallel(r, n).sp for n in graph.names if module_parallel(r, n).sp != 1}
         _check(not sp, src, "emulate.enabled", f"emulated compute does not model sequence parallelism yet "
                f"({', '.join(f'{n} sp={v}' for n, v in sp.items())}); run it for real or set sp to 1")
         check_emulate(r, src)
@@ -387,7 +400,7 @@ def check_emulate(recipe, src: str) -> None:
         return
     path = require_file(e.profile, "emulate.profile", src, recipe.source_file)
     profile = load_profile(path)  # ProfileError (a ConfigError) names the field and the file
-    for name, (_, _, tp, _) in module_degrees(recipe).items():
+    for name, (_, _, tp, _, _) in module_degrees(recipe).items():
         if name not in profile.modules:
             raise ConfigError(f"{src}: 'emulate.profile' {e.profile} has no module {name!r} (it profiles "
                               f"{', '.join(profile.modules)}; profile this recipe's modules)")

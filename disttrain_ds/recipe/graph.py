@@ -131,14 +131,16 @@ def module_parallel(recipe: Recipe, name: str):
     return recipe.parallel.modules[name]
 
 
-def module_degrees(recipe: Recipe) -> dict[str, tuple[int, int, int, int]]:
-    """(dp, pp, tp, sp) each module runs with, in graph order; monolithic: encoders and generators take
-    the LLM's DP and TP with PP 1 (they are stages of its pipeline)."""
+def module_degrees(recipe: Recipe) -> dict[str, tuple[int, int, int, int, bool]]:
+    """(dp, pp, tp, sp, adaptive SP) each module runs with, in graph order (``sp: auto``: sp 1, the
+    groups formed per microbatch); monolithic: encoders and generators take the LLM's DP and TP with
+    PP 1 (they are stages of its pipeline)."""
     graph = graph_of(recipe)
-    degrees = {n: (m.dp, m.pp, m.tp, m.sp) for n, m in ((n, recipe.parallel.modules[n]) for n in graph.names)}
+    degrees = {n: (m.dp, m.pp, m.tp, 1 if m.sp == "auto" else m.sp, m.sp == "auto")
+               for n, m in ((n, recipe.parallel.modules[n]) for n in graph.names)}
     if recipe.layout == "monolithic":
-        dp, _, tp, _ = degrees[graph.llm]
-        degrees.update({n: (dp, 1, tp, 1) for n in (*graph.encoders, *graph.generators)})
+        dp, _, tp, _, _ = degrees[graph.llm]
+        degrees.update({n: (dp, 1, tp, 1, False) for n in (*graph.encoders, *graph.generators)})
     return degrees
 
 

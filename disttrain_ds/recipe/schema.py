@@ -56,10 +56,13 @@ class ModuleParallel:
     """Data-parallel replicas."""
     tp: int = 1
     """Tensor-parallel degree."""
-    sp: int = 1
+    sp: int | Literal["auto"] = 1
     """Sequence-parallel degree (Ulysses, the LLM only): ranks per replica that each hold a slice
     of every sequence and exchange heads for sequence around attention. The module then runs on
-    dp x sp x tp x pp ranks; heads (and KV heads, or SP by them) and data.seq_len split by it."""
+    dp x sp x tp x pp ranks; heads (and KV heads, or SP by them) and data.seq_len split by it.
+    ``auto`` (FlexSP): the module's ``dp`` ranks (a power of two) form, per microbatch, SP groups
+    of different power-of-two sizes, each running some of the microbatch's sequences
+    (``reorder/sp_groups.py``); the module runs on dp x tp x pp ranks."""
     pp: int = 1
     """Pipeline stages; must not exceed the module's layer count."""
     partition: str = "uniform"
@@ -104,6 +107,9 @@ class ParallelConfig:
     post_balance_share: float = 2.0
     """With ``post_balance``: the most units one replica takes from a microbatch, as a multiple of
     its even share (>= 1; the memory estimate counts that many per replica)."""
+    sp_bandwidth_gbs: list[float] = field(default_factory=lambda: [100.0, 10.0])
+    """With ``sp: auto``: the all-to-all bandwidth per GPU (GB/s) of an SP group inside one node and
+    of one across nodes, which the groups are priced by (measure yours, e.g. nccl-tests' alltoall_perf)."""
 
 
 @dataclass

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from disttrain_ds.cost.flops import llm_flops_packed
+
 SEARCH_STEPS = 24
 """Bisection steps of ``adaptive_groups`` (the makespan to within 2^-24 of its starting bracket)."""
 
@@ -65,6 +67,22 @@ class SPCost:
         while p * self.tokens_per_gpu < length:
             p *= 2
         return p
+
+
+def transformer_cost(*, layers: int, hidden: int, ffn_hidden: int, heads: int, kv_heads: int, vocab: int,
+                     head_dim: int | None = None, tflops: float, bandwidth_gbs: Mapping[int, float],
+                     tokens_per_gpu: float, tp: int = 1, bytes_per_value: int = 2) -> SPCost:
+    """``SPCost`` of a decoder LLM: training FLOPs per token and per attended pair from
+    ``cost/flops.py`` (over ``tp`` GPUs too), all-to-all bytes of q, k, v and the output of every
+    layer, forward and backward, per TP rank, at ``tflops`` achieved per GPU."""
+    dims = dict(layers=layers, hidden=hidden, ffn_hidden=ffn_hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
+                head_dim=head_dim)
+    one, two = (llm_flops_packed(doc_lens=[n], **dims) for n in (1, 2))
+    pair = two - 2 * one  # training FLOPs per attended pair: F(L) = lin L + pair L (L + 1) / 2
+    d = head_dim or hidden // heads
+    a2a = 2 * layers * bytes_per_value * d * (2 * heads + 2 * kv_heads) / tp
+    return SPCost(ms_per_flop=1e3 / (tflops * 1e12) / tp, linear_flops=one - pair, pair_flops=pair,
+                  a2a_bytes_per_token=a2a, bandwidth_gbs=dict(bandwidth_gbs), tokens_per_gpu=tokens_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -215,3 +233,38 @@ def adaptive_groups(lengths: Sequence[int], n: int, cost: SPCost,
     spread = _lpt(lengths, sorted(sizes, reverse=True), cost)
     plans = [p for p in (_aligned(found), spread and _aligned(spread), best) if p]
     return min(plans, key=_key)
+
+
+def _buddies(free: int) -> list[int]:
+    """Powers of two summing to ``free``, largest first (aligned one after another)."""
+    return [1 << k for k in reversed(range(free.bit_length())) if free >> k & 1]
+
+
+def covering_groups(lengths: Sequence[int], n: int, cost: SPCost) -> SPPlan | None:
+    """What the runtime runs: ``adaptive_groups`` made to cover every one of the ``n`` ranks with a
+    group that holds at least one sequence (ranks the plan leaves idle form groups of their own;
+    where sequences are fewer than groups, the two smallest groups merge); None if no plan fits."""
+    _check(lengths, n)
+    if len(lengths) < 1:
+        raise ValueError("a microbatch needs at least one sequence")
+    plan = adaptive_groups(lengths, n, cost)
+    if plan is None:
+        return None
+    used = [g.size for g in plan.groups if g.seqs]
+    sizes = sorted(used + _buddies(n - sum(used)), reverse=True)
+    while len(sizes) > len(lengths):  # the two smallest are buddies (both end the aligned layout)
+        sizes[-2:] = [2 * sizes[-1]]
+        sizes.sort(reverse=True)
+    groups = _lpt(lengths, sizes, cost)
+    if groups is None:
+        return None
+    for g in range(len(groups)):  # an empty group takes the shortest sequence of the fullest one
+        if groups[g][1]:
+            continue
+        donor = max(range(len(groups)), key=lambda h: (len(groups[h][1]), -h))
+        i = min(groups[donor][1], key=lambda i: (lengths[i], i))
+        if lengths[i] > groups[g][0] * cost.tokens_per_gpu:
+            return None
+        groups[donor][1].remove(i)
+        groups[g][1].append(i)
+    return _aligned([(size, seqs, sum(cost.seq_ms(lengths[i], size) for i in seqs)) for size, seqs, _ in groups])

@@ -8,6 +8,7 @@ gathered from every rank) and the callbacks (``runtime/callbacks/``).
 
 from __future__ import annotations
 
+from collections import Counter
 import dataclasses
 import os
 import secrets
@@ -150,7 +151,10 @@ def read_by_host(recipe: Recipe, topo: Topology, source, rank: int, names: list[
     consumed = rank_positions(topo.modules, slot, batch)
     units = source.inner.units()
     why = None
-    if units is None and d.source not in SHARD_PATHS:
+    if any(m.sp_auto for m in topo.modules):
+        why = ("adaptive SP (sp: auto) groups each microbatch's samples across replicas by their lengths",
+               "set data.read=all")
+    elif units is None and d.source not in SHARD_PATHS:
         why = (f"data.source {d.source} reads each global batch as one stream, so every host would read all of it",
                "set data.read=all, or use webdataset / parquet / folder / hf with data.shard_parts")
     plan = None
@@ -298,7 +302,9 @@ def _train(job: JobStart) -> int:
                               backward[up.name]) for up in up_grids] if stage == 0 else []  # one per graph edge
     downstreams = [BoundaryComm(p2p, grid, down, slot, *boundary_tensor(spec, grid.name, down.name, recipe), tp)
                    for down in down_grids] if stage == grid.pp - 1 else []  # the LLM: one per generator
-    p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges, every_pair=recipe.parallel.post_balance))
+    # Post-balancing and adaptive SP may route any sample between any two replicas of an edge.
+    every_pair = recipe.parallel.post_balance or any(m.sp_auto for m in topo.modules)
+    p2p.connect(boundary_links(topo.modules, slot, backward, topo.edges, every_pair=every_pair))
     check_free_memory(recipe, job.memory_rows, rank, device)  # after NCCL's set-up, before the weights
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, groups.module_axes(grid.name),
@@ -317,7 +323,7 @@ def _train(job: JobStart) -> int:
         upstream_backward=any(backward[up.name] for up in up_grids),
     )
     ctx = RankContext(recipe, topo, rank, world, device, names, grid, stage, dp_index, tp_index, place, groups,
-                      meta_group, tp, p2p)
+                      meta_group, tp, p2p, per_node=min(Counter(hosts[0]).values()))
 
     engine = _engine(ctx, spec, pm, upstreams, downstreams, frozen, sp)
     # Compiled kernels (flex attention) are built now, not inside step 1 under the step's deadlines;

@@ -12,6 +12,7 @@ from disttrain_ds.comm.routes import blocks
 from disttrain_ds.data.outline import fill_in, outline
 from disttrain_ds.mllm.model import BatchNorms, collate
 from disttrain_ds.models.vae import generator_vae
+from disttrain_ds.parallel.sequence_parallel import SPContext
 from disttrain_ds.runtime.callbacks.evaluation import eval_figures
 from disttrain_ds.runtime.placement import Placement, carriers
 from disttrain_ds.runtime.rank_context import RankContext
@@ -36,7 +37,10 @@ class PipelineExecutor:
         self.slot = ctx.slot
         self.chunks = self.gas * recipe.parallel.llm.dp
         self.block = blocks(self.slot, grid.dp)[ctx.dp_index]
-        self.placement = Placement(recipe, spec, {m.name: m.dp for m in topo.modules}, homes)
+        self.placement = Placement(recipe, spec, {m.name: m.dp for m in topo.modules}, homes,
+                                   adaptive=[m.name for m in topo.modules if m.sp_auto], per_node=ctx.per_node)
+        # Adaptive SP: this rank's groups (first data index, size) -> (ranks, handle), made at start.
+        self.sp_handles = ctx.groups.adaptive_groups(grid.name) if grid.sp_auto else None
         self._shared: tuple[list, list] | None = None  # (a step's samples, every rank's outlines of them)
         self.dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
         llm_dp = topo.module(spec.name_of("llm")).dp
@@ -51,11 +55,25 @@ class PipelineExecutor:
         Post-balancing with ``data.read: host`` prices the samples other hosts read by their outlines."""
         view = self._everyone(samples) if self.counted is not None and self.placement.balanced else samples
         self.plans = self.placement.plans(view)
+        if self.sp_handles is not None:
+            self.engine.sp_groups = [self._sp_context(plan) for plan in self.plans]
         self.owners = {}  # (upstream, downstream) -> per microbatch, each unit's replica on either side
         for comm in (*self.engine.upstreams, *self.engine.downstreams):
             edge = (comm.up.name, comm.down.name)
             self.owners[edge] = [plan.edge_owners(*edge) for plan in self.plans]
             comm.set_owners(self.owners[edge])
+
+    def _group_of(self, plan) -> tuple[int, int, tuple[int, ...]]:
+        """This rank's adaptive SP group in a slot: (first data index, size, sample positions)."""
+        d = self.ctx.dp_index
+        return next(g for g in plan.groups[self.grid.name] if g[0] <= d < g[0] + g[1])
+
+    def _sp_context(self, plan) -> SPContext | None:
+        first, size, _ = self._group_of(plan)
+        if size == 1:
+            return None
+        ranks, handle = self.sp_handles[(first, size)]
+        return SPContext(handle, self.ctx.dp_index - first, size, ranks[0], adaptive=True)
 
     def _peers(self) -> dict[str, list[list[int]]] | None:
         """With post-balancing, per module across this rank's boundaries, per microbatch, the
@@ -75,6 +93,8 @@ class PipelineExecutor:
         if me in self.plans[0].units:
             return [carriers(samples, g * self.slot, plan.units[me][dp], self.slot, self.spec, me)
                     for g, plan in enumerate(self.plans)]
+        if me in self.plans[0].groups:  # adaptive SP: the samples of this rank's group, on every member
+            return [[samples[g * self.slot + p] for p in self._group_of(plan)[2]] for g, plan in enumerate(self.plans)]
         return [[samples[g * self.slot + p] for p in plan.samples[me][dp]] for g, plan in enumerate(self.plans)]
 
     def _check_read(self, samples: list) -> None:

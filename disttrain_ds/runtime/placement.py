@@ -10,6 +10,11 @@ generated, on several replicas; the LLM keeps its blocks. Every rank makes the s
 costs and the assignment are deterministic functions of the step's samples, which every rank reads
 whole.
 
+With adaptive sequence parallelism (``parallel.llm.sp: auto``) the LLM's replicas form SP groups
+per slot by the samples' lengths (``reorder/sp_groups.py::covering_groups``): every rank of a
+group holds the group's samples, and its first rank (the lead) is the replica that boundaries
+route them to.
+
 A boundary carries units (one row count per unit, in slot order, so the LLM's rows keep its
 samples' order; ``SlotPlan.edge_owners``). A message carries the units both of its ends hold, in
 slot order, so a rank needs to know only the samples it holds (what a host reads with
@@ -23,14 +28,16 @@ did not read come from their outlines (``data/outline.py``), which every rank ge
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from disttrain_ds.comm.routes import blocks
 from disttrain_ds.cost.graph_costs import unit_costs
 from disttrain_ds.recipe.schema import Recipe
+from disttrain_ds.data.config import longest_seq
 from disttrain_ds.reorder.post_balance import assign, owners_of, share_cap
+from disttrain_ds.reorder.sp_groups import SPCost, covering_groups, transformer_cost
 from disttrain_ds.runtime.setup import cost_model
 from disttrain_ds.samples import PackedSample
 
@@ -49,6 +56,9 @@ class SlotPlan:
     """Every encoder and generator: each replica's units (ascending)."""
     llm: str
     """The LLM's name (the other end of every boundary)."""
+    groups: dict[str, list[tuple[int, int, tuple[int, ...]]]] = field(default_factory=dict)
+    """Adaptive SP modules: each group's (first replica, size, sample positions); ``samples`` then
+    lists a group's positions under its first replica only."""
 
     def edge_owners(self, up: str, down: str) -> tuple[list[int], list[int]]:
         """The (upstream, downstream) replica of each unit the boundary ``up`` -> ``down`` carries,
@@ -95,18 +105,37 @@ def _keep_targets(s: PackedSample, js: list[int], spec, module: str) -> PackedSa
     return replace(s, images=[], audio=[], gen_targets=gen, target_index=tuple(index))
 
 
+def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
+    """How adaptive SP prices the LLM ``module``'s sequences: its FLOPs at ``train.peak_tflops``
+    (400 when unset: only ratios matter), all-to-alls at ``parallel.sp_bandwidth_gbs`` (a group of
+    more than ``per_node`` ranks crosses nodes), and as many tokens per GPU as the memory check
+    allows (``train.micro_batch`` sequences of ``data.max_seq_len``)."""
+    cfg, mp = spec.llm, recipe.parallel.modules[module]
+    inside, across = recipe.parallel.sp_bandwidth_gbs
+    sizes = [1 << k for k in range(1, mp.dp.bit_length())]
+    return transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
+                            kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, head_dim=cfg.head_dim or None,
+                            tflops=recipe.train.peak_tflops or 400.0, tp=mp.tp,
+                            bandwidth_gbs={p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside},
+                            tokens_per_gpu=recipe.train.micro_batch * longest_seq(recipe.data))
+
+
 class Placement:
     """Each module's replicas' samples and units, microbatch slot by slot, for one recipe."""
 
-    def __init__(self, recipe: Recipe, spec, dps: dict[str, int], homes: dict[str, list[frozenset[str]]] | None = None):
+    def __init__(self, recipe: Recipe, spec, dps: dict[str, int], homes: dict[str, list[frozenset[str]]] | None = None,
+                 adaptive: list[str] | tuple[str, ...] = (), per_node: int = 1):
         """``homes``: with ``data.read: host``, the hosts of each module's replicas
-        (``data.host_read.replica_hosts``); None: every host reads whole batches."""
+        (``data.host_read.replica_hosts``); None: every host reads whole batches. ``adaptive``: the
+        modules with ``sp: auto``; ``per_node``: ranks per host (an SP group of more ranks is priced
+        at the bandwidth across nodes)."""
         self.spec, self.dps, self.slot = spec, dps, recipe.parallel.llm.dp * recipe.train.micro_batch
         self.balanced = recipe.parallel.post_balance
         self.share = recipe.parallel.post_balance_share
         self.costs = cost_model(recipe)
         self.llm = spec.name_of("llm")
         self.homes = homes
+        self.sp_costs = {m: sp_cost(recipe, spec, m, per_node) for m in adaptive}
         self._last: tuple[list, list[SlotPlan]] | None = None  # (a batch, its plans)
 
     def plans(self, samples: list) -> list[SlotPlan]:
@@ -118,8 +147,17 @@ class Placement:
         return self._last[1]
 
     def _plan(self, slot: list) -> SlotPlan:
-        samples, units = {}, {}
+        samples, units, groups = {}, {}, {}
         for m, dp in self.dps.items():
+            if m in self.sp_costs:
+                plan = covering_groups([int(s.input_ids.shape[0]) for s in slot], dp, self.sp_costs[m])
+                if plan is None:
+                    raise RuntimeError(f"{m}: no SP groups of {dp} ranks hold this microbatch's sequences")
+                groups[m] = [(g.first, g.size, g.seqs) for g in plan.groups]
+                samples[m] = [[] for _ in range(dp)]
+                for g in plan.groups:
+                    samples[m][g.first] = list(g.seqs)
+                continue
             if m == self.llm:
                 samples[m] = [list(b) for b in blocks(self.slot, dp)]
                 continue
@@ -139,7 +177,7 @@ class Placement:
                     home = None
                 for r, g in zip(group, assign(self._unit_costs(slot, m, part), len(group), 0, cap, home=home)):
                     units[m][r] = [part[i] for i in g]
-        return SlotPlan(samples, units, self.llm)
+        return SlotPlan(samples, units, self.llm, groups)
 
     def _groups(self, module: str, dp: int) -> list[list[int]]:
         """``module``'s replicas grouped by the hosts they run on (one group: every host reads all)."""

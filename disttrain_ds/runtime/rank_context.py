@@ -55,6 +55,8 @@ class RankContext:
     """This stage's tensor-parallel group and degree."""
     p2p: P2P
     """The boundary channels to other modules' ranks."""
+    per_node: int = 1
+    """Ranks on the host with the fewest (what adaptive SP groups count as inside one node)."""
 
     @property
     def slot(self) -> int:
