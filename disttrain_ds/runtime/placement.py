@@ -209,6 +209,17 @@ class Placement:
                 per[p] = unit_costs(self.spec, self.costs, module, slot[p])
         return [per[p][j] for p, j in units]
 
+    def group_figures(self, samples: list) -> dict[str, float]:
+        """Adaptive SP modules: ``sp/<module>_groups_<size>``, how many groups of each size the
+        step's slots formed, and ``sp/<module>_ranks_split``, the share of their ranks in groups of 2 or more."""
+        out: dict[str, float] = {}
+        for m in self.sp_costs:
+            sizes = [size for plan in self.plans(samples) for _, size, _ in plan.groups[m]]
+            for size in sorted(set(sizes)):
+                out[f"sp/{m}_groups_{size}"] = float(sizes.count(size))
+            out[f"sp/{m}_ranks_split"] = sum(s for s in sizes if s > 1) / max(sum(sizes), 1)
+        return out
+
     def loads(self, samples: list) -> dict[str, list[np.ndarray]]:
         """Every module but the LLM: its replicas' summed forward costs in each slot (what
         ``balance/<module>_load_*`` report)."""

@@ -243,6 +243,7 @@ def _documents(root) -> str:
     return str(root / "docs.jsonl")
 
 
+@pytest.mark.slow
 def test_sp_job_on_sequences_of_their_own_lengths_trains_the_reference(tmp_path, reference_run):
     """Documents longer than seq_len become sequences of 256-512 tokens beside 128-token ones,
     padded per microbatch; SP 2 trains what the reference does."""
@@ -260,3 +261,20 @@ def test_sp_job_on_sequences_of_their_own_lengths_trains_the_reference(tmp_path,
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+
+
+def test_adaptive_sp_mixes_an_sp2_group_and_two_single_ranks_and_trains_the_reference(tmp_path, reference_run):
+    """sp: auto on 4 LLM ranks, sequences of 128-512 tokens: at the all-to-all bandwidth given, every
+    step forms one group of 2 for its longest sequence and runs the others alone; losses and
+    parameters equal the reference's."""
+    data = ["data.source=local", f"data.path={_documents(tmp_path / 'data')}", "data.max_seq_len=512",
+            "model.generator.in_channels=3"]
+    auto = ["layout=disaggregated", "parallel.llm.pp=1", "parallel.llm.dp=4", "parallel.llm.sp=auto",
+            "parallel.sp_bandwidth_gbs=[1000,1000]"]
+    rows, params, _ = launch(tmp_path / "job", 6, [STEPS, *SGD, *auto, *data])
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *data])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    for r in rows:  # one slot per step: a group of 2 and two ranks alone
+        assert (r["sp/llm_groups_2"], r["sp/llm_groups_1"], r["sp/llm_ranks_split"]) == (1.0, 2.0, 0.5), r

@@ -135,3 +135,29 @@ def test_memory_estimate_prices_every_sample_at_max_seq_len(tmp_path):
     one = {r.module: r for r in estimate(load_recipe("tiny_cpu", base))}
     four = {r.module: r for r in estimate(load_recipe("tiny_cpu", [*base, "data.max_seq_len=512"]))}
     assert four["llm"].activations > 3 * one["llm"].activations
+
+
+AUTO = ["layout=disaggregated", "parallel.llm.pp=1", "parallel.llm.dp=4", "parallel.llm.sp=auto"]
+
+
+def test_adaptive_sp_makes_every_aligned_group_once_on_every_rank():
+    topo = topology_of(load_recipe("tiny_cpu", AUTO))
+    llm = topo.module("llm")
+    assert (llm.dp, llm.sp, llm.sp_auto, llm.size) == (4, 1, True, 4) and "sp=auto" in topo.describe()
+    got = [(first, size, tuple(r)) for (first, size), r in llm.adaptive_groups()]
+    assert got == [(0, 2, (1, 2)), (2, 2, (3, 4)), (0, 4, (1, 2, 3, 4))]
+    specs = plan_groups(topo.modules, topo.world_size, frozenset(), topo.edges)
+    seq = [s for s in specs if len(s.key) == 3 and s.key[1] == SEQ]
+    assert [s.ranks for s in seq] == [(1, 2), (3, 4), (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.llm.dp=3", "train.global_batch=6"], "power of two"),
+    (["parallel.llm.activation_checkpointing=1"], "activation_checkpointing"),
+    (["parallel.post_balance=true"], "post_balance"),
+    (["parallel.sp_bandwidth_gbs=[100]"], "inside a node, across nodes"),
+])
+def test_adaptive_sp_the_runtime_cannot_run_is_refused_in_one_line(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_recipe("tiny_cpu", [*AUTO, *overrides])
+    assert "\n" not in str(e.value) and words in str(e.value), str(e.value)

@@ -102,3 +102,19 @@ def test_groups_are_the_same_for_the_same_lengths_and_bad_input_is_refused():
         adaptive_groups([10, 0], 4, c)
     with pytest.raises(ValueError, match="does not divide"):
         static_groups(lengths, 8, 3, c)
+
+
+def test_runtime_groups_cover_every_rank_and_none_is_empty():
+    from disttrain_ds.reorder.sp_groups import covering_groups
+
+    c = cost()
+    rng = random.Random(5)
+    for _ in range(40):
+        n = rng.choice([2, 4, 8])
+        lengths = [int(rng.paretovariate(1.1) * 200) for _ in range(rng.randint(n, 3 * n))]
+        plan = covering_groups(lengths, n, c)
+        check_plan(plan, lengths, n, c)
+        assert sum(plan.sizes) == n and all(g.seqs for g in plan.groups)
+    few = covering_groups([500, 100], 8, c)  # two sequences on 8 ranks: at most two groups, none empty
+    check_plan(few, [500, 100], 8, c)
+    assert len(few.groups) <= 2 and sum(few.sizes) == 8 and all(g.seqs for g in few.groups)

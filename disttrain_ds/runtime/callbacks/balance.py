@@ -15,3 +15,4 @@ class Balance(Callback):
 
     def on_step_end(self, trainer, samples, rec) -> None:
         rec.update(balance_figures(self.placement.loads(samples)))
+        rec.update(self.placement.group_figures(samples))
