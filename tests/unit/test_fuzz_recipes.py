@@ -112,6 +112,9 @@ def wrong_values(tp) -> list:
         return [5, 1.5, ["a"], {"a": "b"}, True, None]
     if origin is dict:
         return ["not-a-mapping", 5, [1], True]
+    if origin in (typing.Union, types.UnionType) and set(args) - {int} and all(
+            a is int or typing.get_origin(a) is typing.Literal for a in args):  # a count or a named choice
+        return ["three", 2.5, [1], {"a": 1}, True, None, "bogus_choice"]
     raise AssertionError(f"no wrong values for {tp}")
 
 
