@@ -278,3 +278,20 @@ def test_adaptive_sp_mixes_an_sp2_group_and_two_single_ranks_and_trains_the_refe
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
     for r in rows:  # one slot per step: a group of 2 and two ranks alone
         assert (r["sp/llm_groups_2"], r["sp/llm_groups_1"], r["sp/llm_ranks_split"]) == (1.0, 2.0, 0.5), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["parallel.llm.pp=2", "parallel.llm.dp=2"],  # the same groups on both stages of the LLM
+    ["parallel.llm.pp=1", "parallel.llm.dp=2", "parallel.llm.tp=2"],  # a group per TP index
+])
+def test_adaptive_sp_with_pipeline_or_tensor_parallelism_trains_the_reference(tmp_path, reference_run, layout):
+    data = ["data.source=local", f"data.path={_documents(tmp_path / 'data')}", "data.max_seq_len=512",
+            "model.generator.in_channels=3", "train.global_batch=4"]
+    auto = ["layout=disaggregated", "parallel.llm.sp=auto", "parallel.sp_bandwidth_gbs=[1000,1000]", *layout]
+    rows, params, _ = launch(tmp_path / "job", 6, [STEPS, *SGD, *auto, *data])
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *data])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    assert any(r.get("sp/llm_groups_2", 0) for r in rows), rows  # some slot ran a group of 2
