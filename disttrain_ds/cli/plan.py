@@ -63,12 +63,14 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
     width = max(10, *(len(n) for n in result.modules))  # 10: the classic three names' column
     lines = [f"{head}{profile.gpus} GPUs, global batch {profile.global_batch}, microbatch "
              f"{profile.microbatch} -> {result.microbatches} pipeline steps per iteration", "",
-             f"{'module':<{width}} {'GPUs':>6} {'DP':>5} {'TP':>3} {'PP':>3} {'samples/mb':>10} "
-             f"{'stage ms':>10} {'mem GiB':>8}"]
+             f"{'module':<{width}} {'GPUs':>6} {'DP':>5} {'TP':>3} {'PP':>3} "
+             + ("  SP " if any(m.sp > 1 for m in result.modules.values()) else "")
+             + f"{'samples/mb':>10} {'stage ms':>10} {'mem GiB':>8}"]
+    with_sp = any(m.sp > 1 for m in result.modules.values())
     for n, m in result.modules.items():
         mem = f"{m.memory_gib:.1f}" if m.memory_gib is not None else "-"
-        lines.append(f"{n:<{width}} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} "
-                     f"{m.samples_per_microbatch:>10} {m.stage_ms:>10.1f} {mem:>8}")
+        lines.append(f"{n:<{width}} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} " + (f"{m.sp:>4} " if with_sp else "")
+                     + f"{m.samples_per_microbatch:>10} {m.stage_ms:>10.1f} {mem:>8}")
     lines.append(f"{'total':<{width}} {result.gpus:>6}   ({profile.gpus - result.gpus} of "
                  f"{profile.gpus} left idle)")
     if result.graph != ModuleGraph.default():
@@ -138,6 +140,8 @@ def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") 
         section = _mapping(parallel, n, src, f"{prefix}.{n}")
         m = result.module(n)
         section.update(dp=m.dp, tp=m.tp, pp=m.pp)
+        if m.sp > 1 or "sp" in section:
+            section["sp"] = m.sp
     return out
 
 
@@ -258,7 +262,7 @@ def probe_recipe(path: Path, graph: ModuleGraph, graph_form: bool) -> Recipe:
     model sizes decide which degrees are legal, not the base's own degrees)."""
     prefix = "parallel.modules" if graph_form else "parallel"
     overrides = ["layout=disaggregated"] + [f"{prefix}.{n}.{a}=1" for n in graph.names
-                                            for a in ("dp", "tp", "pp")]
+                                            for a in ("dp", "tp", "pp", "sp")]
     try:
         return load_recipe(path, overrides)
     except ConfigError as exc:
@@ -277,7 +281,7 @@ def planned_recipe(path: Path, result: Plan, graph_form: bool) -> Recipe:
     """The recipe at ``path`` with ``result``'s degrees, as the runtime will load it."""
     prefix = "parallel.modules" if graph_form else "parallel"
     overrides = ["layout=disaggregated"] + [f"{prefix}.{n}.{a}={getattr(m, a)}"
-                                            for n, m in result.modules.items() for a in ("dp", "tp", "pp")]
+                                            for n, m in result.modules.items() for a in ("dp", "tp", "pp", "sp")]
     return load_recipe(path, overrides)
 
 

@@ -94,6 +94,14 @@ class ModuleProfile:
     layer_output_bytes_per_sample: float = 0.0
     """Bytes one layer hands to the next for one sample at TP=1 (what a checkpointed block keeps);
     read only with ``activation_checkpointing``."""
+    sp_overhead_ms: dict[int, float] = field(default_factory=dict)
+    """The LLM: SP degree -> milliseconds of one sample's all-to-alls (forward and backward) at TP=1
+    (each TP rank moves 1/tp of them); the degrees listed (besides 1) are those the planner may
+    choose. ``disttrain-profile`` models them from the model's sizes, the data's mean sequence
+    length and ``parallel.sp_bandwidth_gbs``. Empty: no sequence parallelism."""
+    attention_heads: tuple[int, int] = (0, 0)
+    """(query heads, KV heads) of the LLM: an SP degree must split the heads per TP rank (and the KV
+    heads, or be split by them); (0, 0): not checked."""
     cost_source: dict[int, str] = field(default_factory=dict)
     """TP degree -> ``measured`` | ``interpolated`` | ``assumed`` for the entries of ``cost_ms``;
     a degree not listed is ``assumed``."""
@@ -120,6 +128,26 @@ class ModuleProfile:
     refused: frozenset[tuple[int, int, int]] = frozenset()
     """(dp, tp, pp) layouts the runtime's memory check refused for this module (set by
     ``planner/recipe_memory.fit_plan``, never read from JSON): priced as not fitting."""
+
+    def cost(self, tp: int, sp: int = 1) -> float:
+        """Forward+backward ms of one sample at TP ``tp`` and SP ``sp``: the compute split over the
+        SP group, plus its all-to-alls (``sp_overhead_ms``) split over the TP ranks."""
+        if sp == 1:
+            return self.cost_ms[tp]
+        return self.cost_ms[tp] / sp + self.sp_overhead_ms[sp] / tp
+
+    def sp_degrees(self, gpus_per_node: int, tp: int) -> tuple[int, ...]:
+        """SP degrees the planner may give this module at TP ``tp``: 1, and those of
+        ``sp_overhead_ms`` whose TP x SP ranks fit a node and whose heads they split."""
+        heads, kv = self.attention_heads
+        out = [1]
+        for s in sorted(self.sp_overhead_ms):
+            if tp * s > gpus_per_node or gpus_per_node % (tp * s):
+                continue
+            if heads and (heads % tp or (heads // tp) % s or kv % tp or ((kv // tp) % s and s % (kv // tp))):
+                continue
+            out.append(s)
+        return tuple(out)
 
     def source(self, tp: int) -> str:
         """Where ``cost_ms[tp]`` comes from (``COST_SOURCES``)."""

@@ -27,8 +27,9 @@ _TOP_FIELDS = ("gpus", "global_batch", "modules", "microbatch", "gpus_per_node",
 _MODULE_FIELDS = ("layers", "cost_ms", "params", "frozen", "weight_bytes_per_param",
                   "grad_bytes_per_param", "optimizer_bytes_per_param",
                   "activation_bytes_per_sample", "activation_tp_sharded", "flops_per_sample", "activation_checkpointing",
-                  "layer_output_bytes_per_sample", "sample_cost_ms", "unit_cost_ms", "cost_source")
-_NUMBER_FIELDS = _MODULE_FIELDS[2:-3]  # written only when they differ from the default
+                  "layer_output_bytes_per_sample", "sample_cost_ms", "unit_cost_ms", "cost_source",
+                  "sp_overhead_ms", "attention_heads")
+_NUMBER_FIELDS = _MODULE_FIELDS[2:-5]  # written only when they differ from the default
 
 
 def _fail(src: str, key: str, what: str) -> ProfileError:
@@ -132,7 +133,33 @@ def _module_from_dict(data: Any, name: str, src: str) -> ModuleProfile:
                                            pre + "layer_output_bytes_per_sample", src,
                                            d.layer_output_bytes_per_sample),
         cost_source={int(k): v for k, v in sources.items()},
+        sp_overhead_ms=_sp_overhead(data, pre + "sp_overhead_ms", src),
+        attention_heads=_heads(data, pre + "attention_heads", src),
     )
+
+
+def _sp_overhead(data: dict, key: str, src: str) -> dict[int, float]:
+    """``sp_overhead_ms``: {"sp": ms >= 0} with SP degrees 2, 4, 8 (or more, powers of two)."""
+    raw = data.get("sp_overhead_ms", {})
+    if not isinstance(raw, dict):
+        raise _fail(src, key, "must be an object {\"sp\": ms}")
+    out = {}
+    for k, v in raw.items():
+        if not str(k).isdigit() or int(k) < 2 or int(k) & (int(k) - 1):
+            raise _fail(src, f"{key}.{k}", "is not an SP degree (a power of two, at least 2)")
+        out[int(k)] = _num(raw, k, f"{key}.{k}", src, None)
+        if out[int(k)] is None:
+            raise _fail(src, f"{key}.{k}", "must be a number, got None")
+    return dict(sorted(out.items()))
+
+
+def _heads(data: dict, key: str, src: str) -> tuple[int, int]:
+    """``attention_heads``: [query heads, KV heads], KV heads dividing the query heads."""
+    raw = data.get("attention_heads", [0, 0])
+    if (not isinstance(raw, list) or len(raw) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
+                                                           for x in raw) or (raw[1] and raw[0] % raw[1])):
+        raise _fail(src, key, f"must be [query heads, KV heads] (KV heads dividing them), got {raw!r}")
+    return raw[0], raw[1]
 
 
 def _fraction(data: dict, key: str, src: str) -> float:
@@ -242,6 +269,10 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             mod["unit_cost_ms"] = [list(u) for u in spec.unit_cost_ms]
         if spec.cost_source:
             mod["cost_source"] = {str(t): v for t, v in sorted(spec.cost_source.items())}
+        if spec.sp_overhead_ms:
+            mod["sp_overhead_ms"] = {str(s): v for s, v in spec.sp_overhead_ms.items()}
+        if any(spec.attention_heads):
+            mod["attention_heads"] = list(spec.attention_heads)
         out["modules"][name] = mod
     return out
 

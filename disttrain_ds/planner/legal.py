@@ -84,8 +84,21 @@ def restrict_to_runtime(profile: Profile, recipe: Recipe) -> tuple[Profile, list
             raise PlanError(f"{name}: the runtime refuses every TP degree of cost_ms "
                             f"({', '.join(map(str, spec.cost_ms))}): {why}")
         modules[name] = replace(spec, cost_ms=cost, max_pp=max_pp[name],
-                                cost_source={t: s for t, s in spec.cost_source.items() if t in cost})
+                                cost_source={t: s for t, s in spec.cost_source.items() if t in cost},
+                                **_runtime_sp(recipe, name, spec))
     return replace(profile, modules=modules), dropped
+
+
+def _runtime_sp(recipe: Recipe, name: str, spec) -> dict:
+    """The LLM's SP degrees the runtime accepts (``recipe/checks.py``: they divide ``data.seq_len``,
+    and the recipe's heads, which the planner checks per TP degree); other modules: none."""
+    if not spec.sp_overhead_ms:
+        return {}
+    if name != graph_of(recipe).llm or recipe.layout == "monolithic":
+        return {"sp_overhead_ms": {}}
+    cfg = module_config(recipe, name)
+    return {"sp_overhead_ms": {s: c for s, c in spec.sp_overhead_ms.items() if recipe.data.seq_len % s == 0},
+            "attention_heads": (cfg.heads, cfg.kv_heads)}
 
 
 def measured_only(profile: Profile) -> Profile:

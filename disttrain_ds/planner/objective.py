@@ -34,11 +34,21 @@ from disttrain_ds.planner.hetero import StragglerTable
 
 
 class Degrees(NamedTuple):
-    """Parallel degrees of one module; it occupies dp * tp * pp GPUs."""
+    """Parallel degrees of one module; it occupies dp * tp * pp * sp GPUs."""
 
     dp: int
     tp: int
     pp: int
+    sp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def block(self) -> int:
+        """Consecutive ranks of one replica's stage (its TP x SP groups): where a node boundary must not fall."""
+        return self.tp * self.sp
 
 
 class IterTime(NamedTuple):
@@ -106,7 +116,7 @@ def module_terms(profile: Profile, name: str, deg: Degrees, m: int,
     """(warm-up term, stage time) of module ``name`` at ``deg`` taking ``m`` samples per replica
     per step: m * C(tp) and m * C(tp) / pp, scaled by the straggler factors h and g of
     ``table`` (:mod:`disttrain_ds.planner.hetero`) when given."""
-    w = m * profile.modules[name].cost_ms[deg.tp]
+    w = m * profile.modules[name].cost(deg.tp, deg.sp)
     if table is None:
         return w, w / deg.pp
     return w * table.factor(name, deg.dp, m), (w * table.factor(name, deg.dp, m, deg.pp)) / deg.pp
@@ -129,13 +139,16 @@ def t_iter(profile: Profile, layout: Mapping[str, Degrees],
 
 
 def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, to_end: Any,
-                 microbatches: Any) -> Any:
+                 microbatches: Any, sp: Any = 1) -> Any:
     """``memory_per_gpu`` for Python ints and numpy arrays alike (identical floats), by the shared
     per-rank formula of :mod:`disttrain_ds.cost.memory_model`; ``to_end``: global stages from
-    the module's first stage to the end of the chain (``memory_model.stages_to_end``)."""
+    the module's first stage to the end of the chain (``memory_model.stages_to_end``). With SP
+    ``sp`` every rank keeps 1/sp of each sample's activations (counted as m / sp samples) and ZeRO
+    shards the optimizer over the dp x sp ranks of the data axis."""
     per_param = (spec.weight_bytes_per_param, 0.0, 0.0) if spec.frozen else (
         spec.weight_bytes_per_param, spec.grad_bytes_per_param, spec.optimizer_bytes_per_param)
-    opt_dp = dp if spec.optimizer_sharded else 1
+    opt_dp = dp * sp if spec.optimizer_sharded else 1
+    m = m / sp if np.any(np.asarray(sp) != 1) else m
     refused = 0.0
     for r_dp, r_tp, r_pp in spec.refused:  # what the runtime's check refused never fits
         refused = np.where((dp == r_dp) & (tp == r_tp) & (pp == r_pp), np.inf, refused)
@@ -170,7 +183,7 @@ def memory_per_gpu(spec: ModuleProfile, degrees: Degrees, *, samples_per_microba
     runtime's when the profile carries them (``ModuleProfile.stages``), else even: 1/pp of the
     parameters and activations each, the first stage (the most in flight) the most loaded."""
     return float(memory_bytes(spec, degrees.dp, degrees.tp, degrees.pp, samples_per_microbatch,
-                              stages_to_end, microbatches))
+                              stages_to_end, microbatches, degrees.sp))
 
 
 def module_stages_to_end(graph: ModuleGraph, name: str, layout: Mapping[str, Degrees]) -> int:
@@ -199,8 +212,8 @@ def layout_memory(profile: Profile, layout: Mapping[str, Degrees]) -> dict[str, 
 
 
 def layout_key(total_ms: float, layout: Mapping[str, Degrees], names: Sequence[str]) -> tuple:
-    """Ordering of plans: faster, then fewer GPUs, then smaller (tp, pp, dp) of each module in
+    """Ordering of plans: faster, then fewer GPUs, then smaller (tp, sp, pp, dp) of each module in
     ``names`` order (the graph's data-flow order)."""
-    gpus = sum(d.dp * d.tp * d.pp for d in layout.values())
-    return (total_ms, gpus) + tuple(x for n in names for x in (layout[n].tp, layout[n].pp,
+    gpus = sum(d.gpus for d in layout.values())
+    return (total_ms, gpus) + tuple(x for n in names for x in (layout[n].tp, layout[n].sp, layout[n].pp,
                                                                layout[n].dp))

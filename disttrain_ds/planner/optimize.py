@@ -70,9 +70,9 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
         mem = memory[n]
         h = 1.0 if table is None else table.factor(n, deg.dp, m)
         g = 1.0 if table is None else table.factor(n, deg.dp, m, deg.pp)
-        mods[n] = ModulePlan(deg.dp * deg.tp * deg.pp, deg.dp, deg.tp, deg.pp, m, warm,
+        mods[n] = ModulePlan(deg.gpus, deg.dp, deg.tp, deg.pp, m, warm,
                              stage, mem / GIB if spec.has_memory_figures else None, h,
-                             spec.source(deg.tp), g)
+                             spec.source(deg.tp), g, deg.sp)
     gpus = sum(p.gpus for p in mods.values())
     pred = predict(graph, {n: layout[n].pp for n in graph.names}, it.total_ms,
                    {n: mods[n].stage_ms for n in graph.names}, k)
@@ -141,12 +141,13 @@ def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
         for n in names:
             spec = profile.modules[n]
             dps = [dp_llm] if n == profile.graph.llm else [x for x in range(1, d + 1) if d % x == 0]
-            cands.append([Degrees(dp, tp, pp) for dp in dps
+            cands.append([Degrees(dp, tp, pp, sp) for dp in dps
                           for tp in spec.tp_degrees(profile.gpus_per_node)
+                          for sp in spec.sp_degrees(profile.gpus_per_node, tp)
                           for pp in spec.pp_degrees()
-                          if dp * tp * pp <= n_gpus])
+                          if dp * tp * pp * sp <= n_gpus])
         for combo in itertools.product(*cands):
-            if sum(x.dp * x.tp * x.pp for x in combo) > n_gpus:
+            if sum(x.gpus for x in combo) > n_gpus:
                 continue
             layout = dict(zip(names, combo))
             if aligned and not tp_aligned(layout, names):

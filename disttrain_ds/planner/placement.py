@@ -13,25 +13,26 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from disttrain_ds.cost.profile import TP_DEGREES, Profile
+from disttrain_ds.cost.profile import Profile
 
 if TYPE_CHECKING:
     from disttrain_ds.planner.objective import Degrees
 
 
 def alignment(profile: Profile) -> int:
-    """The largest TP degree any module may take: a power of two, so a module's first rank is a
-    multiple of its TP degree exactly when the GPUs before it are, modulo this number."""
-    return max((t for s in profile.modules.values() for t in s.tp_degrees(profile.gpus_per_node)),
+    """The largest TP x SP block any module may take: a power of two, so a module's first rank is
+    a multiple of its block exactly when the GPUs before it are, modulo this number."""
+    n = profile.gpus_per_node
+    return max((t * s for m in profile.modules.values() for t in m.tp_degrees(n) for s in m.sp_degrees(n, t)),
                default=1)
 
 
-def start_masks(tp: np.ndarray, align: int) -> np.ndarray:
-    """Bit r set when a module of TP degree ``tp`` may start at a rank = r (mod ``align``)."""
-    table = np.zeros(max(TP_DEGREES) + 1, dtype=np.int64)
-    for t in TP_DEGREES:
-        table[t] = sum(1 << r for r in range(align) if r % t == 0)
-    return table[tp]
+def start_masks(block: np.ndarray, align: int) -> np.ndarray:
+    """Bit r set when a module of TP x SP block ``block`` may start at a rank = r (mod ``align``)."""
+    out = np.zeros(len(block), dtype=np.int64)
+    for b in np.unique(block):
+        out[block == b] = sum(1 << r for r in range(align) if r % int(b) == 0)
+    return out
 
 
 def first_ranks(layout: Mapping[str, Degrees], names: Sequence[str]) -> dict[str, int]:
@@ -40,11 +41,11 @@ def first_ranks(layout: Mapping[str, Degrees], names: Sequence[str]) -> dict[str
     out, first = {}, 0
     for n in names:
         out[n] = first
-        first += layout[n].dp * layout[n].tp * layout[n].pp
+        first += layout[n].gpus
     return out
 
 
 def tp_aligned(layout: Mapping[str, Degrees], names: Sequence[str]) -> bool:
-    """Whether every module starts at a multiple of its TP degree, so that (TP dividing
-    ``gpus_per_node``) none of its TP groups spans two nodes."""
-    return all(first % layout[n].tp == 0 for n, first in first_ranks(layout, names).items())
+    """Whether every module starts at a multiple of its TP x SP block, so that (the block dividing
+    ``gpus_per_node``) none of its TP or SP groups spans two nodes."""
+    return all(first % layout[n].block == 0 for n, first in first_ranks(layout, names).items())

@@ -41,6 +41,8 @@ class ModulePlan:
     pace: float = 1.0
     """Expected slowest of PP steps' slowest replicas over the mean replica load, g(dp, m, pp),
     already in ``stage_ms`` (1.0 without per-sample draws)."""
+    sp: int = 1
+    """Sequence-parallel degree (``parallel.<module>.sp``): ranks per replica splitting each sequence."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +90,14 @@ class Plan:
         return self.modules[name]
 
     def degrees(self) -> dict[str, Degrees]:
-        """Module name -> (dp, tp, pp), the layout ``t_iter`` and ``build_plan`` take."""
-        return {n: Degrees(m.dp, m.tp, m.pp) for n, m in self.modules.items()}
+        """Module name -> (dp, tp, pp, sp), the layout ``t_iter`` and ``build_plan`` take."""
+        return {n: Degrees(m.dp, m.tp, m.pp, m.sp) for n, m in self.modules.items()}
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain data: per-module gpus/dp/tp/pp, the closed form's three times, the
         predicted time under 1F1B, where each module's cost at its TP degree comes from, and the
         simulated time when the plan was chosen among finalists."""
-        out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp}
+        out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp, **({"sp": m.sp} if m.sp > 1 else {})}
                                for n, m in self.modules.items()}
         out.update(t_iter_ms=self.t_iter_ms, t_warmup_ms=self.t_warmup_ms,
                    t_steady_ms=self.t_steady_ms, t_pred_ms=self.t_pred_ms,

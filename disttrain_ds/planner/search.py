@@ -58,14 +58,16 @@ from disttrain_ds.planner.placement import alignment
 from disttrain_ds.planner.units import Opts, Unit, pareto, role_unit
 
 
-def module_grid(profile: Profile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tp, pp, C(tp)) of every measured TP degree and pipeline degree of module ``name``."""
+def module_grid(profile: Profile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tp, pp, C(tp, sp), sp) of every measured TP degree, SP degree (``ModuleProfile.sp_degrees``)
+    and pipeline degree of module ``name``."""
     spec = profile.modules[name]
-    tps = spec.tp_degrees(profile.gpus_per_node)
+    pairs = [(t, s) for t in spec.tp_degrees(profile.gpus_per_node) for s in spec.sp_degrees(profile.gpus_per_node, t)]
     pps = spec.pp_degrees()
-    tp = np.repeat(np.array(tps, dtype=np.int64), len(pps))
-    cost = np.repeat(np.array([spec.cost_ms[t] for t in tps], dtype=np.float64), len(pps))
-    return tp, np.tile(np.array(pps, dtype=np.int64), len(tps)), cost
+    tp = np.repeat(np.array([t for t, _ in pairs], dtype=np.int64), len(pps))
+    sp = np.repeat(np.array([s for _, s in pairs], dtype=np.int64), len(pps))
+    cost = np.repeat(np.array([spec.cost(t, s) for t, s in pairs], dtype=np.float64), len(pps))
+    return tp, np.tile(np.array(pps, dtype=np.int64), len(pairs)), cost, sp
 
 
 def downstream_splits(profile: Profile) -> list[tuple[int, int]]:
@@ -84,10 +86,10 @@ def _down_key(graph: Roles, name: str, down: tuple[int, int]) -> tuple[int, ...]
 
 
 def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
-            grid: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+            grid: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
             llm: str | None = None, align: int | None = None,
             down: tuple[int, int] | None = None, restrict: bool = True) -> Opts:
-    """Every (dp, tp, pp) of module ``name`` at D = d within ``cap`` GPUs and the memory limit;
+    """Every (dp, tp, pp, sp) of module ``name`` at D = d within ``cap`` GPUs and the memory limit;
     ``grid``, ``llm`` (the LLM's name) and ``align`` only save looking them up again.
 
     ``down`` = (P, G): the plans whose LLM runs P stages and whose generators at most G (0: none),
@@ -99,7 +101,7 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     spec = profile.modules[name]
     graph = profile.graph
     is_llm = name == (graph.llm if llm is None else llm)
-    tp0, pp0, cost0 = grid if grid is not None else module_grid(profile, name)
+    tp0, pp0, cost0, sp0 = grid if grid is not None else module_grid(profile, name)
     if down is None:
         gens = [min(profile.modules[g].pp_degrees(), default=1) for g in graph.generators]
         p_llm, g_max = min(profile.modules[graph.llm].pp_degrees(), default=1), max(gens, default=0)
@@ -107,23 +109,24 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
         p_llm, g_max = down
         if restrict:
             keep = pp0 == p_llm if is_llm else pp0 <= g_max if name in graph.generators else pp0 > 0
-            tp0, pp0, cost0 = tp0[keep], pp0[keep], cost0[keep]
+            tp0, pp0, cost0, sp0 = tp0[keep], pp0[keep], cost0[keep], sp0[keep]
     dps = np.array([d // profile.microbatch] if is_llm else divisors(d), dtype=np.int64)
     dp = dps[:, None]  # rows: dp; columns: (tp, pp) combinations
-    tp, pp, cost = tp0[None, :], pp0[None, :], cost0[None, :]
+    tp, pp, cost, sp = tp0[None, :], pp0[None, :], cost0[None, :], sp0[None, :]
     m = np.full_like(dp, profile.microbatch) if is_llm else d // dp
     warm = m * cost
     role = "llm" if is_llm else graph.role(name)
     to_end = mm.stages_to_end(role, pp, pp if is_llm else p_llm, g_max)
-    gpus = dp * tp * pp
-    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, to_end, profile.global_batch // d), gpus.shape)
+    gpus = dp * tp * pp * sp
+    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, to_end, profile.global_batch // d, sp), gpus.shape)
     ok = gpus <= cap
     if limit is not None:
         ok &= mem <= limit
-    rank = (tp * (spec.layers + 1) + pp) * (d + 1) + dp
+    rank = ((tp * 1024 + sp) * (spec.layers + 1) + pp) * (d + 1) + dp
     align = alignment(profile) if align is None else align
-    cls = (tp * 16 + gpus % align) * (align > 1)  # align <= 8 < 16; one class when not aligned
-    cols = (dp, tp, pp, gpus, warm, warm / pp, mem, rank, cls)
+    block = tp * sp
+    cls = (block * 1024 + gpus % align) * (align > 1)  # align < 1024; one class when not aligned
+    cols = (dp, tp, pp, gpus, warm, warm / pp, mem, rank, cls, sp, block)
     return Opts(*(np.broadcast_to(c, gpus.shape)[ok] for c in cols))
 
 
@@ -168,7 +171,7 @@ def _starts_ok(unit: Unit, opts: Mapping[str, Opts], align: int) -> np.ndarray:
     prefix = np.zeros(len(unit), dtype=np.int64)
     for j, name in enumerate(unit.names):
         o, idx = opts[name], unit.pick[:, j]
-        ok &= (r + prefix[:, None]) % o.tp[idx][:, None] == 0
+        ok &= (r + prefix[:, None]) % o.block[idx][:, None] == 0
         prefix = prefix + o.gpus[idx]
     return ok
 
@@ -179,7 +182,7 @@ def aligned_mask(lm: Opts, en: Unit, ge: Unit, opts: Mapping[str, Opts], align: 
     no TP group spans two nodes of ``gpus_per_node`` (a multiple of every TP degree)."""
     enc_ok = _starts_ok(en, opts, align)[:, 0]
     gen_ok = _starts_ok(ge, opts, align)
-    llm_ok = en.gpus[None, :] % lm.tp[:, None] == 0
+    llm_ok = en.gpus[None, :] % lm.block[:, None] == 0
     start = (en.gpus[None, :] + lm.gpus[:, None]) % align  # the generators' first rank
     ok = (enc_ok[None, :] & llm_ok)[:, :, None] & gen_ok[np.arange(len(ge))[None, None, :],
                                                          start[:, :, None]]
@@ -215,7 +218,7 @@ def _best_in_group(graph: Roles, opts: Mapping[str, Opts], units: tuple[Unit, Un
 
 
 def _degrees(o: Opts, j: int) -> Degrees:
-    return Degrees(int(o.dp[j]), int(o.tp[j]), int(o.pp[j]))
+    return Degrees(int(o.dp[j]), int(o.tp[j]), int(o.pp[j]), int(o.sp[j]))
 
 
 def search(profile: Profile, caps: Mapping[str, int], table: StragglerTable | None = None,

@@ -38,10 +38,14 @@ class Opts:
     stage: np.ndarray
     mem: np.ndarray
     rank: np.ndarray
-    """Lexicographic rank of (tp, pp, dp), for tie-breaking."""
+    """Lexicographic rank of (tp, sp, pp, dp), for tie-breaking."""
     cls: np.ndarray
-    """Alignment class (tp, gpus mod ``align``): layouts of one class are interchangeable for
+    """Alignment class (block, gpus mod ``align``): layouts of one class are interchangeable for
     where every module's ranks start, so dominance only compares within a class."""
+    sp: np.ndarray
+    """Sequence-parallel degree (1 but for an LLM whose profile lists SP costs)."""
+    block: np.ndarray
+    """tp x sp: consecutive ranks that must start at a multiple of it (inside a node)."""
 
     def take(self, sel: np.ndarray) -> "Opts":
         return Opts(*(getattr(self, f)[sel] for f in _OPTS_FIELDS))
@@ -103,7 +107,7 @@ def _unit(name: str, o: Opts, align: int, at_zero: bool) -> Unit:
     """One module as a unit. A unit's class is (mask, GPUs mod ``align``) as mask * align + GPUs
     mod align, mask having bit r set when every member starts aligned from a first rank = r;
     ``at_zero``: the unit starts at rank 0 (the encoders), so only bit 0 matters."""
-    mask = np.ones(len(o), dtype=np.int64) if at_zero else start_masks(o.tp, align)
+    mask = np.ones(len(o), dtype=np.int64) if at_zero else start_masks(o.block, align)
     return Unit((name,), o.gpus, o.warm, o.stage, o.rank, np.arange(len(o))[:, None],
                 mask * align + o.gpus % align)
 

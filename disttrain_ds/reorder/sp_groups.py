@@ -53,13 +53,17 @@ class SPCost:
         fit = [k for k in known if k >= size]
         return self.bandwidth_gbs[fit[0] if fit else known[-1]]
 
+    def a2a_ms(self, length: int, size: int) -> float:
+        """Milliseconds of one sequence's all-to-alls on a group of ``size`` GPUs (each sends (p-1)/p of its share)."""
+        if size == 1:
+            return 0.0
+        sent = self.a2a_bytes_per_token * length / size * (size - 1) / size
+        return sent / (self.bandwidth(size) * 1e9) * 1e3
+
     def seq_ms(self, length: int, size: int) -> float:
         """Milliseconds of one sequence of ``length`` tokens on a group of ``size`` GPUs (causal attention)."""
         compute = (self.linear_flops * length + self.pair_flops * length * (length + 1) / 2) * self.ms_per_flop / size
-        if size == 1:
-            return compute
-        sent = self.a2a_bytes_per_token * length / size * (size - 1) / size
-        return compute + sent / (self.bandwidth(size) * 1e9) * 1e3
+        return compute + self.a2a_ms(length, size)
 
     def min_size(self, length: int) -> int:
         """The smallest power-of-two group whose memory holds ``length`` tokens."""

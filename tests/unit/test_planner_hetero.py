@@ -340,7 +340,7 @@ def vlm_profile(draw: bool) -> Profile:
 def test_plan_and_megatron_baseline_price_the_same_layout_the_same(draw):
     profile = vlm_profile(draw)
     found, rigid = plan(profile), megatron_plan(profile, tp=1, pp=1)
-    assert found.degrees() == rigid.degrees() == {"vision": (4, 1, 1), "llm": (4, 1, 1)}
+    assert found.degrees() == rigid.degrees() == {"vision": (4, 1, 1, 1), "llm": (4, 1, 1, 1)}
     assert rigid.t_iter_ms == found.t_iter_ms
     assert (rigid.t_warmup_ms, rigid.t_steady_ms) == (found.t_warmup_ms, found.t_steady_ms)
     assert [m.straggler for m in rigid.modules.values()] == \

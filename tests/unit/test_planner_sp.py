@@ -1,0 +1,121 @@
+"""Sequence parallelism as a degree of the orchestration search: SP costs and memory, the exact
+search against brute force, and the recipe the planner writes (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from disttrain_ds.cost.profile_file import ProfileError, profile_from_dict, profile_to_dict
+from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
+
+from test_planner import outcome, random_profile  # tests/unit is on sys.path under pytest
+
+
+def with_sp(seed: int, overhead: float | None = None) -> dict:
+    """A random instance whose LLM may run SP 2 or 4 (all-to-alls a share of its cost), its
+    activations a large part of its memory."""
+    r = random.Random(500 + seed)
+    data = profile_to_dict(random_profile(seed))
+    llm = data["modules"]["llm"]
+    c1 = llm["cost_ms"]["1"]
+    llm["sp_overhead_ms"] = {"2": (overhead if overhead is not None else r.uniform(0.02, 0.3)) * c1,
+                             "4": (overhead if overhead is not None else r.uniform(0.05, 0.5)) * c1}
+    llm["activation_bytes_per_sample"] = r.uniform(2, 12) * 2**30
+    return data
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_search_with_sp_degrees_equals_exhaustive_search(seed):
+    profile = profile_from_dict(with_sp(seed))
+    assert outcome(plan, profile) == outcome(exhaustive_plan, profile)
+
+
+def test_sp_is_chosen_where_and_only_where_it_pays():
+    chose = [plan(profile_from_dict(with_sp(s))).llm.sp for s in range(24)
+             if not isinstance(outcome(plan, profile_from_dict(with_sp(s))), str)]
+    assert any(s > 1 for s in chose) and any(s == 1 for s in chose), chose
+    # All-to-alls that cost more than the compute they split: never worth it.
+    dear = [plan(profile_from_dict(with_sp(s, overhead=5.0))).llm.sp for s in range(24)
+            if not isinstance(outcome(plan, profile_from_dict(with_sp(s, overhead=5.0))), str)]
+    assert set(dear) == {1}
+
+
+def test_sp_fits_an_llm_whose_sequences_do_not_fit_one_gpu():
+    data = with_sp(3, overhead=0.1)
+    data["gpu_memory_gb"] = 40.0
+    data["gpus"] = 64
+    llm = data["modules"]["llm"]
+    llm["params"], llm["activation_bytes_per_sample"] = 1e8, 60 * 2**30  # one sample: 60 GiB of activations
+    llm["layers"], llm["activation_tp_sharded"] = 1, 0.0  # neither PP nor TP splits them
+    data["microbatch"] = 1
+    with_it = plan(profile_from_dict(data))
+    assert with_it.llm.sp >= 2 and with_it.llm.memory_gib <= 40.0
+    llm["sp_overhead_ms"] = {}
+    with pytest.raises(PlanError, match="llm: no layout fits"):
+        plan(profile_from_dict(data))
+
+
+def test_sp_degrees_respect_nodes_and_heads():
+    data = with_sp(0)
+    data["gpus_per_node"] = 4
+    data["modules"]["llm"]["attention_heads"] = [8, 2]
+    spec = profile_from_dict(data).modules["llm"]
+    assert spec.sp_degrees(4, 1) == (1, 2, 4) and spec.sp_degrees(4, 2) == (1, 2) and spec.sp_degrees(4, 4) == (1,)
+    data["modules"]["llm"]["attention_heads"] = [6, 6]
+    assert profile_from_dict(data).modules["llm"].sp_degrees(4, 1) == (1, 2)  # 6 heads: not by 4
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("sp_overhead_ms", {"3": 1.0}, "is not an SP degree"),
+    ("sp_overhead_ms", {"2": -1.0}, "must be >= 0"),
+    ("sp_overhead_ms", [1.0], "must be an object"),
+    ("attention_heads", [8, 3], "KV heads dividing them"),
+])
+def test_bad_sp_fields_are_one_line_errors(field, value, words):
+    data = with_sp(0)
+    data["modules"]["llm"][field] = value
+    with pytest.raises(ProfileError) as e:
+        profile_from_dict(data, src="p.json")
+    assert "\n" not in str(e.value) and words in str(e.value) and f"modules.llm.{field}" in str(e.value)
+
+
+def test_sp_fields_survive_a_round_trip_and_the_plan_says_sp():
+    data = with_sp(3, overhead=0.1)
+    data["modules"]["llm"]["attention_heads"] = [32, 8]
+    profile = profile_from_dict(data)
+    assert profile_from_dict(profile_to_dict(profile)) == profile
+    found = next(plan(profile_from_dict(with_sp(s))) for s in range(24)
+                 if not isinstance(outcome(plan, profile_from_dict(with_sp(s))), str)
+                 and plan(profile_from_dict(with_sp(s))).llm.sp > 1)
+    assert found.to_json()["llm"]["sp"] == found.llm.sp
+    assert found.llm.gpus == found.llm.dp * found.llm.tp * found.llm.pp * found.llm.sp
+
+
+def test_planned_recipe_runs_the_llm_with_the_sp_degree_the_search_chose(run_main, tmp_path):
+    import json
+
+    from disttrain_ds.cli import plan as cli
+    from disttrain_ds.planner import optimize
+    from disttrain_ds.recipe.graph import topology_of
+    from disttrain_ds.recipe.schema import load_recipe
+
+    from pathlib import Path
+
+    data = json.loads((Path(optimize.__file__).parent / "examples" / "tiny_cpu.json").read_text())
+    data["gpus"] = 12
+    data["modules"]["llm"]["sp_overhead_ms"] = {"2": 1.0, "4": 3.0}  # cheap all-to-alls: SP pays
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    code, out, err = run_main(cli.main, "--profile", str(tmp_path / "p.json"), "--recipe", "tiny_cpu",
+                              "--write-recipe", str(tmp_path / "r.yaml"), "--json")
+    assert code == 0, err
+    chosen = json.loads(out)["llm"]
+    assert chosen.get("sp", 1) > 1, chosen
+    llm = topology_of(load_recipe(tmp_path / "r.yaml")).module("llm")
+    assert (llm.dp, llm.tp, llm.pp, llm.sp) == (chosen["dp"], chosen["tp"], chosen["pp"], chosen["sp"])
+    data["modules"]["llm"]["sp_overhead_ms"] = {"2": 1000.0, "4": 1000.0}  # dear all-to-alls: no SP
+    (tmp_path / "q.json").write_text(json.dumps(data))
+    code, out, err = run_main(cli.main, "--profile", str(tmp_path / "q.json"), "--recipe", "tiny_cpu", "--json")
+    assert code == 0, err
+    assert json.loads(out)["llm"].get("sp", 1) == 1
