@@ -255,9 +255,9 @@ def check_emulation(r: Recipe, graph: ModuleGraph, src: str) -> None:
     _check(e.time_scale >= 0, src, "emulate.time_scale", f"must be >= 0, got {e.time_scale}")
     _check(e.calibration_batches >= 1, src, "emulate.calibration_batches", f"must be >= 1, got {e.calibration_batches}")
     if e.enabled:
-        sp = {n: module_parallel(r, n).sp for n in graph.names if module_parallel(r, n).sp != 1}
-        _check(not sp, src, "emulate.enabled", f"emulated compute does not model sequence parallelism yet "
-               f"({', '.join(f'{n} sp={v}' for n, v in sp.items())}); run it for real or set sp to 1")
+        auto = [n for n in graph.names if module_parallel(r, n).sp == "auto"]
+        _check(not auto, src, "emulate.enabled", f"emulated compute does not model adaptive SP groups yet "
+               f"({', '.join(f'{n} sp=auto' for n in auto)}); run it for real or set a fixed sp")
         check_emulate(r, src)
 
 

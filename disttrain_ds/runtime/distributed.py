@@ -396,7 +396,7 @@ def _engine(ctx: RankContext, spec, pm, upstreams, downstreams, frozen: bool, sp
     engine.setup_disaggregated(ROLES[spec.roles[grid.name]](spec, grid.name, sp), ctx.place, upstreams, downstreams,
                                frozen)
     if recipe.emulate.enabled:
-        engine.emulator = Emulator.for_rank(recipe, ctx.topo, ctx.rank, spec, ctx.place.backward)
+        engine.emulator = Emulator.for_rank(recipe, ctx.topo, ctx.rank, spec, ctx.place.backward, ctx.per_node)
     return engine
 
 

@@ -180,8 +180,12 @@ class Emulator:
     """One rank's emulated compute: op times of the current step, the waits, and a record."""
 
     def __init__(self, module: str, global_stage: int, dp: int, pp: int, ms_per_flop: float,
-                 backward: bool, cost_model, patch_size: int, special, role: str | None = None):
+                 backward: bool, cost_model, patch_size: int, special, role: str | None = None,
+                 sp: int = 1, sp_cost=None):
+        """``sp``, ``sp_cost``: the module's SP degree and how its all-to-alls are priced
+        (``reorder/sp_groups.py::SPCost``): each rank computes 1/sp of the work, then exchanges."""
         self.module, self.global_stage, self.dp, self.pp = module, global_stage, dp, pp
+        self.sp, self.sp_cost = sp, sp_cost
         self.role = role or module  # the three-module graph names its modules after their roles
         self.ms_per_flop, self.backward = ms_per_flop, backward
         self.cost_model, self.patch_size, self.special = cost_model, patch_size, special
@@ -190,16 +194,17 @@ class Emulator:
         self.steps: list[dict] = []
 
     @classmethod
-    def for_rank(cls, recipe, topo: Topology, rank: int, spec, backward: bool) -> "Emulator":
+    def for_rank(cls, recipe, topo: Topology, rank: int, spec, backward: bool, per_node: int = 1) -> "Emulator":
         # deferred: loads torch (safetensors too)
-        from disttrain_ds.runtime.setup import cost_model
+        from disttrain_ds.runtime.setup import cost_model, sp_cost
 
         grid = topo.module_of(rank)
         stage, dp, _ = grid.coords(rank)
         rate = recipe_rates(recipe, topo)[grid.name]
         return cls(grid.name, topo.stage_offset(grid.name) + stage, dp, grid.pp, rate, backward,
                    cost_model(recipe), patch_size(recipe, grid.name), spec.special,
-                   role=graph_of(recipe).role(grid.name))
+                   role=graph_of(recipe).role(grid.name), sp=grid.sp,
+                   sp_cost=sp_cost(recipe, spec, grid.name, per_node) if grid.sp > 1 else None)
 
     def set_step(self, step: int, blocks: Sequence[Sequence], started: float | None = None,
                  peers: dict[str, list[list[int]]] | None = None) -> None:
@@ -212,6 +217,9 @@ class Emulator:
         for block in blocks:
             flops = [sample_flops(self.cost_model, self.module, s, self.patch_size, self.special) for s in block]
             f, b = microbatch_ms(flops, self.ms_per_flop, self.pp)
+            if self.sp > 1:  # 1/sp of the work each, then this stage's share of the all-to-alls, half each way
+                a2a = sum(self.sp_cost.a2a_ms(int(s.input_ids.shape[0]), self.sp) for s in block) / self.pp / 2
+                f, b = f / self.sp + a2a, b / self.sp + a2a
             self.fwd_ms.append(f)
             self.bwd_ms.append(b if self.backward else 0.0)
         self.steps.append({"step": step + 1, "fwd_ms": list(self.fwd_ms), "bwd_ms": list(self.bwd_ms),

@@ -35,10 +35,9 @@ import numpy as np
 from disttrain_ds.comm.routes import blocks
 from disttrain_ds.cost.graph_costs import unit_costs
 from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.data.config import longest_seq
 from disttrain_ds.reorder.post_balance import assign, owners_of, share_cap
-from disttrain_ds.reorder.sp_groups import SPCost, covering_groups, transformer_cost
-from disttrain_ds.runtime.setup import cost_model
+from disttrain_ds.reorder.sp_groups import covering_groups
+from disttrain_ds.runtime.setup import cost_model, sp_cost
 from disttrain_ds.samples import PackedSample
 
 Unit = tuple[int, int]
@@ -103,21 +102,6 @@ def _keep_targets(s: PackedSample, js: list[int], spec, module: str) -> PackedSa
     index = [()] * len(gen)
     index[k] = tuple(ids[j] for j in js)
     return replace(s, images=[], audio=[], gen_targets=gen, target_index=tuple(index))
-
-
-def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
-    """How adaptive SP prices the LLM ``module``'s sequences: its FLOPs at ``train.peak_tflops``
-    (400 when unset: only ratios matter), all-to-alls at ``parallel.sp_bandwidth_gbs`` (a group of
-    more than ``per_node`` ranks crosses nodes), and as many tokens per GPU as the memory check
-    allows (``train.micro_batch`` sequences of ``data.max_seq_len``)."""
-    cfg, mp = spec.llm, recipe.parallel.modules[module]
-    inside, across = recipe.parallel.sp_bandwidth_gbs
-    sizes = [1 << k for k in range(1, mp.dp.bit_length())]
-    return transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
-                            kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, head_dim=cfg.head_dim or None,
-                            tflops=recipe.train.peak_tflops or 400.0, tp=mp.tp,
-                            bandwidth_gbs={p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside},
-                            tokens_per_gpu=recipe.train.micro_batch * longest_seq(recipe.data))
 
 
 class Placement:

@@ -11,6 +11,7 @@ from disttrain_ds.checkpoint.read import STEP_DIRS
 from disttrain_ds.cost.dims import TransformerDims
 from disttrain_ds.cost.graph_costs import GraphCosts
 from disttrain_ds.cost.model import CostModel, UNetDims
+from disttrain_ds.data.config import longest_seq
 from disttrain_ds.data.host_read import slot_columns
 from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.registry import open_source, resolve
@@ -21,6 +22,7 @@ from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.mllm.recipe_spec import recipe_spec
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
 from disttrain_ds.recipe.schema import Recipe
+from disttrain_ds.reorder.sp_groups import SPCost, transformer_cost
 from disttrain_ds.samples import GenShape, ShapeSpec
 
 
@@ -172,3 +174,19 @@ def build_optimizer(recipe: Recipe, groups: list[dict]) -> torch.optim.Optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
+    """How SP (adaptive groups, emulated compute) prices the LLM ``module``'s sequences: its FLOPs at ``train.peak_tflops``
+    (400 when unset: only ratios matter), all-to-alls at ``parallel.sp_bandwidth_gbs`` (a group of
+    more than ``per_node`` ranks crosses nodes), and as many tokens per GPU as the memory check
+    allows (``train.micro_batch`` sequences of ``data.max_seq_len``)."""
+    cfg, mp = spec.llm, recipe.parallel.modules[module]
+    inside, across = recipe.parallel.sp_bandwidth_gbs
+    top = mp.dp if mp.sp == "auto" else mp.sp  # the largest group
+    sizes = [1 << k for k in range(1, top.bit_length())]
+    return transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
+                            kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, head_dim=cfg.head_dim or None,
+                            tflops=recipe.train.peak_tflops or 400.0, tp=mp.tp,
+                            bandwidth_gbs={p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside},
+                            tokens_per_gpu=recipe.train.micro_batch * longest_seq(recipe.data))

@@ -128,13 +128,24 @@ def links(ranks: Sequence[RankCosts], slot: int) -> dict[tuple[int, int, int], l
             for r in ranks for kind in (FWD, BWD) for i in range(k)}
 
 
+def talkers(ranks: Sequence[RankCosts]) -> list[RankCosts]:
+    """One rank per (module, stage, replica): the lowest, TP and SP index 0, which talks across
+    boundaries; its TP and SP peers run each op in step with it through their collectives (an SP
+    member's op also holds its wait for the lead's inputs), so they are not timelines of their own."""
+    seen: dict[tuple[str, int, int], RankCosts] = {}
+    for r in sorted(ranks, key=lambda r: r.rank):
+        seen.setdefault((r.module, r.global_stage, r.dp), r)
+    return sorted(seen.values(), key=lambda r: r.rank)
+
+
 def simulate_ranks(ranks: Sequence[RankCosts], slot: int,
                    overheads: Overheads = Overheads()) -> tuple[float, list[dict]]:
     """Like :func:`simulate_step`, with every rank its own timeline instead of lock-step
     replicas: each rank runs its stage's 1F1B op order (``stage_order``), an op starting once
     the rank is free (with ``prep``: no earlier than its data preparation) and the ranks it
     receives from (:func:`links`) have produced that microbatch plus ``comm_ms``. Returns the
-    time and every op as a timeline event."""
+    time and every op as a timeline event. TP and SP peers follow their talker (:func:`talkers`)."""
+    ranks = talkers(ranks)
     k, p, o = len(ranks[0].fwd_ms), 1 + max(r.global_stage for r in ranks), overheads
     deps, tails = links(ranks, slot), o.tail_ms or (0.0,) * p
     todo = {r.rank: stage_order(k, p, r.global_stage) for r in ranks}
@@ -163,6 +174,8 @@ def crossing_latencies(spans: dict[int, list[dict]], ranks: Sequence[RankCosts],
     """Latency (ms) of every pipeline crossing in one step's trace whose receiver waited (the
     receive was posted before its data was produced): receive end - the latest end of the
     producing ops (:func:`links`). ``spans`` as :func:`measure_overheads` takes them."""
+    ranks = talkers(ranks)
+    spans = {r.rank: spans[r.rank] for r in ranks if r.rank in spans}
     deps = links(ranks, slot)
     ends = {(rank, x["name"], x["mb"]): x["end"] for rank, sp in spans.items() for x in sp
             if x["name"] in ("forward", "backward")}
@@ -190,6 +203,8 @@ def measure_overheads(spans: dict[int, list[dict]], ranks: Sequence[RankCosts], 
     * ``tail_ms``: per stage, the smallest (last span end - last backward end) of its ranks: the
       replica that reached the gradient all-reduce last did not wait in it.
     """
+    ranks = talkers(ranks)
+    spans = {r.rank: spans[r.rank] for r in ranks if r.rank in spans}
     by_rank = {r.rank: r for r in ranks}
     per_op, tails = [], {}
     for rank, sp in spans.items():

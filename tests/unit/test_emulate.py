@@ -276,6 +276,26 @@ def test_rank_costs_follow_the_recipe_data_and_average_to_the_profile(tmp_path):
     assert llm_stage1.global_stage == 2 and llm_stage1.steps[0]["step"] == 1
 
 
+def test_an_sp_rank_emulates_its_share_of_the_work_and_the_all_to_alls(tmp_path):
+    """SP 2: each LLM rank waits half a sample's compute plus its all-to-alls (SPCost at
+    parallel.sp_bandwidth_gbs), half of them forward and half backward."""
+    over = [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}", "parallel.llm.pp=1",
+            "parallel.sp_bandwidth_gbs=[0.001,0.001]"]
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    plain, split = load_recipe(TINY, over), load_recipe(TINY, [*over, "parallel.llm.sp=2"])
+    source, spec = build_data_and_spec(plain)
+    samples = source.global_batch(0)
+    one = Emulator.for_rank(plain, topology_of(plain), 1, spec, backward=True)
+    two = Emulator.for_rank(split, topology_of(split), 2, spec, backward=True)  # SP index 1
+    one.set_step(0, [[s] for s in samples])
+    two.set_step(0, [[s] for s in samples])
+    a2a = [two.sp_cost.a2a_ms(int(s.input_ids.shape[0]), 2) / 2 for s in samples]
+    assert min(a2a) > 1.0  # a slow link: the all-to-alls show
+    assert two.fwd_ms == pytest.approx([f / 2 + a for f, a in zip(one.fwd_ms, a2a)])
+    assert two.bwd_ms == pytest.approx([b / 2 + a for b, a in zip(one.bwd_ms, a2a)])
+
+
 # --------------------------------------------------------------------------- recipe checks
 
 

@@ -75,7 +75,7 @@ def test_topology_of_an_sp_recipe_counts_its_ranks_and_says_sp():
     (["parallel.llm.sp=4", "model.llm.kv_heads=6", "model.llm.heads=12", "model.llm.hidden_size=96"],
      "parallel.llm.sp", "kv_heads per TP rank"),
     (["parallel.llm.sp=2", "data.seq_len=127"], "parallel.llm.sp", "seq_len 127"),
-    (["parallel.llm.sp=2", "emulate.enabled=true"], "emulate.enabled", "sequence parallelism"),
+    (["parallel.llm.sp=auto", "parallel.llm.dp=4", "train.global_batch=4", "emulate.enabled=true"], "emulate.enabled", "adaptive SP"),
 ])
 def test_sp_the_runtime_cannot_run_is_refused_in_one_line(overrides, key, words):
     with pytest.raises(ConfigError) as e:
