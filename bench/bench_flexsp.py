@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import statistics
 import sys
 import time
 from collections import Counter

@@ -3,6 +3,7 @@
     python bench/emulated.py --quick             # 8 ranks, one profile, no reordering (~3-4 min)
     python bench/emulated.py                     # 8 and 16 ranks, both profiles, +/- reordering
     python bench/emulated.py --quick --recipe tiny_vlm   # a module graph: vision -> llm, no generator
+    python bench/emulated.py --quick --sp 2 --only sp2   # the disaggregated plan with the LLM at SP 2
 
 Every configuration is a real ``torchrun`` job of ``tools/train.py`` (processes, rank groups,
 communicator, 1F1B schedule, reordering, data producers, optimizer steps) with ``emulate.enabled``:
@@ -163,22 +164,25 @@ class Config:
     profile_path: Path
     reps: list[dict] = field(default_factory=list)
     post_balance: bool = False
+    sp: int = 1
+    """The LLM's sequence-parallel degree (its ranks times this)."""
 
     @property
     def name(self) -> str:
-        return f"{self.layout}{' + reorder' if self.reorder else ''}{' + post-balance' if self.post_balance else ''}"
+        return (f"{self.layout}{' + reorder' if self.reorder else ''}{' + post-balance' if self.post_balance else ''}"
+                f"{f' + LLM SP {self.sp}' if self.sp > 1 else ''}")
 
     @property
     def slug(self) -> str:
         return (f"{self.profile}_{self.ranks}r_{self.layout[:4]}{'_reorder' if self.reorder else ''}"
-                f"{'_post' if self.post_balance else ''}")
+                f"{'_post' if self.post_balance else ''}{f'_sp{self.sp}' if self.sp > 1 else ''}")
 
     @property
     def world(self) -> int:
         p = self.plan
         if self.layout == "monolithic":
             return p.llm.dp * (p.llm.pp + len(p.graph.names) - 1)
-        return sum(p.module(m).dp * p.module(m).pp for m in p.graph.names)
+        return sum(p.module(m).dp * p.module(m).pp * (self.sp if m == p.graph.llm else 1) for m in p.graph.names)
 
     def overrides(self, run_dir: Path, steps: int, batch: int) -> list[str]:
         from disttrain_ds.recipe.graph import module_key, parallel_key
@@ -198,7 +202,7 @@ class Config:
             f"emulate.profile={self.profile_path}", f"emulate.time_scale={TIME_SCALE[self.profile]}",
             f"logging.dir={run_dir}", "logging.wandb=disabled", "logging.every=1000",
             "parallel.heartbeat_timeout_s=120", "parallel.comm_timeout_s=600",
-            f"parallel.post_balance={str(self.post_balance).lower()}"]
+            f"parallel.post_balance={str(self.post_balance).lower()}", f"{parallel_key(recipe, llm)}.sp={self.sp}"]
 
 
 def launch(cfg: Config, run_dir: Path, steps: int, batch: int) -> None:
@@ -326,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run directories (must not exist yet)")
     ap.add_argument("--gantt-dir", type=Path, default=None, help="Gantt PNGs (default: OUT/gantt)")
     ap.add_argument("--only", default="", help="run only configurations whose name contains this (e.g. 16r_disa)")
+    ap.add_argument("--sp", type=int, default=1,
+                    help="also run every disaggregated configuration with the LLM at this SP degree (more ranks)")
     ap.add_argument("--post-balance", action="store_true",
                     help="also run every disaggregated configuration with parallel.post_balance")
     args = ap.parse_args(argv)
@@ -363,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                     if args.post_balance and layout == "disaggregated":
                         cfgs.append(Config(name, n, p.global_batch, layout, reorder, plans[layout], path,
                                            post_balance=True))
+                    if args.sp > 1 and layout == "disaggregated":
+                        cfgs.append(Config(name, n, p.global_batch, layout, reorder, plans[layout], path, sp=args.sp))
     cfgs = [c for c in cfgs if args.only in c.slug]
     if not cfgs:
         raise BenchError(f"--only {args.only!r} matches no configuration")

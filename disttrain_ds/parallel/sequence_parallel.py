@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 
-
 class _AllToAll(torch.autograd.Function):
     """All-to-all over dim 0 in ``size`` equal chunks; backward: the same exchange (self-inverse)."""
 

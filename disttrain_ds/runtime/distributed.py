@@ -8,11 +8,11 @@ gathered from every rank) and the callbacks (``runtime/callbacks/``).
 
 from __future__ import annotations
 
-from collections import Counter
 import dataclasses
 import os
 import secrets
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable

@@ -3,11 +3,10 @@ with measured overheads, the wait itself, and the recipe checks."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import dataclasses
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np

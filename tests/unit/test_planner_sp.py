@@ -6,11 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_planner import outcome, random_profile  # tests/unit is on sys.path under pytest
 
 from disttrain_ds.cost.profile_file import ProfileError, profile_from_dict, profile_to_dict
 from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
-
-from test_planner import outcome, random_profile  # tests/unit is on sys.path under pytest
 
 
 def with_sp(seed: int, overhead: float | None = None) -> dict:
@@ -95,13 +94,12 @@ def test_sp_fields_survive_a_round_trip_and_the_plan_says_sp():
 
 def test_planned_recipe_runs_the_llm_with_the_sp_degree_the_search_chose(run_main, tmp_path):
     import json
+    from pathlib import Path
 
     from disttrain_ds.cli import plan as cli
     from disttrain_ds.planner import optimize
     from disttrain_ds.recipe.graph import topology_of
     from disttrain_ds.recipe.schema import load_recipe
-
-    from pathlib import Path
 
     data = json.loads((Path(optimize.__file__).parent / "examples" / "tiny_cpu.json").read_text())
     data["gpus"] = 12
