@@ -345,33 +345,21 @@ def test_launch_trains_tiny_disaggregated_recipe_through_deepspeed(tmp_path):
 # --- tensor-parallel groups and hosts ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("axis, words", [("tp", "tensor-parallel group span hosts"),
+                                         ("sp", "sequence-parallel group span hosts")])
 @pytest.mark.parametrize("hosts, spans", [("localhost slots=2\n127.0.0.2 slots=2\n", True),
                                           ("localhost slots=1\n127.0.0.2 slots=3\n", False)])
-def test_dry_run_warns_when_a_tp_group_spans_hosts(tmp_path, run, hosts, spans):
-    # encoder rank 0, LLM TP=2 on ranks 1-2, generator rank 3: 2 + 2 slots split the TP pair.
+def test_dry_run_warns_when_a_tp_or_sp_group_spans_hosts(tmp_path, run, hosts, spans, axis, words):
+    # encoder rank 0, LLM TP=2 (or SP=2) on ranks 1-2, generator rank 3: 2 + 2 slots split the pair.
     path = hostfile(tmp_path, hosts)
     code, out, err = run("--hostfile", path, "--dry-run", "--skip-reachability", "--recipe", TINY,
-                         "layout=disaggregated", "parallel.llm.tp=2", "parallel.llm.pp=1")
+                         "layout=disaggregated", f"parallel.llm.{axis}=2", "parallel.llm.pp=1")
     assert code == 0, err
     warning = [line for line in out.splitlines() if line.startswith("warning:")]
     if spans:
-        assert len(warning) == 1 and "1 tensor-parallel group span hosts" in warning[0]
+        assert len(warning) == 1 and f"1 {words}" in warning[0]
         assert "llm ranks 1-2 (localhost, 127.0.0.2)" in warning[0]
     else:
         assert warning == []
 
 
-@pytest.mark.parametrize("hosts, spans", [("localhost slots=2\n127.0.0.2 slots=2\n", True),
-                                          ("localhost slots=1\n127.0.0.2 slots=3\n", False)])
-def test_dry_run_warns_when_an_sp_group_spans_hosts(tmp_path, run, hosts, spans):
-    # encoder rank 0, LLM SP=2 on ranks 1-2, generator rank 3: 2 + 2 slots split the SP pair.
-    path = hostfile(tmp_path, hosts)
-    code, out, err = run("--hostfile", path, "--dry-run", "--skip-reachability", "--recipe", TINY,
-                         "layout=disaggregated", "parallel.llm.sp=2", "parallel.llm.pp=1")
-    assert code == 0, err
-    warning = [line for line in out.splitlines() if line.startswith("warning:")]
-    if spans:
-        assert len(warning) == 1 and "1 sequence-parallel group span hosts" in warning[0]
-        assert "all-to-alls" in warning[0] and "llm ranks 1-2 (localhost, 127.0.0.2)" in warning[0]
-    else:
-        assert warning == []
