@@ -74,6 +74,8 @@ def data_fingerprint(head: list, data: dict, shape: ShapeSpec, split: Split, unu
     data = dict(data)
     for drop in ("producers", "queue_depth", "reorder", "cache_dir", "read", *unused):  # do not change the samples
         data.pop(drop, None)
+    if not data.get("max_seq_len"):  # off (0): packed as before the field existed
+        data.pop("max_seq_len", None)
     facts = shape_facts(shape, costs_as_hashed)
     facts.pop("columns")  # where parts' samples sit in the global batch, not what they are
     if not facts["more_gens"]:  # one generator: runs from before generators were named keep their fingerprint

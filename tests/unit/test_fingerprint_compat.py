@@ -90,7 +90,7 @@ def _pre_vae_data_fingerprint(src) -> str:
     from disttrain_ds.data.fingerprint import shape_facts
 
     facts = [src.fmt, str(src.path), len(src.table), src.seed, src.batch, asdict(src.cfg), shape_facts(src.shape, False)]
-    for drop in ("producers", "queue_depth", "reorder", "cache_dir", *src._unused_keys, "read"):  # read: later
+    for drop in ("producers", "queue_depth", "reorder", "cache_dir", *src._unused_keys, "read", "max_seq_len"):  # later
         facts[5].pop(drop, None)
     for drop in ("dp_size", "micro_batch", "vae", "more_gens", "columns", "gen_name"):  # all but the first two: later
         facts[6].pop(drop, None)
