@@ -101,7 +101,9 @@ class Packer:
             return False
         cfg = self.ctx.cfg
         if isinstance(seg, ImageSeg):
-            return fill.gens < cfg.gen_images[1] * fill.scale if seg.generate else fill.images < cfg.max_images * fill.scale
+            if seg.generate:
+                return fill.gens < cfg.gen_images[1] * fill.scale
+            return fill.images < cfg.max_images * fill.scale
         if isinstance(seg, AudioSeg):
             return fill.clips < cfg.max_audio * fill.scale
         return True

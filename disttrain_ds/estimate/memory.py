@@ -297,7 +297,8 @@ def estimate(recipe) -> list[StageMemory]:
             # ZeRO shards optimizer state over DeepSpeed's whole data axis (DP x SP).
             parts = _per_gpu(st.params, st.kept, state_bytes(recipe, grid.name), grid.data_size, grid.tp, samples, k,
                              st.workspace)
-            ranks = range(grid.rank(stage=s, dp=0), grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1, sp=grid.sp - 1) + 1)
+            last = grid.rank(stage=s, dp=grid.dp - 1, tp=grid.tp - 1, sp=grid.sp - 1)
+            ranks = range(grid.rank(stage=s, dp=0), last + 1)
             rows.append(StageMemory(grid.name, s, ranks, range(bounds[s], bounds[s + 1]), int(st.params), *parts,
                                     k, samples, extra if s == 0 else 0.0, bucket))
     return rows

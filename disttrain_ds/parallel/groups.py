@@ -65,8 +65,9 @@ def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str
     group per boundary channel (each graph edge's activations and gradients, ``p2p.channel``: the
     upstream module's last-stage ranks and the downstream's first-stage ones; ``edges`` None: a
     chain in ``modules`` order), then each module's DeepSpeed grid groups (replica, data, pipe, model
-    axes, as ``SubsetGrid`` uses them), its sequence-parallel groups where SP > 1 and, for the modules named in ``tied`` (a weight shared by
-    their first and last layers), their tied-weight groups. Pure: every rank computes the same list."""
+    axes, as ``SubsetGrid`` uses them), its sequence-parallel groups (where SP > 1; with ``sp: auto``
+    every aligned group a microbatch may form) and, for the modules named in ``tied`` (a weight shared
+    by their first and last layers), their tied-weight groups. Pure: every rank computes the same list."""
     everyone = tuple(range(world))
     specs = [GroupSpec((META,), everyone, "gloo")]
     grids = {m.name: m for m in modules}
@@ -83,7 +84,8 @@ def plan_groups(modules: tuple[ModuleGrid, ...], world: int, tied: frozenset[str
         if m.sp > 1:
             specs += [GroupSpec((m.name, SEQ, i), tuple(r)) for i, r in enumerate(m.sp_groups())]
         # Adaptive SP: every group a microbatch may form, made once (keyed by (first, size, ranks)).
-        specs += [GroupSpec((m.name, SEQ, (first, size, tuple(r))), tuple(r)) for (first, size), r in m.adaptive_groups()]
+        specs += [GroupSpec((m.name, SEQ, (first, size, tuple(r))), tuple(r))
+                  for (first, size), r in m.adaptive_groups()]
         if m.name in tied:
             specs += [GroupSpec((m.name, TIED, i), pair) for i, pair in enumerate(tied_pairs(m))]
     return specs

@@ -97,7 +97,8 @@ class Plan:
         """The plan as plain data: per-module gpus/dp/tp/pp, the closed form's three times, the
         predicted time under 1F1B, where each module's cost at its TP degree comes from, and the
         simulated time when the plan was chosen among finalists."""
-        out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp, **({"sp": m.sp} if m.sp > 1 else {})}
+        out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp,
+                                   **({"sp": m.sp} if m.sp > 1 else {})}
                                for n, m in self.modules.items()}
         out.update(t_iter_ms=self.t_iter_ms, t_warmup_ms=self.t_warmup_ms,
                    t_steady_ms=self.t_steady_ms, t_pred_ms=self.t_pred_ms,

@@ -328,7 +328,8 @@ def _train(job: JobStart) -> int:
     engine = _engine(ctx, spec, pm, upstreams, downstreams, frozen, sp)
     # Compiled kernels (flex attention) are built now, not inside step 1 under the step's deadlines;
     # the broadcast below is the last start-up collective, so no rank's step waits on a compile.
-    for length in range(recipe.data.seq_len, longest_seq(recipe.data) + 1, recipe.data.seq_len):  # every length the data makes
+    # Every length the data makes (multiples of seq_len up to max_seq_len).
+    for length in range(recipe.data.seq_len, longest_seq(recipe.data) + 1, recipe.data.seq_len):
         warm_up_stage(pm, batch=slot // grid.dp, seq_len=length, device=device, tp=grid.tp, sp=grid.sp,
                       backward=place.backward)
 

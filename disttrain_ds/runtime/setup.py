@@ -177,8 +177,8 @@ def build_optimizer(recipe: Recipe, groups: list[dict]) -> torch.optim.Optimizer
 
 
 def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
-    """How SP (adaptive groups, emulated compute) prices the LLM ``module``'s sequences: its FLOPs at ``train.peak_tflops``
-    (400 when unset: only ratios matter), all-to-alls at ``parallel.sp_bandwidth_gbs`` (a group of
+    """How SP (adaptive groups, emulated compute) prices the LLM ``module``'s sequences: its FLOPs
+    at ``train.peak_tflops`` (400 when unset: only ratios matter), all-to-alls at ``parallel.sp_bandwidth_gbs`` (a group of
     more than ``per_node`` ranks crosses nodes), and as many tokens per GPU as the memory check
     allows (``train.micro_batch`` sequences of ``data.max_seq_len``)."""
     cfg, mp = spec.llm, recipe.parallel.modules[module]
