@@ -45,6 +45,18 @@ class ProfileError(ConfigError):
     """A profile is invalid; the message is one line naming the field and the file."""
 
 
+def sp_head_problem(heads: int, kv_heads: int, tp: int, sp: int) -> str | None:
+    """Which head count keeps SP degree ``sp`` from splitting attention at TP ``tp`` ("heads" or
+    "kv_heads"), or None: query heads per TP rank must divide by SP; KV heads per TP rank must divide
+    it or be divisible by it (fewer are repeated, ``models/doc_mask.py``)."""
+    if heads % tp or (heads // tp) % sp:
+        return "heads"
+    kv = kv_heads // tp if kv_heads % tp == 0 else 0
+    if not kv or (kv % sp and sp % kv):
+        return "kv_heads"
+    return None
+
+
 @dataclass(frozen=True)
 class ModuleProfile:
     """Measured cost and (optional) memory figures of one module."""
@@ -144,7 +156,7 @@ class ModuleProfile:
         for s in sorted(self.sp_overhead_ms):
             if tp * s > gpus_per_node or gpus_per_node % (tp * s):
                 continue
-            if heads and (heads % tp or (heads // tp) % s or kv % tp or ((kv // tp) % s and s % (kv // tp))):
+            if heads and sp_head_problem(heads, kv, tp, s):
                 continue
             out.append(s)
         return tuple(out)

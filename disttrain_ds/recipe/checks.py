@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from disttrain_ds.cost.profile import sp_head_problem
 from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.data.config import RECORD_SOURCES, SHARD_PATHS, data_problem
 from disttrain_ds.errors import ConfigError
@@ -209,11 +210,9 @@ def check_sequence_parallel(r: Recipe, graph: ModuleGraph, name: str, mp: Module
         _check(not r.parallel.post_balance, src, key, "auto is not combined with parallel.post_balance yet")
         sp = mp.dp
     llm = module_config(r, name)
-    _check(llm.heads % mp.tp == 0 and (llm.heads // mp.tp) % sp == 0, src, key,
-           f"heads per TP rank ({llm.heads} / tp {mp.tp}) must be divisible by sp {sp}")
-    kv = llm.kv_heads // mp.tp
-    # Fewer KV heads than SP ranks: each is repeated for the ranks that read it (models/doc_mask.py).
-    _check(kv >= 1 and (kv % sp == 0 or sp % kv == 0), src, key,
+    bad = sp_head_problem(llm.heads, llm.kv_heads, mp.tp, sp)
+    _check(bad != "heads", src, key, f"heads per TP rank ({llm.heads} / tp {mp.tp}) must be divisible by sp {sp}")
+    _check(bad != "kv_heads", src, key,
            f"kv_heads per TP rank ({llm.kv_heads} / tp {mp.tp}) must divide or be divisible by sp {sp}")
     _check(r.data.seq_len % sp == 0, src, key, f"data.seq_len {r.data.seq_len} must be divisible by sp {sp}")
 
