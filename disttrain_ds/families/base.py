@@ -110,6 +110,9 @@ class Family:
     """Integer config fields that may be zero or negative (an LLM's ``vocab_size``: 0 takes the
     tokenizer's; a tower's ``feature_layer``: -2 counts from the end); ``problems`` checks them.
     Every other integer field must be >= 1."""
+    sp_heads: Callable[[Any], tuple[int, int]] | None = None
+    """cfg -> (query heads, KV heads) of its attention layers, which sequence parallelism
+    (``parallel.<module>.sp``) splits among its ranks; None: the family's layers have no SP path."""
     not_trainable: str = ""
     """Why recipes cannot train this family yet (empty when they can): its layers are built and
     tested, but some part of the pipeline around them is missing."""

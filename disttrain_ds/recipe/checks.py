@@ -198,23 +198,27 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
 def check_sequence_parallel(r: Recipe, graph: ModuleGraph, name: str, mp: ModuleParallel, src: str) -> None:
     """``parallel.<module>.sp`` > 1: where it runs, and the sizes it must split."""
     key = f"{parallel_key(r, name)}.sp"
-    _check(name == graph.llm, src, key, f"sequence parallelism runs in the LLM ({graph.llm}) only, got sp={mp.sp}")
+    family = module_family(r, name)
+    _check(family.sp_heads is not None, src, key,
+           f"the {family.name} family has no sequence-parallel path (the LLM and the encoders have one), got sp={mp.sp}")
     _check(r.layout == "disaggregated", src, key,
-           f"needs layout disaggregated (the LLM on its own ranks), got {r.layout}")
+           f"needs layout disaggregated (the module on its own ranks), got {r.layout}")
     sp = mp.sp
     if sp == "auto":  # every power of two up to dp may be a group's size
+        _check(name == graph.llm, src, key, f"auto runs in the LLM ({graph.llm}) only; give {name} a fixed sp")
         _check(mp.dp & (mp.dp - 1) == 0, src, key, f"auto needs {parallel_key(r, name)}.dp a power of two "
                f"(groups are aligned powers of two), got {mp.dp}")
         _check(mp.activation_checkpointing == 0, src, key, "auto is not combined with activation_checkpointing "
                "(a recomputed layer would see another microbatch's groups); set one of them")
         _check(not r.parallel.post_balance, src, key, "auto is not combined with parallel.post_balance yet")
         sp = mp.dp
-    llm = module_config(r, name)
-    bad = sp_head_problem(llm.heads, llm.kv_heads, mp.tp, sp)
-    _check(bad != "heads", src, key, f"heads per TP rank ({llm.heads} / tp {mp.tp}) must be divisible by sp {sp}")
+    heads, kv_heads = family.sp_heads(module_config(r, name))
+    bad = sp_head_problem(heads, kv_heads, mp.tp, sp)
+    _check(bad != "heads", src, key, f"heads per TP rank ({heads} / tp {mp.tp}) must be divisible by sp {sp}")
     _check(bad != "kv_heads", src, key,
-           f"kv_heads per TP rank ({llm.kv_heads} / tp {mp.tp}) must divide or be divisible by sp {sp}")
-    _check(r.data.seq_len % sp == 0, src, key, f"data.seq_len {r.data.seq_len} must be divisible by sp {sp}")
+           f"kv_heads per TP rank ({kv_heads} / tp {mp.tp}) must divide or be divisible by sp {sp}")
+    if name == graph.llm:  # an encoder's packed rows are padded to a multiple of SP instead
+        _check(r.data.seq_len % sp == 0, src, key, f"data.seq_len {r.data.seq_len} must be divisible by sp {sp}")
 
 
 def check_optim(r: Recipe, graph: ModuleGraph, src: str) -> None:
@@ -257,6 +261,9 @@ def check_emulation(r: Recipe, graph: ModuleGraph, src: str) -> None:
         auto = [n for n in graph.names if module_parallel(r, n).sp == "auto"]
         _check(not auto, src, "emulate.enabled", f"emulated compute does not model adaptive SP groups yet "
                f"({', '.join(f'{n} sp=auto' for n in auto)}); run it for real or set a fixed sp")
+        encoders = [n for n in graph.names if n != graph.llm and module_parallel(r, n).sp != 1]
+        _check(not encoders, src, "emulate.enabled", f"emulated compute models sequence parallelism in the LLM only "
+               f"({', '.join(f'{n} sp={module_parallel(r, n).sp}' for n in encoders)}); run it for real")
         check_emulate(r, src)
 
 

@@ -28,7 +28,8 @@ when a checkpoint is re-sharded for another layout: the negative control for res
 (``data.read: host``): the negative control that a host missing its ranks' samples is caught.
 Every rank writes the sample ids it read per step (``reads_rank<r>.json``) and, with
 ``data.reorder`` on per-host reading, the ids at every position of each batch it reordered
-(``ordered_rank<r>.json``, null where another host's sample sits).
+(``ordered_rank<r>.json``, null where another host's sample sits), and how many sequence-parallel
+all-to-alls it ran (``a2a_rank<r>.json``).
 ``--fault member_only_groups`` makes each module's process groups with its members only
 (``use_local_synchronization``), as the runtime once did, and lifts the refusal of such groups: the
 negative control that an eager (device-bound) start-up stops, naming the ranks;
@@ -301,6 +302,16 @@ def main() -> int:
         return got
 
     host_order.HostOrder.__call__ = recording_call
+    from disttrain_ds.parallel import sequence_parallel
+
+    exchanges = [0]  # sequence-parallel all-to-alls this process ran (forward and backward)
+    original_exchange = sequence_parallel._exchange
+
+    def counting_exchange(x, group):
+        exchanges[0] += 1
+        return original_exchange(x, group)
+
+    sequence_parallel._exchange = counting_exchange
     rc = distributed.train_distributed(recipe, log=print, export_dir=str(out))
     rank = int(os.environ["RANK"])
     (out / f"sends_rank{rank}.json").write_text(json.dumps(sends))
@@ -309,6 +320,7 @@ def main() -> int:
     (out / f"recompute_rank{rank}.json").write_text(json.dumps(recomputed))
     (out / f"reads_rank{rank}.json").write_text(json.dumps(reads))
     (out / f"ordered_rank{rank}.json").write_text(json.dumps(ordered))
+    (out / f"a2a_rank{rank}.json").write_text(json.dumps(exchanges[0]))
     return rc
 
 

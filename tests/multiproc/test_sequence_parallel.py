@@ -178,16 +178,16 @@ SLOW_JOBS = {
 }
 
 
-def _job(name: str, jobs: dict, tmp_path, reference_run) -> None:
+def _job(name: str, jobs: dict, tmp_path, reference_run, module: str = "llm") -> None:
     nproc, overrides = jobs[name]
     rows, params, _ = launch(tmp_path, nproc, [STEPS, *SGD, "layout=disaggregated", *overrides])
     ref_losses, ref_params = reference_run([STEPS, *SGD, *(o for o in overrides if not o.startswith(("layout=", "parallel.")))])
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
-    llm = next(m for m in _topology(overrides).modules if m.name == "llm")
-    senders = {r for r in llm.ranks if json.loads((tmp_path / f"sends_rank{r}.json").read_text())}
-    assert senders and all(llm.sp_index(r) == 0 and llm.coords(r)[2] == 0 for r in senders), senders
+    grid = next(m for m in _topology(overrides).modules if m.name == module)
+    senders = {r for r in grid.ranks if json.loads((tmp_path / f"sends_rank{r}.json").read_text())}
+    assert senders and all(grid.sp_index(r) == 0 and grid.coords(r)[2] == 0 for r in senders), senders
 
 
 def _topology(overrides: list[str]):

@@ -68,7 +68,10 @@ def test_topology_of_an_sp_recipe_counts_its_ranks_and_says_sp():
 
 
 @pytest.mark.parametrize("overrides, key, words", [
-    (["parallel.encoder.sp=2"], "parallel.encoder.sp", "runs in the LLM"),
+    (["parallel.generator.sp=2"], "parallel.generator.sp", "unet family has no sequence-parallel path"),
+    (["parallel.encoder.sp=auto", "parallel.encoder.dp=2"], "parallel.encoder.sp", "auto runs in the LLM (llm) only"),
+    (["parallel.encoder.sp=4"], "parallel.encoder.sp", "heads per TP rank (2 / tp 1)"),
+    (["parallel.encoder.sp=2", "emulate.enabled=true"], "emulate.enabled", "encoder sp=2"),
     (["layout=monolithic", "parallel.llm.sp=2"], "parallel.llm.sp", "needs layout disaggregated"),
     (["parallel.llm.sp=0"], "parallel.llm.sp", "must be >= 1"),
     (["parallel.llm.sp=8"], "parallel.llm.sp", "heads per TP rank"),
@@ -84,6 +87,11 @@ def test_sp_the_runtime_cannot_run_is_refused_in_one_line(overrides, key, words)
     assert "\n" not in msg and f"'{key}'" in msg and words in msg, msg
 
 
+def test_an_encoder_at_sp_pads_its_rows_so_seq_len_need_not_divide():
+    r = load_recipe("tiny_cpu", ["layout=disaggregated", "parallel.encoder.sp=2", "data.seq_len=127"])
+    assert topology_of(r).module("encoder").sp == 2
+
+
 def test_kv_heads_fewer_than_sp_ranks_are_accepted():
     load_recipe("tiny_cpu", ["layout=disaggregated", "parallel.llm.sp=4", "parallel.llm.pp=1"])  # kv_heads 2 < sp 4
 
@@ -95,6 +103,9 @@ def test_memory_estimate_keeps_a_slice_of_every_sequence_per_sp_rank():
     assert a / 2 < b < a, (a, b)  # halved, but for the inputs every SP rank receives whole
     assert list(two["llm"].ranks) == [1, 2]
     assert two["encoder"].activations == one["encoder"].activations
+    enc = {r.module: r for r in estimate(load_recipe("tiny_cpu", ["layout=disaggregated", "parallel.encoder.sp=2"]))}
+    a, b = one["encoder"].activations, enc["encoder"].activations
+    assert a / 2 < b < a and list(enc["encoder"].ranks) == [0, 1], (a, b)  # an encoder's rows too
 
 
 def test_sp_context_shards_contiguous_slices_and_refuses_an_uneven_split():

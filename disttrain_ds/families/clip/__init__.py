@@ -64,6 +64,7 @@ def tower_family(name: str, presets: dict[str, dict], formats: str, checkpoint_f
         item_size=patches,
         item_flops=lambda cfg, n: tower_item_flops(cfg, n, cls_token),
         rows=rows,
+        sp_heads=lambda cfg: (cfg.heads, cfg.heads),
         signed=("feature_layer",),  # -2: the layer before the last
     )
 

@@ -6,6 +6,10 @@ Written for CLIP; SigLIP's tower (no CLS, no pre-LayerNorm) reuses it through it
 (``hidden`` [tokens of all images, width] and one count per image), each layer running the images of
 one token count together as a batch. The tower's final LayerNorm is not part of the features (LLaVA
 reads the hidden states as they are); the head keeps it, frozen, so that export writes a whole model.
+
+Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``) the
+embedding keeps this rank's slice of the packed rows, each block attends through the exchange of
+``models/packed_sp.py``, and the head gathers the rows back.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.clip.config import VisionTowerConfig, run_layers
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.models.packed import per_item
+from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
 from disttrain_ds.models.pixels import unpack_images
 
 
@@ -79,6 +84,7 @@ class TowerEmbed(nn.Module):
 
     def __init__(self, embeddings: nn.Module, pre_norm: nn.Module | None):
         super().__init__()
+        self.seq_parallel = None
         self.embeddings, self.pre_norm = embeddings, pre_norm
 
     def forward(self, inputs):
@@ -90,7 +96,10 @@ class TowerEmbed(nn.Module):
             counts.append(emb.shape[0])
         width = self.embeddings.patch_embedding.out_channels
         hidden = torch.cat(rows) if rows else flat.new_zeros(0, width)
-        return hidden, torch.tensor(counts, dtype=torch.long, device=hidden.device)
+        counts = torch.tensor(counts, dtype=torch.long, device=hidden.device)
+        if self.seq_parallel is not None:
+            hidden = shard_rows(hidden, self.seq_parallel)
+        return hidden, counts
 
 
 class TowerBlock(nn.Module):
@@ -98,10 +107,13 @@ class TowerBlock(nn.Module):
 
     def __init__(self, layer: nn.Module):
         super().__init__()
+        self.seq_parallel = None
         self.layer = layer
 
     def forward(self, inputs):
         hidden, counts = inputs
+        if self.seq_parallel is not None:
+            return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         return per_item(lambda x: self.layer(x, attention_mask=None), hidden, counts), counts
 
 
@@ -111,10 +123,13 @@ class TowerHead(nn.Module):
 
     def __init__(self, post_layernorm: nn.Module, cls: bool):
         super().__init__()
+        self.seq_parallel = None
         self.post_layernorm, self.cls = post_layernorm.requires_grad_(False), cls
 
     def forward(self, inputs):
         hidden, counts = inputs
+        if self.seq_parallel is not None:
+            hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
         if not self.cls:
             return hidden
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)

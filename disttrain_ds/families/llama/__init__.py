@@ -67,5 +67,6 @@ FAMILY = Family(
     activation_layers=decoder_activation_layers,
     hf_formats="transformers LlamaForCausalLM or LlamaModel",
     checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("llama",)),
+    sp_heads=lambda cfg: (cfg.heads, cfg.kv_heads),
     signed=("vocab_size", "head_dim"),  # 0: the tokenizer's size, hidden_size / heads
 )

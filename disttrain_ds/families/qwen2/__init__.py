@@ -46,5 +46,6 @@ FAMILY = Family(
     activation_layers=decoder_activation_layers,  # Qwen2's q/k/v biases are parameters only
     hf_formats="transformers Qwen2ForCausalLM or Qwen2Model",
     checkpoint_fields=lambda hf, where: decoder_fields(hf, where, ("qwen2",), biases=False),
+    sp_heads=lambda cfg: (cfg.heads, cfg.kv_heads),
     signed=("vocab_size", "head_dim"),  # 0: the tokenizer's size
 )

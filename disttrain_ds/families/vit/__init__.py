@@ -50,4 +50,5 @@ FAMILY = Family(
     item_size=patches,
     item_flops=item_flops,
     rows=rows,
+    sp_heads=lambda cfg: (cfg.heads, cfg.heads),
 )

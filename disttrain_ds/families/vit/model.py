@@ -4,6 +4,10 @@ Images of different resolutions give different numbers of patches, so activation
 ``hidden`` is [sum of tokens over images, width] and ``counts`` (int64, one entry per image) says
 how many rows belong to each image. Attention must stay within an image, so each block runs the
 images of equal token count together as one batch (no padding, no mask, exact).
+
+Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``) the
+embedding keeps this rank's slice of the packed rows, each block attends through the exchange of
+``models/packed_sp.py``, and the head gathers the rows back before its norm.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.models.packed import per_item
+from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
 from disttrain_ds.models.pixels import unpack_images
 
 
@@ -66,6 +71,7 @@ class VitEmbed(nn.Module):
 
     def __init__(self, embeddings: nn.Module):
         super().__init__()
+        self.seq_parallel = None
         self.embeddings = embeddings
 
     def forward(self, inputs):
@@ -79,7 +85,10 @@ class VitEmbed(nn.Module):
             counts.append(emb.shape[1])
         width = self.embeddings.cls_token.shape[-1]
         hidden = torch.cat(rows) if rows else flat.new_zeros(0, width)
-        return hidden, torch.tensor(counts, dtype=torch.long, device=hidden.device)
+        counts = torch.tensor(counts, dtype=torch.long, device=hidden.device)
+        if self.seq_parallel is not None:
+            hidden = shard_rows(hidden, self.seq_parallel)
+        return hidden, counts
 
 
 class VitBlock(nn.Module):
@@ -87,10 +96,13 @@ class VitBlock(nn.Module):
 
     def __init__(self, layer: nn.Module):
         super().__init__()
+        self.seq_parallel = None
         self.layer = layer
 
     def forward(self, inputs):
         hidden, counts = inputs
+        if self.seq_parallel is not None:
+            return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         return per_item(self.layer, hidden, counts), counts
 
 
@@ -99,10 +111,13 @@ class VitHead(nn.Module):
 
     def __init__(self, layernorm: nn.Module):
         super().__init__()
+        self.seq_parallel = None
         self.layernorm = layernorm
 
     def forward(self, inputs):
         hidden, counts = inputs
+        if self.seq_parallel is not None:
+            hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
         hidden = self.layernorm(hidden)
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         starts = torch.cumsum(counts, 0) - counts

@@ -65,6 +65,7 @@ FAMILY = Family(
     rows=rows,
     activation_layers=activation_layers,
     cost_terms=cost_terms,
+    sp_heads=lambda cfg: (cfg.heads, cfg.heads),
 )
 
 __all__ = ["AUDIO_ENCODER_PRESETS", "AudioEncoderConfig", "FAMILY", "modality", "rows", "width"]

@@ -9,6 +9,10 @@ padding, no mask: exact). The stride-2 convolution makes ``frames // 2`` rows pe
 clip of ``r`` rows adds the first ``r`` of Whisper's sinusoidal positions, which is what
 transformers' WhisperEncoder computes for a clip padded to nothing.
 
+Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``) the
+stem keeps this rank's slice of the packed rows, each block attends through the exchange of
+``models/packed_sp.py``, and the head gathers the rows back before its norm.
+
 The parts are taken from one whole transformers ``WhisperEncoder`` (HF's own init), so a
 checkpoint of that class loads key for key (``FAMILY.hf_rules``).
 """
@@ -29,6 +33,7 @@ from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.whisper.config import AudioEncoderConfig
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.models.packed import by_length, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
+from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
 
 
 def hf_config(cfg: AudioEncoderConfig) -> WhisperConfig:
@@ -104,6 +109,7 @@ class WhisperEmbed(nn.Module):
 
     def __init__(self, conv1: nn.Conv1d, conv2: nn.Conv1d, embed_positions: nn.Embedding):
         super().__init__()
+        self.seq_parallel = None
         self.conv1, self.conv2, self.embed_positions = conv1, conv2, embed_positions
 
     def _check(self, clips: list[torch.Tensor]) -> None:
@@ -129,6 +135,8 @@ class WhisperEmbed(nn.Module):
                 out[i] = x[j]
         hidden = torch.cat(out) if out else flat.new_zeros(0, self.conv2.out_channels, dtype=dtype)
         counts = torch.tensor([o.shape[0] for o in out], dtype=torch.long, device=hidden.device)
+        if self.seq_parallel is not None:
+            hidden = shard_rows(hidden, self.seq_parallel)
         return hidden, counts
 
 
@@ -137,10 +145,13 @@ class WhisperBlock(nn.Module):
 
     def __init__(self, layer: WhisperEncoderLayer):
         super().__init__()
+        self.seq_parallel = None
         self.layer = layer
 
     def forward(self, inputs):
         hidden, counts = inputs
+        if self.seq_parallel is not None:
+            return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         return per_item(lambda batch: self.layer(batch, None), hidden, counts), counts
 
 
@@ -149,10 +160,13 @@ class WhisperHead(nn.Module):
 
     def __init__(self, layer_norm: nn.LayerNorm):
         super().__init__()
+        self.seq_parallel = None
         self.layer_norm = layer_norm
 
     def forward(self, inputs):
-        hidden, _ = inputs
+        hidden, counts = inputs
+        if self.seq_parallel is not None:
+            hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
         return self.layer_norm(hidden)
 
 
