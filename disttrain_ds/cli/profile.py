@@ -33,28 +33,38 @@ from disttrain_ds.estimate.activations import module_layers
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.profiler.measure import ModuleResult, Options, profile_recipe
 from disttrain_ds.profiler.tp import cost_table, measure_tp
+from disttrain_ds.recipe.graph import module_config, module_family
 from disttrain_ds.recipe.schema import Recipe, load_recipe
-from disttrain_ds.reorder.sp_groups import transformer_cost
+from disttrain_ds.reorder.sp_groups import SPCost, a2a_bytes_per_token
 from disttrain_ds.runtime.emulate import data_work
 
 PROG = prog_name("disttrain-profile", "python -m disttrain_ds.cli.profile")
 
 
-def sp_fields(recipe: Recipe, module: str, role: str, per_node: int) -> dict:
-    """The LLM's sequence-parallel fields: for SP 2, 4, 8 (up to a node), one ``data.seq_len``
-    sample's all-to-all ms, modelled from the model's sizes at ``parallel.sp_bandwidth_gbs``
-    (``reorder/sp_groups.py``), and its heads; empty for other modules."""
-    if role != "llm":
+def sp_fields(recipe: Recipe, result: ModuleResult, per_node: int) -> dict:
+    """A module's sequence-parallel fields, for SP 2, 4, 8 (up to a node): one sample's all-to-all
+    ms, modelled from the model's sizes at ``parallel.sp_bandwidth_gbs`` (``reorder/sp_groups.py``)
+    for the LLM's ``data.seq_len`` tokens or an encoder's median rows over the timed samples, and
+    the heads SP splits; empty for a module whose family has no SP path or an encoder that read no
+    items."""
+    family, cfg = module_family(recipe, result.name), module_config(recipe, result.name)
+    if family.sp_heads is None or (result.role != "llm" and not any(result.rows)):
         return {}
-    cfg = recipe.model.modules[module]
-    inside, across = recipe.parallel.sp_bandwidth_gbs
+    heads, kv_heads = family.sp_heads(cfg)
+    width = 2 if recipe.train.dtype == "bf16" else 4
+    if result.role == "llm":
+        tokens = recipe.data.seq_len
+        per_token = a2a_bytes_per_token(cfg.layers, cfg.head_dim or cfg.hidden_size // heads, heads, kv_heads,
+                                        bytes_per_value=width)
+    else:
+        tokens = statistics.median(result.rows)
+        per_token = a2a_bytes_per_token(family.run_layers(cfg), cfg.hidden_size // heads, heads, kv_heads,
+                                        bytes_per_value=width)
+    inside, _ = recipe.parallel.sp_bandwidth_gbs
     sizes = [s for s in (2, 4, 8) if s <= per_node]
-    cost = transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
-                            kv_heads=cfg.kv_heads, vocab=max(cfg.vocab_size, 1), head_dim=cfg.head_dim or None,
-                            tflops=1.0, bandwidth_gbs={s: inside for s in sizes} or {1: across}, tokens_per_gpu=1.0,
-                            bytes_per_value=2 if recipe.train.dtype == "bf16" else 4)
-    return {"sp_overhead_ms": {s: cost.a2a_ms(recipe.data.seq_len, s) for s in sizes},
-            "attention_heads": (cfg.heads, cfg.kv_heads)}
+    cost = SPCost(ms_per_flop=0.0, linear_flops=0.0, pair_flops=0.0, a2a_bytes_per_token=per_token,
+                  bandwidth_gbs={s: inside for s in sizes} or {1: inside}, tokens_per_gpu=1.0)
+    return {"sp_overhead_ms": {s: cost.a2a_ms(tokens, s) for s in sizes}, "attention_heads": (heads, kv_heads)}
 
 
 def checkpointing_fields(recipe: Recipe, module: str) -> dict[str, float]:
@@ -93,7 +103,7 @@ def build_profile(recipe: Recipe, results: list[ModuleResult], args: argparse.Na
         activation_bytes_per_sample=float(r.activation_bytes), flops_per_sample=statistics.median(r.flops),
         sample_cost_ms=None if draws is None else draws[r.name], unit_cost_ms=split.get(r.name),
         cost_source={t: "measured" if t == 1 or t in measured_tp else "interpolated" for t in costs[r.name]},
-        **checkpointing_fields(recipe, r.name), **sp_fields(recipe, r.name, r.role, args.gpus_per_node))
+        **checkpointing_fields(recipe, r.name), **sp_fields(recipe, r, args.gpus_per_node))
         for r in results}
     p90 = ", ".join(f"{r.name} {r.p90_ms:.4g}" for r in results)
     text = (f"Profiled by {PROG} from {recipe.source_file}{''.join(' ' + o for o in args.overrides)} on "

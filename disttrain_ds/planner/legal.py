@@ -22,7 +22,7 @@ from disttrain_ds.cost.profile import TP_DEGREES, Profile
 from disttrain_ds.models.configs import trains
 from disttrain_ds.planner.optimize import PlanError
 from disttrain_ds.recipe.checks import layer_counts, tp_shape_problem
-from disttrain_ds.recipe.graph import graph_of, module_config
+from disttrain_ds.recipe.graph import graph_of, module_config, module_family
 
 if TYPE_CHECKING:
     from disttrain_ds.recipe.schema import Recipe
@@ -90,15 +90,17 @@ def restrict_to_runtime(profile: Profile, recipe: Recipe) -> tuple[Profile, list
 
 
 def _runtime_sp(recipe: Recipe, name: str, spec) -> dict:
-    """The LLM's SP degrees the runtime accepts (``recipe/checks.py``: they divide ``data.seq_len``,
-    and the recipe's heads, which the planner checks per TP degree); other modules: none."""
+    """The SP degrees the runtime accepts (``recipe/checks.py``): none in the monolithic layout or a
+    family without an SP path; the LLM's divide ``data.seq_len`` (an encoder pads its rows); the
+    recipe's heads, which the planner checks per TP degree."""
     if not spec.sp_overhead_ms:
         return {}
-    if name != graph_of(recipe).llm or recipe.layout == "monolithic":
+    family = module_family(recipe, name)
+    if family.sp_heads is None or recipe.layout == "monolithic":
         return {"sp_overhead_ms": {}}
-    cfg = module_config(recipe, name)
-    return {"sp_overhead_ms": {s: c for s, c in spec.sp_overhead_ms.items() if recipe.data.seq_len % s == 0},
-            "attention_heads": (cfg.heads, cfg.kv_heads)}
+    llm = name == graph_of(recipe).llm
+    return {"sp_overhead_ms": {s: c for s, c in spec.sp_overhead_ms.items() if not llm or recipe.data.seq_len % s == 0},
+            "attention_heads": family.sp_heads(module_config(recipe, name))}
 
 
 def measured_only(profile: Profile) -> Profile:

@@ -92,6 +92,9 @@ class ModuleResult:
     """Forward FLOPs of each sample by the runtime's cost model (``runtime.setup.cost_model``:
     what the module computes, padding included, as reordering and emulation price a sample);
     ``flops`` counts useful FLOPs only (documents, for MFU) and can vary where the work does not."""
+    rows: list[int] = field(default_factory=list)
+    """Encoders: the rows (LLM tokens) each sample's items make, what sequence parallelism's
+    all-to-alls carry; empty for other modules."""
 
     @property
     def median_ms(self) -> float:
@@ -288,6 +291,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     results, embeds = [], [[] for _ in mbs]  # per microbatch, each encoder's rows in graph order
     for name in graph.encoders:
         res, rows = measure_module(recipe, spec, name, [encoder_pass(name, mb, s) for mb, s in zip(mbs, samples)], o(name))
+        res.rows = [int(r.shape[0]) for r in rows]
         results.append(res)
         embeds = [x + [r] for x, r in zip(embeds, rows)]
     llm_passes = [llm_pass(mb, s, x) for mb, s, x in zip(mbs, samples, embeds)]

@@ -83,10 +83,16 @@ def transformer_cost(*, layers: int, hidden: int, ffn_hidden: int, heads: int, k
                 head_dim=head_dim)
     one, two = (llm_flops_packed(doc_lens=[n], **dims) for n in (1, 2))
     pair = two - 2 * one  # training FLOPs per attended pair: F(L) = lin L + pair L (L + 1) / 2
-    d = head_dim or hidden // heads
-    a2a = 2 * layers * bytes_per_value * d * (2 * heads + 2 * kv_heads) / tp
+    a2a = a2a_bytes_per_token(layers, head_dim or hidden // heads, heads, kv_heads, tp, bytes_per_value)
     return SPCost(ms_per_flop=1e3 / (tflops * 1e12) / tp, linear_flops=one - pair, pair_flops=pair,
                   a2a_bytes_per_token=a2a, bandwidth_gbs=dict(bandwidth_gbs), tokens_per_gpu=tokens_per_gpu)
+
+
+def a2a_bytes_per_token(layers: int, head_dim: int, heads: int, kv_heads: int, tp: int = 1,
+                        bytes_per_value: int = 2) -> float:
+    """``SPCost.a2a_bytes_per_token`` of a transformer: q, k, v out and the attention output back,
+    in every layer, forward and backward (the backward exchanges their gradients), per TP rank."""
+    return 2 * layers * bytes_per_value * head_dim * (2 * heads + 2 * kv_heads) / tp
 
 
 @dataclass(frozen=True)

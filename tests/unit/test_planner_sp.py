@@ -117,3 +117,33 @@ def test_planned_recipe_runs_the_llm_with_the_sp_degree_the_search_chose(run_mai
     code, out, err = run_main(cli.main, "--profile", str(tmp_path / "q.json"), "--recipe", "tiny_cpu", "--json")
     assert code == 0, err
     assert json.loads(out)["llm"].get("sp", 1) == 1
+
+
+def test_planned_recipe_splits_a_dominant_encoder_with_sp_within_its_heads(run_main, tmp_path):
+    """An encoder whose samples dominate, its replicas capped by the LLM's slot: the search splits it
+    with SP where all-to-alls are cheap (at most its 2 heads), not where they are dear."""
+    import json
+    from pathlib import Path
+
+    from disttrain_ds.cli import plan as cli
+    from disttrain_ds.planner import optimize
+    from disttrain_ds.recipe.graph import topology_of
+    from disttrain_ds.recipe.schema import load_recipe
+
+    data = json.loads((Path(optimize.__file__).parent / "examples" / "tiny_cpu.json").read_text())
+    data["gpus"] = 12
+    data["modules"]["encoder"]["cost_ms"] = {"1": 400.0, "2": 390.0}
+    data["modules"]["encoder"]["sp_overhead_ms"] = {"2": 1.0, "4": 3.0}  # the recipe's 2 heads allow SP 2 only
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    code, out, err = run_main(cli.main, "--profile", str(tmp_path / "p.json"), "--recipe", "tiny_cpu",
+                              "--write-recipe", str(tmp_path / "r.yaml"), "--json")
+    assert code == 0, err
+    chosen = json.loads(out)["encoder"]
+    assert chosen.get("sp") == 2, chosen
+    encoder = topology_of(load_recipe(tmp_path / "r.yaml")).module("encoder")
+    assert (encoder.dp, encoder.tp, encoder.pp, encoder.sp) == (chosen["dp"], chosen["tp"], chosen["pp"], 2)
+    data["modules"]["encoder"]["sp_overhead_ms"] = {"2": 1000.0, "4": 1000.0}
+    (tmp_path / "q.json").write_text(json.dumps(data))
+    code, out, err = run_main(cli.main, "--profile", str(tmp_path / "q.json"), "--recipe", "tiny_cpu", "--json")
+    assert code == 0, err
+    assert json.loads(out)["encoder"].get("sp", 1) == 1

@@ -367,3 +367,21 @@ def test_draw_from_reads_that_many_samples_of_the_recipes_data(tmp_path):
         assert max(ms / w for ms, w in flat) == pytest.approx(min(ms / w for ms, w in flat), rel=1e-9)
     code, out, err = run("--recipe", TINY, *FAST, "--draw-from", "0", "--out", tmp_path / "q.json")
     assert "--draw-from must be >= 1" in assert_one_line_error(code, out, err)
+
+
+def test_sp_fields_price_an_encoders_median_rows_and_skip_modules_without_an_sp_path():
+    from disttrain_ds.profiler.measure import ModuleResult
+
+    recipe = load_recipe(TINY)
+
+    def result(name: str, role: str, rows: list[int]) -> ModuleResult:
+        return ModuleResult(name, "train", 2, 1, [1.0], [1.0], 0, 0.0, role, rows=rows)
+
+    one = cli.sp_fields(recipe, result("encoder", "encoder", [10, 30, 20]), 8)
+    two = cli.sp_fields(recipe, result("encoder", "encoder", [40, 40, 5]), 8)
+    assert one["attention_heads"] == (2, 2) and sorted(one["sp_overhead_ms"]) == [2, 4, 8]
+    assert all(two["sp_overhead_ms"][s] == pytest.approx(2 * one["sp_overhead_ms"][s]) for s in (2, 4, 8))
+    assert sorted(cli.sp_fields(recipe, result("encoder", "encoder", [10]), 4)["sp_overhead_ms"]) == [2, 4]
+    assert cli.sp_fields(recipe, result("encoder", "encoder", [0, 0]), 8) == {}  # read no items
+    assert cli.sp_fields(recipe, result("generator", "generator", []), 8) == {}  # U-Net: no SP path
+    assert cli.sp_fields(recipe, result("llm", "llm", []), 8)["attention_heads"] == (4, 2)
