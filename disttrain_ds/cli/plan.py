@@ -32,9 +32,9 @@ from disttrain_ds.cost.profile import Profile
 from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.graph import ModuleGraph
-from disttrain_ds.planner.legal import LeftOut, measured_only, restrict_to_runtime
+from disttrain_ds.planner.legal import LeftOut, measured_only
 from disttrain_ds.planner.optimize import Plan, PlanError, plan
-from disttrain_ds.planner.recipe_memory import fit_plan, with_recipe_memory
+from disttrain_ds.planner.recipe_plan import plan_for_recipe
 from disttrain_ds.recipe.checks import graph_problem
 from disttrain_ds.recipe.graph import raw_module_family, raw_module_sections
 from disttrain_ds.recipe.schema import Recipe, find_recipe, load_recipe
@@ -257,34 +257,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def probe_recipe(path: Path, graph: ModuleGraph, graph_form: bool) -> Recipe:
-    """The base recipe loaded as the runtime will read it, every module at dp = tp = pp = 1 (the
-    model sizes decide which degrees are legal, not the base's own degrees)."""
-    prefix = "parallel.modules" if graph_form else "parallel"
-    overrides = ["layout=disaggregated"] + [f"{prefix}.{n}.{a}=1" for n in graph.names
-                                            for a in ("dp", "tp", "pp", "sp")]
-    try:
-        return load_recipe(path, overrides)
-    except ConfigError as exc:
-        raise ConfigError(f"the base recipe must load to take the runtime's rules from it: {exc}") from None
-
-
-def runtime_limit(probe: Recipe, profile: Profile) -> float | None:
-    """GiB per rank the written recipe's memory check will hold a plan to: its
-    ``train.device_memory_gib``, else the profile's ``gpu_memory_gb`` (the cluster's GPUs)."""
-    if probe.train.device_memory_gib > 0:
-        return probe.train.device_memory_gib
-    return profile.gpu_memory_gb
-
-
-def planned_recipe(path: Path, result: Plan, graph_form: bool) -> Recipe:
-    """The recipe at ``path`` with ``result``'s degrees, as the runtime will load it."""
-    prefix = "parallel.modules" if graph_form else "parallel"
-    overrides = ["layout=disaggregated"] + [f"{prefix}.{n}.{a}={getattr(m, a)}"
-                                            for n, m in result.modules.items() for a in ("dp", "tp", "pp", "sp")]
-    return load_recipe(path, overrides)
-
-
 def plan_measured_only(profile: Profile) -> Plan:
     """The plan over measured costs only; one line naming a module and degree when there is none."""
     kept = measured_only(profile)
@@ -321,17 +293,11 @@ def main(argv: list[str] | None = None) -> int:
             graph_form = check_recipe_graph(base, profile.graph, str(args.recipe))
             if args.write_recipe is not None and args.write_recipe.exists() and not args.force:
                 return _fail(f"{args.write_recipe}: already exists (use --force to overwrite)")
-            probe = probe_recipe(base_path, profile.graph, graph_form)
-            profile, left_out = restrict_to_runtime(profile, probe)
-            profile = with_recipe_memory(profile, probe)
-            if probe.parallel.post_balance and not profile.post_balance_share:  # price the splits it makes
-                profile = replace(profile, post_balance_share=probe.parallel.post_balance_share)
         make_plan = plan_measured_only if args.measured_only else plan
-        limit = runtime_limit(probe, profile) if args.recipe is not None else None
-        if limit is None:
+        if args.recipe is None:
             result = make_plan(profile)
-        else:  # only a plan the runtime's own memory check accepts
-            result = fit_plan(profile, make_plan, lambda p: planned_recipe(base_path, p, graph_form), limit)
+        else:
+            result, profile, left_out = plan_for_recipe(base_path, profile, graph_form, make_plan=make_plan)
         if args.write_recipe is not None:
             recipe = recipe_with_plan(base, result, str(args.recipe))
     except (ConfigError, PlanError) as exc:

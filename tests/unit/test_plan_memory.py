@@ -17,6 +17,7 @@ from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.objective import Degrees, layout_memory
 from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
+from disttrain_ds.planner import recipe_plan
 from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peaks, with_recipe_memory
 from disttrain_ds.recipe.schema import find_recipe, load_recipe
 
@@ -114,7 +115,7 @@ GAVE_UP = {"gpus": 11, "global_batch": 4, "gpus_per_node": 8, "microbatch": 1, "
 def _gave_up_inputs():
     base = load_recipe("tiny_cpu", ["layout=disaggregated"])
     profile = with_recipe_memory(restrict_to_runtime(profile_from_dict(GAVE_UP), base)[0], base)
-    return profile, lambda p: cli.planned_recipe(find_recipe("tiny_cpu"), p, False)
+    return profile, lambda p: recipe_plan.planned_recipe(find_recipe("tiny_cpu"), p, False)
 
 
 def test_plan_the_old_loop_gave_up_on_is_written_and_passes_the_runtime_check_the_first_time(run_main, tmp_path):

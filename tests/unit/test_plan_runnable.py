@@ -19,6 +19,7 @@ from disttrain_ds.graph import MODULES
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.optimize import Degrees, PlanError, exhaustive_plan, first_ranks, plan, tp_aligned
+from disttrain_ds.planner import recipe_plan
 from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peak, with_recipe_memory
 from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import find_recipe, load_recipe
@@ -67,9 +68,9 @@ def test_shipped_profile_writes_a_recipe_the_runtime_memory_check_accepts(run, t
     profile = load_profile(profile_path)
     base = load_recipe(SHIPPED[example], ["layout=disaggregated"])
     legal = with_recipe_memory(restrict_to_runtime(profile, base)[0], base)
-    limit = cli.runtime_limit(base, legal)
+    limit = recipe_plan.runtime_limit(base, legal)
     expected = plan(legal) if limit is None else fit_plan(
-        legal, plan, lambda p: cli.planned_recipe(find_recipe(SHIPPED[example]), p, False), limit)
+        legal, plan, lambda p: recipe_plan.planned_recipe(find_recipe(SHIPPED[example]), p, False), limit)
     assert data == expected.to_json()
     written_recipe_checks(out, expected, profile.gpus_per_node)
     assert limit is None or runtime_fits(out, limit)
@@ -83,7 +84,7 @@ def test_72b_plan_from_the_profile_alone_is_refused_by_the_runtime_and_the_writt
     profile = load_profile(EXAMPLES / "mllm_72b_1296gpus.json")
     base = load_recipe("mllm_72b", ["layout=disaggregated"])
     blind = plan(restrict_to_runtime(profile, base)[0])
-    assert runtime_peak(cli.planned_recipe(find_recipe("mllm_72b"), blind, False)) > 80 * GIB
+    assert runtime_peak(recipe_plan.planned_recipe(find_recipe("mllm_72b"), blind, False)) > 80 * GIB
     out = tmp_path / "planned.yaml"
     code, _, err = run("--profile", str(EXAMPLES / "mllm_72b_1296gpus.json"), "--recipe", "mllm_72b",
                        "--write-recipe", str(out))
