@@ -275,9 +275,10 @@ def load_into_engine(engine, pm, full: dict[str, ParamState], tp_rank: int, tp_s
     done = ["weights"]
     opt, kind = engine.optimizer, optimizer_kind(engine.optimizer)
     trained = [n for n, p in named.items() if p.requires_grad]
-    lacking = [n for n in trained if full[n].step is None]
     if kind is None or not trained:
         return done
+    stateless = _stateless(opt if kind == "torch" else getattr(opt, "optimizer", opt))
+    lacking = [] if stateless else [n for n in trained if full[n].step is None]
     if lacking:
         raise ReshardError(f"the checkpoint holds no optimizer state for parameter {lacking[0]} (frozen when saved?)")
     cut = {n: {k: cut_tp(v, _split_of(named[n]), tp_rank, tp_size) for k, v in full[n].optim.items()} for n in trained}
@@ -287,8 +288,10 @@ def load_into_engine(engine, pm, full: dict[str, ParamState], tp_rank: int, tp_s
             for p in g["params"]:
                 n = ids[id(p)]
                 moments = {k: v.to(device=p.device, dtype=p.dtype, copy=True) for k, v in cut[n].items()}
-                opt.state[p] = {"step": full[n].step.detach().clone(), **moments}
-        done.append("optimizer state (" + ", ".join(sorted({k for v in cut.values() for k in v} | {"step"})) + ")")
+                if not stateless:
+                    opt.state[p] = {"step": full[n].step.detach().clone(), **moments}
+        done.append("optimizer state (none: SGD without momentum keeps none)" if stateless else
+                    "optimizer state (" + ", ".join(sorted({k for v in cut.values() for k in v} | {"step"})) + ")")
         return done
     flats = opt.single_partition_of_fp32_groups if kind == "zero" else opt.fp32_groups_flat_partition
     bufs = [{} for _ in flats]
@@ -305,7 +308,8 @@ def load_into_engine(engine, pm, full: dict[str, ParamState], tp_rank: int, tp_s
             for k, v in cut[n].items():
                 buf = bufs[g].setdefault(k, torch.zeros_like(flats[g]))
                 buf.narrow(0, hp.start, hp.numel).copy_(v.float().flatten().narrow(0, lp.start, lp.numel))
-            steps[g] = full[n].step
+            if full[n].step is not None:
+                steps[g] = full[n].step
     for g, flat in enumerate(flats):
         if g in steps:
             opt.optimizer.state[flat] = {"step": steps[g].detach().clone(), **bufs[g]}
@@ -313,6 +317,11 @@ def load_into_engine(engine, pm, full: dict[str, ParamState], tp_rank: int, tp_s
     done.append(f"fp32 master partitions and optimizer state ({', '.join(keys)}) over {opt.partition_count[0]} DP ranks"
                 if kind == "zero" else f"fp32 master partitions and optimizer state ({', '.join(keys)})")
     return done
+
+
+def _stateless(optimizer) -> bool:
+    """A torch SGD without momentum: it keeps no per-parameter state, so a checkpoint has none to load."""
+    return isinstance(optimizer, torch.optim.SGD) and all(not g.get("momentum") for g in optimizer.param_groups)
 
 
 def _check_shape(name: str, value: torch.Tensor, p) -> None:

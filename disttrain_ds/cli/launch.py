@@ -2,7 +2,7 @@
 
     disttrain-launch --hostfile H [--num_nodes N] [--num_gpus G] [--include S | --exclude S]
         [--master_port P] [--master_addr A] [--ssh-port 22] [--connect-timeout 5]
-        [--skip-reachability] [--dry-run] [--max-restarts N [--restart-delay S]]
+        [--skip-reachability] [--dry-run] [--max-restarts N [--restart-delay S] [--elastic PROFILE]]
         --recipe R.yaml [key=value ...]
 
 (``python tools/launch.py`` in a checkout is the same command; it starts ``tools/train.py`` on every
@@ -15,7 +15,9 @@ The recipe is loaded and validated first (and, with ``train.device_memory_gib``,
 estimated peak memory checked), so a recipe error is also one line, the last one printed.
 The hostfile grammar is DeepSpeed's (``HOST slots=N``, ``#`` comments, blank lines, anything after
 the slots token ignored), and slot selection follows its ``--include/--exclude/--num_nodes/--num_gpus``.
-With ``--max-restarts N`` a failed job is relaunched with ``train.resume=auto`` (``launcher/supervise.py``).
+With ``--max-restarts N`` a failed job is relaunched with ``train.resume=auto`` (``launcher/supervise.py``);
+with ``--elastic PROFILE`` too, a relaunch that finds fewer slots (a node gone from the hostfile or not
+answering) re-plans the recipe for the slots left from that planner profile (``launcher/elastic.py``).
 ``NCCL_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` are checked against this machine's interfaces, the
 second set from the first for a multi-host job, and both passed to remote ranks, which the
 ``deepspeed`` launcher does not do for gloo's (``launcher/netenv.py``).
@@ -29,15 +31,19 @@ import shlex
 import socket
 import sys
 from pathlib import Path
+from typing import Callable
 
 from disttrain_ds.cli import OneLineParser, prog_name
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.cost.profile_file import load_profile
+from disttrain_ds.launcher.elastic import ElasticPlan, count, include_spec
 from disttrain_ds.launcher.hostfile import Host, LaunchError, parse_hostfile, plural, select_slots, slots_summary
 from disttrain_ds.launcher.layout_fit import check_memory, check_slots, required_ranks, tp_span_problems
 from disttrain_ds.launcher.netenv import SocketEnv, apply_socket_env, plan_socket_env
-from disttrain_ds.launcher.reachability import check_reachability, local_names
-from disttrain_ds.launcher.supervise import check_restartable, start
-from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.launcher.reachability import check_reachability, local_names, unreachable
+from disttrain_ds.launcher.supervise import check_restartable, resume_command, start
+from disttrain_ds.recipe.graph import graph_of, parallel_key
+from disttrain_ds.recipe.schema import Recipe, load_recipe
 
 __all__ = ["Host", "LaunchError", "TRAIN_MODULE", "check_reachability", "launcher_command", "local_names",
            "main", "parse_hostfile", "prepare", "select_slots"]
@@ -98,6 +104,8 @@ def _parser() -> OneLineParser:
     p.add_argument("--dry-run", action="store_true", help="run the checks, print the command, do not launch")
     p.add_argument("--max-restarts", type=int, default=0, help="relaunch a failed job up to N times (train.resume=auto)")
     p.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before each restart (default 0)")
+    p.add_argument("--elastic", type=Path, default=None, metavar="PROFILE",
+                   help="with --max-restarts: re-plan for the slots left after a failure, from this planner profile")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides, e.g. layout=disaggregated")
     return p
 
@@ -140,6 +148,52 @@ def _reachability_line(args: argparse.Namespace, used: list[Host], remote: list[
     return f"reachability: {plural(len(remote), 'remote host')} answered on port {args.ssh_port}"
 
 
+def _select(args: argparse.Namespace, hosts: list[Host]) -> dict[str, list[int]]:
+    """The slots the user's selection flags pick from ``hosts``."""
+    return select_slots(hosts, src=args.hostfile, num_nodes=args.num_nodes, num_gpus=args.num_gpus,
+                        include=args.include, exclude=args.exclude)
+
+
+def _elastic(args: argparse.Namespace, recipe: Recipe, ranks: int, active: dict[str, list[int]],
+             train_script: Path | None) -> tuple[str, Callable[[list[str]], list[str]]]:
+    """The report line of ``--elastic`` and the supervisor's relaunch: the hostfile read and the
+    remote hosts probed again, and a re-plan when slots were lost (``launcher/elastic.py``)."""
+    if args.max_restarts <= 0:
+        raise LaunchError("--elastic re-plans when the job restarts: give --max-restarts N (N > 0) too")
+    profile = load_profile(args.elastic)
+    graph = graph_of(recipe)
+    if profile.graph != graph:
+        raise LaunchError(f"{args.elastic}: the profile's modules ({', '.join(profile.graph.names)}) are not the "
+                          f"recipe's ({', '.join(graph.names)}): profile this recipe (disttrain-profile)")
+    batch = (recipe.train.global_batch, recipe.train.micro_batch)
+    if (profile.global_batch, profile.microbatch) != batch:
+        raise LaunchError(f"{args.elastic}: made for global batch {profile.global_batch} and micro batch "
+                          f"{profile.microbatch}, the recipe trains {batch[0]} and {batch[1]}: a re-plan would change "
+                          "the data order; profile this recipe (disttrain-profile)")
+    graph_form = parallel_key(recipe, graph.llm).startswith("parallel.modules.")
+    plan = ElasticPlan(args.recipe, list(args.overrides), profile, graph_form, active, ranks, [])
+
+    def relaunch(cmd: list[str]) -> list[str]:
+        hosts = parse_hostfile(args.hostfile)
+        now = _select(args, hosts)
+        local = local_names()
+        lost = {} if args.skip_reachability else unreachable(
+            [h for h in hosts if h.name in now], port=args.ssh_port, timeout=args.connect_timeout, local=local)
+        step = plan.next(now, set(lost))
+        if not step.line:
+            return cmd  # every slot still there: the same command
+        print(step.line, file=sys.stderr, flush=True)
+        again = argparse.Namespace(**{**vars(args), "include": include_spec(step.slots), "exclude": "",
+                                      "num_nodes": None, "num_gpus": None,
+                                      "overrides": [*args.overrides, *step.layout]})
+        return resume_command(launcher_command(again, all_local=all(h in local for h in step.slots),
+                                               train_script=train_script))
+
+    line = (f"elastic: a restart that finds fewer than {plural(ranks, 'slot')} re-plans the recipe for the slots "
+            f"left from {args.elastic} ({plural(count(active), 'slot')} selected now)")
+    return line, relaunch
+
+
 def _interfaces() -> list[str] | None:
     """This machine's network interface names, or None where it cannot tell."""
     try:
@@ -148,9 +202,10 @@ def _interfaces() -> list[str] | None:
         return None
 
 
-def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple[list[str], list[str], SocketEnv]:
-    """Run every check; return the lines reporting them, the launcher command, and what to set in
-    its environment (``apply_socket_env``)."""
+def prepare(args: argparse.Namespace, train_script: Path | None = None
+            ) -> tuple[list[str], list[str], SocketEnv, Callable[[list[str]], list[str]] | None]:
+    """Run every check; return the lines reporting them, the launcher command, what to set in its
+    environment (``apply_socket_env``), and the supervisor's relaunch under ``--elastic`` (else None)."""
     _check_options(args, train_script)
     recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe is the first thing reported
     ranks, breakdown = required_ranks(recipe)
@@ -158,9 +213,7 @@ def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple
     restarts = check_restartable(recipe, args.max_restarts, args.restart_delay)
     src = args.hostfile
     hosts = parse_hostfile(src)
-    active = select_slots(
-        hosts, src=src, num_nodes=args.num_nodes, num_gpus=args.num_gpus, include=args.include, exclude=args.exclude
-    )
+    active = _select(args, hosts)
     filtered = bool(args.include or args.exclude) or args.num_nodes is not None or args.num_gpus is not None
     check_slots(hosts, active, src=src, ranks=ranks, breakdown=breakdown, layout=recipe.layout,
                 recipe_src=args.recipe, filtered=filtered)
@@ -178,7 +231,11 @@ def prepare(args: argparse.Namespace, train_script: Path | None = None) -> tuple
         *_tp_span_warning(recipe, active),
         _reachability_line(args, used, remote, local),
     ]
-    return report, launcher_command(args, all_local=not remote, train_script=train_script), net
+    relaunch = None
+    if args.elastic is not None:
+        line, relaunch = _elastic(args, recipe, ranks, active, train_script)
+        report.append(line)
+    return report, launcher_command(args, all_local=not remote, train_script=train_script), net, relaunch
 
 
 def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> int:
@@ -186,7 +243,7 @@ def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> 
     print the command on --dry-run); ``train_script``: what each rank runs (default: ``TRAIN_MODULE``)."""
     args = _parser().parse_intermixed_args(argv)
     try:
-        report, cmd, net = prepare(args, train_script)
+        report, cmd, net, relaunch = prepare(args, train_script)
         report += apply_socket_env(net, os.environ, write=not args.dry_run)  # what the launcher inherits
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -199,7 +256,7 @@ def main(argv: list[str] | None = None, *, train_script: Path | None = None) -> 
     if args.dry_run:
         print("dry run: not launching")
         return 0
-    return start(cmd, args.max_restarts, args.restart_delay)
+    return start(cmd, args.max_restarts, args.restart_delay, relaunch)
 
 
 if __name__ == "__main__":

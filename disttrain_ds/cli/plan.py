@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from disttrain_ds.planner.optimize import Plan, PlanError, plan
 from disttrain_ds.planner.recipe_plan import plan_for_recipe
 from disttrain_ds.recipe.checks import graph_problem
 from disttrain_ds.recipe.graph import raw_module_family, raw_module_sections
-from disttrain_ds.recipe.schema import Recipe, find_recipe, load_recipe
+from disttrain_ds.recipe.schema import find_recipe, load_recipe
 
 PROG = prog_name("disttrain-plan", "python -m disttrain_ds.cli.plan")
 

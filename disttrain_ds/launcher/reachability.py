@@ -39,10 +39,8 @@ def probe(host: str, port: int, timeout: float) -> str | None:
         return f"is unreachable: port {port}: {exc.strerror or exc}"
 
 
-def check_reachability(
-    hosts: list[Host], *, src: str, port: int, timeout: float, local: frozenset[str] | None = None
-) -> list[str]:
-    """Probe every non-local host at once; one message per host that failed, in hostfile order."""
+def unreachable(hosts: list[Host], *, port: int, timeout: float, local: frozenset[str] | None = None) -> dict[str, str]:
+    """Probe every non-local host at once: host name -> why it did not answer, in hostfile order."""
     local = local_names() if local is None else local
     remote = [h for h in hosts if h.name not in local]
     results: dict[str, str | None] = {}
@@ -57,9 +55,18 @@ def check_reachability(
     deadline = time.monotonic() + 2 * timeout + 2  # connect timeout plus slack for name lookup
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    problems = []
+    out = {}
     for h in remote:
         reason = results.get(h.name, f"is unreachable: no answer within {2 * timeout + 2:g} s (name lookup hung?)")
         if reason is not None:
-            problems.append(f"{src}:{h.line}: host '{h.name}' {reason}")
-    return problems
+            out[h.name] = reason
+    return out
+
+
+def check_reachability(
+    hosts: list[Host], *, src: str, port: int, timeout: float, local: frozenset[str] | None = None
+) -> list[str]:
+    """Probe every non-local host at once; one message per host that failed, in hostfile order."""
+    line = {h.name: h.line for h in hosts}
+    return [f"{src}:{line[name]}: host '{name}' {reason}"
+            for name, reason in unreachable(hosts, port=port, timeout=timeout, local=local).items()]

@@ -181,9 +181,13 @@ def supervise(
     delay: float = 0.0,
     *,
     say: Callable[[str], None] | None = None,
+    relaunch: Callable[[list[str]], list[str]] | None = None,
 ) -> int:
     """Run ``cmd`` in a process group of its own; relaunch it with ``train.resume=auto`` after a
-    failure, up to ``max_restarts`` times. Returns the last exit status (128 + N for signal N)."""
+    failure, up to ``max_restarts`` times. Returns the last exit status (128 + N for signal N).
+
+    ``relaunch`` (``--elastic``): the command of each restart, given the resumed one, after the
+    delay; a ``ConfigError`` from it (no layout runs on what is left) ends the restarts with its line."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     interrupts: list[int] = []
     child: subprocess.Popen | None = None
@@ -221,6 +225,12 @@ def supervise(
             if interrupts:
                 reason = _interrupted(interrupts, code, before=attempt)
                 break
+            if relaunch is not None:
+                try:
+                    cmd = relaunch(cmd)
+                except ConfigError as exc:
+                    reason = f"not restarting: {exc}; exit code {exit_status(code)}"
+                    break
         if exit_status(code) != 0 or attempt > 0:
             say(reason)
         return exit_status(code)
@@ -229,13 +239,14 @@ def supervise(
             signal.signal(s, handler)
 
 
-def start(cmd: list[str], max_restarts: int, delay: float) -> int:
+def start(cmd: list[str], max_restarts: int, delay: float,
+          relaunch: Callable[[list[str]], list[str]] | None = None) -> int:
     """Start the launch command: without restarts replace this process with it (as before
-    ``--max-restarts`` existed), else supervise it."""
+    ``--max-restarts`` existed), else supervise it (``relaunch``: see ``supervise``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     if max_restarts > 0:
-        return supervise(cmd, max_restarts, delay)
+        return supervise(cmd, max_restarts, delay, relaunch=relaunch)
     try:
         os.execv(cmd[0], cmd)
     except OSError as exc:

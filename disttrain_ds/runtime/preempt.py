@@ -108,7 +108,8 @@ def _default_expire(grace_s: float) -> None:
 
 
 KILL_ENV = "DISTTRAIN_KILL_AT"
-"""Fault injection for restart tests: ``RANK:STEP`` ends that rank abruptly after STEP, first launch only."""
+"""Fault injection for restart tests: ``RANK:STEP`` (or ``RANK,RANK,...:STEP``: a whole node) ends those
+ranks abruptly after STEP, first launch only."""
 
 
 def injected_kill(rank: int, step: int) -> None:
@@ -116,6 +117,7 @@ def injected_kill(rank: int, step: int) -> None:
     (neither torchrun's nor ``disttrain-launch --max-restarts``'s)."""
     spec = os.environ.get(KILL_ENV, "")
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" == os.environ.get("DISTTRAIN_LAUNCH_ATTEMPT", "0")
-    if spec and first and spec == f"{rank}:{step}":
+    ranks, _, at = spec.partition(":")
+    if spec and first and at == str(step) and str(rank) in ranks.split(","):
         print(f"rank {rank}: {KILL_ENV}={spec}: exiting abruptly", file=sys.stderr, flush=True)
         os._exit(9)

@@ -293,11 +293,11 @@ def test_max_restarts_is_reported_and_supervises_the_unchanged_first_command(tmp
     assert "restarts: up to 2 after a failure, 10 s apart (not after exit 2 or 143)" in out
     assert command_of(out)[-3:] == ["layout=disaggregated", "train.steps=6", "checkpoint.every=2"]
     started = []
-    monkeypatch.setattr(launch, "start", lambda cmd, n, delay: started.append((cmd, n, delay)) or 0)
+    monkeypatch.setattr(launch, "start", lambda cmd, n, delay, relaunch: started.append((cmd, n, delay, relaunch)) or 0)
     code, out, _ = run(*argv)
-    assert code == 0 and started == [(command_of(out), 2, 10.0)]
+    assert code == 0 and started == [(command_of(out), 2, 10.0, None)]
     code, out, _ = run("--hostfile", path, "--recipe", TINY, "layout=disaggregated")  # no restarts: exec as before
-    assert code == 0 and started[-1] == (command_of(out), 0, 0.0) and "restarts:" not in out
+    assert code == 0 and started[-1] == (command_of(out), 0, 0.0, None) and "restarts:" not in out
 
 
 # --- the script itself ---------------------------------------------------------------------------

@@ -182,3 +182,20 @@ def test_load_into_engine_writes_this_tp_ranks_shards_into_parameters_and_torch_
     del full["1.bias"]
     with pytest.raises(ReshardError, match="no value for parameter 1.bias"):
         load_into_engine(SimpleNamespace(optimizer=opt), pm, full, 1, 2)
+
+
+def test_a_checkpoint_of_sgd_without_momentum_reshards_with_no_optimizer_state_and_adam_still_needs_it():
+    """Plain SGD keeps no per-parameter state, so its checkpoint has none; Adam's must."""
+    from types import SimpleNamespace
+
+    from disttrain_ds.checkpoint.reshard import ParamState, load_into_engine
+
+    pm = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    full = {n: ParamState(weight=torch.full(p.shape, 0.5), optim={}, step=None) for n, p in pm.named_parameters()}
+    sgd = torch.optim.SGD(pm.parameters(), lr=0.1)
+    assert load_into_engine(SimpleNamespace(optimizer=sgd), pm, full, 0, 1) == [
+        "weights", "optimizer state (none: SGD without momentum keeps none)"]
+    assert torch.equal(pm[0].weight, torch.full((2, 3), 0.5)) and not sgd.state
+    for opt in (torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9), torch.optim.AdamW(pm.parameters())):
+        with pytest.raises(ReshardError, match="no optimizer state for parameter 0.weight"):
+            load_into_engine(SimpleNamespace(optimizer=opt), pm, full, 0, 1)

@@ -191,6 +191,31 @@ def test_bad_input_preemption_and_success_end_the_loop_at_once(fake, monkeypatch
         assert said[0].endswith(f"exit code {plan}")
 
 
+def test_a_relaunch_hook_gives_each_restart_its_command_and_its_error_ends_the_restarts(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_PLAN", "1,0")
+    seen: list[list[str]] = []
+
+    def relaunch(cmd: list[str]) -> list[str]:  # what --elastic does: new degrees after the resumed command
+        seen.append(cmd)
+        return [*cmd, "parallel.llm.dp=1"]
+
+    said: list[str] = []
+    assert supervise.supervise(fake(), 2, say=said.append, relaunch=relaunch) == 0
+    assert seen == [fake("train.resume=auto")]
+    assert fake.runs()[1] == ["--recipe", "r.yaml", "train.resume=auto", "parallel.llm.dp=1"]
+
+    def no_layout(cmd: list[str]) -> list[str]:
+        raise ConfigError("elastic: host b not answering; cannot re-plan r.yaml for the 2 slots left: too few")
+
+    monkeypatch.setenv("FAKE_PLAN", "1,0")
+    (fake.dir / "runs.json").unlink()
+    said.clear()
+    assert supervise.supervise(fake(), 2, say=said.append, relaunch=no_layout) == 1
+    assert len(fake.runs()) == 1
+    assert said[-1] == ("not restarting: elastic: host b not answering; cannot re-plan r.yaml for the 2 slots "
+                        "left: too few; exit code 1")
+
+
 def test_a_command_that_cannot_start_is_one_line(tmp_path):
     said: list[str] = []
     assert supervise.supervise([str(tmp_path / "missing")], 2, say=said.append) == 2
