@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 from disttrain_ds.cli import OneLineParser, prog_name
-from disttrain_ds.errors import ConfigError
 from disttrain_ds.cost.profile_file import load_profile
+from disttrain_ds.errors import ConfigError
 from disttrain_ds.launcher.elastic import ElasticPlan, count, include_spec
 from disttrain_ds.launcher.hostfile import Host, LaunchError, parse_hostfile, plural, select_slots, slots_summary
 from disttrain_ds.launcher.layout_fit import check_memory, check_slots, required_ranks, tp_span_problems

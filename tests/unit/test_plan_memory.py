@@ -14,10 +14,10 @@ from disttrain_ds.cli import plan as cli
 from disttrain_ds.cost import memory_model as mm
 from disttrain_ds.cost.profile import GIB
 from disttrain_ds.cost.profile_file import profile_from_dict
+from disttrain_ds.planner import recipe_plan
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.objective import Degrees, layout_memory
 from disttrain_ds.planner.optimize import PlanError, exhaustive_plan, plan
-from disttrain_ds.planner import recipe_plan
 from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peaks, with_recipe_memory
 from disttrain_ds.recipe.schema import find_recipe, load_recipe
 

@@ -16,10 +16,9 @@ from disttrain_ds.cli import plan as cli
 from disttrain_ds.cost.profile import GIB, Profile
 from disttrain_ds.cost.profile_file import load_profile, profile_from_dict
 from disttrain_ds.graph import MODULES
-from disttrain_ds.planner import optimize
+from disttrain_ds.planner import optimize, recipe_plan
 from disttrain_ds.planner.legal import restrict_to_runtime
 from disttrain_ds.planner.optimize import Degrees, PlanError, exhaustive_plan, first_ranks, plan, tp_aligned
-from disttrain_ds.planner import recipe_plan
 from disttrain_ds.planner.recipe_memory import fit_plan, runtime_peak, with_recipe_memory
 from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import find_recipe, load_recipe
