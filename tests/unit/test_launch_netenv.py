@@ -194,7 +194,7 @@ def test_a_launch_hands_the_deepspeed_launcher_both_variables(run, launch_env, d
     iface = _an_interface()
     launch_env[NCCL] = iface
     started = []
-    monkeypatch.setattr(launch, "start", lambda cmd, n, delay: started.append(dict(os.environ)) or 0)
+    monkeypatch.setattr(launch, "start", lambda cmd, n, delay, relaunch: started.append(dict(os.environ)) or 0)
     code, out, err = run("--hostfile", str(dirs / "hostfile"), "--skip-reachability", "--recipe", TINY,
                          "layout=disaggregated")
     assert code == 0, err
