@@ -247,8 +247,8 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     count = StepFlopsCounter(spec)
 
     def encoder_pass(name: str, mb: MicroBatch, sample: PackedSample) -> Pass:
-        e, fam = module_config(recipe, name), spec.family(name)
-        rows = sum(fam.rows(e, fam.item_size(e, t)) for t in sample.inputs(fam.modality))
+        fam = spec.family(name)
+        rows = spec.item_rows(name, sample)
         grad = torch.randn(rows, lm.hidden_size, device=dev, dtype=dt)  # what the LLM sends back
         return Pass(mb.encoder_inputs(fam.modality), lambda out: ([out], [grad]), lambda out: out,
                     count.module(name, [sample]))

@@ -261,9 +261,6 @@ def check_emulation(r: Recipe, graph: ModuleGraph, src: str) -> None:
         auto = [n for n in graph.names if module_parallel(r, n).sp == "auto"]
         _check(not auto, src, "emulate.enabled", f"emulated compute does not model adaptive SP groups yet "
                f"({', '.join(f'{n} sp=auto' for n in auto)}); run it for real or set a fixed sp")
-        encoders = [n for n in graph.names if n != graph.llm and module_parallel(r, n).sp != 1]
-        _check(not encoders, src, "emulate.enabled", f"emulated compute models sequence parallelism in the LLM only "
-               f"({', '.join(f'{n} sp={module_parallel(r, n).sp}' for n in encoders)}); run it for real")
         check_emulate(r, src)
 
 

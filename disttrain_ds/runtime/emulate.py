@@ -181,11 +181,12 @@ class Emulator:
 
     def __init__(self, module: str, global_stage: int, dp: int, pp: int, ms_per_flop: float,
                  backward: bool, cost_model, patch_size: int, special, role: str | None = None,
-                 sp: int = 1, sp_cost=None):
-        """``sp``, ``sp_cost``: the module's SP degree and how its all-to-alls are priced
-        (``reorder/sp_groups.py::SPCost``): each rank computes 1/sp of the work, then exchanges."""
+                 sp: int = 1, sp_cost=None, sp_tokens=None):
+        """``sp``, ``sp_cost``, ``sp_tokens``: the module's SP degree, how its all-to-alls are priced
+        (``reorder/sp_groups.py::SPCost``) and the tokens of a sample they carry (the LLM's sequence,
+        an encoder's item rows): each rank computes 1/sp of the work, then exchanges."""
         self.module, self.global_stage, self.dp, self.pp = module, global_stage, dp, pp
-        self.sp, self.sp_cost = sp, sp_cost
+        self.sp, self.sp_cost, self.sp_tokens = sp, sp_cost, sp_tokens
         self.role = role or module  # the three-module graph names its modules after their roles
         self.ms_per_flop, self.backward = ms_per_flop, backward
         self.cost_model, self.patch_size, self.special = cost_model, patch_size, special
@@ -201,10 +202,14 @@ class Emulator:
         grid = topo.module_of(rank)
         stage, dp, _ = grid.coords(rank)
         rate = recipe_rates(recipe, topo)[grid.name]
+        role = graph_of(recipe).role(grid.name)
+        if role == "llm":
+            tokens = lambda s: int(s.input_ids.shape[0])  # noqa: E731
+        else:
+            tokens = lambda s: spec.item_rows(grid.name, s)  # noqa: E731
         return cls(grid.name, topo.stage_offset(grid.name) + stage, dp, grid.pp, rate, backward,
-                   cost_model(recipe), patch_size(recipe, grid.name), spec.special,
-                   role=graph_of(recipe).role(grid.name), sp=grid.sp,
-                   sp_cost=sp_cost(recipe, spec, grid.name, per_node) if grid.sp > 1 else None)
+                   cost_model(recipe), patch_size(recipe, grid.name), spec.special, role=role, sp=grid.sp,
+                   sp_cost=sp_cost(recipe, spec, grid.name, per_node) if grid.sp > 1 else None, sp_tokens=tokens)
 
     def set_step(self, step: int, blocks: Sequence[Sequence], started: float | None = None,
                  peers: dict[str, list[list[int]]] | None = None) -> None:
@@ -218,7 +223,7 @@ class Emulator:
             flops = [sample_flops(self.cost_model, self.module, s, self.patch_size, self.special) for s in block]
             f, b = microbatch_ms(flops, self.ms_per_flop, self.pp)
             if self.sp > 1:  # 1/sp of the work each, then this stage's share of the all-to-alls, half each way
-                a2a = sum(self.sp_cost.a2a_ms(int(s.input_ids.shape[0]), self.sp) for s in block) / self.pp / 2
+                a2a = sum(self.sp_cost.a2a_ms(self.sp_tokens(s), self.sp) for s in block) / self.pp / 2
                 f, b = f / self.sp + a2a, b / self.sp + a2a
             self.fwd_ms.append(f)
             self.bwd_ms.append(b if self.backward else 0.0)

@@ -22,7 +22,7 @@ from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.mllm.recipe_spec import recipe_spec
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
 from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.reorder.sp_groups import SPCost, transformer_cost
+from disttrain_ds.reorder.sp_groups import SPCost, a2a_bytes_per_token, transformer_cost
 from disttrain_ds.samples import GenShape, ShapeSpec
 
 
@@ -177,16 +177,26 @@ def build_optimizer(recipe: Recipe, groups: list[dict]) -> torch.optim.Optimizer
 
 
 def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
-    """How SP (adaptive groups, emulated compute) prices the LLM ``module``'s sequences: its FLOPs
-    at ``train.peak_tflops`` (400 when unset: only ratios matter), all-to-alls at ``parallel.sp_bandwidth_gbs`` (a group of
-    more than ``per_node`` ranks crosses nodes), and as many tokens per GPU as the memory check
-    allows (``train.micro_batch`` sequences of ``data.max_seq_len``)."""
-    cfg, mp = spec.llm, recipe.parallel.modules[module]
+    """How SP (adaptive groups, emulated compute) prices ``module``'s sequences: all-to-alls at
+    ``parallel.sp_bandwidth_gbs`` (a group of more than ``per_node`` ranks crosses nodes); for the
+    LLM also its FLOPs at ``train.peak_tflops`` (400 when unset: only ratios matter) and as many
+    tokens per GPU as the memory check allows (``train.micro_batch`` sequences of
+    ``data.max_seq_len``). An encoder's is its all-to-alls per row only (emulated compute prices
+    its work from the cost model)."""
+    mp = recipe.parallel.modules[module]
     inside, across = recipe.parallel.sp_bandwidth_gbs
     top = mp.dp if mp.sp == "auto" else mp.sp  # the largest group
     sizes = [1 << k for k in range(1, top.bit_length())]
+    bandwidth = {p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside}
+    if module != spec.name_of("llm"):
+        fam, cfg = spec.family(module), spec.config(module)
+        heads, kv_heads = fam.sp_heads(cfg)
+        width = 2 if recipe.train.dtype == "bf16" else 4
+        per_row = a2a_bytes_per_token(fam.run_layers(cfg), cfg.hidden_size // heads, heads, kv_heads, mp.tp, width)
+        return SPCost(ms_per_flop=0.0, linear_flops=0.0, pair_flops=0.0, a2a_bytes_per_token=per_row,
+                      bandwidth_gbs=bandwidth, tokens_per_gpu=math.inf)
+    cfg = spec.llm
     return transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
                             kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, head_dim=cfg.head_dim or None,
-                            tflops=recipe.train.peak_tflops or 400.0, tp=mp.tp,
-                            bandwidth_gbs={p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside},
+                            tflops=recipe.train.peak_tflops or 400.0, tp=mp.tp, bandwidth_gbs=bandwidth,
                             tokens_per_gpu=recipe.train.micro_batch * longest_seq(recipe.data))

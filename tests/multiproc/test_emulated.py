@@ -255,20 +255,22 @@ def test_emulated_post_balanced_run_matches_the_simulator_with_each_microbatchs_
 
 
 @pytest.mark.slow
-def test_emulated_sp_run_matches_the_simulator(tmp_path, reference_run):
-    """LLM DP 2 x SP 2: each SP rank waits half its samples' compute plus the all-to-alls
-    (``Emulator``); the step is the simulator's, the losses the reference's."""
+@pytest.mark.parametrize("module, ranks, nproc", [("llm", 4, 7), ("encoder", 2, 6)])
+def test_emulated_sp_run_matches_the_simulator(tmp_path, reference_run, module, ranks, nproc):
+    """LLM DP 2 x SP 2, or the image encoder at SP 2: each SP rank waits half its samples' compute
+    plus the all-to-alls of their tokens or image rows (``Emulator``); the step is the simulator's,
+    the losses the reference's."""
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"gpus": 7, "global_batch": 8, "modules": {
         m: {"layers": 2, "cost_ms": {"1": c}} for m, c in COST_MS.items()}}))
     emu = ["emulate.enabled=true", f"emulate.profile={profile}", "train.peak_tflops=1",
            "parallel.sp_bandwidth_gbs=[0.05,0.05]"]
-    layout = [*LAYOUT, "parallel.llm.sp=2"]
-    rows, _, _ = launch(tmp_path, 7, [*layout, *emu])
+    layout = [*LAYOUT, f"parallel.{module}.sp=2"]
+    rows, _, _ = launch(tmp_path, nproc, [*layout, *emu])
     run = tmp_path / "run"
     ref_losses, _ = reference_run([o for o in layout if not o.startswith(("layout=", "parallel."))])
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     recs = replay.load_records(run / "emulate")
-    sp_ranks = [r for r in recs[3] if r.module == "llm"]
-    assert len(sp_ranks) == 4 and len({r.fwd_ms for r in sp_ranks if r.dp == 0}) == 1  # an SP group waits alike
+    sp_ranks = [r for r in recs[3] if r.module == module]
+    assert len(sp_ranks) == ranks and len({r.fwd_ms for r in sp_ranks if r.dp == 0}) == 1  # an SP group waits alike
     check_step_time(rows, run, recs[3], slot=2, stages=3)

@@ -295,6 +295,28 @@ def test_an_sp_rank_emulates_its_share_of_the_work_and_the_all_to_alls(tmp_path)
     assert two.bwd_ms == pytest.approx([b / 2 + a for b, a in zip(one.bwd_ms, a2a)])
 
 
+def test_an_encoder_sp_rank_emulates_its_share_and_all_to_alls_of_its_item_rows(tmp_path):
+    """The image encoder at SP 2: half a sample's compute plus the all-to-alls of the rows its images
+    make (a sample without images: nothing to exchange)."""
+    over = [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}",
+            "parallel.sp_bandwidth_gbs=[0.001,0.001]"]
+    from disttrain_ds.runtime.setup import build_data_and_spec
+
+    plain, split = load_recipe(TINY, over), load_recipe(TINY, [*over, "parallel.encoder.sp=2"])
+    source, spec = build_data_and_spec(plain)
+    samples = source.global_batch(0)
+    one = Emulator.for_rank(plain, topology_of(plain), 0, spec, backward=True)
+    two = Emulator.for_rank(split, topology_of(split), 1, spec, backward=True)  # SP index 1
+    one.set_step(0, [[s] for s in samples])
+    two.set_step(0, [[s] for s in samples])
+    rows = [spec.item_rows("encoder", s) for s in samples]
+    assert rows == [sum((h // 8) * (w // 8) for _, h, w in (im.shape for im in s.images)) for s in samples]
+    a2a = [two.sp_cost.a2a_ms(n, 2) / 2 for n in rows]
+    assert max(a2a) > 1.0 and all((a == 0) == (n == 0) for a, n in zip(a2a, rows))
+    assert two.fwd_ms == pytest.approx([f / 2 + a for f, a in zip(one.fwd_ms, a2a)])
+    assert two.bwd_ms == pytest.approx([b / 2 + a for b, a in zip(one.bwd_ms, a2a)])
+
+
 # --------------------------------------------------------------------------- recipe checks
 
 

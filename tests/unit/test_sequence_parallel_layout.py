@@ -71,7 +71,6 @@ def test_topology_of_an_sp_recipe_counts_its_ranks_and_says_sp():
     (["parallel.generator.sp=2"], "parallel.generator.sp", "unet family has no sequence-parallel path"),
     (["parallel.encoder.sp=auto", "parallel.encoder.dp=2"], "parallel.encoder.sp", "auto runs in the LLM (llm) only"),
     (["parallel.encoder.sp=4"], "parallel.encoder.sp", "heads per TP rank (2 / tp 1)"),
-    (["parallel.encoder.sp=2", "emulate.enabled=true"], "emulate.enabled", "encoder sp=2"),
     (["layout=monolithic", "parallel.llm.sp=2"], "parallel.llm.sp", "needs layout disaggregated"),
     (["parallel.llm.sp=0"], "parallel.llm.sp", "must be >= 1"),
     (["parallel.llm.sp=8"], "parallel.llm.sp", "heads per TP rank"),
