@@ -143,6 +143,7 @@ def test_sp2_encoder_faults_are_caught(fault):
     assert max(max(w["out"], w["params"]) for w in worst.values()) > 1e-3, worst
 
 
+@pytest.mark.slow  # the default tier pins the layers (with their negative controls) and the LLM's SP job
 def test_encoder_sp2_job_trains_the_reference_and_only_its_lead_sends(tmp_path, reference_run):
     """The image encoder at SP 2 beside the LLM at PP 2: the reference's losses and parameters over 3
     SGD steps; the encoder's ranks exchange slices (the LLM's none); only its SP lead sends its rows."""
