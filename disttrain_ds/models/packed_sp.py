@@ -60,8 +60,8 @@ def item_spans(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([counts, counts.new_tensor([pad])]) if pad else counts
 
 
-def item_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def item_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                   dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention interface for a slice of packed items: q, k, v [1, H, S/SP, D] (this
     rank's rows) -> [1, S/SP, H, D], every row attending to all rows of its own item. The items and
     the SP context ride on the attention module (``_ITEMS``, set by ``sp_layer``): not every
