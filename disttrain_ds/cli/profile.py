@@ -35,7 +35,7 @@ from disttrain_ds.profiler.measure import ModuleResult, Options, profile_recipe
 from disttrain_ds.profiler.tp import cost_table, measure_tp
 from disttrain_ds.recipe.graph import module_config, module_family
 from disttrain_ds.recipe.schema import Recipe, load_recipe
-from disttrain_ds.reorder.sp_groups import SPCost, a2a_bytes_per_token
+from disttrain_ds.reorder.sp_groups import exchange_cost, module_a2a_bytes
 from disttrain_ds.runtime.emulate import data_work
 
 PROG = prog_name("disttrain-profile", "python -m disttrain_ds.cli.profile")
@@ -50,21 +50,12 @@ def sp_fields(recipe: Recipe, result: ModuleResult, per_node: int) -> dict:
     family, cfg = module_family(recipe, result.name), module_config(recipe, result.name)
     if family.sp_heads is None or (result.role != "llm" and not any(result.rows)):
         return {}
-    heads, kv_heads = family.sp_heads(cfg)
-    width = 2 if recipe.train.dtype == "bf16" else 4
-    if result.role == "llm":
-        tokens = recipe.data.seq_len
-        per_token = a2a_bytes_per_token(cfg.layers, cfg.head_dim or cfg.hidden_size // heads, heads, kv_heads,
-                                        bytes_per_value=width)
-    else:
-        tokens = statistics.median(result.rows)
-        per_token = a2a_bytes_per_token(family.run_layers(cfg), cfg.hidden_size // heads, heads, kv_heads,
-                                        bytes_per_value=width)
+    tokens = recipe.data.seq_len if result.role == "llm" else statistics.median(result.rows)
     inside, _ = recipe.parallel.sp_bandwidth_gbs
     sizes = [s for s in (2, 4, 8) if s <= per_node]
-    cost = SPCost(ms_per_flop=0.0, linear_flops=0.0, pair_flops=0.0, a2a_bytes_per_token=per_token,
-                  bandwidth_gbs={s: inside for s in sizes} or {1: inside}, tokens_per_gpu=1.0)
-    return {"sp_overhead_ms": {s: cost.a2a_ms(tokens, s) for s in sizes}, "attention_heads": (heads, kv_heads)}
+    per_token = module_a2a_bytes(family, cfg, bytes_per_value=2 if recipe.train.dtype == "bf16" else 4)
+    cost = exchange_cost(per_token, {s: inside for s in sizes} or {1: inside})
+    return {"sp_overhead_ms": {s: cost.a2a_ms(tokens, s) for s in sizes}, "attention_heads": family.sp_heads(cfg)}
 
 
 def checkpointing_fields(recipe: Recipe, module: str) -> dict[str, float]:

@@ -54,10 +54,11 @@ def gather_rows(part: torch.Tensor, rows: int, sp) -> torch.Tensor:
 
 
 def item_spans(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """Rows per item of the padded rows: the items' own counts, then the padding as one more item."""
-    rows = int(counts.sum())
-    pad = padded_rows(rows, size) - rows
-    return torch.cat([counts, counts.new_tensor([pad])]) if pad else counts
+    """Rows per item of the padded rows: the items' own counts, then the padding as one more item
+    (on the CPU, where ``per_item`` reads them: one device read per layer)."""
+    sizes = counts.tolist()
+    pad = padded_rows(sum(sizes), size) - sum(sizes)
+    return torch.tensor(sizes + [pad] if pad else sizes, dtype=torch.long)
 
 
 def item_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -107,8 +108,9 @@ def _items_attention(layer: nn.Module, spans: torch.Tensor, sp) -> Iterator[None
 def sp_layer(layer: nn.Module, part: torch.Tensor, counts: torch.Tensor, sp) -> torch.Tensor:
     """One library encoder layer (called as ``layer(hidden, attention_mask)``) on this rank's slice
     [S/SP, width] of the packed rows of the items ``counts`` describes."""
-    if not int(counts.sum()):  # no item in this microbatch: every rank of the group knows, none exchanges
+    spans = item_spans(counts, sp.size)
+    if not int(spans.sum()):  # no item in this microbatch: every rank of the group knows, none exchanges
         return part
-    with _items_attention(layer, item_spans(counts, sp.size), sp):
+    with _items_attention(layer, spans, sp):
         out = layer(part.unsqueeze(0), None)
     return out[0]

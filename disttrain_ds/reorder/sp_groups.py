@@ -21,10 +21,15 @@ Pure and deterministic: every rank of a module computes the same groups from the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from disttrain_ds.cost.flops import llm_flops_packed
+
+if TYPE_CHECKING:  # annotations only
+    from disttrain_ds.families.base import Family
 
 SEARCH_STEPS = 24
 """Bisection steps of ``adaptive_groups`` (the makespan to within 2^-24 of its starting bracket)."""
@@ -93,6 +98,21 @@ def a2a_bytes_per_token(layers: int, head_dim: int, heads: int, kv_heads: int, t
     """``SPCost.a2a_bytes_per_token`` of a transformer: q, k, v out and the attention output back,
     in every layer, forward and backward (the backward exchanges their gradients), per TP rank."""
     return 2 * layers * bytes_per_value * head_dim * (2 * heads + 2 * kv_heads) / tp
+
+
+def module_a2a_bytes(family: Family, cfg: Any, tp: int = 1, bytes_per_value: int = 2) -> float:
+    """``a2a_bytes_per_token`` of a module of ``family`` (one with an SP path): the heads SP splits,
+    the transformer layers one forward runs, their head width."""
+    heads, kv_heads = family.sp_heads(cfg)
+    head_dim = getattr(cfg, "head_dim", 0) or cfg.hidden_size // heads
+    return a2a_bytes_per_token(family.run_layers(cfg), head_dim, heads, kv_heads, tp, bytes_per_value)
+
+
+def exchange_cost(a2a_bytes: float, bandwidth_gbs: Mapping[int, float]) -> SPCost:
+    """An ``SPCost`` of the all-to-alls alone, ``a2a_bytes`` per token (the compute is priced
+    elsewhere; memory is not its concern): what ``SPCost.a2a_ms`` reads."""
+    return SPCost(ms_per_flop=0.0, linear_flops=0.0, pair_flops=0.0, a2a_bytes_per_token=a2a_bytes,
+                  bandwidth_gbs=dict(bandwidth_gbs), tokens_per_gpu=math.inf)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.mllm.recipe_spec import recipe_spec
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
 from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.reorder.sp_groups import SPCost, a2a_bytes_per_token, transformer_cost
+from disttrain_ds.reorder.sp_groups import SPCost, exchange_cost, module_a2a_bytes, transformer_cost
 from disttrain_ds.samples import GenShape, ShapeSpec
 
 
@@ -189,12 +189,8 @@ def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
     sizes = [1 << k for k in range(1, top.bit_length())]
     bandwidth = {p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside}
     if module != spec.name_of("llm"):
-        fam, cfg = spec.family(module), spec.config(module)
-        heads, kv_heads = fam.sp_heads(cfg)
         width = 2 if recipe.train.dtype == "bf16" else 4
-        per_row = a2a_bytes_per_token(fam.run_layers(cfg), cfg.hidden_size // heads, heads, kv_heads, mp.tp, width)
-        return SPCost(ms_per_flop=0.0, linear_flops=0.0, pair_flops=0.0, a2a_bytes_per_token=per_row,
-                      bandwidth_gbs=bandwidth, tokens_per_gpu=math.inf)
+        return exchange_cost(module_a2a_bytes(spec.family(module), spec.config(module), mp.tp, width), bandwidth)
     cfg = spec.llm
     return transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
                             kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, head_dim=cfg.head_dim or None,

@@ -275,20 +275,27 @@ def test_rank_costs_follow_the_recipe_data_and_average_to_the_profile(tmp_path):
     assert llm_stage1.global_stage == 2 and llm_stage1.steps[0]["step"] == 1
 
 
-def test_an_sp_rank_emulates_its_share_of_the_work_and_the_all_to_alls(tmp_path):
-    """SP 2: each LLM rank waits half a sample's compute plus its all-to-alls (SPCost at
-    parallel.sp_bandwidth_gbs), half of them forward and half backward."""
-    over = [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}", "parallel.llm.pp=1",
+def _with_and_without_sp(tmp_path, extra: list[str], module: str, rank: int, sp_rank: int):
+    """Emulators of step 0 on a slow all-to-all link: ``rank`` without SP, ``sp_rank`` (SP index 1)
+    with ``module`` at SP 2; and the step's samples and the spec."""
+    over = [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}", *extra,
             "parallel.sp_bandwidth_gbs=[0.001,0.001]"]
     from disttrain_ds.runtime.setup import build_data_and_spec
 
-    plain, split = load_recipe(TINY, over), load_recipe(TINY, [*over, "parallel.llm.sp=2"])
+    plain, split = load_recipe(TINY, over), load_recipe(TINY, [*over, f"parallel.{module}.sp=2"])
     source, spec = build_data_and_spec(plain)
     samples = source.global_batch(0)
-    one = Emulator.for_rank(plain, topology_of(plain), 1, spec, backward=True)
-    two = Emulator.for_rank(split, topology_of(split), 2, spec, backward=True)  # SP index 1
+    one = Emulator.for_rank(plain, topology_of(plain), rank, spec, backward=True)
+    two = Emulator.for_rank(split, topology_of(split), sp_rank, spec, backward=True)
     one.set_step(0, [[s] for s in samples])
     two.set_step(0, [[s] for s in samples])
+    return one, two, samples, spec
+
+
+def test_an_sp_rank_emulates_its_share_of_the_work_and_the_all_to_alls(tmp_path):
+    """SP 2: each LLM rank waits half a sample's compute plus its all-to-alls (SPCost at
+    parallel.sp_bandwidth_gbs), half of them forward and half backward."""
+    one, two, samples, _ = _with_and_without_sp(tmp_path, ["parallel.llm.pp=1"], "llm", 1, 2)
     a2a = [two.sp_cost.a2a_ms(int(s.input_ids.shape[0]), 2) / 2 for s in samples]
     assert min(a2a) > 1.0  # a slow link: the all-to-alls show
     assert two.fwd_ms == pytest.approx([f / 2 + a for f, a in zip(one.fwd_ms, a2a)])
@@ -298,17 +305,7 @@ def test_an_sp_rank_emulates_its_share_of_the_work_and_the_all_to_alls(tmp_path)
 def test_an_encoder_sp_rank_emulates_its_share_and_all_to_alls_of_its_item_rows(tmp_path):
     """The image encoder at SP 2: half a sample's compute plus the all-to-alls of the rows its images
     make (a sample without images: nothing to exchange)."""
-    over = [*DISAGG, "emulate.enabled=true", f"emulate.profile={_profile(tmp_path)}",
-            "parallel.sp_bandwidth_gbs=[0.001,0.001]"]
-    from disttrain_ds.runtime.setup import build_data_and_spec
-
-    plain, split = load_recipe(TINY, over), load_recipe(TINY, [*over, "parallel.encoder.sp=2"])
-    source, spec = build_data_and_spec(plain)
-    samples = source.global_batch(0)
-    one = Emulator.for_rank(plain, topology_of(plain), 0, spec, backward=True)
-    two = Emulator.for_rank(split, topology_of(split), 1, spec, backward=True)  # SP index 1
-    one.set_step(0, [[s] for s in samples])
-    two.set_step(0, [[s] for s in samples])
+    one, two, samples, spec = _with_and_without_sp(tmp_path, [], "encoder", 0, 1)
     rows = [spec.item_rows("encoder", s) for s in samples]
     assert rows == [sum((h // 8) * (w // 8) for _, h, w in (im.shape for im in s.images)) for s in samples]
     a2a = [two.sp_cost.a2a_ms(n, 2) / 2 for n in rows]
