@@ -205,7 +205,6 @@ def check_sequence_parallel(r: Recipe, graph: ModuleGraph, name: str, mp: Module
            f"needs layout disaggregated (the module on its own ranks), got {r.layout}")
     sp = mp.sp
     if sp == "auto":  # every power of two up to dp may be a group's size
-        _check(name == graph.llm, src, key, f"auto runs in the LLM ({graph.llm}) only; give {name} a fixed sp")
         _check(mp.dp & (mp.dp - 1) == 0, src, key, f"auto needs {parallel_key(r, name)}.dp a power of two "
                f"(groups are aligned powers of two), got {mp.dp}")
         _check(mp.activation_checkpointing == 0, src, key, "auto is not combined with activation_checkpointing "

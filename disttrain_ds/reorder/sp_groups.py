@@ -26,7 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from disttrain_ds.cost.flops import llm_flops_packed
+import numpy as np
+
+from disttrain_ds.cost.flops import llm_flops_packed, training_flops
 
 if TYPE_CHECKING:  # annotations only
     from disttrain_ds.families.base import Family
@@ -52,6 +54,9 @@ class SPCost:
     """All-to-all bandwidth per GPU (GB/s) by group size (sizes above the largest key use its value)."""
     tokens_per_gpu: float
     """Tokens of activations one GPU holds: a group of size p holds p times that."""
+    causal: bool = True
+    """Attention pairs of a sequence of L tokens: L (L + 1) / 2 under a causal mask (an LLM), L^2
+    when every token attends to every other (an encoder's item)."""
 
     def bandwidth(self, size: int) -> float:
         known = sorted(self.bandwidth_gbs)
@@ -66,8 +71,9 @@ class SPCost:
         return sent / (self.bandwidth(size) * 1e9) * 1e3
 
     def seq_ms(self, length: int, size: int) -> float:
-        """Milliseconds of one sequence of ``length`` tokens on a group of ``size`` GPUs (causal attention)."""
-        compute = (self.linear_flops * length + self.pair_flops * length * (length + 1) / 2) * self.ms_per_flop / size
+        """Milliseconds of one sequence of ``length`` tokens on a group of ``size`` GPUs."""
+        pairs = length * (length + 1) / 2 if self.causal else length * length
+        compute = (self.linear_flops * length + self.pair_flops * pairs) * self.ms_per_flop / size
         return compute + self.a2a_ms(length, size)
 
     def min_size(self, length: int) -> int:
@@ -106,6 +112,23 @@ def module_a2a_bytes(family: Family, cfg: Any, tp: int = 1, bytes_per_value: int
     heads, kv_heads = family.sp_heads(cfg)
     head_dim = getattr(cfg, "head_dim", 0) or cfg.hidden_size // heads
     return a2a_bytes_per_token(family.run_layers(cfg), head_dim, heads, kv_heads, tp, bytes_per_value)
+
+
+def item_cost(family: Family, cfg: Any, *, tflops: float, bandwidth_gbs: Mapping[int, float],
+              tokens_per_gpu: float, tp: int = 1, bytes_per_value: int = 2) -> SPCost:
+    """``SPCost`` of an encoder whose sequences are its items (an image, an audio clip), counted in
+    the rows its layers run: training FLOPs per row and per attended pair (every row of an item
+    attends to every other) from the family's per-item forward FLOPs, whose (constant, per row,
+    per squared row) terms three item sizes fix exactly; the item's constant term is left out, as
+    an LLM's per-sequence one is."""
+    base = 1 << 10  # sizes well above any rounding in ``rows`` (a stride-2 convolution halves an even count)
+    sizes = [base, 2 * base, 3 * base]
+    rows = np.array([family.rows(cfg, x) for x in sizes], dtype=np.float64)
+    flops = [training_flops(family.item_flops(cfg, x)) for x in sizes]
+    _, linear, pair = np.linalg.solve(np.vander(rows, 3, increasing=True), flops)
+    return SPCost(ms_per_flop=1e3 / (tflops * 1e12) / tp, linear_flops=float(linear), pair_flops=float(pair),
+                  a2a_bytes_per_token=module_a2a_bytes(family, cfg, tp, bytes_per_value),
+                  bandwidth_gbs=dict(bandwidth_gbs), tokens_per_gpu=tokens_per_gpu, causal=False)
 
 
 def exchange_cost(a2a_bytes: float, bandwidth_gbs: Mapping[int, float]) -> SPCost:

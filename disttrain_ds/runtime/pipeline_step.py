@@ -90,11 +90,14 @@ class PipelineExecutor:
         """This rank's samples of each microbatch slot (in slot order); an encoder's or generator's:
         the samples it holds units of, with only those units."""
         me, dp = self.grid.name, self.ctx.dp_index
+        if me in self.plans[0].groups:  # adaptive SP: what this rank's group holds, on every member
+            if me in self.plans[0].units:  # an encoder's units
+                return [carriers(samples, g * self.slot, list(self._group_of(plan)[2]), self.slot, self.spec, me)
+                        for g, plan in enumerate(self.plans)]
+            return [[samples[g * self.slot + p] for p in self._group_of(plan)[2]] for g, plan in enumerate(self.plans)]
         if me in self.plans[0].units:
             return [carriers(samples, g * self.slot, plan.units[me][dp], self.slot, self.spec, me)
                     for g, plan in enumerate(self.plans)]
-        if me in self.plans[0].groups:  # adaptive SP: the samples of this rank's group, on every member
-            return [[samples[g * self.slot + p] for p in self._group_of(plan)[2]] for g, plan in enumerate(self.plans)]
         return [[samples[g * self.slot + p] for p in plan.samples[me][dp]] for g, plan in enumerate(self.plans)]
 
     def _check_read(self, samples: list) -> None:

@@ -10,9 +10,11 @@ generated, on several replicas; the LLM keeps its blocks. Every rank makes the s
 costs and the assignment are deterministic functions of the step's samples, which every rank reads
 whole.
 
-With adaptive sequence parallelism (``parallel.llm.sp: auto``) the LLM's replicas form SP groups
-per slot by the samples' lengths (``reorder/sp_groups.py::covering_groups``): every rank of a
-group holds the group's samples, and its first rank (the lead) is the replica that boundaries
+With adaptive sequence parallelism (``parallel.<module>.sp: auto``) a module's replicas form SP
+groups per slot by the lengths of what they run: the LLM's by its samples' tokens
+(``reorder/sp_groups.py::covering_groups``, every replica holding at least one), an encoder's by
+its items' rows (``adaptive_groups``; ranks it leaves idle hold nothing). Every rank of a group
+holds the group's samples or items, and its first rank (the lead) is the replica that boundaries
 route them to.
 
 A boundary carries units (one row count per unit, in slot order, so the LLM's rows keep its
@@ -36,7 +38,7 @@ from disttrain_ds.comm.routes import blocks
 from disttrain_ds.cost.graph_costs import unit_costs
 from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.reorder.post_balance import assign, owners_of, share_cap
-from disttrain_ds.reorder.sp_groups import covering_groups
+from disttrain_ds.reorder.sp_groups import SPPlan, adaptive_groups, covering_groups
 from disttrain_ds.runtime.setup import cost_model, sp_cost
 from disttrain_ds.samples import PackedSample
 
@@ -55,9 +57,10 @@ class SlotPlan:
     """Every encoder and generator: each replica's units (ascending)."""
     llm: str
     """The LLM's name (the other end of every boundary)."""
-    groups: dict[str, list[tuple[int, int, tuple[int, ...]]]] = field(default_factory=dict)
-    """Adaptive SP modules: each group's (first replica, size, sample positions); ``samples`` then
-    lists a group's positions under its first replica only."""
+    groups: dict[str, list[tuple[int, int, tuple]]] = field(default_factory=dict)
+    """Adaptive SP modules: each group's (first replica, size, what it holds: the LLM's sample
+    positions, an encoder's units); ``samples`` or ``units`` then list them under the group's
+    first replica only."""
 
     def edge_owners(self, up: str, down: str) -> tuple[list[int], list[int]]:
         """The (upstream, downstream) replica of each unit the boundary ``up`` -> ``down`` carries,
@@ -133,6 +136,9 @@ class Placement:
     def _plan(self, slot: list) -> SlotPlan:
         samples, units, groups = {}, {}, {}
         for m, dp in self.dps.items():
+            if m in self.sp_costs and m != self.llm:
+                groups[m], units[m] = self._item_groups(slot, m, dp)
+                continue
             if m in self.sp_costs:
                 plan = covering_groups([int(s.input_ids.shape[0]) for s in slot], dp, self.sp_costs[m])
                 if plan is None:
@@ -162,6 +168,25 @@ class Placement:
                 for r, g in zip(group, assign(self._unit_costs(slot, m, part), len(group), 0, cap, home=home)):
                     units[m][r] = [part[i] for i in g]
         return SlotPlan(samples, units, self.llm, groups)
+
+    def _item_groups(self, slot: list, module: str, dp: int) -> tuple[list[tuple[int, int, tuple]], list[list[Unit]]]:
+        """Encoder ``module`` under adaptive SP: its SP groups of the slot's items, by their rows,
+        and each replica's units (a group's under its lead)."""
+        fam, cfg = self.spec.family(module), self.spec.config(module)
+        mine = self._units(slot, module)
+        rows = [fam.rows(cfg, fam.item_size(cfg, slot[p].inputs(fam.modality)[j])) for p, j in mine]
+        plan = adaptive_groups(rows, dp, self.sp_costs[module]) if mine else SPPlan(())
+        if plan is None:
+            raise RuntimeError(f"{module}: no SP groups of {dp} ranks hold this microbatch's items in memory")
+        held = {g.first: g for g in plan.groups}
+        groups, units, r = [], [[] for _ in range(dp)], 0
+        while r < dp:  # ranks no group covers hold nothing, each on its own
+            g = held.get(r)
+            size, part = (g.size, tuple(mine[i] for i in g.seqs)) if g is not None else (1, ())
+            groups.append((r, size, part))
+            units[r] = list(part)
+            r += size
+        return groups, units
 
     def _groups(self, module: str, dp: int) -> list[list[int]]:
         """``module``'s replicas grouped by the hosts they run on (one group: every host reads all)."""

@@ -17,12 +17,13 @@ from disttrain_ds.data.producers import build_source
 from disttrain_ds.data.registry import open_source, resolve
 from disttrain_ds.data.source import SampleSource
 from disttrain_ds.data.split import Split
+from disttrain_ds.estimate.activations import sample_shape
 from disttrain_ds.families import default_config
 from disttrain_ds.mllm.model import MLLMSpec
 from disttrain_ds.mllm.recipe_spec import recipe_spec
 from disttrain_ds.recipe.graph import encoder_of, graph_of, module_family
 from disttrain_ds.recipe.schema import Recipe
-from disttrain_ds.reorder.sp_groups import SPCost, exchange_cost, module_a2a_bytes, transformer_cost
+from disttrain_ds.reorder.sp_groups import SPCost, item_cost, transformer_cost
 from disttrain_ds.samples import GenShape, ShapeSpec
 
 
@@ -177,22 +178,27 @@ def build_optimizer(recipe: Recipe, groups: list[dict]) -> torch.optim.Optimizer
 
 
 def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
-    """How SP (adaptive groups, emulated compute) prices ``module``'s sequences: all-to-alls at
-    ``parallel.sp_bandwidth_gbs`` (a group of more than ``per_node`` ranks crosses nodes); for the
-    LLM also its FLOPs at ``train.peak_tflops`` (400 when unset: only ratios matter) and as many
-    tokens per GPU as the memory check allows (``train.micro_batch`` sequences of
-    ``data.max_seq_len``). An encoder's is its all-to-alls per row only (emulated compute prices
-    its work from the cost model)."""
+    """How SP (adaptive groups, emulated compute) prices ``module``'s sequences: FLOPs at
+    ``train.peak_tflops`` (400 when unset: only ratios matter), all-to-alls at
+    ``parallel.sp_bandwidth_gbs`` (a group of more than ``per_node`` ranks crosses nodes), and as
+    many tokens per GPU as the memory check allows: ``train.micro_batch`` sequences of
+    ``data.max_seq_len`` for the LLM; for an encoder, whose sequences are its items, its share of a
+    microbatch slot's samples, each with the most rows the data allows (``estimate.activations``)."""
     mp = recipe.parallel.modules[module]
     inside, across = recipe.parallel.sp_bandwidth_gbs
     top = mp.dp if mp.sp == "auto" else mp.sp  # the largest group
     sizes = [1 << k for k in range(1, top.bit_length())]
     bandwidth = {p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside}
+    tflops = recipe.train.peak_tflops or 400.0
+    width = 2 if recipe.train.dtype == "bf16" else 4
     if module != spec.name_of("llm"):
-        width = 2 if recipe.train.dtype == "bf16" else 4
-        return exchange_cost(module_a2a_bytes(spec.family(module), spec.config(module), mp.tp, width), bandwidth)
+        shape, family = sample_shape(recipe), spec.family(module)
+        rows = shape.patches + shape.images if family.modality == "image" else shape.audio_rows
+        share = recipe.parallel.llm.dp * recipe.train.micro_batch // mp.dp
+        return item_cost(family, spec.config(module), tflops=tflops, bandwidth_gbs=bandwidth,
+                         tokens_per_gpu=share * max(rows, 1), tp=mp.tp, bytes_per_value=width)
     cfg = spec.llm
     return transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
                             kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, head_dim=cfg.head_dim or None,
-                            tflops=recipe.train.peak_tflops or 400.0, tp=mp.tp, bandwidth_gbs=bandwidth,
+                            tflops=tflops, tp=mp.tp, bandwidth_gbs=bandwidth,
                             tokens_per_gpu=recipe.train.micro_batch * longest_seq(recipe.data))

@@ -191,3 +191,28 @@ def test_audio_encoder_at_sp2_beside_an_image_encoder_at_pp2_trains_the_referenc
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e}"
     _exchanged_in(tmp_path, topology_of(load_recipe("tiny_omni", ["layout=disaggregated", *overrides])), "ear")
+
+
+# One square image per sample of 1, 16 or 64 patches; compute slow enough (1 TFLOP/s) and the
+# all-to-alls fast enough (8 GB/s) that a 64-patch image beside small ones is split in two.
+ADAPTIVE = ["parallel.llm.pp=1", "parallel.encoder.dp=4", "parallel.encoder.sp=auto", "parallel.sp_bandwidth_gbs=[8,8]",
+            "train.peak_tflops=1", "data.image_sizes=[8,32,64]", "data.max_images=1", "data.resolution_sampler=square",
+            "train.micro_batch=4", "model.encoder.heads=4"]
+
+
+@pytest.mark.slow  # the default tier pins the groups (tests/unit/test_placement.py) and the LLM's adaptive job
+def test_adaptive_encoder_sp_mixes_a_group_of_two_with_single_ranks_and_trains_the_reference(tmp_path, reference_run):
+    """``parallel.encoder.sp: auto`` on 4 encoder ranks: the steps form one group of 4, then one of 2
+    beside two ranks alone (twice); the reference's losses and parameters over 3 SGD steps; only the
+    encoder's ranks run all-to-alls."""
+    from .conftest import launch
+    from .test_fidelity import SGD, STEPS
+
+    rows, params, _ = launch(tmp_path, 6, [STEPS, *SGD, "layout=disaggregated", *ADAPTIVE])
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *(o for o in ADAPTIVE if not o.startswith("parallel."))])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    groups = [tuple(int(r.get(f"sp/encoder_groups_{s}", 0)) for s in (1, 2, 4)) for r in rows]
+    assert groups == [(0, 0, 1), (2, 1, 0), (2, 1, 0)], groups
+    _exchanged_in(tmp_path, _topology(ADAPTIVE), "encoder")

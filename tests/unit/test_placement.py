@@ -118,3 +118,36 @@ def test_with_per_host_reading_replicas_split_only_their_hosts_blocks(job):
             crossed |= any(not {p for p, _ in part} <= ({0, 1} if r < 2 else {2, 3})
                            for r, part in enumerate(loose.units["vision"]))
     assert crossed
+
+
+ADAPTIVE_ENCODER = ["layout=disaggregated", "parallel.llm.pp=1", "parallel.encoder.dp=4", "parallel.encoder.sp=auto",
+                    "parallel.sp_bandwidth_gbs=[8,8]", "train.peak_tflops=1", "data.image_sizes=[8,32,64]",
+                    "data.max_images=2", "train.micro_batch=4", "train.global_batch=8", "model.encoder.heads=4"]
+
+
+def test_adaptive_encoder_groups_hold_each_item_once_under_their_lead_and_cover_every_rank():
+    """``parallel.encoder.sp: auto``: per slot, aligned power-of-two groups over the 4 encoder ranks
+    (ranks left idle alone), each image in one group, listed under its first rank; the boundary
+    routes each image to that rank. Over the steps both splits and single ranks occur."""
+    recipe = load_recipe("tiny_cpu", ADAPTIVE_ENCODER)
+    source, spec = build_data_and_spec(recipe)
+    batches = [source.global_batch(step) for step in range(6)]
+    source.close()
+    placement = Placement(recipe, spec, {"encoder": 4, "llm": 1, "generator": 1}, adaptive=["encoder"], per_node=8)
+    sizes = set()
+    for b in batches:
+        for g, plan in enumerate(placement.plans(b)):
+            slot = b[g * 4:(g + 1) * 4]
+            groups = plan.groups["encoder"]
+            assert [first for first, _, _ in groups] == [sum(s for _, s, _ in groups[:i]) for i in range(len(groups))]
+            assert sum(s for _, s, _ in groups) == 4 and all(f % s == 0 and s & (s - 1) == 0 for f, s, _ in groups)
+            items = sorted(u for _, _, held in groups for u in held)
+            assert items == [(p, j) for p, s in enumerate(slot) for j in range(len(s.images))]
+            for first, size, held in groups:
+                assert plan.units["encoder"][first] == list(held)
+                assert all(plan.units["encoder"][r] == [] for r in range(first + 1, first + size))
+            up, down = plan.edge_owners("encoder", "llm")
+            leads = {u: first for first, _, held in groups for u in held}
+            assert up == [leads[u] for u in items] and down == [0] * len(items)
+            sizes |= {s for _, s, _ in groups}
+    assert {1, 2} <= sizes or {1, 4} <= sizes, sizes

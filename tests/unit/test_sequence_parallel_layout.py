@@ -69,7 +69,10 @@ def test_topology_of_an_sp_recipe_counts_its_ranks_and_says_sp():
 
 @pytest.mark.parametrize("overrides, key, words", [
     (["parallel.generator.sp=2"], "parallel.generator.sp", "unet family has no sequence-parallel path"),
-    (["parallel.encoder.sp=auto", "parallel.encoder.dp=2"], "parallel.encoder.sp", "auto runs in the LLM (llm) only"),
+    (["parallel.encoder.sp=auto", "parallel.encoder.dp=4", "train.micro_batch=4"], "parallel.encoder.sp",
+     "heads per TP rank (2 / tp 1) must be divisible by sp 4"),  # a group may span every replica
+    (["parallel.encoder.sp=auto", "parallel.encoder.dp=3", "train.micro_batch=3", "train.global_batch=3"],
+     "parallel.encoder.sp", "auto needs parallel.encoder.dp a power of two"),
     (["parallel.encoder.sp=4"], "parallel.encoder.sp", "heads per TP rank (2 / tp 1)"),
     (["layout=monolithic", "parallel.llm.sp=2"], "parallel.llm.sp", "needs layout disaggregated"),
     (["parallel.llm.sp=0"], "parallel.llm.sp", "must be >= 1"),
@@ -84,6 +87,13 @@ def test_sp_the_runtime_cannot_run_is_refused_in_one_line(overrides, key, words)
         load_recipe("tiny_cpu", ["layout=disaggregated", *overrides])
     msg = str(e.value)
     assert "\n" not in msg and f"'{key}'" in msg and words in msg, msg
+
+
+def test_an_encoder_takes_adaptive_groups_over_its_replicas():
+    r = load_recipe("tiny_cpu", ["layout=disaggregated", "parallel.encoder.sp=auto", "parallel.encoder.dp=4",
+                                 "train.micro_batch=4", "model.encoder.heads=4"])
+    enc = topology_of(r).module("encoder")
+    assert enc.sp_auto and enc.sp == 1 and enc.dp == 4 and "sp=auto" in topology_of(r).describe()
 
 
 def test_an_encoder_at_sp_pads_its_rows_so_seq_len_need_not_divide():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -118,3 +119,34 @@ def test_runtime_groups_cover_every_rank_and_none_is_empty():
     few = covering_groups([500, 100], 8, c)  # two sequences on 8 ranks: at most two groups, none empty
     check_plan(few, [500, 100], 8, c)
     assert len(few.groups) <= 2 and sum(few.sizes) == 8 and all(g.seqs for g in few.groups)
+
+
+@pytest.mark.parametrize("family", ["vit", "whisper", "siglip"])
+def test_an_encoder_item_is_priced_by_its_family_flops_with_every_row_attending_to_every_other(family):
+    """``item_cost`` in rows: the family's training FLOPs of an item (less its per-item constant,
+    as for an LLM's sequence), with full (not causal) attention pairs."""
+    from disttrain_ds.cost.flops import training_flops
+    from disttrain_ds.families import FAMILIES
+    from disttrain_ds.reorder.sp_groups import item_cost
+
+    fam = FAMILIES[family]
+    cfg = fam.config_type()
+    c = item_cost(fam, cfg, tflops=1.0, bandwidth_gbs={2: 1.0}, tokens_per_gpu=1e9)
+    flops = {x: training_flops(fam.item_flops(cfg, x)) for x in (64, 256, 1024)}
+    priced = {x: c.seq_ms(fam.rows(cfg, x), 1) * 1e9 for x in flops}  # ms at 1 TFLOP/s -> FLOPs
+    constant = {x: flops[x] - priced[x] for x in flops}
+    assert max(constant.values()) - min(constant.values()) < 1e-9 * flops[1024]  # the same constant
+    assert -1e-9 * flops[64] < constant[64] < 0.05 * flops[64]
+    causal = replace(c, causal=True)  # negative control: a causal mask keeps about half of the pairs
+    rows = fam.rows(cfg, 1024)
+    assert causal.seq_ms(rows, 1) < 0.99 * c.seq_ms(rows, 1)
+
+
+def test_an_encoder_item_on_a_group_pays_its_compute_over_the_group_and_its_rows_all_to_alls():
+    from disttrain_ds.families import FAMILIES
+    from disttrain_ds.reorder.sp_groups import item_cost
+
+    fam = FAMILIES["vit"]
+    c = item_cost(fam, fam.config_type(), tflops=1.0, bandwidth_gbs={2: 10.0, 4: 10.0}, tokens_per_gpu=1e9)
+    assert c.seq_ms(256, 4) == pytest.approx(c.seq_ms(256, 1) / 4 + c.a2a_ms(256, 4))
+    assert c.a2a_ms(256, 4) > 0 and c.a2a_ms(256, 1) == 0
