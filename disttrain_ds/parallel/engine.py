@@ -234,6 +234,8 @@ class ModuleEngine(PipelineEngine):
     def _exec_backward(self, buffer_id: int) -> None:
         t0 = time.perf_counter()
         self._next_bwd += 1
+        # Adaptive SP: a checkpointed block recomputed here must see its own microbatch's group.
+        self._use_groups(self.extra["mb"][buffer_id])
         if self.place.last_of_engine:
             self._backward_last(buffer_id)
         elif self.optimizer is not None:

@@ -284,6 +284,9 @@ def test_adaptive_sp_mixes_an_sp2_group_and_two_single_ranks_and_trains_the_refe
 @pytest.mark.parametrize("layout", [
     ["parallel.llm.pp=2", "parallel.llm.dp=2"],  # the same groups on both stages of the LLM
     ["parallel.llm.pp=1", "parallel.llm.dp=2", "parallel.llm.tp=2"],  # a group per TP index
+    # Blocks recomputed in backward, each under its own microbatch's group, microbatches of both
+    # sizes in flight on the two stages.
+    ["parallel.llm.pp=2", "parallel.llm.dp=2", "parallel.llm.activation_checkpointing=1"],
 ])
 def test_adaptive_sp_with_pipeline_or_tensor_parallelism_trains_the_reference(tmp_path, reference_run, layout):
     data = ["data.source=local", f"data.path={_documents(tmp_path / 'data')}", "data.max_seq_len=512",

@@ -173,7 +173,6 @@ def test_adaptive_sp_makes_every_aligned_group_once_on_every_rank():
 
 @pytest.mark.parametrize("overrides, words", [
     (["parallel.llm.dp=3", "train.global_batch=6"], "power of two"),
-    (["parallel.llm.activation_checkpointing=1"], "activation_checkpointing"),
     (["parallel.post_balance=true"], "post_balance"),
     (["parallel.sp_bandwidth_gbs=[100]"], "inside a node, across nodes"),
 ])
