@@ -207,7 +207,6 @@ def check_sequence_parallel(r: Recipe, graph: ModuleGraph, name: str, mp: Module
     if sp == "auto":  # every power of two up to dp may be a group's size
         _check(mp.dp & (mp.dp - 1) == 0, src, key, f"auto needs {parallel_key(r, name)}.dp a power of two "
                f"(groups are aligned powers of two), got {mp.dp}")
-        _check(not r.parallel.post_balance, src, key, "auto is not combined with parallel.post_balance yet")
         sp = mp.dp
     heads, kv_heads = family.sp_heads(module_config(r, name))
     bad = sp_head_problem(heads, kv_heads, mp.tp, sp)

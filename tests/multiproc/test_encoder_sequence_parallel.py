@@ -216,3 +216,19 @@ def test_adaptive_encoder_sp_mixes_a_group_of_two_with_single_ranks_and_trains_t
     groups = [tuple(int(r.get(f"sp/encoder_groups_{s}", 0)) for s in (1, 2, 4)) for r in rows]
     assert groups == [(0, 0, 1), (2, 1, 0), (2, 1, 0)], groups
     _exchanged_in(tmp_path, _topology(ADAPTIVE), "encoder")
+
+
+@pytest.mark.slow
+def test_adaptive_encoder_sp_beside_a_post_balanced_generator_trains_the_reference(tmp_path, reference_run):
+    """With ``parallel.post_balance`` the encoder's adaptive groups place its images (they balance by
+    cost themselves) while the generator's 2 replicas take targets by cost."""
+    from .conftest import launch
+    from .test_fidelity import SGD, STEPS
+
+    overrides = [*ADAPTIVE, "parallel.generator.dp=2", "parallel.post_balance=true", "data.gen_images=[0,2]"]
+    rows, params, _ = launch(tmp_path, 7, [STEPS, *SGD, "layout=disaggregated", *overrides])
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *(o for o in overrides if not o.startswith("parallel."))])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    assert any(r.get("sp/encoder_groups_2", 0) for r in rows), rows

@@ -298,3 +298,19 @@ def test_adaptive_sp_with_pipeline_or_tensor_parallelism_trains_the_reference(tm
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
     assert any(r.get("sp/llm_groups_2", 0) for r in rows), rows  # some slot ran a group of 2
+
+
+@pytest.mark.slow
+def test_adaptive_sp_beside_post_balanced_encoder_and_generator_trains_the_reference(tmp_path, reference_run):
+    """sp: auto on 4 LLM ranks while the encoder's and the generator's 2 replicas take units by
+    cost (``parallel.post_balance``): every unit reaches the lead of the group holding its sample."""
+    data = ["data.source=local", f"data.path={_documents(tmp_path / 'data')}", "data.max_seq_len=512",
+            "model.generator.in_channels=3", "train.micro_batch=1"]
+    auto = [*(o for o in POST_BALANCED if not o.startswith(("parallel.llm.dp", "train.micro_batch"))),
+            "parallel.llm.dp=4", "parallel.llm.sp=auto", "parallel.sp_bandwidth_gbs=[1000,1000]"]
+    rows, params, _ = launch(tmp_path / "job", 8, [STEPS, *SGD, *auto, *data])
+    ref_losses, ref_params = reference_run([STEPS, *SGD, *data, *(o for o in auto if not o.startswith(("layout=", "parallel.")))])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    assert any(r.get("sp/llm_groups_2", 0) for r in rows) and any(r.get("sp/llm_groups_1", 0) for r in rows), rows

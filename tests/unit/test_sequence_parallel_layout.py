@@ -173,7 +173,6 @@ def test_adaptive_sp_makes_every_aligned_group_once_on_every_rank():
 
 @pytest.mark.parametrize("overrides, words", [
     (["parallel.llm.dp=3", "train.global_batch=6"], "power of two"),
-    (["parallel.post_balance=true"], "post_balance"),
     (["parallel.sp_bandwidth_gbs=[100]"], "inside a node, across nodes"),
 ])
 def test_adaptive_sp_the_runtime_cannot_run_is_refused_in_one_line(overrides, words):
