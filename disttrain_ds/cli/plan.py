@@ -63,12 +63,12 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
     lines = [f"{head}{profile.gpus} GPUs, global batch {profile.global_batch}, microbatch "
              f"{profile.microbatch} -> {result.microbatches} pipeline steps per iteration", "",
              f"{'module':<{width}} {'GPUs':>6} {'DP':>5} {'TP':>3} {'PP':>3} "
-             + ("  SP " if any(m.sp > 1 for m in result.modules.values()) else "")
+             + ("  SP " if any(m.sp != 1 for m in result.modules.values()) else "")
              + f"{'samples/mb':>10} {'stage ms':>10} {'mem GiB':>8}"]
-    with_sp = any(m.sp > 1 for m in result.modules.values())
+    with_sp = any(m.sp != 1 for m in result.modules.values())
     for n, m in result.modules.items():
         mem = f"{m.memory_gib:.1f}" if m.memory_gib is not None else "-"
-        lines.append(f"{n:<{width}} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} " + (f"{m.sp:>4} " if with_sp else "")
+        lines.append(f"{n:<{width}} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} " + (f"{m.sp_setting:>4} " if with_sp else "")
                      + f"{m.samples_per_microbatch:>10} {m.stage_ms:>10.1f} {mem:>8}")
     lines.append(f"{'total':<{width}} {result.gpus:>6}   ({profile.gpus - result.gpus} of "
                  f"{profile.gpus} left idle)")
@@ -139,8 +139,8 @@ def recipe_with_plan(base: dict[str, Any], result: Plan, src: str = "<recipe>") 
         section = _mapping(parallel, n, src, f"{prefix}.{n}")
         m = result.module(n)
         section.update(dp=m.dp, tp=m.tp, pp=m.pp)
-        if m.sp > 1 or "sp" in section:
-            section["sp"] = m.sp
+        if m.sp != 1 or "sp" in section:
+            section["sp"] = m.sp_setting
     return out
 
 

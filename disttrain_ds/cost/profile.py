@@ -39,6 +39,9 @@ declare)."""
 
 GIB = 2**30
 """Bytes in the unit of ``gpu_memory_gb`` (vendors' "80 GB" GPUs hold 80 GiB)."""
+AUTO_SP = 0
+"""The SP degree that stands for adaptive groups (``parallel.<module>.sp: auto``) in plans and
+layouts: the module's replicas regroup every microbatch, so it occupies ``dp x tp x pp`` GPUs."""
 
 
 class ProfileError(ConfigError):
@@ -114,6 +117,12 @@ class ModuleProfile:
     attention_heads: tuple[int, int] = (0, 0)
     """(query heads, KV heads) of the LLM: an SP degree must split the heads per TP rank (and the KV
     heads, or be split by them); (0, 0): not checked."""
+    sp_seq_len: int = 0
+    """The LLM's ``data.seq_len``, which adaptive groups of all its replicas must split (set from a
+    recipe by ``planner/legal.py``, never read from JSON); 0: not checked."""
+    adaptive: bool = True
+    """Whether the planner may give the module adaptive SP groups (``sp: auto``; set from a recipe by
+    ``planner/legal.py``, never read from JSON: not with emulated compute or per-host reading)."""
     cost_source: dict[int, str] = field(default_factory=dict)
     """TP degree -> ``measured`` | ``interpolated`` | ``assumed`` for the entries of ``cost_ms``;
     a degree not listed is ``assumed``."""
@@ -143,8 +152,9 @@ class ModuleProfile:
 
     def cost(self, tp: int, sp: int = 1) -> float:
         """Forward+backward ms of one sample at TP ``tp`` and SP ``sp``: the compute split over the
-        SP group, plus its all-to-alls (``sp_overhead_ms``) split over the TP ranks."""
-        if sp == 1:
+        SP group, plus its all-to-alls (``sp_overhead_ms``) split over the TP ranks. ``AUTO_SP``:
+        the mean cost at SP 1 (the planner's straggler factor prices the groups)."""
+        if sp in (1, AUTO_SP):
             return self.cost_ms[tp]
         return self.cost_ms[tp] / sp + self.sp_overhead_ms[sp] / tp
 
@@ -160,6 +170,17 @@ class ModuleProfile:
                 continue
             out.append(s)
         return tuple(out)
+
+    def auto_sp(self, dp: int, tp: int) -> bool:
+        """Whether adaptive SP groups (``sp: auto``) may run over ``dp`` replicas at TP ``tp``: the
+        module has SP overheads and a per-sample draw to price them by, ``dp`` is a power of two of
+        at least 2, and a group of all ``dp`` replicas splits the heads per TP rank."""
+        if not (self.adaptive and self.sp_overhead_ms) or self.sample_cost_ms is None or dp < 2 or dp & (dp - 1):
+            return False
+        if self.sp_seq_len and self.sp_seq_len % dp:
+            return False
+        heads, kv = self.attention_heads
+        return not (heads and sp_head_problem(heads, kv, tp, dp))
 
     def source(self, tp: int) -> str:
         """Where ``cost_ms[tp]`` comes from (``COST_SOURCES``)."""

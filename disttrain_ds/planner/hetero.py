@@ -38,6 +38,12 @@ profile's mean cost and the factors scale it (TP and PP shrink every sample's ti
 Factors are computed on first use and kept, so a search pays only for the (dp, m) pairs it looks
 at; the pairs of one step size D are balanced in one batched LPT (a pair's value does not depend
 on which others are computed with it). Without draws no factor is applied and nothing changes.
+
+Adaptive SP (``sp: auto``, ``AUTO_SP``): a step's replicas regroup by its samples' costs
+(``planner/sp_auto.py``, the runtime's own group search on the draw), each replica taking its
+group's time; h and g are then the same ratios over ``max(AUTO_MIN_STEPS, ceil(AUTO_SAMPLES / D))``
+steps with the seeds of SP 1's (the two compare on the same steps), per (dp, m, tp): the
+all-to-alls' share of a sample's time depends on TP.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import math
 import numpy as np
 
 from disttrain_ds.cost.profile import Profile
+from disttrain_ds.planner.sp_auto import draw_cost, step_loads
 from disttrain_ds.reorder.intra import lpt_rows
 from disttrain_ds.reorder.post_balance import flat_units, share_cap, unit_rows
 
@@ -56,6 +63,10 @@ MIN_STEPS = 8
 """Fewest resampled steps per (dp, m) with m >= 2 (the spread of Y needs several)."""
 SEED = 0
 """Base seed of the resampled steps."""
+AUTO_SAMPLES = 512
+"""Samples grouped per (dp, m, tp) for adaptive SP (its group search runs step by step)."""
+AUTO_MIN_STEPS = 8
+"""Fewest resampled steps per (dp, m, tp) for adaptive SP."""
 
 
 def expected_max(sorted_draw: np.ndarray, n: int) -> float:
@@ -87,6 +98,9 @@ class StragglerTable:
         self._steps: dict[tuple[int, int], list[tuple[np.ndarray, float]] | None] = {}
         self._memo: dict[tuple[int, int, int], np.ndarray] = {}  # (dp, m, pp) -> g per module
         self._exact: dict[int, np.ndarray] = {}  # n -> E[max of n draws] / mean per module
+        self._llm = profile.graph.llm
+        self._sp = {n: (dict(profile.modules[n].sp_overhead_ms), dict(profile.modules[n].cost_ms)) for n in names}
+        self._auto: dict[tuple[str, int, int, int], tuple[np.ndarray, float]] = {}  # (name, dp, m, tp) -> (sorted Y, mean L)
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -159,6 +173,30 @@ class StragglerTable:
         key = (int(dp), int(m), int(pp))
         self._fill({key})
         return float(self._memo[key][self.names.index(name)])
+
+    def auto_factor(self, name: str, dp: int, m: int, pp: int, tp: int) -> float:
+        """g(dp, m, pp) of module ``name`` at TP ``tp`` under adaptive SP groups (module docstring;
+        h with pp = 1)."""
+        key = (name, int(dp), int(m), int(tp))
+        if key not in self._auto:
+            j = self.names.index(name)
+            d = key[1] * key[2]
+            steps = max(AUTO_MIN_STEPS, math.ceil(AUTO_SAMPLES / d))
+            idx = np.random.default_rng([self._seed, key[1], key[2]]).integers(0, self._draws.shape[1], (steps, d))
+            overhead, cost = self._sp[name]
+            units = self._draws[j][idx] / self._mean[j] if self._mean[j] > 0 else np.zeros((steps, d))
+            price = draw_cost(overhead, cost[key[3]], key[3])
+            peak = [step_loads(row, key[1], price, name == self._llm).max() for row in units]
+            self._auto[key] = (np.sort(peak), float(units.sum() / key[1] / steps))
+        y, mu = self._auto[key]
+        return max(expected_max(y, int(pp)) / mu, 1.0) if mu > 0 else 1.0
+
+    def auto_factors(self, name: str, dp: np.ndarray, m: np.ndarray, pp: np.ndarray | int, tp: np.ndarray
+                     ) -> np.ndarray:
+        """``auto_factor`` elementwise over broadcast integer arrays."""
+        dp, m, pp, tp = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (dp, m, pp, tp)))
+        return np.array([self.auto_factor(name, a, b, c, t) for a, b, c, t in
+                         zip(dp.ravel(), m.ravel(), pp.ravel(), tp.ravel())], dtype=np.float64).reshape(dp.shape)
 
     def factors(self, name: str, dp: np.ndarray, m: np.ndarray, pp: np.ndarray | int = 1
                 ) -> np.ndarray:

@@ -28,6 +28,10 @@ each sample's share of its time), else of whole samples; any replica of such a m
 exchange units with any LLM replica, so the replicas form one group in which those modules' replicas
 wait for every LLM replica (an upper bound on the runtime's per-microbatch links).
 
+Adaptive SP groups (``auto``, ``sp: auto``): such a module's replicas regroup every step by its
+samples' costs (``planner/sp_auto.py``, the runtime's group search), each replica taking its
+group's time; they too form one group with every partner.
+
 Reordering: intra (:func:`balance_steps`) balances each step's replicas with
 ``intra_microbatch_reorder``; inter reorders the steps with ``inter_microbatch_reorder`` on the
 lock-step stage times. Either is kept only when the simulated iteration does not get longer.
@@ -36,7 +40,7 @@ lock-step stage times. Either is kept only when the simulated iteration does not
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, reduce
 
@@ -45,11 +49,16 @@ import numpy as np
 from disttrain_ds.comm.routes import routes
 from disttrain_ds.planner.pipeline import split_fwd_bwd
 from disttrain_ds.planner.plan import Plan
+from disttrain_ds.planner.sp_auto import step_loads
 from disttrain_ds.reorder.intra import intra_microbatch_reorder, lpt_rows
 from disttrain_ds.reorder.microbatch_order import inter_microbatch_reorder
 from disttrain_ds.reorder.post_balance import flat_units, share_cap, unit_rows
+from disttrain_ds.reorder.sp_groups import SPCost
 from disttrain_ds.schedule.simulate import Preds, graph_stages, is_chain, longest_path_view, makespan_1f1b, makespan_dag
 from disttrain_ds.schedule.sweep import makespans
+
+Auto = Mapping[str, SPCost] | None
+"""Modules at adaptive SP groups -> the cost their groups are chosen by (``sp_auto.draw_cost``)."""
 
 VARIANTS: dict[str, tuple[bool, bool]] = {"none": (False, False), "intra": (True, False),
                                            "inter": (False, True), "both": (True, True)}
@@ -119,14 +128,24 @@ def replica_max(steps: np.ndarray, plan_: Plan) -> np.ndarray:
 
 
 def replica_loads(times: np.ndarray, plan_: Plan, arrangement: np.ndarray,
-                  post: PostBalance | None = None) -> list[np.ndarray]:
+                  post: PostBalance | None = None, auto: Auto = None) -> list[np.ndarray]:
     """Per module (plan order), ``[K, dp]`` replica loads of every step: contiguous blocks of the
-    arrangement, or with ``post`` every module but the LLM split by LPT with room (module docstring)."""
+    arrangement, or with ``post`` every module but the LLM split by LPT with room, or for a module
+    of ``auto`` each replica its adaptive SP group's time (module docstring)."""
     d = _step_size(plan_)
     idx = np.asarray(arrangement).reshape(-1, d)
     out = []
     for j, (name, m) in enumerate(plan_.modules.items()):
         col = np.asarray(times, dtype=np.float64)[:, j]
+        if auto and name in auto:  # samples in units of the plan's mean sample, groups as the runtime forms them
+            key = (name, idx.tobytes())
+            memo = auto.loads if isinstance(auto, _Frozen) else {}
+            if key not in memo:
+                unit = m.warmup_ms / m.samples_per_microbatch / m.straggler
+                memo[key] = np.stack([step_loads(col[row] / unit, m.dp, auto[name], name == plan_.graph.llm) * unit
+                                      for row in idx])
+            out.append(memo[key])
+            continue
         if post is None or name == plan_.graph.llm or m.dp == 1:
             out.append(col[idx].reshape(len(idx), m.dp, -1).sum(axis=2))
             continue
@@ -152,11 +171,11 @@ def _pp(plan_: Plan) -> dict[str, int]:
     return {n: m.pp for n, m in plan_.modules.items()}
 
 
-def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray, post: PostBalance | None = None
-                ) -> np.ndarray:
+def stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray, post: PostBalance | None = None,
+                auto: Auto = None) -> np.ndarray:
     """``[K, P]`` fwd+bwd time per step and pipeline stage (each module's stages in the plan's
     data-flow order): a module's slowest replica load split evenly over its PP stages."""
-    loads = replica_loads(times, plan_, arrangement, post)
+    loads = replica_loads(times, plan_, arrangement, post, auto)
     return _stages(np.stack([x.max(axis=1) for x in loads], axis=1), plan_)
 
 
@@ -200,12 +219,12 @@ def balance_steps(times: np.ndarray, plan_: Plan) -> np.ndarray:
     return out
 
 
-def replica_groups(plan_: Plan, post: PostBalance | None = None) -> int:
+def replica_groups(plan_: Plan, post: PostBalance | None = None, auto: Auto = None) -> int:
     """Groups of replicas that never wait for each other within an iteration: the gcd of every
     module's DP. Across one boundary the communicator's broker groups number
     ``gcd(dp_up, dp_down)`` (``comm.routes.broker_groups``); along the graph they join. With
-    post-balancing every replica may exchange with every LLM replica: one group."""
-    return 1 if post is not None else reduce(math.gcd, (m.dp for m in plan_.modules.values()))
+    post-balancing or adaptive SP groups every replica may exchange with every partner: one group."""
+    return 1 if post is not None or auto else reduce(math.gcd, (m.dp for m in plan_.modules.values()))
 
 
 @lru_cache(maxsize=64)
@@ -235,63 +254,75 @@ def _group_preds(names: tuple[str, ...], upstream: tuple[tuple[str, ...], ...],
 
 
 def group_stage_times(times: np.ndarray, plan_: Plan, arrangement: np.ndarray,
-                      post: PostBalance | None = None) -> np.ndarray:
+                      post: PostBalance | None = None, auto: Auto = None) -> np.ndarray:
     """``[G, K, S]`` fwd+bwd time of every replica-stage of each of the :func:`replica_groups`
     per step (columns as :func:`_group_preds`): the replica's load / PP on each of its stages."""
-    g = replica_groups(plan_, post)
-    loads = replica_loads(times, plan_, arrangement, post)
+    g = replica_groups(plan_, post, auto)
+    loads = replica_loads(times, plan_, arrangement, post, auto)
     k = len(loads[0])
     cols = [np.repeat(x.reshape(k, g, m.dp // g) / m.pp, m.pp, axis=2) for x, m in zip(loads, plan_.modules.values())]
     return np.concatenate(cols, axis=2).transpose(1, 0, 2)
 
 
 def _span(times: np.ndarray, plan_: Plan, arrangement: np.ndarray, order: list[int],
-          lock_step: bool, post: PostBalance | None = None) -> float:
+          lock_step: bool, post: PostBalance | None = None, auto: Auto = None) -> float:
     """Simulated makespan of one arrangement and step order (module docstring)."""
     if lock_step:
-        fwd, bwd = split_fwd_bwd(stage_times(times, plan_, arrangement, post)[order])
+        fwd, bwd = split_fwd_bwd(stage_times(times, plan_, arrangement, post, auto)[order])
         _, preds = graph_stages(plan_.graph, _pp(plan_))
         return makespan_1f1b(fwd, bwd) if is_chain(preds) else makespan_dag(fwd, bwd, preds)
-    graph, g = plan_.graph, replica_groups(plan_, post)
+    graph, g = plan_.graph, replica_groups(plan_, post, auto)
     linked = frozenset(n for n in graph.names if n != graph.llm) if post is not None else frozenset()
+    linked |= frozenset(auto or ())  # an adaptive module's group leads change every microbatch
     preds = _group_preds(graph.names, tuple(graph.upstream(n) for n in graph.names),
                          tuple(m.dp // g for m in plan_.modules.values()),
                          tuple(m.pp for m in plan_.modules.values()), _step_size(plan_) // g, linked)
-    groups = group_stage_times(times, plan_, arrangement, post)[:, order]
+    groups = group_stage_times(times, plan_, arrangement, post, auto)[:, order]
     return float(makespans(*split_fwd_bwd(groups), preds).max())
 
 
 def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
                        inter: bool = False, budget_s: float = 0.5, seed: int = 0,
-                       lock_step: bool = False, post: PostBalance | None = None) -> IterationSim:
+                       lock_step: bool = False, post: PostBalance | None = None, auto: Auto = None) -> IterationSim:
     """Simulate one iteration of ``plan_`` on ``times`` (``[global_batch, modules]`` ms from
     :func:`sample_times`, in loader order): the slowest replica group's 1F1B, or with
     ``lock_step`` every stage at its slowest replica's pace (module docstring). ``intra`` and
     ``inter`` reorder (the latter searches up to ``budget_s`` seconds on the lock-step stage
     times, or their ``simulate.longest_path_view`` for parallel encoders or generators); each
     is kept only when the iteration does not get longer. ``post``: per-module post-balancing
-    (module docstring)."""
+    (module docstring); ``auto``: the modules at adaptive SP groups (``AUTO_SP``), each with the
+    ``sp_auto.draw_cost`` its groups are chosen by."""
     times = np.asarray(times, dtype=np.float64)
     shape = (plan_.microbatches * _step_size(plan_), len(plan_.modules))
     if times.shape != shape:
         raise ValueError(f"times must be {list(shape)}, got {list(times.shape)}")
     order = list(range(plan_.microbatches))
     arrangement = np.arange(len(times))
-    span = _span(times, plan_, arrangement, order, lock_step, post)
+    if auto:  # the group search runs once per step: freeze its loads for this iteration's order
+        auto = _Frozen(auto, times, plan_)
+    span = _span(times, plan_, arrangement, order, lock_step, post, auto)
     if intra:
         balanced = balance_steps(times, plan_)
-        t = _span(times, plan_, balanced, order, lock_step, post)
+        t = _span(times, plan_, balanced, order, lock_step, post, auto)
         if t <= span:
             arrangement, span = balanced, t
-    stages = stage_times(times, plan_, arrangement, post)
+    stages = stage_times(times, plan_, arrangement, post, auto)
     if inter:
         _, preds = graph_stages(plan_.graph, _pp(plan_))
         view = stages if is_chain(preds) else longest_path_view(stages, plan_.graph, _pp(plan_))
         found = inter_microbatch_reorder(*split_fwd_bwd(view), time_budget_s=budget_s, seed=seed)
-        t = _span(times, plan_, arrangement, found, lock_step, post)
+        t = _span(times, plan_, arrangement, found, lock_step, post, auto)
         if t < span:
             order, span = list(found), t
     return IterationSim(float(span), stages[order], arrangement, tuple(order))
+
+
+class _Frozen(dict):
+    """``auto`` with each module's replica loads memoised per arrangement of one iteration."""
+
+    def __init__(self, auto: Mapping[str, SPCost], times: np.ndarray, plan_: Plan):
+        super().__init__(auto)
+        self.loads: dict[tuple[str, bytes], np.ndarray] = {}
 
 
 def straggler_factors(times: np.ndarray, plan_: Plan) -> np.ndarray:

@@ -99,8 +99,12 @@ def _runtime_sp(recipe: Recipe, name: str, spec) -> dict:
     if family.sp_heads is None or recipe.layout == "monolithic":
         return {"sp_overhead_ms": {}}
     llm = name == graph_of(recipe).llm
+    # Adaptive groups: the LLM's data.seq_len must split over all dp replicas; neither emulated
+    # compute nor per-host reading runs them.
+    adaptive = not recipe.emulate.enabled and recipe.data.read != "host"
     return {"sp_overhead_ms": {s: c for s, c in spec.sp_overhead_ms.items() if not llm or recipe.data.seq_len % s == 0},
-            "attention_heads": family.sp_heads(module_config(recipe, name))}
+            "attention_heads": family.sp_heads(module_config(recipe, name)),
+            "sp_seq_len": recipe.data.seq_len if llm else 0, "adaptive": adaptive}
 
 
 def measured_only(profile: Profile) -> Profile:

@@ -28,13 +28,14 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from disttrain_ds.cost import memory_model as mm
-from disttrain_ds.cost.profile import ModuleProfile, Profile
+from disttrain_ds.cost.profile import AUTO_SP, ModuleProfile, Profile
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.hetero import StragglerTable
 
 
 class Degrees(NamedTuple):
-    """Parallel degrees of one module; it occupies dp * tp * pp * sp GPUs."""
+    """Parallel degrees of one module; it occupies dp * tp * pp * sp GPUs (``sp`` = ``AUTO_SP``:
+    adaptive groups over the dp replicas, dp * tp * pp GPUs)."""
 
     dp: int
     tp: int
@@ -43,12 +44,22 @@ class Degrees(NamedTuple):
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
+        return self.dp * self.tp * self.pp * max(self.sp, 1)
 
     @property
     def block(self) -> int:
         """Consecutive ranks of one replica's stage (its TP x SP groups): where a node boundary must not fall."""
-        return self.tp * self.sp
+        return self.tp * max(self.sp, 1)
+
+
+AUTO_KEY = 1023
+"""Where ``AUTO_SP`` sorts among SP degrees when plans tie: after every fixed degree."""
+
+
+def sp_key(sp: Any) -> Any:
+    """The SP degree's place in the tie-break order (``layout_key``; numbers or numpy arrays)."""
+    return np.where(np.asarray(sp) == AUTO_SP, AUTO_KEY, sp) if isinstance(sp, np.ndarray) else (
+        AUTO_KEY if sp == AUTO_SP else sp)
 
 
 class IterTime(NamedTuple):
@@ -119,6 +130,9 @@ def module_terms(profile: Profile, name: str, deg: Degrees, m: int,
     w = m * profile.modules[name].cost(deg.tp, deg.sp)
     if table is None:
         return w, w / deg.pp
+    if deg.sp == AUTO_SP:  # adaptive groups: their own factors (``hetero.py``)
+        return (w * table.auto_factor(name, deg.dp, m, 1, deg.tp),
+                (w * table.auto_factor(name, deg.dp, m, deg.pp, deg.tp)) / deg.pp)
     return w * table.factor(name, deg.dp, m), (w * table.factor(name, deg.dp, m, deg.pp)) / deg.pp
 
 
@@ -147,6 +161,7 @@ def memory_bytes(spec: ModuleProfile, dp: Any, tp: Any, pp: Any, m: Any, to_end:
     shards the optimizer over the dp x sp ranks of the data axis."""
     per_param = (spec.weight_bytes_per_param, 0.0, 0.0) if spec.frozen else (
         spec.weight_bytes_per_param, spec.grad_bytes_per_param, spec.optimizer_bytes_per_param)
+    sp = np.maximum(sp, 1)  # adaptive groups (AUTO_SP) keep what SP 1 keeps: the runtime checks them so
     opt_dp = dp * sp if spec.optimizer_sharded else 1
     m = m / sp if np.any(np.asarray(sp) != 1) else m
     refused = 0.0
@@ -215,5 +230,5 @@ def layout_key(total_ms: float, layout: Mapping[str, Degrees], names: Sequence[s
     """Ordering of plans: faster, then fewer GPUs, then smaller (tp, sp, pp, dp) of each module in
     ``names`` order (the graph's data-flow order)."""
     gpus = sum(d.gpus for d in layout.values())
-    return (total_ms, gpus) + tuple(x for n in names for x in (layout[n].tp, layout[n].sp, layout[n].pp,
+    return (total_ms, gpus) + tuple(x for n in names for x in (layout[n].tp, sp_key(layout[n].sp), layout[n].pp,
                                                                layout[n].dp))

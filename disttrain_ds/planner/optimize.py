@@ -21,7 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from disttrain_ds.cost.mfu import overall_mfu
-from disttrain_ds.cost.profile import GIB, Profile
+from disttrain_ds.cost.profile import AUTO_SP, GIB, Profile
 from disttrain_ds.planner.hetero import StragglerTable
 from disttrain_ds.planner.iteration_sim import sample_times, simulate_iteration
 from disttrain_ds.planner.objective import (  # noqa: F401
@@ -42,6 +42,7 @@ from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401
 from disttrain_ds.planner.plan import ModulePlan, Plan, PlanError  # noqa: F401 (re-exported)
 from disttrain_ds.planner.search import batch_splits, options, search
 from disttrain_ds.planner.search import finalists as best_layouts
+from disttrain_ds.planner.sp_auto import draw_cost
 
 
 def predicted_mfu(profile: Profile, t_iter_ms: float, gpus: int) -> float | None:
@@ -70,6 +71,8 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
         mem = memory[n]
         h = 1.0 if table is None else table.factor(n, deg.dp, m)
         g = 1.0 if table is None else table.factor(n, deg.dp, m, deg.pp)
+        if table is not None and deg.sp == AUTO_SP:
+            h, g = (table.auto_factor(n, deg.dp, m, pp, deg.tp) for pp in (1, deg.pp))
         mods[n] = ModulePlan(deg.gpus, deg.dp, deg.tp, deg.pp, m, warm,
                              stage, mem / GIB if spec.has_memory_figures else None, h,
                              spec.source(deg.tp), g, deg.sp)
@@ -110,11 +113,21 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
         if aligned and search(profile, caps, aligned=False) is not None:
             raise PlanError(_unaligned_only(profile, caps))
         raise PlanError(_diagnose(profile, caps))
+    if count > 1 and any(d.sp == AUTO_SP for layout in found for d in layout.values()):
+        # The closed form prices adaptive groups and SP 1 alike at each stage's slowest replica,
+        # but SP 1's replicas drift apart where groups keep them in step: the best layouts
+        # without adaptive groups are simulated beside them.
+        found += [x for x in best_layouts(without_auto(profile), caps, table, aligned, count) if x not in found]
     plans = [build_plan(profile, layout, table=table) for layout in found]
     if len(plans) == 1 or not profile.has_draw:
         return plans[0]
     timed = [replace(p, t_sim_ms=simulated_ms(profile, p), finalists=len(plans)) for p in plans]
     return min(timed, key=lambda p: p.t_sim_ms)  # ties: the closed form's order
+
+
+def without_auto(profile: Profile) -> Profile:
+    """``profile`` with adaptive SP groups (``sp: auto``) offered to no module."""
+    return replace(profile, modules={n: replace(m, adaptive=False) for n, m in profile.modules.items()})
 
 
 def simulated_ms(profile: Profile, plan_: Plan, samples: int = SIM_SAMPLES, seed: int = SIM_SEED) -> float:
@@ -126,7 +139,9 @@ def simulated_ms(profile: Profile, plan_: Plan, samples: int = SIM_SAMPLES, seed
     bs = profile.global_batch
     batches = max(1, -(-samples // bs))
     idx = np.random.default_rng(seed).integers(0, len(draw), (batches, bs))
-    return float(np.mean([simulate_iteration(times[i], plan_).makespan_ms for i in idx]))
+    auto = {n: draw_cost(profile.modules[n].sp_overhead_ms, profile.modules[n].cost_ms[m.tp], m.tp)
+            for n, m in plan_.modules.items() if m.sp == AUTO_SP}
+    return float(np.mean([simulate_iteration(times[i], plan_, auto=auto).makespan_ms for i in idx]))
 
 
 def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
@@ -143,9 +158,10 @@ def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
             dps = [dp_llm] if n == profile.graph.llm else [x for x in range(1, d + 1) if d % x == 0]
             cands.append([Degrees(dp, tp, pp, sp) for dp in dps
                           for tp in spec.tp_degrees(profile.gpus_per_node)
-                          for sp in spec.sp_degrees(profile.gpus_per_node, tp)
+                          for sp in (*spec.sp_degrees(profile.gpus_per_node, tp),
+                                     *((AUTO_SP,) if spec.auto_sp(dp, tp) else ()))
                           for pp in spec.pp_degrees()
-                          if dp * tp * pp * sp <= n_gpus])
+                          if dp * tp * pp * max(sp, 1) <= n_gpus])
         for combo in itertools.product(*cands):
             if sum(x.gpus for x in combo) > n_gpus:
                 continue

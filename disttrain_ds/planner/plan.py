@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from disttrain_ds.cost.profile import AUTO_SP
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.objective import Degrees
 
@@ -42,7 +43,13 @@ class ModulePlan:
     """Expected slowest of PP steps' slowest replicas over the mean replica load, g(dp, m, pp),
     already in ``stage_ms`` (1.0 without per-sample draws)."""
     sp: int = 1
-    """Sequence-parallel degree (``parallel.<module>.sp``): ranks per replica splitting each sequence."""
+    """Sequence-parallel degree (``parallel.<module>.sp``): ranks per replica splitting each sequence;
+    ``AUTO_SP`` (0): adaptive groups over the replicas (``sp: auto``)."""
+
+    @property
+    def sp_setting(self) -> int | str:
+        """``sp`` as a recipe writes it: a degree, or ``auto``."""
+        return "auto" if self.sp == AUTO_SP else self.sp
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,7 @@ class Plan:
         predicted time under 1F1B, where each module's cost at its TP degree comes from, and the
         simulated time when the plan was chosen among finalists."""
         out: dict[str, Any] = {n: {"gpus": m.gpus, "dp": m.dp, "tp": m.tp, "pp": m.pp,
-                                   **({"sp": m.sp} if m.sp > 1 else {})}
+                                   **({"sp": m.sp_setting} if m.sp != 1 else {})}
                                for n, m in self.modules.items()}
         out.update(t_iter_ms=self.t_iter_ms, t_warmup_ms=self.t_warmup_ms,
                    t_steady_ms=self.t_steady_ms, t_pred_ms=self.t_pred_ms,

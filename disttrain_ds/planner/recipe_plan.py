@@ -31,8 +31,8 @@ def parallel_prefix(graph_form: bool) -> str:
 def layout_overrides(result: Plan, graph_form: bool) -> list[str]:
     """The ``key=value`` overrides that give a recipe ``result``'s layout and degrees."""
     prefix = parallel_prefix(graph_form)
-    return ["layout=disaggregated"] + [f"{prefix}.{n}.{a}={getattr(m, a)}" for n, m in result.modules.items()
-                                       for a in AXES]
+    return ["layout=disaggregated"] + [f"{prefix}.{n}.{a}={m.sp_setting if a == 'sp' else getattr(m, a)}"
+                                       for n, m in result.modules.items() for a in AXES]
 
 
 def probe_recipe(path: Path | str, graph: ModuleGraph, graph_form: bool, overrides: list[str] = ()) -> Recipe:

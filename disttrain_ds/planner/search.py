@@ -51,18 +51,21 @@ from typing import Mapping
 import numpy as np
 
 from disttrain_ds.cost import memory_model as mm
-from disttrain_ds.cost.profile import Profile
+from disttrain_ds.cost.profile import AUTO_SP, Profile
 from disttrain_ds.planner.hetero import StragglerTable
-from disttrain_ds.planner.objective import Degrees, Roles, combine_arrays, divisors, layout_key, memory_bytes
+from disttrain_ds.planner.objective import Degrees, Roles, combine_arrays, divisors, layout_key, memory_bytes, sp_key
 from disttrain_ds.planner.placement import alignment
 from disttrain_ds.planner.units import Opts, Unit, pareto, role_unit
 
 
 def module_grid(profile: Profile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(tp, pp, C(tp, sp), sp) of every measured TP degree, SP degree (``ModuleProfile.sp_degrees``)
-    and pipeline degree of module ``name``."""
+    """(tp, pp, C(tp, sp), sp) of every measured TP degree, SP degree (``ModuleProfile.sp_degrees``,
+    and ``AUTO_SP`` where the module has SP overheads and a draw: ``options`` keeps it for the DP
+    degrees ``ModuleProfile.auto_sp`` allows) and pipeline degree of module ``name``."""
     spec = profile.modules[name]
-    pairs = [(t, s) for t in spec.tp_degrees(profile.gpus_per_node) for s in spec.sp_degrees(profile.gpus_per_node, t)]
+    auto = (AUTO_SP,) if spec.sp_overhead_ms and spec.sample_cost_ms is not None else ()
+    pairs = [(t, s) for t in spec.tp_degrees(profile.gpus_per_node)
+             for s in (*spec.sp_degrees(profile.gpus_per_node, t), *auto)]
     pps = spec.pp_degrees()
     tp = np.repeat(np.array([t for t, _ in pairs], dtype=np.int64), len(pps))
     sp = np.repeat(np.array([s for _, s in pairs], dtype=np.int64), len(pps))
@@ -117,14 +120,18 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     warm = m * cost
     role = "llm" if is_llm else graph.role(name)
     to_end = mm.stages_to_end(role, pp, pp if is_llm else p_llm, g_max)
-    gpus = dp * tp * pp * sp
-    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, to_end, profile.global_batch // d, sp), gpus.shape)
+    ranks = np.maximum(sp, 1)  # AUTO_SP: groups form inside the dp replicas
+    gpus = dp * tp * pp * ranks
+    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, to_end, profile.global_batch // d, ranks), gpus.shape)
     ok = gpus <= cap
     if limit is not None:
         ok &= mem <= limit
-    rank = ((tp * 1024 + sp) * (spec.layers + 1) + pp) * (d + 1) + dp
+    if (sp == AUTO_SP).any():
+        allowed = {(int(a), int(t)): spec.auto_sp(int(a), int(t)) for a in dps for t in np.unique(tp)}
+        ok &= (sp != AUTO_SP) | np.vectorize(lambda a, t: allowed[(a, t)], otypes=[bool])(dp, tp)
+    rank = ((tp * 1024 + sp_key(sp)) * (spec.layers + 1) + pp) * (d + 1) + dp
     align = alignment(profile) if align is None else align
-    block = tp * sp
+    block = tp * ranks
     cls = (block * 1024 + gpus % align) * (align > 1)  # align < 1024; one class when not aligned
     cols = (dp, tp, pp, gpus, warm, warm / pp, mem, rank, cls, sp, block)
     return Opts(*(np.broadcast_to(c, gpus.shape)[ok] for c in cols))
@@ -133,8 +140,13 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
 def priced(profile: Profile, name: str, o: Opts, d: int, table: StragglerTable) -> Opts:
     """``o`` priced with the straggler factors h and g (``objective.module_terms``)."""
     m = np.full_like(o.dp, profile.microbatch) if name == profile.graph.llm else d // o.dp
-    return replace(o, warm=o.warm * table.factors(name, o.dp, m),
-                   stage=(o.warm * table.factors(name, o.dp, m, o.pp)) / o.pp)
+    h, g = table.factors(name, o.dp, m), table.factors(name, o.dp, m, o.pp)
+    auto = o.sp == AUTO_SP
+    if auto.any():  # adaptive groups: their own factors
+        h, g = h.copy(), g.copy()
+        h[auto] = table.auto_factors(name, o.dp[auto], m[auto], 1, o.tp[auto])
+        g[auto] = table.auto_factors(name, o.dp[auto], m[auto], o.pp[auto], o.tp[auto])
+    return replace(o, warm=o.warm * h, stage=(o.warm * g) / o.pp)
 
 
 def batch_splits(profile: Profile) -> list[int]:

@@ -247,12 +247,14 @@ def _fit(lengths: Sequence[int], n: int, cost: SPCost, limit: float) -> list[tup
 
 
 def adaptive_groups(lengths: Sequence[int], n: int, cost: SPCost,
-                    degrees: Callable[[int], bool] | None = None) -> SPPlan | None:
+                    degrees: Callable[[int], bool] | None = None, steps: int = SEARCH_STEPS) -> SPPlan | None:
     """The microbatch's groups of mixed sizes with the smallest makespan found (module docstring);
-    None if no plan fits memory. ``degrees``: which static degrees to take as candidates (all)."""
+    None if no plan fits memory. ``degrees``: which static degrees to take as candidates (all);
+    ``steps``: bisection steps."""
     _check(lengths, n)
     if not lengths:
         return SPPlan(())
+    cost = cost if isinstance(cost, _Priced) else _Priced(cost)
     if max(cost.min_size(x) for x in lengths) > n:
         return None  # a sequence more than all n GPUs hold
     sizes = [1 << k for k in range(n.bit_length()) if (1 << k) <= n]
@@ -272,7 +274,7 @@ def adaptive_groups(lengths: Sequence[int], n: int, cost: SPCost,
             high *= 2
         if found is None:
             return None
-    for _ in range(SEARCH_STEPS):
+    for _ in range(steps):
         mid = (low + high) / 2
         got = _fit(lengths, n, cost, mid)
         if got is None:
@@ -288,19 +290,35 @@ def adaptive_groups(lengths: Sequence[int], n: int, cost: SPCost,
     return min(plans, key=_key)
 
 
+class _Priced:
+    """An ``SPCost`` whose ``seq_ms`` is computed once per (length, size): the group search asks
+    for the same few dozen pairs at every bisection step."""
+
+    def __init__(self, cost: SPCost):
+        self.tokens_per_gpu, self.min_size, self._cost = cost.tokens_per_gpu, cost.min_size, cost
+        self._ms: dict[tuple[int, int], float] = {}
+
+    def seq_ms(self, length: int, size: int) -> float:
+        key = (length, size)
+        if key not in self._ms:
+            self._ms[key] = self._cost.seq_ms(length, size)
+        return self._ms[key]
+
+
 def _buddies(free: int) -> list[int]:
     """Powers of two summing to ``free``, largest first (aligned one after another)."""
     return [1 << k for k in reversed(range(free.bit_length())) if free >> k & 1]
 
 
-def covering_groups(lengths: Sequence[int], n: int, cost: SPCost) -> SPPlan | None:
+def covering_groups(lengths: Sequence[int], n: int, cost: SPCost, steps: int = SEARCH_STEPS) -> SPPlan | None:
     """What the runtime runs: ``adaptive_groups`` made to cover every one of the ``n`` ranks with a
     group that holds at least one sequence (ranks the plan leaves idle form groups of their own;
     where sequences are fewer than groups, the two smallest groups merge); None if no plan fits."""
     _check(lengths, n)
     if len(lengths) < 1:
         raise ValueError("a microbatch needs at least one sequence")
-    plan = adaptive_groups(lengths, n, cost)
+    cost = _Priced(cost)
+    plan = adaptive_groups(lengths, n, cost, steps=steps)
     if plan is None:
         return None
     used = [g.size for g in plan.groups if g.seqs]
