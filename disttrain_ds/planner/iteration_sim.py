@@ -299,7 +299,7 @@ def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
     order = list(range(plan_.microbatches))
     arrangement = np.arange(len(times))
     if auto:  # the group search runs once per step: freeze its loads for this iteration's order
-        auto = _Frozen(auto, times, plan_)
+        auto = _Frozen(auto)
     span = _span(times, plan_, arrangement, order, lock_step, post, auto)
     if intra:
         balanced = balance_steps(times, plan_)
@@ -320,7 +320,7 @@ def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
 class _Frozen(dict):
     """``auto`` with each module's replica loads memoised per arrangement of one iteration."""
 
-    def __init__(self, auto: Mapping[str, SPCost], times: np.ndarray, plan_: Plan):
+    def __init__(self, auto: Mapping[str, SPCost]):
         super().__init__(auto)
         self.loads: dict[tuple[str, bytes], np.ndarray] = {}
 
