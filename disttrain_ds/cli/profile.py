@@ -53,7 +53,7 @@ def sp_fields(recipe: Recipe, result: ModuleResult, per_node: int) -> dict:
     tokens = recipe.data.seq_len if result.role == "llm" else statistics.median(result.rows)
     inside, _ = recipe.parallel.sp_bandwidth_gbs
     sizes = [s for s in (2, 4, 8) if s <= per_node]
-    per_token = module_a2a_bytes(family, cfg, bytes_per_value=2 if recipe.train.dtype == "bf16" else 4)
+    per_token = module_a2a_bytes(family, cfg, bytes_per_value=recipe.train.value_bytes)
     cost = exchange_cost(per_token, {s: inside for s in sizes} or {1: inside})
     return {"sp_overhead_ms": {s: cost.a2a_ms(tokens, s) for s in sizes}, "attention_heads": family.sp_heads(cfg)}
 

@@ -40,7 +40,7 @@ def module_layers(recipe, module: str, vocab_size: int) -> LayerBytes:
     """Per-sample bytes of each pipeline layer of ``module`` (``vocab_size``: the LLM's, resolved),
     from its family's ``activation_layers``."""
     m, shape = recipe.model, sample_shape(recipe)
-    b = 2 if recipe.train.dtype == "bf16" else 4
+    b = recipe.train.value_bytes
     cfg, fam, llm = m.modules[module], module_family(recipe, module), m.modules[graph_of(recipe).llm]
     if fam.activation_layers is None:
         raise ValueError(f"family {fam.name} has no activation-memory formula (module {module})")

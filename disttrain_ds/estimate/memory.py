@@ -110,7 +110,7 @@ def reduce_bucket_bytes(recipe, module: str) -> float:
 
 def state_bytes(recipe, module: str) -> tuple[float, float, float, bool]:
     """(weight, gradient, optimizer) bytes per parameter, and whether optimizer bytes shard over DP."""
-    w = 2 if recipe.train.dtype == "bf16" else 4
+    w = recipe.train.value_bytes
     if not trains(recipe.model.modules[module]):  # a trained projector counts as the module training
         return w, 0, 0, False
     moments = 2 if recipe.optim.name == "adamw" else 0  # torch SGD without momentum keeps none
@@ -312,7 +312,7 @@ def _vae_bytes(recipe, module: str) -> float:
     if vae is None or not vae.enabled or vae.placement != "generator":
         return 0.0
 
-    elem = 2 if recipe.train.dtype == "bf16" else 4
+    elem = recipe.train.value_bytes
     return sum(vae_memory_bytes(vae, cfg.resolution * vae.downsample, vae.batch_on("cuda"), elem))
 
 

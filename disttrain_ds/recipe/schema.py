@@ -124,6 +124,7 @@ class TrainConfig:
     """Sequences per LLM microbatch per DP replica."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute precision (fp16 is not supported on CPU)."""
+
     peak_tflops: float = 0.0
     """Accelerator peak for MFU; 0 looks the device up (A100 312, H100 989, ...) or, on CPU,
     measures a matmul estimate once."""
@@ -148,6 +149,11 @@ class TrainConfig:
     """stop: a NaN or infinite loss ends the job with one line naming the step, on every rank, before
     that step is checkpointed; continue: log it and train on. There is no ``skip``: each DeepSpeed
     engine applies its update inside its own schedule, before the step's loss is known everywhere."""
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one value in ``dtype`` (activations, all-to-alls)."""
+        return 2 if self.dtype == "bf16" else 4
 
 
 @dataclass

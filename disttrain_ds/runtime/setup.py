@@ -190,7 +190,7 @@ def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
     sizes = [1 << k for k in range(1, top.bit_length())]
     bandwidth = {p: inside if p * mp.tp <= per_node else across for p in sizes} or {1: inside}
     tflops = recipe.train.peak_tflops or 400.0
-    width = 2 if recipe.train.dtype == "bf16" else 4
+    width = recipe.train.value_bytes
     if module != spec.name_of("llm"):
         shape, family = sample_shape(recipe), spec.family(module)
         rows = shape.patches + shape.images if family.modality == "image" else shape.audio_rows
@@ -200,5 +200,5 @@ def sp_cost(recipe: Recipe, spec, module: str, per_node: int) -> SPCost:
     cfg = spec.llm
     return transformer_cost(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
                             kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, head_dim=cfg.head_dim or None,
-                            tflops=tflops, tp=mp.tp, bandwidth_gbs=bandwidth,
+                            tflops=tflops, tp=mp.tp, bandwidth_gbs=bandwidth, bytes_per_value=width,
                             tokens_per_gpu=recipe.train.micro_batch * longest_seq(recipe.data))
