@@ -1,7 +1,13 @@
 """The errors the package stops with, each printed as one line: raised on every floor, so they
-live on the lowest."""
+live on the lowest, with the wording their messages share."""
 
 from __future__ import annotations
+
+
+def plural(count: int, word: str) -> str:
+    """``"1 host"``, ``"2 hosts"``."""
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
 
 _LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
 

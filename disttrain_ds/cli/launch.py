@@ -35,13 +35,14 @@ from typing import Callable
 
 from disttrain_ds.cli import OneLineParser, prog_name
 from disttrain_ds.cost.profile_file import load_profile
-from disttrain_ds.errors import ConfigError
+from disttrain_ds.errors import ConfigError, plural
 from disttrain_ds.launcher.elastic import ElasticPlan, count, include_spec
-from disttrain_ds.launcher.hostfile import Host, LaunchError, parse_hostfile, plural, select_slots, slots_summary
+from disttrain_ds.launcher.hostfile import Host, LaunchError, parse_hostfile, select_slots, slots_summary
 from disttrain_ds.launcher.layout_fit import check_memory, check_slots, required_ranks, tp_span_problems
 from disttrain_ds.launcher.netenv import SocketEnv, apply_socket_env, plan_socket_env
 from disttrain_ds.launcher.reachability import check_reachability, local_names, unreachable
 from disttrain_ds.launcher.supervise import check_restartable, resume_command, start
+from disttrain_ds.planner.recipe_plan import profile_problem
 from disttrain_ds.recipe.graph import graph_of, parallel_key
 from disttrain_ds.recipe.schema import Recipe, load_recipe
 
@@ -162,14 +163,9 @@ def _elastic(args: argparse.Namespace, recipe: Recipe, ranks: int, active: dict[
         raise LaunchError("--elastic re-plans when the job restarts: give --max-restarts N (N > 0) too")
     profile = load_profile(args.elastic)
     graph = graph_of(recipe)
-    if profile.graph != graph:
-        raise LaunchError(f"{args.elastic}: the profile's modules ({', '.join(profile.graph.names)}) are not the "
-                          f"recipe's ({', '.join(graph.names)}): profile this recipe (disttrain-profile)")
-    batch = (recipe.train.global_batch, recipe.train.micro_batch)
-    if (profile.global_batch, profile.microbatch) != batch:
-        raise LaunchError(f"{args.elastic}: made for global batch {profile.global_batch} and micro batch "
-                          f"{profile.microbatch}, the recipe trains {batch[0]} and {batch[1]}: a re-plan would change "
-                          "the data order; profile this recipe (disttrain-profile)")
+    why = profile_problem(profile, recipe, args.elastic)
+    if why:
+        raise LaunchError(why)
     graph_form = parallel_key(recipe, graph.llm).startswith("parallel.modules.")
     plan = ElasticPlan(args.recipe, list(args.overrides), profile, graph_form, active, ranks, [])
 

@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node=4 tools/train.py --recipe recipes/tiny_cpu.yaml layout=disaggregated
     deepspeed --num_gpus 4 tools/train.py --recipe recipes/tiny_cpu.yaml layout=disaggregated
     torchrun --standalone --nproc_per_node=4 -m disttrain_ds.cli.train --recipe tiny_cpu layout=disaggregated
+    torchrun --nnodes=1:2 --max-restarts=3 ... tools/train.py --elastic profile.json --recipe ...   # re-plans
     disttrain-train --recipe mllm_9b --dry-run        # rank map and each rank's estimated peak memory
 
 In a multi-process job only rank 0 prints (rank map, data, recipe, steps); library output goes
@@ -30,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the rank map and each rank's estimated peak memory against "
                              "train.device_memory_gib, start nothing; exit 2 if a rank does not fit")
+    parser.add_argument("--elastic", metavar="PROFILE", default=None,
+                        help="torchrun --nnodes=MIN:MAX: when a restart brings another number of ranks than the "
+                             "recipe lays out, re-plan it for them from this planner profile and resume from the "
+                             "newest checkpoint (docs/reliability.md)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5 layout=disaggregated")
     return parser
@@ -45,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.dry_run:
             return dry_run(args.recipe, args.overrides)
-        return run(args.recipe, args.overrides)
+        return run(args.recipe, args.overrides, elastic=args.elastic)
     except ConfigError as exc:
         tell_launcher(f"error: {exc}")  # torchrun's failure summary shows it as the root cause
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once

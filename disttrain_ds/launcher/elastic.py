@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from disttrain_ds.cost.profile import Profile
-from disttrain_ds.errors import ConfigError
-from disttrain_ds.launcher.hostfile import plural
-from disttrain_ds.planner.optimize import Plan, PlanError
-from disttrain_ds.planner.recipe_plan import layout_overrides, plan_for_recipe
+from disttrain_ds.errors import ConfigError, plural
+from disttrain_ds.planner.optimize import PlanError
+from disttrain_ds.planner.recipe_plan import layout_line, layout_overrides, plan_for_recipe
 
 Slots = dict[str, list[int]]
 """Host name -> slot ids, in hostfile order (what ``hostfile.select_slots`` returns)."""
@@ -66,12 +65,6 @@ def lost_line(before: Slots, after: Slots, unreachable: set[str]) -> str:
         elif gone:
             parts.append(f"host {host}: {plural(gone, 'slot')} gone from the hostfile")
     return ", ".join(parts) or "no slot lost"
-
-
-def layout_line(result: Plan) -> str:
-    """The planned degrees, one module after another."""
-    return ", ".join(f"{n} dp={m.dp} tp={m.tp} pp={m.pp}" + (f" sp={m.sp}" if m.sp > 1 else "")
-                     for n, m in result.modules.items())
 
 
 @dataclass

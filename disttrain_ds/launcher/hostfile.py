@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain_ds.errors import ConfigError
+from disttrain_ds.errors import ConfigError, plural
 
 _SLOTS = re.compile(r"slots=(\S*)")
 _MAX_LISTED = 4  # hosts named in a one-line summary before "+N more"
@@ -133,11 +133,6 @@ def select_slots(
                 )
             active[name] = list(range(num_gpus))
     return active
-
-
-def plural(count: int, word: str) -> str:
-    """``"1 host"``, ``"2 hosts"``."""
-    return f"{count} {word}" + ("" if count == 1 else "s")
 
 
 def slots_summary(active: dict[str, list[int]]) -> str:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from disttrain_ds.launcher.hostfile import Host, LaunchError, plural, slots_summary
+from disttrain_ds.errors import plural
+from disttrain_ds.launcher.hostfile import Host, LaunchError, slots_summary
 from disttrain_ds.recipe.graph import topology_of
 
 if TYPE_CHECKING:  # annotations only; loading a recipe is not this module's business

@@ -7,8 +7,10 @@ import os
 import time
 
 from disttrain_ds.console import Console
+from disttrain_ds.cost.profile_file import load_profile
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.metrics.rundir import make_run_dir, write_resolved_recipe
+from disttrain_ds.planner.recipe_plan import worker_plan
 from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import Recipe, load_recipe
 from disttrain_ds.runtime import guards
@@ -26,9 +28,11 @@ QUIET_RANK_DELAY_S = 2.0
 """How long a rank other than 0 waits before exiting on a ``ConfigError`` (rank 0 reports it)."""
 
 
-def run(recipe_path: str, overrides: list[str]) -> int:
+def run(recipe_path: str, overrides: list[str], elastic: str | None = None) -> int:
+    """Train; ``elastic``: a planner profile to re-plan the recipe from when the launcher started
+    another number of ranks than it lays out (torchrun after losing a node)."""
     try:
-        return _run(recipe_path, overrides)
+        return _run(recipe_path, overrides, elastic)
     except ConfigError:
         if os.environ.get("RANK", "0") != "0":
             # Every rank hits the same error and only rank 0 prints it; a launcher that stops the
@@ -37,9 +41,19 @@ def run(recipe_path: str, overrides: list[str]) -> int:
         raise
 
 
-def _run(recipe_path: str, overrides: list[str]) -> int:
+def _run(recipe_path: str, overrides: list[str], elastic: str | None = None) -> int:
     recipe = load_recipe(recipe_path, overrides)
     world = world_size_from_env()
+    if elastic is not None and recipe.layout != "reference":
+        replanned = worker_plan(recipe_path, overrides, recipe, load_profile(elastic), elastic, world)
+        if replanned is not None:
+            rank = int(os.environ.get("RANK", "0"))
+            if rank == 0:
+                print(replanned.line, flush=True)
+            if rank >= replanned.ranks:
+                return 0  # before any process group: the others start one of their size
+            os.environ["WORLD_SIZE"] = str(world := replanned.ranks)
+            recipe = load_recipe(recipe_path, replanned.overrides)
     if recipe.layout == "reference":
         if world > 1:
             raise ConfigError(

@@ -1,4 +1,5 @@
-"""``disttrain-launch --max-restarts N --elastic PROFILE``: a lost node re-planned unattended.
+"""``disttrain-launch --max-restarts N --elastic PROFILE`` (and a torchrun worker's ``--elastic``): a lost node
+re-planned unattended.
 
 An 8-rank job on a hostfile of 8 slots (standing for two nodes of 4) loses the second node's 4 ranks
 after step 3; the scheduler's hostfile then offers the 4 slots left. The supervisor re-plans the recipe for the 4 slots left
@@ -90,3 +91,39 @@ def test_without_elastic_the_restart_asks_for_the_lost_slots_and_stops(tmp_path)
     assert proc.returncode != 0
     assert "elastic:" not in proc.stderr
     assert len(metrics_steps(tmp_path / "run")) < 6
+
+
+def _torchrun(tmp_path, nproc: int, *flags: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` of ``tools/train.py`` on ``nproc`` ranks, the recipe laid out for 8."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "tools/train.py", *flags, "--recipe", "recipes/tiny_cpu.yaml", *LAYOUT, *SGD, "train.steps=6",
+           "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}",
+           "logging.wandb=disabled", "parallel.heartbeat_timeout_s=5", "parallel.comm_timeout_s=120"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **(env_extra or {})}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_on_fewer_ranks_replans_from_the_profile_and_keeps_the_reference_losses(
+        tmp_path, reference_run):
+    """What torchrun's agent does after a node is lost (``--nnodes=MIN:MAX``): it starts the workers
+    again on the ranks left. The 8-rank job loses its second "node" after step 3; started again on
+    4 ranks with ``--elastic``, every worker re-plans the recipe for them from the profile, ranks
+    the plan leaves out exit at once, and the job resumes from the step-2 checkpoint to finish with
+    the reference's losses. Without ``--elastic`` the 4-rank start is refused in one line."""
+    (tmp_path / "profile.json").write_text(json.dumps(PROFILE))
+    lost = _torchrun(tmp_path, 8, env_extra={"DISTTRAIN_KILL_AT": "4,5,6,7:3"})
+    assert lost.returncode != 0 and len(metrics_steps(tmp_path / "run")) == 3
+    plain = _torchrun(tmp_path, 4)
+    assert plain.returncode != 0 and "8 ranks" in plain.stderr, plain.stderr[-2000:]
+    again = _torchrun(tmp_path, 4, "--elastic", str(tmp_path / "profile.json"))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+    event = re.search(r"^elastic: the recipe lays out 8 ranks, 4 started; re-planned for (\d) GPUs?(, \d ranks? idle)?: "
+                      r"encoder dp=\d tp=\d pp=\d, llm dp=\d tp=\d pp=\d, generator dp=\d tp=\d pp=\d; "
+                      r"resuming from the newest checkpoint$", again.stdout, re.M)
+    assert event and int(event.group(1)) <= 4, again.stdout[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} at step 2" in again.stdout
+    rows = metrics_steps(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    ref_losses, _ = reference_run(["train.steps=6", *SGD])
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)

@@ -123,3 +123,24 @@ def test_the_relaunch_selects_the_slots_left_and_appends_the_planned_degrees(tmp
     assert tail[-1] == "train.resume=auto" and tail.index("parallel.llm.dp=2") < tail.index("layout=disaggregated", 2)
     recipe = load_recipe(tail[0], tail[1:])
     assert topology_of(recipe).world_size <= 4, shlex.join(again)
+
+
+def test_a_torchrun_worker_replans_only_when_started_on_another_number_of_ranks():
+    """``--elastic`` under torchrun (``planner/recipe_plan.py::worker_plan``): the recipe's own
+    layout when the ranks match; else every worker computes the same plan for the ranks started,
+    resuming from the newest checkpoint; a profile of another batch is refused in one line."""
+    from disttrain_ds.planner.recipe_plan import worker_plan
+
+    profile = profile_from_dict(PROFILE)
+    recipe = load_recipe(TINY, LAYOUT)
+    assert worker_plan(TINY, LAYOUT, recipe, profile, "p.json", 8) is None
+    first, second = (worker_plan(TINY, LAYOUT, recipe, profile, "p.json", 5) for _ in range(2))
+    assert first == second and first.ranks <= 5 and first.overrides[-1] == "train.resume=auto"
+    assert topology_of(load_recipe(TINY, first.overrides)).world_size == first.ranks
+    assert first.line.startswith("elastic: the recipe lays out 8 ranks, 5 started; re-planned for ")
+    other = profile_from_dict({**PROFILE, "global_batch": 8})
+    with pytest.raises(ConfigError) as e:
+        worker_plan(TINY, LAYOUT, recipe, other, "p.json", 4)
+    assert "\n" not in str(e.value) and "p.json: made for global batch 8" in str(e.value)
+    with pytest.raises(ConfigError, match="cannot re-plan it for them"):
+        worker_plan(TINY, LAYOUT, recipe, profile, "p.json", 2)  # three modules need 3 GPUs at least
