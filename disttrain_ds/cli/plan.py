@@ -68,7 +68,8 @@ def format_plan(profile: Profile, result: Plan, source: str = "") -> str:
     with_sp = any(m.sp != 1 for m in result.modules.values())
     for n, m in result.modules.items():
         mem = f"{m.memory_gib:.1f}" if m.memory_gib is not None else "-"
-        lines.append(f"{n:<{width}} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} " + (f"{m.sp_setting:>4} " if with_sp else "")
+        sp = f"{m.sp_setting:>4} " if with_sp else ""
+        lines.append(f"{n:<{width}} {m.gpus:>6} {m.dp:>5} {m.tp:>3} {m.pp:>3} " + sp
                      + f"{m.samples_per_microbatch:>10} {m.stage_ms:>10.1f} {mem:>8}")
     lines.append(f"{'total':<{width}} {result.gpus:>6}   ({profile.gpus - result.gpus} of "
                  f"{profile.gpus} left idle)")

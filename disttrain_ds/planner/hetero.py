@@ -100,7 +100,8 @@ class StragglerTable:
         self._exact: dict[int, np.ndarray] = {}  # n -> E[max of n draws] / mean per module
         self._llm = profile.graph.llm
         self._sp = {n: (dict(profile.modules[n].sp_overhead_ms), dict(profile.modules[n].cost_ms)) for n in names}
-        self._auto: dict[tuple[str, int, int, int], tuple[np.ndarray, float]] = {}  # (name, dp, m, tp) -> (sorted Y, mean L)
+        # (name, dp, m, tp) -> (sorted step maxima Y, mean L) under adaptive SP groups
+        self._auto: dict[tuple[str, int, int, int], tuple[np.ndarray, float]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.names)
