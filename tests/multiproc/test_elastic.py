@@ -119,8 +119,8 @@ def test_a_torchrun_restart_on_fewer_ranks_replans_from_the_profile_and_keeps_th
     again = _torchrun(tmp_path, 4, "--elastic", str(tmp_path / "profile.json"))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
     event = re.search(r"^elastic: the recipe lays out 8 ranks, 4 started; re-planned for (\d) GPUs?"
-                      r"(, \d ranks? idle)?: encoder dp=\d tp=\d pp=\d, llm dp=\d tp=\d pp=\d, generator dp=\d tp=\d pp=\d; "
-                      r"resuming from the newest checkpoint$", again.stdout, re.M)
+                      r"(, \d ranks? idle)?: encoder dp=\d tp=\d pp=\d, llm dp=\d tp=\d pp=\d, "
+                      r"generator dp=\d tp=\d pp=\d; resuming from the newest checkpoint$", again.stdout, re.M)
     assert event and int(event.group(1)) <= 4, again.stdout[-3000:]
     assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002'} at step 2" in again.stdout
     rows = metrics_steps(tmp_path / "run")
