@@ -8,6 +8,7 @@ from .conftest import launch, max_param_mismatch
 from .test_fidelity import SGD, STEPS
 
 
+@pytest.mark.slow  # the default tier keeps producers: tests/unit
 def test_one_producer_per_host_feeds_every_rank_the_reference_batches(tmp_path, reference_run):
     spool_dir = tmp_path / "spool"
     spool_dir.mkdir()

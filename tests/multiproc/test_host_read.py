@@ -70,6 +70,7 @@ def expected_orders(overrides: list[str], steps: int, labels: list[int]) -> tupl
     return out, read
 
 
+@pytest.mark.slow  # the default tier keeps the reading plan: tests/unit
 def test_two_hosts_reorder_their_own_samples_and_train_the_reference(tmp_path, reference_run):
     out = tmp_path / "job"
     data = ["train.global_batch=8", "data.reorder=true", "data.read=host"]

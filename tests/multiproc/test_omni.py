@@ -23,6 +23,7 @@ def _run(tmp_path, reference_run, overrides: list[str], nproc: int, fault: str |
     return rows, params, ref_losses, ref_params
 
 
+@pytest.mark.slow  # the default tier keeps fan-in: test_graphs.py's understanding-only graph
 def test_two_encoders_fanning_in_to_a_split_llm_match_reference(tmp_path, reference_run):
     rows, params, ref_losses, ref_params = _run(tmp_path, reference_run, FAN_IN, 7)
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)

@@ -53,6 +53,7 @@ def test_post_balanced_layout_matches_the_reference(tmp_path, reference_run):
         assert any(len(replicas) == 2 for replicas in split), module
 
 
+@pytest.mark.slow  # the default tier keeps the post-balanced layout itself stays
 def test_rows_left_in_arrival_order_are_caught(tmp_path, reference_run):
     """Negative control: a replica that does not put rows from several replicas back in its samples'
     order trains on other samples' rows."""

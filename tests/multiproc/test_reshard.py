@@ -49,6 +49,7 @@ def check_against_reference(losses, params, ref_losses, ref_params) -> None:
     assert worst < 1e-3, (worst, where)
 
 
+@pytest.mark.slow  # the default tier keeps resharding's rules: tests/unit/test_reshard.py
 def test_readme_layout_resumed_with_llm_and_generator_dp2_matches_reference(tmp_path, reference_run):
     ref_losses, ref_params = reference_run(["optim.warmup_steps=5", "train.steps=6"])
     step3 = first_three_steps(tmp_path, (4, README))

@@ -20,8 +20,6 @@ from .test_fidelity import SGD, STEPS
 
 LAYOUTS = {
     # name: (ranks, overrides)
-    # Qwen2 (a second LLM family): its biased q/k/v shard with their rows; LLM TP=2 x PP=2.
-    "qwen2_llm_tp2_pp2": (6, ["layout=disaggregated", "model.llm.family=qwen2", "parallel.llm.tp=2"]),
     # Fan-in from two encoder replicas into a TP group, and TP on both sides of the second boundary.
     "enc_dp2_llm_tp2_gen_tp2": (
         6,
@@ -30,6 +28,8 @@ LAYOUTS = {
     ),
 }
 SLOW_LAYOUTS = {
+    # Qwen2 (a second LLM family): its biased q/k/v shard with their rows; LLM TP=2 x PP=2.
+    "qwen2_llm_tp2_pp2": (6, ["layout=disaggregated", "model.llm.family=qwen2", "parallel.llm.tp=2"]),
     "llm_tp2_pp2": (6, ["layout=disaggregated", "parallel.llm.tp=2"]),
     "enc_tp2_llm_tp2_pp2_gen1": (7, ["layout=disaggregated", "parallel.encoder.tp=2", "parallel.llm.tp=2"]),
     # Monolithic: encoder and generator stages share the LLM's TP (and DP) degree.

@@ -30,6 +30,7 @@ def _part(params: dict, module: str) -> dict:
     return {k: v for k, v in params.items() if k.startswith(f"{module}/")}
 
 
+@pytest.mark.slow  # the default tier keeps a graph of its own generators: test_graphs.py
 def test_llm_fanning_out_to_two_generators_matches_reference(tmp_path, reference_run):
     # vision 1 + LLM PP=2 + painter DP=2 + sketcher DP=2.
     rows, params, ref_losses, ref_params = _run(tmp_path, reference_run, FAN_OUT, 7)
