@@ -107,11 +107,15 @@ class MLLMSpec:
     def family(self, module: str) -> Family:
         return get_family(self.config(module).family, self.roles[module])
 
+    def rows_of_items(self, module: str, sample) -> list[int]:
+        """Rows (LLM tokens) each item of ``sample`` makes in encoder ``module``."""
+        fam, cfg = self.family(module), self.config(module)
+        return [fam.rows(cfg, fam.item_size(cfg, t)) for t in sample.inputs(fam.modality)]
+
     def item_rows(self, module: str, sample) -> int:
         """Rows (LLM tokens) the items of ``sample`` make in encoder ``module``: what it sends the
         LLM, and about what its sequence-parallel all-to-alls carry."""
-        fam, cfg = self.family(module), self.config(module)
-        return sum(fam.rows(cfg, fam.item_size(cfg, t)) for t in sample.inputs(fam.modality))
+        return sum(self.rows_of_items(module, sample))
 
     def layers(self, module: str) -> list[LayerDef]:
         """The module's pipeline layers: its family's, with the projector on the LLM side."""

@@ -172,9 +172,9 @@ class Placement:
     def _item_groups(self, slot: list, module: str, dp: int) -> tuple[list[tuple[int, int, tuple]], list[list[Unit]]]:
         """Encoder ``module`` under adaptive SP: its SP groups of the slot's items, by their rows,
         and each replica's units (a group's under its lead)."""
-        fam, cfg = self.spec.family(module), self.spec.config(module)
         mine = self._units(slot, module)
-        rows = [fam.rows(cfg, fam.item_size(cfg, slot[p].inputs(fam.modality)[j])) for p, j in mine]
+        per = {p: self.spec.rows_of_items(module, slot[p]) for p in {p for p, _ in mine}}
+        rows = [per[p][j] for p, j in mine]
         plan = adaptive_groups(rows, dp, self.sp_costs[module]) if mine else SPPlan(())
         if plan is None:
             raise RuntimeError(f"{module}: no SP groups of {dp} ranks hold this microbatch's items in memory")
