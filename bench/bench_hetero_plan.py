@@ -1,18 +1,23 @@
-"""Planning with a draw of per-sample costs vs from mean costs, on heterogeneous workloads.
+"""Planning with a draw of per-sample costs vs from mean costs, on heterogeneous workloads,
+against the best of every feasible plan.
 
-    python bench/bench_hetero_plan.py [--seeds 8] [--iterations 2] [--budget 0.05]
+    python bench/bench_hetero_plan.py [--seeds 8] [--iterations 2] [--budget 0.05] [--reorder]
 
-For every cost distribution and seed a random three-module profile is made (GPUs, global batch,
-per-module mean costs and layer counts drawn from the seed; TP costs with 0.9 efficiency per
-doubling), then planned twice by ``optimize.plan``: from mean costs only, and with
-``sample_cost_ms``, a draw of 1,024 samples. Both plans are simulated
-(``scale.simulate_iteration``, 1F1B of ``schedule/simulate.py``, intra- and inter-microbatch
-reordering) on ``--iterations`` global batches of fresh samples from the same distribution
-(another seed than the draw). Printed per distribution: the gain T_sim(mean plan) /
-T_sim(draw plan) (median, min, max, share of cases where the draw plan is slower) and how far
-each plan's simulated time is from its predicted one (``Plan.t_pred_ms``). Costs of one sample
-in different modules are drawn independently, except in ``paper``, which prices LAION-400M-like packed sequences with the
-cost model (``paper/scale.py``, MLLM-9B's modules).
+For every cost distribution and seed a random three-module profile is made (64-256 GPUs, global
+batch 128-512, per-module mean costs and layer counts drawn from the seed; TP costs with 0.9
+efficiency per doubling), then planned by ``optimize.plan`` from mean costs only, from a draw of
+1,024 samples (``sample_cost_ms``) by the closed form alone, and from the draw with its finalists
+simulated (what ``disttrain-plan`` returns). The three plans, and every feasible layout
+(``planner/every_layout.py``), are simulated (``iteration_sim.simulate_iteration``: every
+replica on its own 1F1B timeline; without ``--reorder`` in loader order, as the planner's own
+simulation) on ``--iterations`` global batches of fresh samples from the same distribution
+(another seed than the draw); the layouts in order of ``planner/sim_bound.py``'s lower bound on
+their simulated time, until the bound reaches the best time found, so the best is exact.
+Printed per distribution: the gain T_sim(mean plan) / T_sim(draw plan), how far each plan's
+simulated time is from its predicted one (``Plan.t_pred_ms``), each plan over the best feasible
+plan (mean and worst), planning time, and how many layouts were feasible and simulated. Costs of
+one sample in different modules are drawn independently, except in ``paper``, which prices
+LAION-400M-like packed sequences with the cost model (``paper/scale.py``, MLLM-9B's modules).
 """
 
 from __future__ import annotations
@@ -37,15 +42,14 @@ from disttrain_ds.paper import (
     load_paper_figures,  # noqa: E402
     scale,  # noqa: E402
 )
+from disttrain_ds.planner.every_layout import every_layout  # noqa: E402
+from disttrain_ds.planner.iteration_sim import simulate_scaled  # noqa: E402
 from disttrain_ds.planner.objective import straggler_table  # noqa: E402
 from disttrain_ds.planner.optimize import Plan, PlanError, build_plan, plan  # noqa: E402
-from disttrain_ds.planner.search import finalists  # noqa: E402
+from disttrain_ds.planner.sim_bound import SimBound, unit_times  # noqa: E402
 
 DRAW = 1024
 """Samples in the profile's draw."""
-POOL = 24
-"""Layouts of the closed form (the best of as many samples-per-step splits) simulated to find the
-best plan the chosen one is compared with."""
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
 
@@ -106,10 +110,59 @@ def simulate(p: Plan, costs: np.ndarray, batch: int, iterations: int, budget: fl
                                  budget_s=budget, seed=i).makespan_ms for i in range(iterations))
 
 
+CHUNK = 256
+"""Layouts taken at a time, in order of their bounds, by ``best_of_every_plan``."""
+
+
+def best_of_every_plan(profile, fresh: np.ndarray, iterations: int, budget: float,
+                       reorder: bool, known: float) -> tuple[float, int, int]:
+    """The fastest simulated time of every feasible layout of ``profile`` on ``fresh``, exactly:
+    layouts are simulated in increasing order of ``sim_bound``'s lower bound until the next bound
+    reaches the best time found (``known``: a time some layout already simulates to); without
+    reordering, the layouts of one chunk that differ only in TP degrees share one sweep
+    (``iteration_sim.simulate_scaled``). Returns (best ms, feasible layouts, layouts simulated)."""
+    unit = unit_times(fresh, iterations)
+    bound = SimBound(profile.graph, unit, ordered=not reorder)
+    sets, lbs, costs = [], [], []
+    for s in every_layout(profile):
+        terms, cost = [], []
+        for j, (n, o) in enumerate(s.opts.items()):
+            m = s.d // o.dp
+            terms.append([x[s.pick[:, j]] for x in bound.terms(n, o.warm / m, o.dp, o.pp, m)])
+            cost.append((o.warm / m)[s.pick[:, j]])
+        sets.append(s)
+        costs.append(np.stack(cost, axis=1))
+        lbs.append(bound.bound(*({n: t[i] for n, t in zip(s.opts, terms)} for i in range(3))))
+    owner = np.concatenate([np.full(len(x), i) for i, x in enumerate(lbs)])
+    row = np.concatenate([np.arange(len(x)) for x in lbs])
+    lb, cost = np.concatenate(lbs), np.concatenate(costs)
+    order = np.argsort(lb, kind="stable")
+    best, simulated, batch, table = known, 0, profile.global_batch, straggler_table(profile)
+    for lo in range(0, len(order), CHUNK):
+        chunk = [i for i in order[lo:lo + CHUNK] if lb[i] < best]
+        if not chunk:
+            break  # every remaining layout's bound, hence its simulated time, is at least the best
+        simulated += len(chunk)
+        if reorder:
+            for i in chunk:
+                p = build_plan(profile, sets[owner[i]].degrees(int(row[i])), table=table)
+                best = min(best, simulate(p, fresh, batch, iterations, budget, reorder))
+            continue
+        shapes: dict[tuple, list[int]] = {}
+        for i in chunk:
+            deg = sets[owner[i]].degrees(int(row[i]))
+            shapes.setdefault((owner[i],) + tuple((d.dp, d.pp) for d in deg.values()), []).append(i)
+        for same in shapes.values():
+            p = build_plan(profile, sets[owner[same[0]]].degrees(int(row[same[0]])), table=table)
+            t = np.mean([simulate_scaled(unit[k], p, cost[same]) for k in range(iterations)], axis=0)
+            best = min(best, float(t.min()))
+    return best, len(lb), simulated
+
+
 def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorder: bool) -> dict | None:
     """Plan a seed's profile from mean costs, from a draw by the closed form alone and with its
-    finalists simulated; simulate them and the ``POOL`` best layouts of the closed form (one per
-    samples-per-step split) on fresh samples."""
+    finalists simulated; simulate them on fresh samples and find the best of every feasible
+    layout (``best_of_every_plan``)."""
     draw = sampler(np.random.default_rng([seed, 1]), DRAW)
     data = random_profile(np.random.default_rng([seed, 0]), draw)
     with_draw = profile_from_dict(data)
@@ -123,17 +176,15 @@ def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorde
         plans = {"mean": plan(mean_only), "closed": plan(with_draw, finalists=1), "draw": chosen}
     except PlanError:
         return None
-    table = straggler_table(with_draw)
-    pool = [build_plan(with_draw, f, table=table)
-            for f in finalists(with_draw, {n: with_draw.gpus for n in MODULES}, table, True, POOL)]
     batch = mean_only.global_batch
     fresh = sampler(np.random.default_rng([seed, 2]), batch * iterations)
     sim = {k: simulate(p, fresh, batch, iterations, budget, reorder) for k, p in plans.items()}
-    best = min(simulate(p, fresh, batch, iterations, budget, reorder) for p in pool)
-    best = min(best, *sim.values())
+    t0 = time.perf_counter()
+    best, feasible, simulated = best_of_every_plan(with_draw, fresh, iterations, budget, reorder, min(sim.values()))
     return {"gain": sim["mean"] / sim["draw"], "same": plans["mean"].degrees() == plans["draw"].degrees(),
             "vs_best": sim["draw"] / best, "closed_vs_best": sim["closed"] / best, "mean_vs_best": sim["mean"] / best,
-            "plan_s": took, **{f"err_{k}": sim[k] / p.t_pred_ms - 1 for k, p in plans.items()}}
+            "plan_s": took, "feasible": feasible, "simulated": simulated, "search_s": time.perf_counter() - t0,
+            **{f"err_{k}": sim[k] / p.t_pred_ms - 1 for k, p in plans.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,14 +203,14 @@ def main(argv: list[str] | None = None) -> int:
           f"Python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} CPUs\n")
     print("| distribution | cases | same plan | gain median | gain min / max | draw slower "
           "| T_sim/T_plan - 1 mean plan: median / worst | draw plan: median / worst "
-          f"| over the best of {POOL}: chosen mean / worst | closed form mean / worst | mean-cost plan mean / worst "
-          "| planning s, max |")
-    print("|" + "---|" * 12)
+          "| over the best feasible plan: chosen mean / worst | closed form mean / worst | mean-cost plan mean / worst "
+          "| planning s, max | feasible plans, median | simulated to find the best, median |")
+    print("|" + "---|" * 14)
     for name, sampler in distributions().items():
         rows = [r for s in range(args.seeds) if (r := run_case(sampler, s, args.iterations,
                                                                 args.budget, args.reorder)) is not None]
         if not rows:
-            print(f"| {name} | 0 |" + " - |" * 10)
+            print(f"| {name} | 0 |" + " - |" * 12)
             continue
         gain = [r["gain"] for r in rows]
         worst = {k: max((r[f"err_{k}"] for r in rows), key=abs) for k in ("mean", "draw")}
@@ -171,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
               f"| {med['draw'] * 100:+.1f}% / {worst['draw'] * 100:+.1f}% "
               + "".join(f"| {statistics.fmean(r[k] for r in rows):.3f} / {max(r[k] for r in rows):.3f} "
                         for k in ("vs_best", "closed_vs_best", "mean_vs_best"))
-              + f"| {max(r['plan_s'] for r in rows):.2f} |")
+              + f"| {max(r['plan_s'] for r in rows):.2f} "
+              f"| {statistics.median(r['feasible'] for r in rows):,.0f} "
+              f"| {statistics.median(r['simulated'] for r in rows):,.0f} |", flush=True)
+    print("\nbest feasible plan: every layout the planner may return, simulated on the same batches in "
+          "order of a lower bound on its simulated time (planner/sim_bound.py) until the bound reaches "
+          "the best time found, so none left out could be faster.")
     print("\ngain: simulated time of the mean-cost plan over the draw plan's (> 1: the draw plan "
           "is faster); same plan: cases where both chose the same layout.")
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

@@ -317,6 +317,22 @@ def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
     return IterationSim(float(span), stages[order], arrangement, tuple(order))
 
 
+def simulate_scaled(times: np.ndarray, plan_: Plan, scales: np.ndarray) -> np.ndarray:
+    """``[L]`` makespans of ``simulate_iteration(times * scales[i], plan_)`` (loader order, no
+    reordering) in one sweep: layouts with ``plan_``'s DP and PP degrees that differ only in each
+    module's per-sample cost (their TP degree); ``scales`` is ``[L, modules]``."""
+    times = np.asarray(times, dtype=np.float64)
+    scales = np.asarray(scales, dtype=np.float64)
+    graph, g = plan_.graph, replica_groups(plan_)
+    mods = list(plan_.modules.values())
+    preds = _group_preds(graph.names, tuple(graph.upstream(n) for n in graph.names),
+                         tuple(m.dp // g for m in mods), tuple(m.pp for m in mods), _step_size(plan_) // g)
+    groups = group_stage_times(times, plan_, np.arange(len(times)))  # [G, K, S]
+    module_of = np.repeat(np.arange(len(mods)), [m.dp // g * m.pp for m in mods])
+    stages = groups[None] * scales[:, module_of][:, None, None, :]
+    return makespans(*split_fwd_bwd(stages), preds).max(axis=-1)
+
+
 class _Frozen(dict):
     """``auto`` with each module's replica loads memoised per arrangement of one iteration."""
 

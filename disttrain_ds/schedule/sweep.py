@@ -44,6 +44,25 @@ def _depths(preds: Preds) -> tuple[list[list[int]], list[int]]:
     return succ, depth
 
 
+def _levels(preds: Preds, depth: list[int], k: int) -> list[np.ndarray]:
+    """Stages grouped by (longest path from a source, warm-up depth), in increasing level: no
+    stage of a group feeds another, and the group shares one op order, so its stages relax
+    together exactly as one after another in data-flow order."""
+    level = [0] * len(preds)
+    for s, ps in enumerate(preds):
+        level[s] = max((level[u] + 1 for u in ps), default=0)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for s in range(len(preds)):
+        groups.setdefault((level[s], min(depth[s], k)), []).append(s)
+    return [np.array(groups[key], dtype=np.int64) for key in sorted(groups)]
+
+
+def _padded(lists: list[list[int]], pad: int) -> np.ndarray:
+    """``[n, longest]`` index matrix of ``lists``, short rows filled with ``pad``."""
+    width = max((len(x) for x in lists), default=0) or 1
+    return np.array([list(x) + [pad] * (width - len(x)) for x in lists], dtype=np.int64)
+
+
 def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds) -> np.ndarray:
     """Makespan of every pipeline in ``fwd`` / ``bwd`` (``[..., K, P]``, stage columns numbered
     topologically as ``preds``); returns the leading shape (a 0-d array for one pipeline)."""
@@ -54,33 +73,34 @@ def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds) -> np.ndarray:
         raise ValueError(f"preds must list {p} stages (fwd's columns), got {len(preds)}")
     lead = f.shape[:-2]
     succ, depth = _depths(preds)
-    end_f = np.zeros(lead + (p, k))
-    end_b = np.zeros(lead + (p, k))
-    zero = np.zeros(lead + (k,))
-    orders = [_order(k, min(depth[s], k)) for s in range(p)]
-    costs = []
-    for s in range(p):
-        is_f, mb = orders[s]
-        costs.append(np.where(is_f, f[..., mb, s], b[..., mb, s]))
-    starts = [np.cumsum(c, axis=-1) for c in costs]
+    # Column p is a stage that ends everything at 0: the padding of stages with fewer neighbours.
+    end_f = np.zeros(lead + (p + 1, k))
+    end_b = np.zeros(lead + (p + 1, k))
+    groups = []
+    for idx in _levels(preds, depth, k):
+        is_f, mb = _order(k, min(depth[int(idx[0])], k))
+        fs, bs = np.swapaxes(f[..., idx], -1, -2), np.swapaxes(b[..., idx], -1, -2)  # [..., n, K]
+        cost = np.where(is_f, fs[..., mb], bs[..., mb])  # [..., n, ops]
+        groups.append((idx, is_f, mb, cost, np.cumsum(cost, axis=-1),
+                       _padded([list(preds[s]) for s in idx], p), _padded([succ[s] for s in idx], p)))
 
-    def relax(s: int) -> bool:
-        is_f, mb = orders[s]
-        arr_f = np.max([end_f[..., u, :] for u in preds[s]], axis=0) if preds[s] else zero
-        arr_b = np.max([end_b[..., d, :] for d in succ[s]], axis=0) if succ[s] else zero
+    def relax(group: tuple) -> bool:
+        idx, is_f, mb, cost, total, up, down = group
+        arr_f = end_f[..., up, :].max(axis=-2)  # [..., n, K]
+        arr_b = end_b[..., down, :].max(axis=-2)
         arrival = np.where(is_f, arr_f[..., mb], arr_b[..., mb])
-        total = starts[s]
-        end = total + np.maximum.accumulate(arrival - (total - costs[s]), axis=-1)
+        end = total + np.maximum.accumulate(arrival - (total - cost), axis=-1)
+        rows = idx[:, None]
         new_f, new_b = end[..., is_f], end[..., ~is_f]
-        changed = not (np.array_equal(new_f, end_f[..., s, mb[is_f]])
-                       and np.array_equal(new_b, end_b[..., s, mb[~is_f]]))
-        end_f[..., s, mb[is_f]] = new_f
-        end_b[..., s, mb[~is_f]] = new_b
+        changed = not (np.array_equal(new_f, end_f[..., rows, mb[is_f]])
+                       and np.array_equal(new_b, end_b[..., rows, mb[~is_f]]))
+        end_f[..., rows, mb[is_f]] = new_f
+        end_b[..., rows, mb[~is_f]] = new_b
         return changed
 
     changed = True
     while changed:
         changed = False
-        for s in list(range(p)) + list(reversed(range(p))):
-            changed |= relax(s)
-    return np.maximum(end_f.max(axis=(-2, -1)), end_b.max(axis=(-2, -1)))
+        for group in groups + groups[::-1]:
+            changed |= relax(group)
+    return np.maximum(end_f[..., :p, :].max(axis=(-2, -1)), end_b[..., :p, :].max(axis=(-2, -1)))
