@@ -88,12 +88,41 @@ def _down_key(graph: Roles, name: str, down: tuple[int, int]) -> tuple[int, ...]
     return (down[0] + down[1],) if name in graph.encoders else (down[1],)
 
 
+def _columns(profile: Profile, name: str, d: int, cap: int, grid: tuple[np.ndarray, ...],
+             is_llm: bool, align: int) -> dict[str, np.ndarray]:
+    """Every (dp, tp, pp, sp) of module ``name`` at D = d as flat columns (rows: dp, then the
+    grid's order), with ``ok``: within ``cap`` GPUs and the adaptive-SP rule; what ``options``
+    filters for memory and the downstream split."""
+    spec = profile.modules[name]
+    tp0, pp0, cost0, sp0 = grid
+    dps = np.array([d // profile.microbatch] if is_llm else divisors(d), dtype=np.int64)
+    dp = dps[:, None]  # rows: dp; columns: (tp, pp) combinations
+    tp, pp, cost, sp = tp0[None, :], pp0[None, :], cost0[None, :], sp0[None, :]
+    m = np.full_like(dp, profile.microbatch) if is_llm else d // dp
+    ranks = np.maximum(sp, 1)  # AUTO_SP: groups form inside the dp replicas
+    gpus = dp * tp * pp * ranks
+    ok = gpus <= cap
+    if (sp == AUTO_SP).any():
+        allowed = {(int(a), int(t)): spec.auto_sp(int(a), int(t)) for a in dps for t in np.unique(tp)}
+        ok = ok & ((sp != AUTO_SP) | np.vectorize(lambda a, t: allowed[(a, t)], otypes=[bool])(dp, tp))
+    warm = m * cost
+    block = tp * ranks
+    cols = {"dp": dp, "tp": tp, "pp": pp, "gpus": gpus, "warm": warm, "stage": warm / pp,
+            "rank": ((tp * 1024 + sp_key(sp)) * (spec.layers + 1) + pp) * (d + 1) + dp,
+            "cls": (block * 1024 + gpus % align) * (align > 1),  # align < 1024; one class when not aligned
+            "sp": sp, "block": block, "m": m, "ranks": ranks}
+    keep = ok.ravel()
+    return {k: np.broadcast_to(c, gpus.shape).ravel()[keep] for k, c in cols.items()}
+
+
 def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
             grid: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
             llm: str | None = None, align: int | None = None,
-            down: tuple[int, int] | None = None, restrict: bool = True) -> Opts:
+            down: tuple[int, int] | None = None, restrict: bool = True,
+            memo: dict | None = None) -> Opts:
     """Every (dp, tp, pp, sp) of module ``name`` at D = d within ``cap`` GPUs and the memory limit;
-    ``grid``, ``llm`` (the LLM's name) and ``align`` only save looking them up again.
+    ``grid``, ``llm`` (the LLM's name) and ``align`` only save looking them up again, ``memo``
+    (a dict kept across calls for one profile) computing the D's columns again.
 
     ``down`` = (P, G): the plans whose LLM runs P stages and whose generators at most G (0: none),
     so the LLM keeps only pp = P, every generator pp <= G, and the microbatches in flight are
@@ -104,37 +133,35 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     spec = profile.modules[name]
     graph = profile.graph
     is_llm = name == (graph.llm if llm is None else llm)
-    tp0, pp0, cost0, sp0 = grid if grid is not None else module_grid(profile, name)
+    align = alignment(profile) if align is None else align
+    key = (name, d, cap, align)
+    c = None if memo is None else memo.get(key)
+    if c is None:
+        c = _columns(profile, name, d, cap, grid if grid is not None else module_grid(profile, name), is_llm, align)
+        if memo is not None:
+            memo[key] = c
     if down is None:
         gens = [min(profile.modules[g].pp_degrees(), default=1) for g in graph.generators]
         p_llm, g_max = min(profile.modules[graph.llm].pp_degrees(), default=1), max(gens, default=0)
+        keep = None
     else:
         p_llm, g_max = down
+        keep = None
         if restrict:
-            keep = pp0 == p_llm if is_llm else pp0 <= g_max if name in graph.generators else pp0 > 0
-            tp0, pp0, cost0, sp0 = tp0[keep], pp0[keep], cost0[keep], sp0[keep]
-    dps = np.array([d // profile.microbatch] if is_llm else divisors(d), dtype=np.int64)
-    dp = dps[:, None]  # rows: dp; columns: (tp, pp) combinations
-    tp, pp, cost, sp = tp0[None, :], pp0[None, :], cost0[None, :], sp0[None, :]
-    m = np.full_like(dp, profile.microbatch) if is_llm else d // dp
-    warm = m * cost
+            pp = c["pp"]
+            keep = pp == p_llm if is_llm else pp <= g_max if name in graph.generators else None
+    if keep is not None:
+        c = {k: v[keep] for k, v in c.items()}
     role = "llm" if is_llm else graph.role(name)
+    pp = c["pp"]
     to_end = mm.stages_to_end(role, pp, pp if is_llm else p_llm, g_max)
-    ranks = np.maximum(sp, 1)  # AUTO_SP: groups form inside the dp replicas
-    gpus = dp * tp * pp * ranks
-    mem = np.broadcast_to(memory_bytes(spec, dp, tp, pp, m, to_end, profile.global_batch // d, ranks), gpus.shape)
-    ok = gpus <= cap
+    mem = np.broadcast_to(memory_bytes(spec, c["dp"], c["tp"], pp, c["m"], to_end, profile.global_batch // d,
+                                       c["ranks"]), pp.shape)
+    fields = ("dp", "tp", "pp", "gpus", "warm", "stage", "mem", "rank", "cls", "sp", "block")
     if limit is not None:
-        ok &= mem <= limit
-    if (sp == AUTO_SP).any():
-        allowed = {(int(a), int(t)): spec.auto_sp(int(a), int(t)) for a in dps for t in np.unique(tp)}
-        ok &= (sp != AUTO_SP) | np.vectorize(lambda a, t: allowed[(a, t)], otypes=[bool])(dp, tp)
-    rank = ((tp * 1024 + sp_key(sp)) * (spec.layers + 1) + pp) * (d + 1) + dp
-    align = alignment(profile) if align is None else align
-    block = tp * ranks
-    cls = (block * 1024 + gpus % align) * (align > 1)  # align < 1024; one class when not aligned
-    cols = (dp, tp, pp, gpus, warm, warm / pp, mem, rank, cls, sp, block)
-    return Opts(*(np.broadcast_to(c, gpus.shape)[ok] for c in cols))
+        ok = mem <= limit
+        return Opts(*(mem[ok] if f == "mem" else c[f][ok] for f in fields))
+    return Opts(*(mem if f == "mem" else c[f] for f in fields))
 
 
 def priced(profile: Profile, name: str, o: Opts, d: int, table: StragglerTable) -> Opts:
@@ -258,15 +285,16 @@ def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable |
     # otherwise every (P, G) of ``downstream_splits`` is its own group.
     downs = [None] if limit is None else downstream_splits(profile)
     worst = None if limit is None else (max(p for p, _ in downs), max(g for _, g in downs))
-    groups = []
+    groups, memo = [], {}
     for d in batch_splits(profile):
         k = profile.global_batch // d
 
-        free = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm, align) for n in graph.names}
+        free = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, memo=memo)
+                for n in graph.names}
         variants = [free]
         if limit is not None and any(
                 len(free[n]) != len(options(profile, n, d, caps[n], limit, grids[n], graph.llm, align,
-                                            worst, restrict=False)) for n in graph.names):
+                                            worst, restrict=False, memo=memo)) for n in graph.names):
             # Memory binds differently for some (P, G): each is its own group. A module's
             # options depend only on part of (P, G), so equal parts share one computation.
             cache: dict = {}
@@ -276,7 +304,8 @@ def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable |
                 for n in graph.names:
                     key = (n, _down_key(graph, n, down))
                     if key not in cache:
-                        cache[key] = options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down)
+                        cache[key] = options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down,
+                                             memo=memo)
                     opts[n] = cache[key]
                 variants.append(opts)
         for opts in variants:

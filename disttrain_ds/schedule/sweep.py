@@ -1,20 +1,23 @@
-"""1F1B makespans by relaxation sweeps, vectorised over microbatches and over many pipelines.
+"""1F1B makespans of stage DAGs, vectorised over microbatches and over many pipelines.
 
 The same schedule as :func:`disttrain_ds.schedule.simulate.makespan_dag` (each stage's fixed
 1F1B op order with ``min(depth, K)`` warm-up forwards; a forward waits for the same microbatch's
-forward on every upstream stage, a backward for its backward on every downstream stage), computed
-without a Python loop over ops: given the arrival time of every op's cross-stage dependency, one
-stage's end times are a max-plus prefix scan over its op order,
+forward on every upstream stage, a backward for its backward on every downstream stage).
+
+:func:`makespans` evaluates the op DAG in waves: an op's wave is the length of the longest
+dependency chain before it, so the ops of one wave wait only for earlier waves and are computed
+together, for all leading pipelines at once (the replica groups of ``planner/iteration_sim``, or
+layouts that differ only in costs). The waves of a DAG and K are found once (cached) from the
+schedule's end times at unit op cost, which come from relaxation sweeps (:func:`_sweep`): given the
+arrival time of every op's cross-stage dependency, one stage's end times are a max-plus prefix
+scan over its op order,
 
     end_j = C_j + max_{k <= j} (arrival_k - C_{k-1}),    C = cumulative op costs,
 
-one ``np.maximum.accumulate`` per stage. Sweeping the stages in data-flow order (forwards flow
-down) and back (backwards flow up) until nothing changes reaches the schedule's times: they only
-grow from 0 towards the unique solution of the DAG's equations, and each sweep pair carries every
-dependency chain one turn further (a critical path turns a few times, so a few sweeps suffice).
-Leading axes of the cost arrays are independent pipelines with the same stage DAG (the replica
-groups of ``planner/iteration_sim``), all swept at once. Sums are formed in scan order, so a makespan can
-differ from the op-by-op simulators in the last bits.
+and sweeping the stages in data-flow order (forwards flow down) and back (backwards flow up) until
+nothing changes reaches the schedule's times (a critical path that turns t times needs about t
+sweeps, so with uneven op costs the waves, about 2K + the stage depth of them, are far fewer
+Python steps). Sums are formed op by op, as the op-by-op simulators form them.
 """
 
 from __future__ import annotations
@@ -63,14 +66,10 @@ def _padded(lists: list[list[int]], pad: int) -> np.ndarray:
     return np.array([list(x) + [pad] * (width - len(x)) for x in lists], dtype=np.int64)
 
 
-def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds) -> np.ndarray:
-    """Makespan of every pipeline in ``fwd`` / ``bwd`` (``[..., K, P]``, stage columns numbered
-    topologically as ``preds``); returns the leading shape (a 0-d array for one pipeline)."""
-    f = np.asarray(fwd, dtype=np.float64)
-    b = np.asarray(bwd, dtype=np.float64)
+def _sweep(f: np.ndarray, b: np.ndarray, preds: Preds) -> tuple[np.ndarray, np.ndarray]:
+    """End times ``[..., P, K]`` of every forward and backward by relaxation sweeps (module
+    docstring), stages of one level relaxed together."""
     k, p = f.shape[-2:]
-    if len(preds) != p:
-        raise ValueError(f"preds must list {p} stages (fwd's columns), got {len(preds)}")
     lead = f.shape[:-2]
     succ, depth = _depths(preds)
     # Column p is a stage that ends everything at 0: the padding of stages with fewer neighbours.
@@ -103,4 +102,64 @@ def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds) -> np.ndarray:
         changed = False
         for group in groups + groups[::-1]:
             changed |= relax(group)
-    return np.maximum(end_f[..., :p, :].max(axis=(-2, -1)), end_b[..., :p, :].max(axis=(-2, -1)))
+    return end_f[..., :p, :], end_b[..., :p, :]
+
+
+@lru_cache(maxsize=256)
+def _waves(preds: Preds, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                          tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]]:
+    """The op DAG of ``k`` microbatches over ``preds`` in waves of independent ops.
+
+    Ops are numbered stage by stage in each stage's 1F1B order (op ``2k * s + j``); an op waits
+    for the stage's previous op and for the same microbatch's forward on every upstream stage
+    (a forward) or backward on every downstream stage (a backward). An op's wave is the length
+    of the longest dependency chain before it (the schedule's end times at unit op cost), so no
+    wave holds two ops where one waits for the other. Returns (stage, microbatch, is-forward of
+    every op, and per wave (ops, previous ops, ``[ops, deg]`` dependencies), index ``2k * P``
+    standing for "nothing")."""
+    p = len(preds)
+    succ, depth = _depths(preds)
+    ones = np.ones((k, p))
+    end_f, end_b = _sweep(ones, ones, preds)
+    n = 2 * k * p
+    stage = np.repeat(np.arange(p), 2 * k)
+    is_f = np.concatenate([_order(k, min(depth[s], k))[0] for s in range(p)])
+    mb = np.concatenate([_order(k, min(depth[s], k))[1] for s in range(p)])
+    pos = np.zeros((2, p, k), dtype=np.int64)  # [backward?, stage, microbatch] -> op
+    pos[(~is_f).astype(np.int64), stage, mb] = np.arange(n)
+    level = np.where(is_f, end_f[stage, mb], end_b[stage, mb]).round().astype(np.int64)
+    prev = np.where(np.arange(n) % (2 * k) == 0, n, np.arange(n) - 1)
+    width = max((len(x) for x in (*preds, *succ)), default=0) or 1
+    deps = np.full((n, width), n, dtype=np.int64)
+    for s in range(p):
+        ops = np.arange(2 * k * s, 2 * k * (s + 1))
+        fwd, bwd = ops[is_f[ops]], ops[~is_f[ops]]
+        for c, u in enumerate(preds[s]):
+            deps[fwd, c] = pos[0, u, mb[fwd]]
+        for c, d in enumerate(succ[s]):
+            deps[bwd, c] = pos[1, d, mb[bwd]]
+    by = np.argsort(level, kind="stable")
+    cuts = np.flatnonzero(np.diff(level[by])) + 1
+    waves = tuple((w, prev[w], deps[w]) for w in np.split(by, cuts))
+    return stage, mb, is_f, n, waves
+
+
+def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds) -> np.ndarray:
+    """Makespan of every pipeline in ``fwd`` / ``bwd`` (``[..., K, P]``, stage columns numbered
+    topologically as ``preds``); returns the leading shape (a 0-d array for one pipeline).
+
+    Evaluated wave by wave over the op DAG (``_waves``, built once per DAG and K): each wave's
+    ops start at the later of their stage's previous op and their dependencies, all leading
+    pipelines at once."""
+    f = np.asarray(fwd, dtype=np.float64)
+    b = np.asarray(bwd, dtype=np.float64)
+    k, p = f.shape[-2:]
+    if len(preds) != p:
+        raise ValueError(f"preds must list {p} stages (fwd's columns), got {len(preds)}")
+    stage, mb, is_f, n, waves = _waves(tuple(tuple(x) for x in preds), k)
+    cost = np.where(is_f, f[..., mb, stage], b[..., mb, stage])  # [..., ops]
+    end = np.zeros(f.shape[:-2] + (n + 1,))
+    for ops, prev, deps in waves:
+        start = np.maximum(end[..., prev], end[..., deps].max(axis=-1))
+        end[..., ops] = start + cost[..., ops]
+    return end[..., :n].max(axis=-1)
