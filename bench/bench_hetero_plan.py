@@ -115,12 +115,13 @@ CHUNK = 256
 
 
 def best_of_every_plan(profile, fresh: np.ndarray, iterations: int, budget: float,
-                       reorder: bool, known: float) -> tuple[float, int, int]:
+                       reorder: bool, known: float) -> tuple[float, int, int, dict | None]:
     """The fastest simulated time of every feasible layout of ``profile`` on ``fresh``, exactly:
     layouts are simulated in increasing order of ``sim_bound``'s lower bound until the next bound
     reaches the best time found (``known``: a time some layout already simulates to); without
     reordering, the layouts of one chunk that differ only in TP degrees share one sweep
-    (``iteration_sim.simulate_scaled``). Returns (best ms, feasible layouts, layouts simulated)."""
+    (``iteration_sim.simulate_scaled``). Returns (best ms, feasible layouts, layouts simulated, the
+    best layout's degrees or None when none beats ``known``)."""
     unit = unit_times(fresh, iterations)
     bound = SimBound(profile.graph, unit, ordered=not reorder)
     sets, lbs, costs = [], [], []
@@ -138,6 +139,7 @@ def best_of_every_plan(profile, fresh: np.ndarray, iterations: int, budget: floa
     lb, cost = np.concatenate(lbs), np.concatenate(costs)
     order = np.argsort(lb, kind="stable")
     best, simulated, batch, table = known, 0, profile.global_batch, straggler_table(profile)
+    found = None
     for lo in range(0, len(order), CHUNK):
         chunk = [i for i in order[lo:lo + CHUNK] if lb[i] < best]
         if not chunk:
@@ -146,7 +148,9 @@ def best_of_every_plan(profile, fresh: np.ndarray, iterations: int, budget: floa
         if reorder:
             for i in chunk:
                 p = build_plan(profile, sets[owner[i]].degrees(int(row[i])), table=table)
-                best = min(best, simulate(p, fresh, batch, iterations, budget, reorder))
+                t = simulate(p, fresh, batch, iterations, budget, reorder)
+                if t < best:
+                    best, found = t, p.degrees()
             continue
         shapes: dict[tuple, list[int]] = {}
         for i in chunk:
@@ -155,8 +159,10 @@ def best_of_every_plan(profile, fresh: np.ndarray, iterations: int, budget: floa
         for same in shapes.values():
             p = build_plan(profile, sets[owner[same[0]]].degrees(int(row[same[0]])), table=table)
             t = np.mean([simulate_scaled(unit[k], p, cost[same]) for k in range(iterations)], axis=0)
-            best = min(best, float(t.min()))
-    return best, len(lb), simulated
+            if t.min() < best:
+                best, i = float(t.min()), same[int(t.argmin())]
+                found = sets[owner[i]].degrees(int(row[i]))
+    return best, len(lb), simulated, found
 
 
 def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorder: bool) -> dict | None:
@@ -180,7 +186,7 @@ def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorde
     fresh = sampler(np.random.default_rng([seed, 2]), batch * iterations)
     sim = {k: simulate(p, fresh, batch, iterations, budget, reorder) for k, p in plans.items()}
     t0 = time.perf_counter()
-    best, feasible, simulated = best_of_every_plan(with_draw, fresh, iterations, budget, reorder, min(sim.values()))
+    best, feasible, simulated, _ = best_of_every_plan(with_draw, fresh, iterations, budget, reorder, min(sim.values()))
     return {"gain": sim["mean"] / sim["draw"], "same": plans["mean"].degrees() == plans["draw"].degrees(),
             "vs_best": sim["draw"] / best, "closed_vs_best": sim["closed"] / best, "mean_vs_best": sim["mean"] / best,
             "plan_s": took, "feasible": feasible, "simulated": simulated, "search_s": time.perf_counter() - t0,

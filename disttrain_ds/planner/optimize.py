@@ -42,6 +42,7 @@ from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401
 from disttrain_ds.planner.plan import ModulePlan, Plan, PlanError  # noqa: F401 (re-exported)
 from disttrain_ds.planner.search import batch_splits, options, search
 from disttrain_ds.planner.search import finalists as best_layouts
+from disttrain_ds.planner.sim_bound import SimBound, unit_times
 from disttrain_ds.planner.sp_auto import draw_cost
 
 
@@ -86,10 +87,11 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
 
 FINALISTS = 4
 """With per-sample draws: how many layouts (the best of as many samples-per-step splits) the
-search hands to the simulator, which keeps the one whose simulated iterations are fastest."""
+search hands to the simulator from each of two rankings (the closed form with the draw's
+straggler factors, and from mean costs); the fastest simulated one is kept."""
 SIM_SAMPLES = 1024
 """Samples resampled from the draw for each finalist's simulated iterations (at least one global
-batch; a 72B plan at 1,296 GPUs simulates one batch of 1,920 in about 0.1 s)."""
+batch; a 72B plan at 1,296 GPUs simulates one batch of 1,920 in about 0.03 s)."""
 SIM_SEED = 0
 """Seed of the resampled global batches (the same batches for every finalist)."""
 
@@ -100,15 +102,18 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
     ``aligned`` (the default; what ``disttrain-plan`` writes): every module's first rank is a
     multiple of its TP degree, so no TP group spans nodes; False drops that rule (the paper's
     model, for comparisons only). With per-sample draws the ``finalists`` (default ``FINALISTS``)
-    best layouts of the closed form are simulated on global batches resampled from the draw
-    (``simulated_ms``: each step waits for its slowest replica and module, which the closed form
-    prices only in expectation) and the fastest is returned; 1: the closed form's best. Raises
-    PlanError with the binding constraint when nothing is feasible."""
+    best layouts of the closed form, and as many from mean costs, are simulated on global
+    batches resampled from the draw (``simulated_ms``: each step waits for its slowest replica
+    and module, which the closed form prices only in expectation), in order of a lower bound on
+    their simulated time (``sim_bound``; one whose bound reaches the best time found is not
+    simulated), and the fastest is returned; 1: the closed form's best. Raises PlanError with the
+    binding constraint when nothing is feasible."""
     caps = {n: profile.gpus if gpu_caps is None else min(gpu_caps[n], profile.gpus)
             for n in profile.graph.names}
     table = straggler_table(profile)
     count = (FINALISTS if table is not None else 1) if finalists is None else finalists
-    found = best_layouts(profile, caps, table, aligned, count)
+    memo: dict = {}  # every search below lists the same layouts
+    found = best_layouts(profile, caps, table, aligned, count, memo)
     if not found:
         if aligned and search(profile, caps, aligned=False) is not None:
             raise PlanError(_unaligned_only(profile, caps))
@@ -118,11 +123,54 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
         # but SP 1's replicas drift apart where groups keep them in step: the best layouts
         # without adaptive groups are simulated beside them.
         found += [x for x in best_layouts(without_auto(profile), caps, table, aligned, count) if x not in found]
+    if count > 1 and table is not None:
+        # The closed form over-counts warm-up where there are few steps; mean costs rank layouts
+        # by another error, and their best layouts are often the faster ones there.
+        found += [x for x in best_layouts(profile, caps, None, aligned, count, memo) if x not in found]
     plans = [build_plan(profile, layout, table=table) for layout in found]
     if len(plans) == 1 or not profile.has_draw:
         return plans[0]
-    timed = [replace(p, t_sim_ms=simulated_ms(profile, p), finalists=len(plans)) for p in plans]
-    return min(timed, key=lambda p: p.t_sim_ms)  # ties: the closed form's order
+    return _fastest_simulated(profile, plans)
+
+
+def _fastest_simulated(profile: Profile, plans: list[Plan]) -> Plan:
+    """The plan of ``plans`` with the shortest ``simulated_ms``, simulating them in order of
+    ``sim_bound``'s lower bound and none whose bound reaches the best time found (ties: the
+    order of ``plans``)."""
+    batches = _sim_batches(profile)
+    bound = SimBound(profile.graph, unit_times(_draw(profile, profile.graph.names), 1)[0][batches], ordered=True)
+    lbs = [_bound_of(profile, p, bound) for p in plans]
+    best: tuple[float, int] | None = None
+    for i in sorted(range(len(plans)), key=lambda j: (lbs[j], j)):
+        if best is not None and lbs[i] > best[0] * (1 + 1e-9):  # rounding: a tight bound may equal the time
+            break
+        t = simulated_ms(profile, plans[i])
+        if best is None or (t, i) < best:
+            best = (t, i)
+    assert best is not None
+    return replace(plans[best[1]], t_sim_ms=best[0], finalists=len(plans))
+
+
+def _bound_of(profile: Profile, p: Plan, bound: SimBound) -> float:
+    """``sim_bound``'s lower bound on ``p``'s simulated time (0 with adaptive SP groups, which it
+    does not cover)."""
+    if any(m.sp == AUTO_SP for m in p.modules.values()):
+        return 0.0
+    d = p.llm.dp * p.llm.samples_per_microbatch
+    terms = {n: bound.terms(n, profile.modules[n].cost(m.tp, m.sp), m.dp, m.pp, d // m.dp)
+             for n, m in p.modules.items()}
+    return float(bound.bound(*({n: t[i] for n, t in terms.items()} for i in range(3))))
+
+
+def _draw(profile: Profile, names) -> np.ndarray:
+    return np.column_stack([profile.modules[n].sample_cost_ms for n in names])
+
+
+def _sim_batches(profile: Profile, samples: int = SIM_SAMPLES, seed: int = SIM_SEED) -> np.ndarray:
+    """``[batches, global_batch]`` indices into the draw of the simulated global batches."""
+    bs = profile.global_batch
+    n = len(profile.modules[profile.graph.llm].sample_cost_ms)
+    return np.random.default_rng(seed).integers(0, n, (max(1, -(-samples // bs)), bs))
 
 
 def without_auto(profile: Profile) -> Profile:
@@ -134,14 +182,12 @@ def simulated_ms(profile: Profile, plan_: Plan, samples: int = SIM_SAMPLES, seed
     """Mean simulated iteration (ms) of ``plan_`` on global batches resampled from the profile's
     per-sample draws (``iteration_sim.simulate_iteration``: every replica on its own 1F1B
     timeline, no reordering, as a job runs with ``data.reorder`` off)."""
-    draw = np.column_stack([profile.modules[n].sample_cost_ms for n in plan_.modules])
+    draw = _draw(profile, plan_.modules)
     times = sample_times(draw, plan_)
-    bs = profile.global_batch
-    batches = max(1, -(-samples // bs))
-    idx = np.random.default_rng(seed).integers(0, len(draw), (batches, bs))
     auto = {n: draw_cost(profile.modules[n].sp_overhead_ms, profile.modules[n].cost_ms[m.tp], m.tp)
             for n, m in plan_.modules.items() if m.sp == AUTO_SP}
-    return float(np.mean([simulate_iteration(times[i], plan_, auto=auto).makespan_ms for i in idx]))
+    return float(np.mean([simulate_iteration(times[i], plan_, auto=auto).makespan_ms
+                          for i in _sim_batches(profile, samples, seed)]))
 
 
 def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:

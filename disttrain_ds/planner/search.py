@@ -134,6 +134,9 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     graph = profile.graph
     is_llm = name == (graph.llm if llm is None else llm)
     align = alignment(profile) if align is None else align
+    whole = (name, d, cap, align, limit, down, restrict)
+    if memo is not None and whole in memo:
+        return memo[whole]
     key = (name, d, cap, align)
     c = None if memo is None else memo.get(key)
     if c is None:
@@ -158,10 +161,11 @@ def options(profile: Profile, name: str, d: int, cap: int, limit: float | None,
     mem = np.broadcast_to(memory_bytes(spec, c["dp"], c["tp"], pp, c["m"], to_end, profile.global_batch // d,
                                        c["ranks"]), pp.shape)
     fields = ("dp", "tp", "pp", "gpus", "warm", "stage", "mem", "rank", "cls", "sp", "block")
-    if limit is not None:
-        ok = mem <= limit
-        return Opts(*(mem[ok] if f == "mem" else c[f][ok] for f in fields))
-    return Opts(*(mem if f == "mem" else c[f] for f in fields))
+    ok = mem <= limit if limit is not None else slice(None)
+    out = Opts(*(mem[ok] if f == "mem" else c[f][ok] for f in fields))
+    if memo is not None:
+        memo[whole] = out
+    return out
 
 
 def priced(profile: Profile, name: str, o: Opts, d: int, table: StragglerTable) -> Opts:
@@ -182,10 +186,10 @@ def batch_splits(profile: Profile) -> list[int]:
     return [d for d in divisors(profile.global_batch) if d % m == 0]
 
 
-def _prune(graph: Roles, opts: Mapping[str, Opts], k: int, n_gpus: int,
-           bound: float | None) -> dict[str, Opts] | None:
-    """Remove layouts that cannot be part of a plan within ``n_gpus`` and ``bound``, then keep
-    each module's non-dominated layouts."""
+def _within(graph: Roles, opts: Mapping[str, Opts], k: int, n_gpus: int,
+            bound: float | None) -> dict[str, Opts] | None:
+    """Each module's layouts that fit beside the other modules' smallest and whose optimistic
+    T_iter (the others at their best) does not exceed ``bound``; None when a module has none."""
     wmin = {n: float(o.warm.min()) for n, o in opts.items()}
     smin = {n: float(o.stage.min()) for n, o in opts.items()}
     gmin = {n: int(o.gpus.min()) for n, o in opts.items()}
@@ -195,11 +199,18 @@ def _prune(graph: Roles, opts: Mapping[str, Opts], k: int, n_gpus: int,
         keep = o.gpus <= n_gpus - (sum(gmin.values()) - gmin[n])
         if bound is not None:  # optimistic T_iter with the other modules at their best
             keep &= combine_arrays(graph, {**wmin, n: o.warm}, {**smin, n: o.stage}, k) <= bound
-        o = pareto(o.take(keep))
-        if len(o) == 0:
+        if not keep.any():
             return None
-        out[n] = o
+        out[n] = o.take(keep)
     return out
+
+
+def _prune(graph: Roles, opts: Mapping[str, Opts], k: int, n_gpus: int,
+           bound: float | None) -> dict[str, Opts] | None:
+    """Remove layouts that cannot be part of a plan within ``n_gpus`` and ``bound``, then keep
+    each module's non-dominated layouts."""
+    kept = _within(graph, opts, k, n_gpus, bound)
+    return None if kept is None else {n: pareto(o) for n, o in kept.items()}
 
 
 def _starts_ok(unit: Unit, opts: Mapping[str, Opts], align: int) -> np.ndarray:
@@ -272,10 +283,11 @@ def search(profile: Profile, caps: Mapping[str, int], table: StragglerTable | No
 
 
 def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable | None = None,
-              aligned: bool = True, count: int = 1) -> list[dict[str, Degrees]]:
+              aligned: bool = True, count: int = 1, memo: dict | None = None) -> list[dict[str, Degrees]]:
     """The ``count`` best layouts among each group's best (a group: one samples-per-step D and
     memory variant), best first, exactly: a group is skipped only when its lower bound exceeds the
-    ``count``-th best found. ``count`` = 1: ``search``'s layout."""
+    ``count``-th best found. ``count`` = 1: ``search``'s layout. ``memo``: a dict kept across
+    searches of one profile and caps (the layouts do not depend on ``table``)."""
     graph, n_gpus, limit = Roles.of(profile.graph), profile.gpus, profile.memory_limit_bytes
     grids = {n: module_grid(profile, n) for n in graph.names}
     align = alignment(profile) if aligned else 1
@@ -285,7 +297,7 @@ def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable |
     # otherwise every (P, G) of ``downstream_splits`` is its own group.
     downs = [None] if limit is None else downstream_splits(profile)
     worst = None if limit is None else (max(p for p, _ in downs), max(g for _, g in downs))
-    groups, memo = [], {}
+    groups, memo = [], {} if memo is None else memo
     for d in batch_splits(profile):
         k = profile.global_batch // d
 
@@ -321,7 +333,12 @@ def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable |
         if bound is not None and lb > bound:
             break  # groups are sorted by a valid lower bound: none of the rest can win
         if table is not None:
-            opts = {n: priced(profile, n, o, d, table) for n, o in opts.items()}
+            # Factors are >= 1: what the bound rules out at mean costs it rules out priced, so
+            # only the rest is priced.
+            unpriced = _within(graph, opts, k, n_gpus, bound) if bound is not None else opts
+            if unpriced is None:
+                continue
+            opts = {n: priced(profile, n, o, d, table) for n, o in unpriced.items()}
         opts = _prune(graph, opts, k, n_gpus, bound)
         if opts is None:
             continue

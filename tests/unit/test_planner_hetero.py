@@ -14,7 +14,7 @@ import pytest
 from disttrain_ds.cost.profile import Profile, ProfileError
 from disttrain_ds.cost.profile_file import load_profile, profile_from_dict, profile_to_dict
 from disttrain_ds.paper import scale
-from disttrain_ds.planner import hetero
+from disttrain_ds.planner import hetero, optimize
 from disttrain_ds.planner.baselines import megatron_plan, ratio_plan
 from disttrain_ds.planner.hetero import StragglerTable, expected_max
 from disttrain_ds.planner.objective import combine, samples_per_step, straggler_table, t_iter
@@ -280,7 +280,7 @@ def test_skewed_draw_changes_the_plan_and_it_simulates_faster():
     assert abs(sims["draw"] / draw_plan.t_iter_ms - 1) < abs(sims["mean"] / mean_plan.t_iter_ms - 1)
 
 
-def test_finalists_are_the_closed_forms_best_and_the_fastest_simulated_one_is_chosen():
+def test_finalists_are_the_closed_forms_best_and_the_fastest_simulated_one_is_chosen(monkeypatch):
     profile = skewed_profile(True)
     table = straggler_table(profile)
     caps = {n: profile.gpus for n in profile.graph.names}
@@ -288,12 +288,35 @@ def test_finalists_are_the_closed_forms_best_and_the_fastest_simulated_one_is_ch
     keys = [t_iter(profile, f, table).total_ms for f in found]
     assert keys == sorted(keys) and len(found) == len({tuple(f.values()) for f in found}) > 1
     assert found[0] == plan(profile, finalists=1).degrees()  # the closed form's best comes first
+    # The mean-cost closed form's best layouts join them.
+    found += [x for x in finalists(profile, caps, None, True, 4) if x not in found]
+    calls = []
+    monkeypatch.setattr(optimize, "simulated_ms", lambda *a, **k: calls.append(1) or simulated_ms(*a, **k))
     chosen = plan(profile)
     assert chosen.finalists == len(found) and chosen.degrees() in found
     sims = [simulated_ms(profile, build_plan(profile, f, table=table)) for f in found]
     assert chosen.t_sim_ms == min(sims)
+    assert 1 <= len(calls) <= len(found)  # those whose lower bound reaches the best time are not simulated
     # Negative control: a plan from mean costs is never simulated.
     assert plan(skewed_profile(False)).t_sim_ms is None
+
+
+def test_a_finalist_is_skipped_only_when_its_bound_shows_it_cannot_be_faster(monkeypatch):
+    skipped = 0
+    for seed in (3, 8, 9, 11, 12, 16, 18):
+        profile = profile_from_dict(random_data(GRAPHS["chain"], seed, draw=64))
+        table = straggler_table(profile)
+        plans = [build_plan(profile, x, table=table)
+                 for x in finalists(profile, {n: profile.gpus for n in profile.graph.names}, table, True, 8)]
+        assert len(plans) >= 4
+        calls = []
+        monkeypatch.setattr(optimize, "simulated_ms", lambda *a, **k: calls.append(1) or simulated_ms(*a, **k))
+        chosen = optimize._fastest_simulated(profile, plans)
+        monkeypatch.undo()
+        sims = [simulated_ms(profile, p) for p in plans]
+        assert chosen.t_sim_ms == min(sims) and chosen.degrees() == plans[sims.index(min(sims))].degrees()
+        skipped += len(plans) - len(calls)
+    assert skipped > 0  # the bound does leave some out
 
 
 # --------------------------------------------------------------------------- paper scale
