@@ -66,9 +66,11 @@ def _padded(lists: list[list[int]], pad: int) -> np.ndarray:
     return np.array([list(x) + [pad] * (width - len(x)) for x in lists], dtype=np.int64)
 
 
-def _sweep(f: np.ndarray, b: np.ndarray, preds: Preds) -> tuple[np.ndarray, np.ndarray]:
+def _sweep(f: np.ndarray, b: np.ndarray, preds: Preds,
+           passes: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """End times ``[..., P, K]`` of every forward and backward by relaxation sweeps (module
-    docstring), stages of one level relaxed together."""
+    docstring), stages of one level relaxed together; None if ``passes`` sweep pairs do not
+    settle them."""
     k, p = f.shape[-2:]
     lead = f.shape[:-2]
     succ, depth = _depths(preds)
@@ -97,16 +99,33 @@ def _sweep(f: np.ndarray, b: np.ndarray, preds: Preds) -> tuple[np.ndarray, np.n
         end_b[..., rows, mb[~is_f]] = new_b
         return changed
 
-    changed = True
+    changed, done = True, 0
     while changed:
-        changed = False
+        if passes is not None and done == passes:
+            return None
+        changed, done = False, done + 1
         for group in groups + groups[::-1]:
             changed |= relax(group)
     return end_f[..., :p, :], end_b[..., :p, :]
 
 
-@lru_cache(maxsize=256)
-def _waves(preds: Preds, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+_WAVES: dict[tuple[Preds, int], tuple] = {}
+_WAVES_KEPT = 256
+QUICK_PASSES = 4
+"""Sweep pairs tried before the op DAG's waves are built: even costs settle in two or three."""
+
+
+def _waves(preds: Preds, k: int) -> tuple:
+    """``_build_waves``, kept for the ``_WAVES_KEPT`` DAGs met last."""
+    key = (preds, k)
+    if key not in _WAVES:
+        if len(_WAVES) >= _WAVES_KEPT:
+            _WAVES.pop(next(iter(_WAVES)))
+        _WAVES[key] = _build_waves(preds, k)
+    return _WAVES[key]
+
+
+def _build_waves(preds: Preds, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                                           tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]]:
     """The op DAG of ``k`` microbatches over ``preds`` in waves of independent ops.
 
@@ -120,7 +139,9 @@ def _waves(preds: Preds, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     p = len(preds)
     succ, depth = _depths(preds)
     ones = np.ones((k, p))
-    end_f, end_b = _sweep(ones, ones, preds)
+    ends = _sweep(ones, ones, preds)
+    assert ends is not None
+    end_f, end_b = ends
     n = 2 * k * p
     stage = np.repeat(np.arange(p), 2 * k)
     is_f = np.concatenate([_order(k, min(depth[s], k))[0] for s in range(p)])
@@ -148,15 +169,21 @@ def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds) -> np.ndarray:
     """Makespan of every pipeline in ``fwd`` / ``bwd`` (``[..., K, P]``, stage columns numbered
     topologically as ``preds``); returns the leading shape (a 0-d array for one pipeline).
 
-    Evaluated wave by wave over the op DAG (``_waves``, built once per DAG and K): each wave's
-    ops start at the later of their stage's previous op and their dependencies, all leading
+    A few relaxation sweeps settle even costs; otherwise (or when the DAG's waves are at hand)
+    the op DAG is evaluated wave by wave (``_waves``, built once per DAG and K): each wave's ops
+    start at the later of their stage's previous op and their dependencies, all leading
     pipelines at once."""
     f = np.asarray(fwd, dtype=np.float64)
     b = np.asarray(bwd, dtype=np.float64)
     k, p = f.shape[-2:]
     if len(preds) != p:
         raise ValueError(f"preds must list {p} stages (fwd's columns), got {len(preds)}")
-    stage, mb, is_f, n, waves = _waves(tuple(tuple(x) for x in preds), k)
+    preds = tuple(tuple(x) for x in preds)
+    if (preds, k) not in _WAVES:
+        ends = _sweep(f, b, preds, QUICK_PASSES)
+        if ends is not None:
+            return np.maximum(ends[0].max(axis=(-2, -1)), ends[1].max(axis=(-2, -1)))
+    stage, mb, is_f, n, waves = _waves(preds, k)
     cost = np.where(is_f, f[..., mb, stage], b[..., mb, stage])  # [..., ops]
     end = np.zeros(f.shape[:-2] + (n + 1,))
     for ops, prev, deps in waves:
