@@ -45,6 +45,7 @@ costs stays a lower bound because every factor is >= 1.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import replace
 from typing import Mapping
 
@@ -297,41 +298,58 @@ def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable |
     # otherwise every (P, G) of ``downstream_splits`` is its own group.
     downs = [None] if limit is None else downstream_splits(profile)
     worst = None if limit is None else (max(p for p, _ in downs), max(g for _, g in downs))
-    groups, memo = [], {} if memo is None else memo
+    memo = {} if memo is None else memo
+
+    def bound_of(opts: Mapping[str, Opts], k: int) -> float | None:
+        if min(len(o) for o in opts.values()) == 0 or sum(int(o.gpus.min()) for o in opts.values()) > n_gpus:
+            return None
+        return float(combine_arrays(graph, {n: float(o.warm.min()) for n, o in opts.items()},
+                                    {n: float(o.stage.min()) for n, o in opts.items()}, k))
+
+    def variants(d: int, free: dict[str, Opts]) -> list[dict[str, Opts]]:
+        """The D's groups: ``free`` itself, or one per (P, G) where memory binds differently."""
+        if limit is None or all(
+                len(free[n]) == len(options(profile, n, d, caps[n], limit, grids[n], graph.llm, align,
+                                            worst, restrict=False, memo=memo)) for n in graph.names):
+            return [free]
+        # A module's options depend only on part of (P, G): equal parts share one computation.
+        cache: dict = {}
+        out = []
+        for down in downs:
+            opts = {}
+            for n in graph.names:
+                key = (n, _down_key(graph, n, down))
+                if key not in cache:
+                    cache[key] = options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down, memo=memo)
+                opts[n] = cache[key]
+            out.append(opts)
+        return out
+
+    # Groups are visited in order of a lower bound. A D enters with its bound over ``free`` (the
+    # fewest microbatches in flight: every variant's layouts are among them, so it bounds them
+    # all) and is split into its memory variants only when visited.
+    heap: list[tuple] = []
+    seq = 0
     for d in batch_splits(profile):
         k = profile.global_batch // d
-
         free = {n: options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, memo=memo)
                 for n in graph.names}
-        variants = [free]
-        if limit is not None and any(
-                len(free[n]) != len(options(profile, n, d, caps[n], limit, grids[n], graph.llm, align,
-                                            worst, restrict=False, memo=memo)) for n in graph.names):
-            # Memory binds differently for some (P, G): each is its own group. A module's
-            # options depend only on part of (P, G), so equal parts share one computation.
-            cache: dict = {}
-            variants = []
-            for down in downs:
-                opts = {}
-                for n in graph.names:
-                    key = (n, _down_key(graph, n, down))
-                    if key not in cache:
-                        cache[key] = options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down,
-                                             memo=memo)
-                    opts[n] = cache[key]
-                variants.append(opts)
-        for opts in variants:
-            if min(len(o) for o in opts.values()) == 0 \
-                    or sum(int(o.gpus.min()) for o in opts.values()) > n_gpus:
-                continue
-            lb = float(combine_arrays(graph, {n: float(o.warm.min()) for n, o in opts.items()},
-                                      {n: float(o.stage.min()) for n, o in opts.items()}, k))
-            groups.append((lb, d, len(groups), k, opts))
+        lb = bound_of(free, k)
+        if lb is not None:
+            heapq.heappush(heap, (lb, d, seq, k, free, True))
+            seq += 1
     top: list[tuple] = []  # (key, layout) of the best groups so far, best first
-    for lb, d, _, k, opts in sorted(groups, key=lambda g: (g[0], g[1], g[2])):
+    while heap:
+        lb, d, _, k, opts, whole_d = heapq.heappop(heap)
         bound = top[-1][0][0] if len(top) == count else None
         if bound is not None and lb > bound:
-            break  # groups are sorted by a valid lower bound: none of the rest can win
+            break  # groups come in order of a valid lower bound: none of the rest can win
+        if whole_d:
+            for v in variants(d, opts):
+                if (vlb := bound_of(v, k)) is not None:
+                    heapq.heappush(heap, (vlb, d, seq, k, v, False))
+                    seq += 1
+            continue
         if table is not None:
             # Factors are >= 1: what the bound rules out at mean costs it rules out priced, so
             # only the rest is priced.
