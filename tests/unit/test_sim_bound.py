@@ -49,7 +49,7 @@ def listed(profile) -> list[tuple]:
     return [tuple(s.degrees(i).values()) for s in every_layout(profile) for i in range(len(s))]
 
 
-@pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in range(8)])
+@pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in range(6)])
 def test_every_layout_lists_each_feasible_layout_once(graph, seed):
     profile = profile_from_dict(random_data(GRAPHS[graph], seed, draw=8))
     found = listed(profile)
@@ -86,7 +86,7 @@ def simulated(profile, layout, flops, batches, variant, lock_step=False):
                                              lock_step=lock_step).makespan_ms for i, t in enumerate(times)]))
 
 
-@pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in range(6)])
+@pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in range(4)])
 def test_no_layout_simulates_faster_than_its_bound(graph, seed):
     profile = profile_from_dict(random_data(GRAPHS[graph], seed, draw=8))
     layouts = [dict(zip(profile.graph.names, x)) for x in listed(profile)]
