@@ -303,7 +303,7 @@ def test_finalists_are_the_closed_forms_best_and_the_fastest_simulated_one_is_ch
 
 def test_a_finalist_is_skipped_only_when_its_bound_shows_it_cannot_be_faster(monkeypatch):
     skipped = 0
-    for seed in (3, 8, 9, 11, 12, 16, 18):
+    for seed in (3, 9, 16, 18):
         profile = profile_from_dict(random_data(GRAPHS["chain"], seed, draw=64))
         table = straggler_table(profile)
         plans = [build_plan(profile, x, table=table)
