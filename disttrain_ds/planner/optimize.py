@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -190,10 +190,11 @@ def simulated_ms(profile: Profile, plan_: Plan, samples: int = SIM_SAMPLES, seed
                           for i in _sim_batches(profile, samples, seed)]))
 
 
-def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
-    """Reference optimum by brute force over every layout (small instances only; for tests)."""
+def exhaustive_layouts(profile: Profile, aligned: bool = True) -> Iterator[dict[str, Degrees]]:
+    """Every feasible layout by nested loops over each module's degrees (small instances only;
+    the reference ``exhaustive_plan`` and ``every_layout``'s tests use)."""
     n_gpus, bs, limit = profile.gpus, profile.global_batch, profile.memory_limit_bytes
-    names, best, table = profile.graph.names, None, straggler_table(profile)
+    names = profile.graph.names
     for dp_llm in range(1, bs + 1):
         d = dp_llm * profile.microbatch
         if bs % d:
@@ -216,11 +217,18 @@ def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
                 continue
             if limit is not None and max(layout_memory(profile, layout).values()) > limit:
                 continue
-            key = layout_key(t_iter(profile, layout, table).total_ms, layout, names)
-            if best is None or key < best[0]:
-                best = (key, layout)
+            yield layout
+
+
+def exhaustive_plan(profile: Profile, aligned: bool = True) -> Plan:
+    """Reference optimum by brute force over every layout (small instances only; for tests)."""
+    names, best, table = profile.graph.names, None, straggler_table(profile)
+    for layout in exhaustive_layouts(profile, aligned):
+        key = layout_key(t_iter(profile, layout, table).total_ms, layout, names)
+        if best is None or key < best[0]:
+            best = (key, layout)
     if best is None:
-        caps = {n: n_gpus for n in names}
+        caps = {n: profile.gpus for n in names}
         if aligned and search(profile, caps, aligned=False) is not None:
             raise PlanError(_unaligned_only(profile, caps))
         raise PlanError(_diagnose(profile, caps))

@@ -2,47 +2,22 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from test_planner_hetero import GRAPHS, random_data
 
-from disttrain_ds.cost.profile import AUTO_SP
 from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.planner.every_layout import every_layout
 from disttrain_ds.planner.iteration_sim import VARIANTS, sample_times, simulate_iteration, simulate_scaled
-from disttrain_ds.planner.objective import Degrees, layout_memory, straggler_table, t_iter
-from disttrain_ds.planner.optimize import PlanError, build_plan, exhaustive_plan
-from disttrain_ds.planner.placement import tp_aligned
+from disttrain_ds.planner.objective import Degrees, straggler_table, t_iter
+from disttrain_ds.planner.optimize import PlanError, build_plan, exhaustive_layouts, exhaustive_plan
 from disttrain_ds.planner.sim_bound import SimBound, unit_times
 
 
 def brute_force_layouts(profile) -> set[tuple]:
     """Every feasible layout by nested loops over each module's degrees."""
-    names, n_gpus, bs = profile.graph.names, profile.gpus, profile.global_batch
-    limit, out = profile.memory_limit_bytes, set()
-    for dp_llm in range(1, bs + 1):
-        d = dp_llm * profile.microbatch
-        if bs % d:
-            continue
-        cands = []
-        for n in names:
-            spec = profile.modules[n]
-            dps = [dp_llm] if n == profile.graph.llm else [x for x in range(1, d + 1) if d % x == 0]
-            cands.append([Degrees(dp, tp, pp, sp) for dp in dps for tp in spec.tp_degrees(profile.gpus_per_node)
-                          for sp in (*spec.sp_degrees(profile.gpus_per_node, tp),
-                                     *((AUTO_SP,) if spec.auto_sp(dp, tp) else ()))
-                          for pp in spec.pp_degrees()])
-        for combo in itertools.product(*cands):
-            layout = dict(zip(names, combo))
-            if sum(x.gpus for x in combo) > n_gpus or not tp_aligned(layout, names):
-                continue
-            if limit is not None and max(layout_memory(profile, layout).values()) > limit:
-                continue
-            out.add(combo)
-    return out
+    return {tuple(x.values()) for x in exhaustive_layouts(profile)}
 
 
 def listed(profile) -> list[tuple]:
