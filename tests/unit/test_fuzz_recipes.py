@@ -571,7 +571,8 @@ def cli_case(prefix: str) -> Case:
 def test_command_line_prints_one_line_and_exits_2_for_malformed_recipes(tmp_path):
     env_base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env_base.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    for i, (prefix, env) in enumerate(CLI_CASES):
+    started = []
+    for i, (prefix, env) in enumerate(CLI_CASES):  # all at once: each spends its time importing
         case = cli_case(prefix)
         tmp = tmp_path / f"case{i}"
         cwd = tmp / "cwd"  # where a run directory would appear
@@ -580,10 +581,14 @@ def test_command_line_prints_one_line_and_exits_2_for_malformed_recipes(tmp_path
         before = snapshot(tmp)
         cmd = [sys.executable, str(REPO / "tools" / "train.py"), "--recipe", str(path),
                *[fill(o, tmp) for o in case.overrides]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd, env={**env_base, **env})
-        lines = proc.stderr.splitlines()
-        assert proc.returncode == 2, f"{prefix}: exit {proc.returncode}: {proc.stderr[-2000:]}"
-        assert len(lines) == 1 and lines[0].strip(), f"{prefix}: stderr is not one line: {proc.stderr[-2000:]}"
-        assert "Traceback" not in proc.stderr + proc.stdout
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                env={**env_base, **env})
+        started.append((prefix, case, tmp, cwd, before, proc))
+    for prefix, case, tmp, cwd, before, proc in started:
+        stdout, stderr = proc.communicate(timeout=240)
+        lines = stderr.splitlines()
+        assert proc.returncode == 2, f"{prefix}: exit {proc.returncode}: {stderr[-2000:]}"
+        assert len(lines) == 1 and lines[0].strip(), f"{prefix}: stderr is not one line: {stderr[-2000:]}"
+        assert "Traceback" not in stderr + stdout
         assert_one_line(lines[0].removeprefix("error: "), case, tmp)
         assert snapshot(tmp) == before and not any(cwd.iterdir()), f"{prefix}: files written or changed"
