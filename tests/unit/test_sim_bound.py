@@ -61,12 +61,15 @@ def simulated(profile, layout, flops, batches, variant, lock_step=False):
                                              lock_step=lock_step).makespan_ms for i, t in enumerate(times)]))
 
 
-@pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in range(4)])
+FEASIBLE = {"chain": (0, 1, 2, 3), "two_encoders": (0, 1, 3, 4), "two_generators": (0, 1, 2, 3)}
+"""Seeds whose random instance has feasible layouts."""
+
+
+@pytest.mark.parametrize("graph, seed", [(g, s) for g in GRAPHS for s in FEASIBLE[g]])
 def test_no_layout_simulates_faster_than_its_bound(graph, seed):
     profile = profile_from_dict(random_data(GRAPHS[graph], seed, draw=8))
     layouts = [dict(zip(profile.graph.names, x)) for x in listed(profile)]
-    if not layouts:
-        pytest.skip("no feasible layout")
+    assert layouts
     rng = np.random.default_rng(seed)
     batches = 2
     flops = rng.lognormal(0, 1.0, (batches * profile.global_batch, len(layouts[0])))
@@ -128,15 +131,15 @@ def test_bad_times_are_refused_in_one_line(bad, match):
         SimBound(ModuleGraph.default(), bad)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", (0, 3, 4, 6))  # instances with layouts that differ only in TP
 def test_layouts_differing_in_tp_simulate_in_one_sweep_as_one_by_one(seed):
     profile = profile_from_dict(random_data(GRAPHS["two_encoders"], seed, draw=8))
     found = listed(profile)
-    if not found:
-        pytest.skip("no feasible layout")
+    assert found
     shape = {n: (d.dp, d.pp) for n, d in zip(profile.graph.names, found[len(found) // 2])}
     same = [dict(zip(profile.graph.names, x)) for x in found
             if {n: (d.dp, d.pp) for n, d in zip(profile.graph.names, x)} == shape]
+    assert len(same) >= 2
     flops = np.random.default_rng(seed).lognormal(0, 1, (profile.global_batch, len(shape)))
     unit = unit_times(flops, 1)[0]
     cost = np.array([[profile.modules[n].cost(d.tp, d.sp) for n, d in x.items()] for x in same])
