@@ -40,11 +40,6 @@ class LayoutSet:
     def __len__(self) -> int:
         return len(self.pick)
 
-    def column(self, name: str, field: str) -> np.ndarray:
-        """One Opts field of module ``name`` for every layout."""
-        j = list(self.opts).index(name)
-        return getattr(self.opts[name], field)[self.pick[:, j]]
-
     def degrees(self, i: int) -> dict[str, Degrees]:
         """Layout ``i`` as the planner's degrees."""
         out = {}

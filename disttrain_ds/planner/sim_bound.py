@@ -36,11 +36,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from disttrain_ds.cost.backward import BACKWARD_FACTOR
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.pipeline import split_fwd_bwd
 
-_F = 1.0 / (1.0 + BACKWARD_FACTOR)
-_B = 1.0 - _F
+_F, _B = (float(x) for x in split_fwd_bwd(np.float64(1.0)))  # forward and backward shares of a stage's time
 
 
 class SimBound:
