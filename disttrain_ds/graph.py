@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 from disttrain_ds.errors import ConfigError
@@ -68,7 +69,8 @@ class ModuleGraph:
     def default() -> "ModuleGraph":
         return ModuleGraph.from_roles(DEFAULT_ROLES)
 
-    @property
+    # Roles and names are read in the planner's inner loops: computed once (the graph is frozen).
+    @cached_property
     def names(self) -> tuple[str, ...]:
         """Module names in data-flow order."""
         return tuple(n.name for n in self.nodes)
@@ -82,19 +84,19 @@ class ModuleGraph:
     def of_role(self, role: str) -> tuple[str, ...]:
         return tuple(n.name for n in self.nodes if n.role == role)
 
-    @property
+    @cached_property
     def encoders(self) -> tuple[str, ...]:
         return self.of_role("encoder")
 
-    @property
+    @cached_property
     def llm(self) -> str:
         return self.of_role("llm")[0]
 
-    @property
+    @cached_property
     def generators(self) -> tuple[str, ...]:
         return self.of_role("generator")
 
-    @property
+    @cached_property
     def edges(self) -> tuple[tuple[str, str], ...]:
         """(upstream, downstream) pairs: every encoder -> the LLM, the LLM -> every generator."""
         return tuple((e, self.llm) for e in self.encoders) + tuple((self.llm, g) for g in self.generators)

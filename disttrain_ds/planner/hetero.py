@@ -48,6 +48,7 @@ all-to-alls' share of a sample's time depends on TP.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -69,10 +70,16 @@ AUTO_MIN_STEPS = 8
 """Fewest resampled steps per (dp, m, tp) for adaptive SP."""
 
 
+@functools.lru_cache(maxsize=4096)
+def _max_weights(size: int, n: int) -> np.ndarray:
+    """Weights w with E[max of ``n`` i.i.d. picks] = sorted values . w over ``size`` values."""
+    k = np.arange(1, size + 1) / size
+    return k**n - (k - 1 / size)**n
+
+
 def expected_max(sorted_draw: np.ndarray, n: int) -> float:
     """E[max of ``n`` i.i.d. picks] from the empirical distribution of ``sorted_draw``."""
-    k = np.arange(1, len(sorted_draw) + 1) / len(sorted_draw)
-    return float(np.dot(sorted_draw, k**n - (k - 1 / len(sorted_draw))**n))
+    return float(np.dot(sorted_draw, _max_weights(len(sorted_draw), n)))
 
 
 class StragglerTable:
@@ -94,9 +101,12 @@ class StragglerTable:
         self._sorted = np.sort(self._draws, axis=1)
         self._mean = self._draws.mean(axis=1)
         self._samples, self._seed = samples, seed
-        # (dp, m) -> per module: (sorted step maxima Y, mean L) for m >= 2; None for m = 1
-        self._steps: dict[tuple[int, int], list[tuple[np.ndarray, float]] | None] = {}
+        # (dp, m) -> ([modules, steps] sorted step maxima Y, [modules] mean L); None for m = 1
+        self._steps: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
         self._memo: dict[tuple[int, int, int], np.ndarray] = {}  # (dp, m, pp) -> g per module
+        # ``_memo`` as arrays for ``factors``: sorted codes of (dp, m, pp) and g per module per code
+        self._codes = np.zeros(0, dtype=np.int64)
+        self._values = np.zeros((0, len(names)))
         self._exact: dict[int, np.ndarray] = {}  # n -> E[max of n draws] / mean per module
         self._llm = profile.graph.llm
         self._sp = {n: (dict(profile.modules[n].sp_overhead_ms), dict(profile.modules[n].cost_ms)) for n in names}
@@ -109,10 +119,11 @@ class StragglerTable:
     def _balanced(self, d: int, pairs: list[tuple[int, int]]) -> None:
         """Step maxima of every module for each (dp, m) in ``pairs``, all with dp * m = ``d``:
         one batched LPT over every pair's steps (ranks past a pair's dp get no room; a module
-        splitting units has rows of its steps' units, padded)."""
+        splitting units has rows of its steps' units, zero-padded). With dp = 1 the one replica
+        takes the whole step: its load is the step's sum, no LPT needed."""
         steps = max(MIN_STEPS, math.ceil(self._samples / d))
-        k, n = max(dp for dp, _ in pairs), len(self.names)
-        rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (costs, counted, room) per pair and module
+        n = len(self.names)
+        blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (costs, counted, cap) per pair and module
         for dp, m in pairs:
             idx = np.random.default_rng([self._seed, dp, m]).integers(0, self._draws.shape[1], (steps, d))
             for j in range(n):
@@ -121,44 +132,59 @@ class StragglerTable:
                     cap = np.full(steps, share_cap(d, dp, self._share[j]) if self._share[j] else m)
                 else:
                     cost, real = unit_rows(*self._units[j], idx)
-                    cap = np.array([share_cap(int(t), dp, self._share[j]) for t in real.sum(axis=1)])
-                room = np.where(np.arange(k)[None, :] < dp, cap[:, None], 0)
-                rows.append((cost, real, room))
-        width = max(c.shape[1] for c, _, _ in rows)
-        pad = [np.pad(a, ((0, 0), (0, width - a.shape[1]))) for c, r, _ in rows for a in (c, r)]
-        _, loads = lpt_rows(np.concatenate(pad[0::2]), np.concatenate([room for _, _, room in rows]),
-                            np.concatenate(pad[1::2]))
+                    slots = real.sum(axis=1)  # share_cap, vectorised over the steps' unit counts
+                    cap = np.minimum(slots, np.ceil(slots / dp * self._share[j]).astype(np.int64))
+                blocks.append((cost, real, cap))
+        spread = [i for i, (dp, _) in enumerate(pairs) if dp > 1]
+        loads: dict[int, np.ndarray] = {}  # pair -> [n * steps, dp] replica loads
+        if spread:
+            k = max(pairs[i][0] for i in spread)
+            width = max(blocks[i * n + j][0].shape[1] for i in spread for j in range(n))
+            rows = len(spread) * n * steps
+            cost, real = np.zeros((rows, width)), np.zeros((rows, width), dtype=bool)
+            room = np.zeros((rows, k), dtype=np.int64)
+            for slot, i in enumerate(spread):
+                for j in range(n):
+                    c, r, cap = blocks[i * n + j]
+                    at = slice((slot * n + j) * steps, (slot * n + j + 1) * steps)
+                    cost[at, :c.shape[1]], real[at, :c.shape[1]] = c, r
+                    room[at, :pairs[i][0]] = cap[:, None]
+            _, every = lpt_rows(cost, room, real)
+            for slot, i in enumerate(spread):
+                loads[i] = every[slot * n * steps:(slot + 1) * n * steps, :pairs[i][0]]
         for i, (dp, m) in enumerate(pairs):
-            mine = loads[i * n * steps:(i + 1) * n * steps]
+            mine = loads.get(i)
+            if mine is None:
+                mine = np.concatenate([blocks[i * n + j][0].sum(axis=1) for j in range(n)])[:, None]
             peak = mine.max(axis=1).reshape(n, steps)
             mean = (mine.sum(axis=1) / dp).reshape(n, steps).sum(axis=1) / steps
-            self._steps[(dp, m)] = [(np.sort(y), float(mu)) for y, mu in zip(peak, mean)]
+            self._steps[(dp, m)] = (np.sort(peak, axis=1), mean)
 
     def _fill(self, keys: set[tuple[int, int, int]]) -> None:
         """Compute and memoise g for ``keys`` (dp, m, pp) not yet known."""
         todo = sorted(k for k in keys if k not in self._memo)
-        by_step: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        by_step: dict[int, list[tuple[int, int]]] = {}
         units = any(u is not None for u in self._units)
-        for dp, m, _ in todo:  # batched by step size and by dp rounded up to a power of two
+        for dp, m, _ in todo:  # batched by step size: one LPT loop over a step's samples
             if m == 1 and not units:
                 self._steps[(dp, m)] = None
             elif (dp, m) not in self._steps:
-                group = by_step.setdefault((dp * m, 1 << (dp - 1).bit_length()), [])
+                group = by_step.setdefault(dp * m, [])
                 if (dp, m) not in group:
                     group.append((dp, m))
-        for (d, _), group in by_step.items():
+        for d, group in by_step.items():
             self._balanced(d, group)
         for dp, m, pp in todo:
             steps = self._steps[(dp, m)]
-            exact = self._max_of(dp * pp) if m == 1 else None
-            g = []
-            for j in range(len(self.names)):
-                if exact is not None and self._units[j] is None:
-                    g.append(exact[j])  # one sample per replica: the max of dp * pp draws
-                else:  # steps in which a module had no work at all wait for nothing there
-                    y, mu = steps[j]
-                    g.append(expected_max(y, pp) / mu if mu > 0 else 1.0)
-            self._memo[(dp, m, pp)] = np.maximum(np.array(g), 1.0)  # >= 1 despite rounding
+            if steps is None:  # one sample per replica: the max of dp * pp draws
+                g = self._max_of(dp * pp)
+            else:  # steps in which a module had no work at all wait for nothing there
+                y, mu = steps
+                g = np.where(mu > 0, (y @ _max_weights(y.shape[1], pp)) / np.where(mu > 0, mu, 1.0), 1.0)
+                if m == 1:  # modules splitting whole samples: exact, as above
+                    whole = np.array([u is None for u in self._units])
+                    g = np.where(whole, self._max_of(dp * pp), g)
+            self._memo[(dp, m, pp)] = np.maximum(g, 1.0)  # >= 1 despite rounding
 
     def _max_of(self, n: int) -> np.ndarray:
         """E[max of n draws] / mean of every module (memoised: m = 1 depends on dp * pp only)."""
@@ -205,10 +231,19 @@ class StragglerTable:
         dp, m, pp = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (dp, m, pp)))
         if name not in self.names:
             return np.ones(dp.shape)
-        # One int64 per (dp, m, pp) (each < 2**21): a 1-D unique is far cheaper than one over columns.
-        code, inverse = np.unique((dp.ravel() << 42) | (m.ravel() << 21) | pp.ravel(), return_inverse=True)
-        keys = [(int(c >> 42), int((c >> 21) & 0x1FFFFF), int(c & 0x1FFFFF)) for c in code]
-        self._fill(set(keys))
-        j = self.names.index(name)
-        values = np.array([self._memo[k][j] for k in keys], dtype=np.float64)
-        return values[inverse.reshape(-1)].reshape(dp.shape)
+        # One int64 per (dp, m, pp) (each < 2**21), looked up in the sorted codes of known keys.
+        code = ((dp << 42) | (m << 21) | pp).ravel()
+        pos = np.searchsorted(self._codes, code)
+        known = self._codes[np.minimum(pos, len(self._codes) - 1)] == code if len(self._codes) else \
+            np.zeros(code.shape, dtype=bool)
+        if not known.all():
+            new = np.unique(code[~known])
+            self._fill({(int(c >> 42), int((c >> 21) & 0x1FFFFF), int(c & 0x1FFFFF)) for c in new})
+            codes = np.concatenate([self._codes, new])
+            order = np.argsort(codes, kind="stable")
+            self._codes = codes[order]
+            self._values = np.concatenate([self._values, np.array(
+                [self._memo[(int(c >> 42), int((c >> 21) & 0x1FFFFF), int(c & 0x1FFFFF))] for c in new]
+            ).reshape(len(new), len(self.names))])[order]
+            pos = np.searchsorted(self._codes, code)
+        return self._values[pos, self.names.index(name)].reshape(dp.shape)

@@ -40,6 +40,7 @@ from disttrain_ds.planner.objective import (  # noqa: F401
 from disttrain_ds.planner.pipeline import predict
 from disttrain_ds.planner.placement import first_ranks, tp_aligned  # noqa: F401 (re-exported)
 from disttrain_ds.planner.plan import ModulePlan, Plan, PlanError  # noqa: F401 (re-exported)
+from disttrain_ds.planner.refine import StepEstimate, refine
 from disttrain_ds.planner.search import batch_splits, options, search
 from disttrain_ds.planner.search import finalists as best_layouts
 from disttrain_ds.planner.sim_bound import SimBound, unit_times
@@ -89,6 +90,9 @@ FINALISTS = 4
 """With per-sample draws: how many layouts (the best of as many samples-per-step splits) the
 search hands to the simulator from each of two rankings (the closed form with the draw's
 straggler factors, and from mean costs); the fastest simulated one is kept."""
+REFINED = 8
+"""With per-sample draws: how many layouts of lowest step estimate (``refine.py``) are simulated
+beside the finalists."""
 SIM_SAMPLES = 1024
 """Samples resampled from the draw for each finalist's simulated iterations (at least one global
 batch; a 72B plan at 1,296 GPUs simulates one batch of 1,920 in about 0.03 s)."""
@@ -127,18 +131,22 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
         # The closed form over-counts warm-up where there are few steps; mean costs rank layouts
         # by another error, and their best layouts are often the faster ones there.
         found += [x for x in best_layouts(profile, caps, None, aligned, count, memo) if x not in found]
-    plans = [build_plan(profile, layout, table=table) for layout in found]
-    if len(plans) == 1 or not profile.has_draw:
-        return plans[0]
-    return _fastest_simulated(profile, plans)
+    if count == 1 or not profile.has_draw:
+        return build_plan(profile, found[0], table=table)
+    # A step waits for its slowest stage: layouts near the finalists ranked by that on sampled
+    # steps (``refine.py``) are simulated beside them.
+    unit = unit_times(_draw(profile, profile.graph.names), 1)[0][_sim_batches(profile)]
+    found += [x for x in refine(profile, found, StepEstimate(profile, unit), memo, REFINED) if x not in found]
+    if len(found) == 1:
+        return build_plan(profile, found[0], table=table)
+    return _fastest_simulated(profile, [build_plan(profile, layout, table=table) for layout in found], unit)
 
 
-def _fastest_simulated(profile: Profile, plans: list[Plan]) -> Plan:
+def _fastest_simulated(profile: Profile, plans: list[Plan], unit: np.ndarray) -> Plan:
     """The plan of ``plans`` with the shortest ``simulated_ms``, simulating them in order of
-    ``sim_bound``'s lower bound and none whose bound reaches the best time found (ties: the
-    order of ``plans``)."""
-    batches = _sim_batches(profile)
-    bound = SimBound(profile.graph, unit_times(_draw(profile, profile.graph.names), 1)[0][batches], ordered=True)
+    ``sim_bound``'s lower bound on ``unit`` (the simulated batches' unit times) and none whose
+    bound reaches the best time found (ties: the order of ``plans``)."""
+    bound = SimBound(profile.graph, unit, ordered=True)
     lbs = [_bound_of(profile, p, bound) for p in plans]
     best: tuple[float, int] | None = None
     for i in sorted(range(len(plans)), key=lambda j: (lbs[j], j)):

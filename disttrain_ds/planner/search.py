@@ -82,7 +82,7 @@ def downstream_splits(profile: Profile) -> list[tuple[int, int]]:
     return [(p, g) for p in profile.modules[graph.llm].pp_degrees() for g in gens]
 
 
-def _down_key(graph: Roles, name: str, down: tuple[int, int]) -> tuple[int, ...]:
+def down_key(graph: Roles, name: str, down: tuple[int, int]) -> tuple[int, ...]:
     """The part of (P, G) module ``name``'s options depend on (``options``)."""
     if name == graph.llm:
         return down
@@ -318,7 +318,7 @@ def finalists(profile: Profile, caps: Mapping[str, int], table: StragglerTable |
         for down in downs:
             opts = {}
             for n in graph.names:
-                key = (n, _down_key(graph, n, down))
+                key = (n, down_key(graph, n, down))
                 if key not in cache:
                     cache[key] = options(profile, n, d, caps[n], limit, grids[n], graph.llm, align, down, memo=memo)
                 opts[n] = cache[key]
