@@ -106,9 +106,10 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
     ``aligned`` (the default; what ``disttrain-plan`` writes): every module's first rank is a
     multiple of its TP degree, so no TP group spans nodes; False drops that rule (the paper's
     model, for comparisons only). With per-sample draws the ``finalists`` (default ``FINALISTS``)
-    best layouts of the closed form, and as many from mean costs, are simulated on global
-    batches resampled from the draw (``simulated_ms``: each step waits for its slowest replica
-    and module, which the closed form prices only in expectation), in order of a lower bound on
+    best layouts of the closed form, as many from mean costs, and the ``REFINED`` layouts of
+    lowest step estimate found near them (``refine.py``) are simulated on global batches
+    resampled from the draw (``simulated_ms``: each step waits for its slowest replica and
+    module, which the closed form prices only in expectation), in order of a lower bound on
     their simulated time (``sim_bound``; one whose bound reaches the best time found is not
     simulated), and the fastest is returned; 1: the closed form's best. Raises PlanError with the
     binding constraint when nothing is feasible."""

@@ -62,23 +62,26 @@ def lpt_rows(costs: np.ndarray, room: np.ndarray, counted: np.ndarray | None = N
     left = np.array(room, dtype=np.int64)
     b, k = left.shape
     order = np.argsort(-c, axis=1, kind="stable")
-    heavy_first = np.take_along_axis(c, order, axis=1)
+    # [n, B]: the t-th heaviest sample of every row, contiguous per t (the loop reads one t at a time)
+    heavy = np.ascontiguousarray(np.take_along_axis(c, order, axis=1).T)
+    takes = None if counted is None else np.ascontiguousarray(
+        np.take_along_axis(np.asarray(counted, dtype=np.int64), order, axis=1).T)
     loads = np.zeros(b * k)
-    avail = np.where(left > 0, 0.0, np.inf).reshape(-1)  # loads of ranks with room, else inf
-    left = left.reshape(-1)
+    avail = np.where(left > 0, 0.0, np.inf)  # [B, k] loads of ranks with room, else inf
+    flat, left = avail.reshape(-1), left.reshape(-1)
     base = np.arange(b) * k
-    takes = np.ones(c.shape, dtype=np.int64) if counted is None else np.take_along_axis(
-        np.asarray(counted, dtype=np.int64), order, axis=1)
-    placed = np.empty((b, c.shape[1]), dtype=np.int64)
+    placed = np.empty((c.shape[1], b), dtype=np.int64)
     for t in range(c.shape[1]):  # t-th heaviest sample of every row
-        r = np.argmin(avail.reshape(b, k), axis=1)  # first minimum: ties go to the lowest rank
-        placed[:, t] = r
-        f = base + r
-        loads[f] += heavy_first[:, t]
-        left[f] -= takes[:, t]
-        avail[f] = np.where(left[f] > 0, loads[f], np.inf)
-    rank = np.empty_like(placed)
-    np.put_along_axis(rank, order, placed, axis=1)
+        r = avail.argmin(axis=1)  # first minimum: ties go to the lowest rank
+        placed[t] = r
+        f = r + base
+        new = loads[f] + heavy[t]
+        loads[f] = new
+        room_left = left[f] - (1 if takes is None else takes[t])
+        left[f] = room_left
+        flat[f] = np.where(room_left > 0, new, np.inf)
+    rank = np.empty((b, c.shape[1]), dtype=np.int64)
+    np.put_along_axis(rank, order, placed.T, axis=1)
     return rank, loads.reshape(b, k)
 
 
