@@ -165,6 +165,8 @@ def refine(profile: Profile, starts: list[Layout], estimate: StepEstimate, memo:
 
     for layout in starts:
         consider(dict(layout))
+    if not seen:  # every start has adaptive SP groups: nothing to estimate
+        return []
     rank = lambda: sorted(seen, key=lambda x: (seen[x][0], x))  # noqa: E731 (ties: by degrees)
 
     def best_shapes() -> list[tuple]:

@@ -131,3 +131,22 @@ def test_the_plan_takes_a_refined_layout_when_it_simulates_faster(monkeypatch):
     caps = {n: profile.gpus for n in profile.graph.names}
     found = finalists(profile, caps, table, True, 4) + finalists(profile, caps, None, True, 4)
     assert chosen.degrees() not in found
+
+
+def test_layouts_with_adaptive_groups_are_left_to_the_finalists():
+    from test_planner_sp import with_auto
+
+    from disttrain_ds.cost.profile import AUTO_SP
+
+    for seed in range(12):  # an instance whose finalists include adaptive groups
+        profile = profile_from_dict(with_auto(seed))
+        auto = [x for x in finalists(profile, {n: profile.gpus for n in profile.graph.names},
+                                     straggler_table(profile), True, 8) if x[profile.graph.llm].sp == AUTO_SP]
+        if auto:
+            break
+    assert auto
+    unit = unit_times(np.ones((profile.global_batch, len(profile.graph.names))), 1)
+    assert refine(profile, auto[:1], StepEstimate(profile, unit), {}, 4) == []
+    plain = {**auto[0], profile.graph.llm: auto[0][profile.graph.llm]._replace(sp=1)}
+    found = refine(profile, [plain], StepEstimate(profile, unit), {}, 4)
+    assert found and all(x[n].sp != AUTO_SP for x in found for n in x)
