@@ -20,6 +20,7 @@ def recompute_counts(out) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted(out.glob("recompute_rank*.json"))]
 
 
+@pytest.mark.slow  # a whole job; checkpointing's unit tests stay in the default tier
 def test_checkpointed_layers_rerun_in_backward_and_match_the_reference(tmp_path, reference_run):
     rows, params, _ = launch(tmp_path, 4, [STEPS, *SGD, *LAYOUT])
     ref_losses, ref_params = reference_run([STEPS, *SGD])

@@ -28,6 +28,7 @@ def _evals(rows: list[dict]) -> dict[int, list[float]]:
     return {r["step"]: [r[k] for k in KEYS] for r in rows if "eval/loss" in r}
 
 
+@pytest.mark.slow  # a whole job; eval's unit tests stay in the default tier
 def test_pipeline_eval_loss_equals_the_reference_and_training_is_unchanged(tmp_path, reference_eval):
     ref, ref_losses_without_eval = reference_eval
     rows, _, _ = launch(tmp_path, 4, [*RUN, *LAYOUT])

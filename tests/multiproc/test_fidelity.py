@@ -40,11 +40,13 @@ def test_overrides_reach_the_reference():
     assert "data.gen_images=[0,1]" in _ref_overrides(LAYOUTS["some_samples_generate_nothing"][1])
 
 
-SLOW = {"enc1_llm_dp2_gen_dp2", "enc_dp2_llm_pp2_gen1", "some_samples_generate_nothing"}
-"""Layouts whose default-tier twins cover the same traffic: test_post_balance.py's layout fans two
-LLM replicas out to two generator replicas, with microbatches that generate nothing (the zero-weight
-stand-in), and test_reshard.py's README layout the same fan-out over contiguous blocks;
-test_tensor_parallel.py's ``enc_dp2_llm_tp2_gen_tp2`` fans two encoder replicas in."""
+SLOW = {"enc1_llm_dp2_gen_dp2", "enc_dp2_llm_pp2_gen1", "some_samples_generate_nothing", "monolithic_pp2"}
+"""Layouts left to the slow tier (the default tier keeps ``enc1_llm_pp2_gen1``, the
+communicator's fan-out test in test_comm.py and test_tensor_parallel.py's ``enc_dp2_llm_tp2_gen_tp2``,
+which fans two encoder replicas in); their whole-job twins, also slow: test_post_balance.py's
+layout fans two LLM replicas out to two generator replicas, with microbatches that generate nothing
+(the zero-weight stand-in), and test_reshard.py's README layout the same fan-out over contiguous
+blocks; ``monolithic_pp2`` is the same chain as one engine."""
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
@@ -89,6 +91,7 @@ FROZEN_CASES = {
 }
 
 
+@pytest.mark.slow  # whole jobs; freezing's unit tests stay in the default tier
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "frozen_encoder" else c
                                   for c in sorted(FROZEN_CASES)])  # projector_only freezes whole engines too
 def test_frozen_parts_stay_bit_identical_while_the_rest_trains(case, tmp_path, reference_run):

@@ -42,6 +42,7 @@ def _params(name: str):
     return pytest.param(name, marks=marks, id=name)
 
 
+@pytest.mark.slow  # whole jobs; latent targets' unit tests stay in the default tier
 @pytest.mark.parametrize("name", [_params(n) for n in LAYOUTS])
 def test_latent_targets_train_the_reference_model(name, tmp_path, reference_run):
     nproc, overrides = LAYOUTS[name]

@@ -21,6 +21,7 @@ LAYOUT = [SEED, "layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.pp=1"
 REFERENCE = [STEPS, *SGD, SEED, "train.micro_batch=2", "train.global_batch=8", "data.gen_images=[0,2]"]
 
 
+@pytest.mark.slow  # a whole job; post-balancing's unit tests stay in the default tier
 def test_post_balanced_layout_matches_the_reference(tmp_path, reference_run):
     rows, params, shapes = launch(tmp_path, 6, [STEPS, *SGD, *LAYOUT])
     ref_losses, ref_params = reference_run(REFERENCE)

@@ -6,9 +6,12 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 
+@pytest.mark.slow  # the profiler's unit tests stay in the default tier
 def test_measured_tp2_costs_replace_the_interpolated_ones(tmp_path):
     out = tmp_path / "p.json"
     cmd = [sys.executable, "-m", "disttrain_ds.cli.profile", "--recipe", "recipes/tiny_cpu.yaml", "model.llm.layers=2",

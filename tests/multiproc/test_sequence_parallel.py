@@ -263,6 +263,7 @@ def test_sp_job_on_sequences_of_their_own_lengths_trains_the_reference(tmp_path,
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
 
 
+@pytest.mark.slow  # adaptive groups: the default tier keeps the SP 2 job; unit tests pin the group search
 def test_adaptive_sp_mixes_an_sp2_group_and_two_single_ranks_and_trains_the_reference(tmp_path, reference_run):
     """sp: auto on 4 LLM ranks, sequences of 128-512 tokens: at the all-to-all bandwidth given, every
     step forms one group of 2 for its longest sequence and runs the others alone; losses and

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import REPO, nccl_rules
 
 LIBRARY_LINES = ("SEED_LAYERS=", "stage=0 layers=", "real_accelerator", "Setting accelerator", "wandb: Tracking",
@@ -22,6 +24,7 @@ def _torchrun(overrides: list[str], timeout: int = 300) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+@pytest.mark.slow  # the default tier keeps the one-line recipe error under torchrun
 def test_startup_shows_our_lines_and_sends_library_output_to_the_run_directory(tmp_path: Path):
     run_dir = tmp_path / "run"
     proc = _torchrun(["train.steps=2", f"logging.dir={run_dir}", "parallel.comm_timeout_s=120"])

@@ -77,6 +77,7 @@ def test_aborted_communicator_is_reported_by_its_rank_and_nobody_else_is_blamed(
     assert "CommTimeoutError" not in said  # nobody waited out its deadline and blamed itself
 
 
+@pytest.mark.slow  # the default tier keeps the mixed-TP start-up and the refusal
 def test_stalled_rank_is_blamed_by_the_ranks_that_waited_for_it(tmp_path):
     """Rank 2 stops answering (alive, heartbeat beating, main thread stuck): its neighbours' deadlines
     fire and the job stops naming rank 2, not the rank that waited."""

@@ -41,6 +41,7 @@ def _check(nproc: int, overrides: list[str], tmp_path, reference_run, fault: str
     return worst
 
 
+@pytest.mark.slow  # whole jobs; the default tier keeps the pretrained LLaVA-style job
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_tied_embeddings_train_the_reference_weight(name, tmp_path, reference_run):
     _check(*LAYOUTS[name], tmp_path, reference_run)
