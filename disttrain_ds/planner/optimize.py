@@ -137,7 +137,8 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
     # A step waits for its slowest stage: layouts near the finalists ranked by that on sampled
     # steps (``refine.py``) are simulated beside them.
     unit = unit_times(_draw(profile, profile.graph.names), 1)[0][_sim_batches(profile)]
-    found += [x for x in refine(profile, found, StepEstimate(profile, unit), memo, REFINED) if x not in found]
+    found += [x for x in refine(profile, found, StepEstimate(profile, unit), memo, REFINED, caps, aligned)
+              if x not in found]
     if len(found) == 1:
         return build_plan(profile, found[0], table=table)
     return _fastest_simulated(profile, [build_plan(profile, layout, table=table) for layout in found], unit)

@@ -125,14 +125,15 @@ class _Feasible:
     """Whether a layout obeys the search's rules (``search.options`` per module for the layout's
     pipeline depths, the GPU budget, the node rule), with each module's options listed once."""
 
-    def __init__(self, profile: Profile, memo: dict) -> None:
-        self.profile, self.memo = profile, memo
-        self.align = alignment(profile)
+    def __init__(self, profile: Profile, memo: dict, caps: Mapping[str, int], aligned: bool) -> None:
+        self.profile, self.memo, self.caps = profile, memo, caps
+        self.align = alignment(profile) if aligned else 1
         self._sets: dict[tuple, frozenset[Degrees]] = {}
 
     def options(self, name: str, d: int, down: tuple[int, int] | None = None) -> Opts:
         p = self.profile
-        return options(p, name, d, p.gpus, p.memory_limit_bytes, align=self.align, down=down, memo=self.memo)
+        return options(p, name, d, self.caps[name], p.memory_limit_bytes, align=self.align, down=down,
+                       memo=self.memo)
 
     def allowed(self, name: str, d: int, down: tuple[int, int] | None) -> frozenset[Degrees]:
         key = (name, d, None if down is None else down_key(self.profile.graph, name, down))
@@ -150,12 +151,15 @@ class _Feasible:
         return all(layout[n] in self.allowed(n, d, down) for n in graph.names)
 
 
-def refine(profile: Profile, starts: list[Layout], estimate: StepEstimate, memo: dict,
-           count: int) -> list[Layout]:
+def refine(profile: Profile, starts: list[Layout], estimate: StepEstimate, memo: dict, count: int,
+           caps: Mapping[str, int] | None = None, aligned: bool = True) -> list[Layout]:
     """The ``count`` layouts of lowest estimate found by the beam search from ``starts``
-    (module docstring), lowest first; ``memo``: ``search.options``' memo of this profile."""
+    (module docstring), lowest first; ``memo``: ``search.options``' memo of this profile;
+    ``caps`` (default: the profile's GPUs) and ``aligned``: the search's per-module GPU caps and
+    node rule, which every layout found obeys."""
     names = profile.graph.names
-    feasible = _Feasible(profile, memo)
+    caps = {n: profile.gpus for n in names} if caps is None else caps
+    feasible = _Feasible(profile, memo, caps, aligned)
     seen: dict[tuple, tuple[float, Layout]] = {}
 
     def consider(layout: Layout) -> None:

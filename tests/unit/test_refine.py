@@ -150,3 +150,21 @@ def test_layouts_with_adaptive_groups_are_left_to_the_finalists():
     plain = {**auto[0], profile.graph.llm: auto[0][profile.graph.llm]._replace(sp=1)}
     found = refine(profile, [plain], StepEstimate(profile, unit), {}, 4)
     assert found and all(x[n].sp != AUTO_SP for x in found for n in x)
+
+
+def test_refined_layouts_keep_the_callers_gpu_caps_and_node_rule():
+    profile = skewed_profile()
+    caps = {"encoder": 4, "llm": 24, "generator": 4}
+    for aligned in (True, False):
+        chosen = plan(profile, gpu_caps=caps, aligned=aligned)
+        assert all(chosen.modules[n].gpus <= caps[n] for n in caps), chosen.degrees()
+    memo: dict = {}
+    table = straggler_table(profile)
+    starts = finalists(profile, caps, table, True, 4, memo)
+    unit = unit_times(np.column_stack([profile.modules[n].sample_cost_ms for n in profile.graph.names]),
+                      1)[0][optimize._sim_batches(profile)]
+    capped = refine(profile, starts, StepEstimate(profile, unit), memo, 8, caps)
+    assert capped and all(x[n].gpus <= caps[n] for x in capped for n in caps)
+    # Negative control: without the caps the refinement leaves them.
+    free = refine(profile, starts, StepEstimate(profile, unit), memo, 8)
+    assert any(x[n].gpus > caps[n] for x in free for n in caps)
