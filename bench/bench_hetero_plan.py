@@ -1,7 +1,7 @@
 """Planning with a draw of per-sample costs vs from mean costs, on heterogeneous workloads,
 against the best of every feasible plan.
 
-    python bench/bench_hetero_plan.py [--seeds 8] [--iterations 2] [--budget 0.05] [--reorder]
+    python bench/bench_hetero_plan.py [--seeds 8] [--iterations 2] [--budget 0.05] [--reorder] [--only NAME]
 
 For every cost distribution and seed a random three-module profile is made (64-256 GPUs, global
 batch 128-512, per-module mean costs and layer counts drawn from the seed; TP costs with 0.9
@@ -17,7 +17,10 @@ Printed per distribution: the gain T_sim(mean plan) / T_sim(draw plan), how far 
 simulated time is from its predicted one (``Plan.t_pred_ms``), each plan over the best feasible
 plan (mean and worst), planning time, and how many layouts were feasible and simulated. Costs of
 one sample in different modules are drawn independently, except in ``paper``, which prices
-LAION-400M-like packed sequences with the cost model (``paper/scale.py``, MLLM-9B's modules).
+LAION-400M-like packed sequences with the cost model (``paper/scale.py``, MLLM-9B's modules), and
+``multimodal`` (interleaved samples: long-tailed image counts, most samples costing the encoder or
+the generator nothing, the LLM's tokens growing with both; encoder and generator means 10-60 % of
+the LLM's). ``--only NAME`` runs one distribution (repeatable).
 """
 
 from __future__ import annotations
@@ -79,20 +82,34 @@ def _paper() -> Sampler:
     return draw
 
 
+def _multimodal(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Interleaved samples: input images per sample long-tailed (Zipf, about half the samples
+    text-only, so the encoder costs them nothing), 7 in 10 samples generating no image (generator
+    cost 0), the LLM's tokens growing with both."""
+    images = np.minimum(rng.zipf(1.8, n) - 1, 32) * rng.lognormal(0, 0.1, n)
+    generated = np.where(rng.random(n) < 0.3, rng.geometric(0.5, n), 0).astype(np.float64)
+    return np.column_stack([images, rng.lognormal(0, 0.2, n) + 0.25 * (images + generated), generated])
+
+
 def distributions() -> dict[str, Sampler]:
     return {"lognormal 0.25": _lognormal((0.25, 0.03, 0.25)),
             "lognormal 0.6": _lognormal((0.6, 0.05, 0.6)),
             "lognormal 1.0": _lognormal((1.0, 0.05, 1.0)),
-            "heavy tail": _heavy, "bimodal": _bimodal, "paper": _paper()}
+            "heavy tail": _heavy, "bimodal": _bimodal, "paper": _paper(), "multimodal": _multimodal}
 
 
-def random_profile(rng: np.random.Generator, draw: np.ndarray | None) -> dict:
+SHARE = {"multimodal": (0.1, 0.6)}
+"""Encoder and generator mean cost per sample as a share of the LLM's, where not 5-40 %."""
+
+
+def random_profile(rng: np.random.Generator, draw: np.ndarray | None,
+                   share: tuple[float, float] = (0.05, 0.4)) -> dict:
     """A three-module profile: 64-256 GPUs, batch 128-512, encoder and generator costing
-    5-40 % of the LLM per sample at TP=1; ``draw`` (``[n, 3]``, any scale) becomes each
-    module's ``sample_cost_ms`` scaled to its mean cost."""
+    ``share`` (a range) of the LLM per sample at TP=1; ``draw`` (``[n, 3]``, any scale) becomes
+    each module's ``sample_cost_ms`` scaled to its mean cost."""
     llm = float(rng.uniform(200, 800))
-    mean = {"encoder": llm * rng.uniform(0.05, 0.4), "llm": llm,
-            "generator": llm * rng.uniform(0.05, 0.4)}
+    mean = {"encoder": llm * rng.uniform(*share), "llm": llm,
+            "generator": llm * rng.uniform(*share)}
     layers = {"encoder": 32, "llm": int(rng.choice([24, 32, 40])), "generator": 12}
     mods = {n: {"layers": layers[n], "cost_ms": scale.tp_costs(mean[n], 1)} for n in MODULES}
     if draw is not None:
@@ -165,12 +182,13 @@ def best_of_every_plan(profile, fresh: np.ndarray, iterations: int, budget: floa
     return best, len(lb), simulated, found
 
 
-def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorder: bool) -> dict | None:
+def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorder: bool,
+             share: tuple[float, float] = (0.05, 0.4)) -> dict | None:
     """Plan a seed's profile from mean costs, from a draw by the closed form alone and with its
     finalists simulated; simulate them on fresh samples and find the best of every feasible
     layout (``best_of_every_plan``)."""
     draw = sampler(np.random.default_rng([seed, 1]), DRAW)
-    data = random_profile(np.random.default_rng([seed, 0]), draw)
+    data = random_profile(np.random.default_rng([seed, 0]), draw, share)
     with_draw = profile_from_dict(data)
     for m in data["modules"].values():
         m.pop("sample_cost_ms")
@@ -201,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of inter-microbatch search per iteration")
     ap.add_argument("--reorder", action="store_true",
                     help="simulate with intra + inter reordering (data.reorder); default: without, as the planner does")
+    ap.add_argument("--only", action="append", choices=sorted(distributions()), metavar="NAME",
+                    help="run only this distribution (repeatable); default: all")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     print(f"{args.seeds} random profiles per distribution, draw of {DRAW} samples, "
@@ -213,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
           "| planning s, max | feasible plans, median | simulated to find the best, median |")
     print("|" + "---|" * 14)
     for name, sampler in distributions().items():
-        rows = [r for s in range(args.seeds) if (r := run_case(sampler, s, args.iterations,
-                                                                args.budget, args.reorder)) is not None]
+        if args.only and name not in args.only:
+            continue
+        rows = [r for s in range(args.seeds) if (r := run_case(sampler, s, args.iterations, args.budget, args.reorder,
+                                                                SHARE.get(name, (0.05, 0.4)))) is not None]
         if not rows:
             print(f"| {name} | 0 |" + " - |" * 12)
             continue
