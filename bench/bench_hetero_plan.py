@@ -235,8 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, sampler in distributions().items():
         if args.only and name not in args.only:
             continue
-        rows = [r for s in range(args.seeds) if (r := run_case(sampler, s, args.iterations, args.budget, args.reorder,
-                                                                SHARE.get(name, (0.05, 0.4)))) is not None]
+        rows = []
+        for seed in range(args.seeds):
+            r = run_case(sampler, seed, args.iterations, args.budget, args.reorder, SHARE.get(name, (0.05, 0.4)))
+            if r is not None:  # progress on stderr: the search for the best plan can take minutes a case
+                print(f"{name} seed {seed}: chosen / best {r['vs_best']:.3f}, {r['simulated']:,} of "
+                      f"{r['feasible']:,} layouts simulated in {r['search_s']:.0f} s", file=sys.stderr, flush=True)
+                rows.append(r)
         if not rows:
             print(f"| {name} | 0 |" + " - |" * 12)
             continue
