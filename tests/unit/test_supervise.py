@@ -130,7 +130,13 @@ FAKE = textwrap.dedent("""\
                 (state.parent / "got-sigterm").write_text("1")
                 sys.exit(1)  # a code that would be restarted, were it not for the interrupt
             signal.signal(signal.SIGTERM, on_term)
-        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        # The helper says when it is running: a Python still starting up (reading .pth files) can
+        # swallow a SIGINT and would then hold the test's pipes for its whole sleep.
+        ready = state.parent / "helper-ready"
+        helper = subprocess.Popen([sys.executable, "-c", "import pathlib, sys, time; "
+                                   "pathlib.Path(sys.argv[1]).write_text('1'); time.sleep(300)", str(ready)])
+        while not ready.exists():
+            time.sleep(0.01)
         (state.parent / "helper.pid").write_text(str(helper.pid))
         (state.parent / "started").write_text("1")
         time.sleep(300)
