@@ -136,7 +136,7 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
         return build_plan(profile, found[0], table=table)
     # A step waits for its slowest stage: layouts near the finalists ranked by that on sampled
     # steps (``refine.py``) are simulated beside them.
-    unit = unit_times(_draw(profile, profile.graph.names), 1)[0][_sim_batches(profile)]
+    unit = sim_unit_times(profile)
     found += [x for x in refine(profile, found, StepEstimate(profile, unit), memo, REFINED, caps, aligned)
               if x not in found]
     if len(found) == 1:
@@ -174,6 +174,12 @@ def _bound_of(profile: Profile, p: Plan, bound: SimBound) -> float:
 
 def _draw(profile: Profile, names) -> np.ndarray:
     return np.column_stack([profile.modules[n].sample_cost_ms for n in names])
+
+
+def sim_unit_times(profile: Profile) -> np.ndarray:
+    """``[batches, global_batch, modules]`` unit times of the batches ``simulated_ms`` resamples
+    (``sim_bound.unit_times``; what the bound and the step estimate read)."""
+    return unit_times(_draw(profile, profile.graph.names), 1)[0][_sim_batches(profile)]
 
 
 def _sim_batches(profile: Profile, samples: int = SIM_SAMPLES, seed: int = SIM_SEED) -> np.ndarray:

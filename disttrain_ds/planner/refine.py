@@ -108,6 +108,11 @@ class StepEstimate:
         return float(tau.sum(axis=1).mean())
 
 
+def _degrees(o: Opts) -> list[Degrees]:
+    """Every option of ``o`` as the planner's degrees."""
+    return [Degrees(int(a), int(b), int(c), int(e)) for a, b, c, e in zip(o.dp, o.tp, o.pp, o.sp)]
+
+
 def _key(layout: Mapping[str, Degrees], names: tuple[str, ...]) -> tuple:
     return tuple(layout[n] for n in names)
 
@@ -138,9 +143,7 @@ class _Feasible:
     def allowed(self, name: str, d: int, down: tuple[int, int] | None) -> frozenset[Degrees]:
         key = (name, d, None if down is None else down_key(self.profile.graph, name, down))
         if key not in self._sets:
-            o = self.options(name, d, down)
-            self._sets[key] = frozenset(Degrees(int(a), int(b), int(c), int(e))
-                                        for a, b, c, e in zip(o.dp, o.tp, o.pp, o.sp))
+            self._sets[key] = frozenset(_degrees(self.options(name, d, down)))
         return self._sets[key]
 
     def __call__(self, layout: Mapping[str, Degrees]) -> bool:
@@ -199,8 +202,7 @@ def refine(profile: Profile, starts: list[Layout], estimate: StepEstimate, memo:
                 if max(terms[:i] + terms[i + 1:], default=0.0) > worst:
                     continue  # the other modules alone already lose
                 if (n, d) not in candidates:
-                    o = feasible.options(n, d)  # the fewest microbatches in flight: every candidate
-                    xs = {Degrees(int(a), int(b), int(c), int(e)) for a, b, c, e in zip(o.dp, o.tp, o.pp, o.sp)}
+                    xs = set(_degrees(feasible.options(n, d)))  # fewest microbatches in flight: every candidate
                     candidates[(n, d)] = sorted((estimate.term(n, x, d), x) for x in xs if x.sp != AUTO_SP)
                 for t, x in candidates[(n, d)]:
                     if t > worst:

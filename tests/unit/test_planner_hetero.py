@@ -21,7 +21,6 @@ from disttrain_ds.planner.objective import combine, samples_per_step, straggler_
 from disttrain_ds.planner.optimize import PlanError, build_plan, exhaustive_plan, plan, simulated_ms
 from disttrain_ds.planner.refine import StepEstimate, refine
 from disttrain_ds.planner.search import finalists
-from disttrain_ds.planner.sim_bound import unit_times
 from disttrain_ds.reorder.intra import lpt_equal_count, lpt_rows
 from disttrain_ds.schedule.simulate import makespan_1f1b
 
@@ -293,8 +292,7 @@ def test_finalists_are_the_closed_forms_best_and_the_fastest_simulated_one_is_ch
     # The mean-cost closed form's best layouts join them, then the refined ones (``refine.py``).
     memo: dict = {}
     found += [x for x in finalists(profile, caps, None, True, 4, memo) if x not in found]
-    unit = unit_times(np.column_stack([profile.modules[n].sample_cost_ms for n in profile.graph.names]),
-                      1)[0][optimize._sim_batches(profile)]
+    unit = optimize.sim_unit_times(profile)
     refined = refine(profile, found, StepEstimate(profile, unit), memo, optimize.REFINED)
     assert len(refined) == optimize.REFINED
     found += [x for x in refined if x not in found]
@@ -319,8 +317,7 @@ def test_a_finalist_is_skipped_only_when_its_bound_shows_it_cannot_be_faster(mon
         assert len(plans) >= 4
         calls = []
         monkeypatch.setattr(optimize, "simulated_ms", lambda *a, **k: calls.append(1) or simulated_ms(*a, **k))
-        unit = unit_times(np.column_stack([profile.modules[n].sample_cost_ms for n in profile.graph.names]),
-                          1)[0][optimize._sim_batches(profile)]
+        unit = optimize.sim_unit_times(profile)
         chosen = optimize._fastest_simulated(profile, plans, unit)
         monkeypatch.undo()
         sims = [simulated_ms(profile, p) for p in plans]

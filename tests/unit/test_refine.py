@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_planner_hetero import GRAPHS, random_data
+from test_planner_sp import with_auto
 from test_sim_bound import FEASIBLE, brute_force_layouts, listed, simulated
 
+from disttrain_ds.cost.profile import AUTO_SP
 from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.planner import optimize
 from disttrain_ds.planner.objective import Degrees, straggler_table
@@ -90,8 +92,7 @@ def test_refined_layouts_are_feasible_ranked_and_no_worse_than_the_start(graph, 
     caps = {n: profile.gpus for n in profile.graph.names}
     memo: dict = {}
     starts = finalists(profile, caps, table, True, 2, memo)
-    unit = unit_times(np.column_stack([profile.modules[n].sample_cost_ms for n in profile.graph.names]),
-                      1)[0][optimize._sim_batches(profile)]
+    unit = optimize.sim_unit_times(profile)
     est = StepEstimate(profile, unit)
     found = refine(profile, starts, est, memo, 6)
     values = [est.estimate(x) for x in found]
@@ -134,10 +135,6 @@ def test_the_plan_takes_a_refined_layout_when_it_simulates_faster(monkeypatch):
 
 
 def test_layouts_with_adaptive_groups_are_left_to_the_finalists():
-    from test_planner_sp import with_auto
-
-    from disttrain_ds.cost.profile import AUTO_SP
-
     for seed in range(12):  # an instance whose finalists include adaptive groups
         profile = profile_from_dict(with_auto(seed))
         auto = [x for x in finalists(profile, {n: profile.gpus for n in profile.graph.names},
@@ -161,8 +158,7 @@ def test_refined_layouts_keep_the_callers_gpu_caps_and_node_rule():
     memo: dict = {}
     table = straggler_table(profile)
     starts = finalists(profile, caps, table, True, 4, memo)
-    unit = unit_times(np.column_stack([profile.modules[n].sample_cost_ms for n in profile.graph.names]),
-                      1)[0][optimize._sim_batches(profile)]
+    unit = optimize.sim_unit_times(profile)
     capped = refine(profile, starts, StepEstimate(profile, unit), memo, 8, caps)
     assert capped and all(x[n].gpus <= caps[n] for x in capped for n in caps)
     # Negative control: without the caps the refinement leaves them.
