@@ -105,7 +105,7 @@ class Result:
 def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention: str = "auto") -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.llama.model import llm_layers
-    from disttrain_ds.models.objectives import lm_loss
+    from disttrain_ds.models.objectives import lm_loss_sum
     from disttrain_ds.samples import doc_ids
 
     cfg = LLMConfig(preset="bench", doc_attention=doc_attention, **(LLM_TINY if tiny else LLM_1B))
@@ -126,7 +126,7 @@ def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention:
         kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, doc_lens=list(lens) * batch)
     shape = f"{batch} x {seq_len} tokens" + (f", {docs} docs" if docs > 1 else "")
     return Case("llm", shape, lambda: [d.build() for d in llm_layers(cfg, BuildContext("llm", 0, cfg.hidden_size, image_token))],
-                inputs, lambda out, labels: lm_loss(out[0], labels), flops)
+                inputs, lambda out, labels: lm_loss_sum(out[0], labels) / labels.numel(), flops)
 
 
 def vit_case(tiny: bool, batch: int) -> Case:

@@ -18,7 +18,7 @@ from disttrain_ds.families import FAMILIES, BuildContext, Family, get_family
 from disttrain_ds.mllm.weights import StepDirs, with_checkpoint
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.layers import LayerDef, Sequential, seeded, tie_parameters, tied_keys
-from disttrain_ds.models.objectives import add_noise, diffusion_loss, gen_condition, noise_draw
+from disttrain_ds.models.objectives import add_noise, diffusion_loss, gen_condition, lm_loss_sum, noise_draw
 from disttrain_ds.models.packed import pack_clips
 from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.models.projectors import ConditionProjector, InputProjector
@@ -354,15 +354,6 @@ def gen_states(hidden: torch.Tensor, mb: MicroBatch, spec: MLLMSpec) -> list[tor
     """The LLM's hidden states at each generator's own query positions, one tensor per generator
     (graph order), ``[n_images, query_tokens, H]``: what each generator is sent."""
     return [gen_condition(hidden, mb.gens[n].mask, spec.config(n).query_tokens) for n in spec.generators]
-
-
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy times ``scale`` (label[i] is the target at position i)."""
-    valid = labels != IGNORE_INDEX
-    if not bool(valid.any()):
-        return logits.sum() * 0.0
-    ce = nn.functional.cross_entropy(logits[valid].float(), labels[valid], reduction="sum")
-    return ce * scale
 
 
 class ReferenceMLLM(nn.Module):

@@ -15,7 +15,10 @@ by ``LLMConfig.doc_attention`` (``doc_attention_kwargs``):
 - flex: compiled flex attention under a block mask built from the spans' block ends
   (``doc_block_mask``, no [S, S] mask either); the default on CUDA, where it is the faster one.
 
-Either is built once per microbatch and reused by every block of a stage. ``doc_causal_mask`` is
+A microbatch whose rows each hold one whole document takes neither: plain causal SDPA over the
+rows (``doc_whole``), unless flex is asked for by name. Either is built once per microbatch, with
+the one read from the device it needs, and reused by every block of a stage; the attention call
+itself reads nothing back from the device. ``doc_causal_mask`` is
 the same rule as a boolean mask (tests and ``bench/bench_doc_mask.py`` compare them).
 """
 
@@ -141,16 +144,23 @@ _LAST: tuple = ()
 
 @torch.compiler.disable
 def doc_attention_kwargs(doc_ids: torch.Tensor, choice: str = "auto") -> dict:
-    """Keyword arguments for ``doc_attention`` (``doc_spans`` or ``doc_blocks``) for [B, S]
-    ``doc_ids``: built once per microbatch, since every block of a stage passes the same tensor on."""
+    """Keyword arguments for ``doc_attention`` for [B, S] ``doc_ids``, built once per microbatch
+    (every block of a stage passes the same tensor on): ``doc_whole`` where every row holds one
+    whole document, so plain causal SDPA is the rule (unless ``flex`` is asked for); else
+    ``doc_blocks`` on the flex path, or ``doc_spans`` (the span lengths, read to the host here
+    once, so no block waits for the device to read them)."""
     global _LAST
     if _LAST and _LAST[0] is doc_ids and _LAST[1] == doc_ids._version and _LAST[2] == choice:
         return _LAST[3]
-    spans = doc_spans(doc_ids)
     path = doc_attention_path(choice, doc_ids.device)
-    # auto on a microbatch of one whole document per row: plain causal SDPA per row (cuDNN on
-    # CUDA) beat flex on one 8K document on an H200 (199.5 vs 213.9 ms per 1.1B LLM step).
-    if path == "flex" and not (choice == "auto" and spans.numel() == doc_ids.shape[0]):
+    spans = doc_spans(doc_ids).cpu()
+    b, s = doc_ids.shape
+    # One whole document per row: plain causal SDPA per row (cuDNN on CUDA) beat flex on one 8K
+    # document on an H200 (199.5 vs 213.9 ms per 1.1B LLM step).
+    whole = spans.numel() == b and bool((spans == s).all())  # (a row of padding attends to itself either way)
+    if whole and choice != "flex":
+        kwargs = {"doc_whole": True}
+    elif path == "flex":
         kwargs = {"doc_blocks": doc_block_mask(doc_ids)}
     else:
         kwargs = {"doc_spans": spans}
@@ -159,31 +169,54 @@ def doc_attention_kwargs(doc_ids: torch.Tensor, choice: str = "auto") -> dict:
 
 
 def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                  doc_spans=None, doc_blocks: BlockMask | None = None, seq_parallel=None, **kwargs):
+                  doc_spans=None, doc_blocks: BlockMask | None = None, doc_whole: bool = False,
+                  seq_parallel=None, **kwargs):
     """transformers attention interface: q [B, Hq, S, D], k / v [B, Hkv, S, D] -> [B, S, Hq, D],
-    causal inside each span of ``doc_spans`` (lengths covering the B rows in order), or under the
-    block mask ``doc_blocks`` (``doc_block_mask``) through compiled flex attention.
+    causal inside each span of ``doc_spans`` (lengths covering the B rows in order: a tensor, on
+    the host to avoid a device read per call), under the block mask ``doc_blocks``
+    (``doc_block_mask``) through compiled flex attention, or, with ``doc_whole``, causal over
+    each whole row (one document per row). Exactly one of the three.
 
     ``seq_parallel`` (an ``SPContext``): q, k, v hold this rank's slice of every row; they are
     exchanged for whole rows of 1/SP of the heads, attended, and exchanged back (Ulysses), while
-    ``doc_spans`` / ``doc_blocks`` describe the whole rows. With fewer KV heads than SP ranks
-    each KV head is repeated for the ranks whose query heads read it (as DeepSpeed-Ulysses does)."""
+    the document arguments describe the whole rows. With fewer KV heads than SP ranks each KV head
+    is repeated for the ranks whose query heads read it (as DeepSpeed-Ulysses does)."""
+    if attention_mask is not None or (doc_spans is not None) + (doc_blocks is not None) + bool(doc_whole) != 1:
+        raise ValueError(f"{DOC_ATTENTION} attention takes one of doc_spans, doc_blocks, doc_whole and no attention_mask")
     if seq_parallel is not None:
-        if key.shape[1] < seq_parallel.size:  # fewer KV heads than SP ranks: each rank gets a copy of its group's
-            reps = seq_parallel.size // key.shape[1]
-            key, value = key.repeat_interleave(reps, dim=1), value.repeat_interleave(reps, dim=1)
-        query, key, value = seq_parallel.heads_to_seq(query, key, value)
-        out, _ = doc_attention(module, query, key, value, attention_mask, dropout, scaling, doc_spans, doc_blocks)
-        return seq_parallel.seq_to_heads(out), None
-    if attention_mask is not None or (doc_spans is None) == (doc_blocks is None):
-        raise ValueError(f"{DOC_ATTENTION} attention takes doc_spans or doc_blocks and no attention_mask")
-    b, hq, s, d = query.shape
-    hk = key.shape[1]
+        return _sp_attention(module, query, key, value, dropout, scaling, doc_spans, doc_blocks, doc_whole,
+                             seq_parallel), None
+    hk, hq = key.shape[1], query.shape[1]
+    if doc_whole:
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
+                                             enable_gqa=hk != hq)
+        return out.transpose(1, 2), None
     if doc_blocks is not None:
         if dropout:
             raise ValueError(f"{DOC_ATTENTION} attention through flex has no dropout, got {dropout}")
         out = flex_kernel()(query, key, value, block_mask=doc_blocks, scale=scaling, enable_gqa=hk != hq)
         return out.transpose(1, 2), None
+    return _span_attention(query, key, value, doc_spans, dropout, scaling), None
+
+
+@torch.compiler.disable
+def _sp_attention(module, query, key, value, dropout, scaling, doc_spans, doc_blocks, doc_whole, seq_parallel):
+    """``doc_attention`` on a sequence-parallel slice (its docstring); left out of compiled graphs:
+    the all-to-alls run through the process group, not as traced collectives."""
+    if key.shape[1] < seq_parallel.size:  # fewer KV heads than SP ranks: each rank gets a copy of its group's
+        reps = seq_parallel.size // key.shape[1]
+        key, value = key.repeat_interleave(reps, dim=1), value.repeat_interleave(reps, dim=1)
+    query, key, value = seq_parallel.heads_to_seq(query, key, value)
+    out, _ = doc_attention(module, query, key, value, None, dropout, scaling, doc_spans, doc_blocks, doc_whole)
+    return seq_parallel.seq_to_heads(out)
+
+
+@torch.compiler.disable
+def _span_attention(query, key, value, doc_spans, dropout, scaling) -> torch.Tensor:
+    """Causal SDPA on each span, spans of equal length batched; left out of compiled graphs (its
+    loops follow the span lengths, which change every microbatch)."""
+    b, hq, s, d = query.shape
+    hk = key.shape[1]
     # One row per position holding its q, k and v, so spans cut all three at once.
     rows = torch.cat([t.transpose(1, 2).reshape(b * s, -1) for t in (query, key, value)], dim=-1)
 
@@ -194,7 +227,7 @@ def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.
                                            enable_gqa=hk != hq)
         return o.transpose(1, 2).reshape(n, length, hq * d)
 
-    return per_item(attend, rows, doc_spans).reshape(b, s, hq, d), None
+    return per_item(attend, rows, doc_spans).reshape(b, s, hq, d)
 
 
 ALL_ATTENTION_FUNCTIONS.register(DOC_ATTENTION, doc_attention)

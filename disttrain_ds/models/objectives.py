@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from disttrain_ds.samples import IGNORE_INDEX
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over labelled positions (label[i] is predicted at i)."""
-    valid = labels != IGNORE_INDEX
-    if not bool(valid.any()):
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits[valid].float(), labels[valid])
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Summed next-token cross-entropy times ``scale`` (label[i] is the target at position i;
+    ``IGNORE_INDEX`` positions count nothing). Without a host sync: no test for labelled positions,
+    no boolean indexing, so a step never waits here for the device (a microbatch without labels
+    sums to 0, its gradient zeros)."""
+    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                         reduction="sum")
+    return ce * scale
 
 
 def gen_condition(hidden: torch.Tensor, gen_mask: torch.Tensor, query_tokens: int) -> torch.Tensor:

@@ -17,9 +17,31 @@ def by_length(sizes: list[int]) -> dict[int, list[int]]:
     return groups
 
 
-def per_item(fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``fn`` on [items of one length, length, width] batches, rows packed back in item order."""
+_HOST: tuple = ()
+"""(tensor, its version, its values as a host list) of the last item counts read."""
+
+
+def host_sizes(counts: torch.Tensor) -> list[int]:
+    """``counts`` as a host list, read from the device once per microbatch: every block of a stage
+    passes the same counts tensor on, so the blocks after the first reuse the first one's read (a
+    device-to-host copy waits for the device)."""
+    global _HOST
+    if _HOST and _HOST[0] is counts and _HOST[1] == counts._version:
+        return _HOST[2]
     sizes = counts.tolist()
+    _HOST = (counts, counts._version, sizes)
+    return sizes
+
+
+def per_item(fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+             counts: torch.Tensor | list[int]) -> torch.Tensor:
+    """``fn`` on [items of one length, length, width] batches, rows packed back in item order;
+    ``counts``: rows per item (a tensor, read once per microbatch by ``host_sizes``, or a host
+    list). Items all of one length are a view of ``hidden``: no copy either way."""
+    sizes = host_sizes(counts) if isinstance(counts, torch.Tensor) else list(counts)
+    if sizes and len(set(sizes)) == 1 and sizes[0] * len(sizes) == hidden.shape[0]:
+        out = fn(hidden.view(len(sizes), sizes[0], *hidden.shape[1:]))
+        return out.reshape(hidden.shape[0], *out.shape[2:])
     pieces = list(torch.split(hidden, sizes))
     out: list[torch.Tensor | None] = [None] * len(pieces)
     for idx in by_length(sizes).values():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from disttrain_ds.mllm.model import MicroBatch, MLLMSpec, gen_states, generator_states, llm_inputs, lm_loss_sum
-from disttrain_ds.models.objectives import diffusion_loss
+from disttrain_ds.mllm.model import MicroBatch, MLLMSpec, gen_states, generator_states, llm_inputs
+from disttrain_ds.models.objectives import diffusion_loss, lm_loss_sum
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 """A last stage's outputs: one tensor, or a tuple (the LLM's logits and hidden states)."""

@@ -20,7 +20,7 @@ import torch
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.layers import Sequential
-from disttrain_ds.models.objectives import diffusion_loss
+from disttrain_ds.models.objectives import diffusion_loss, lm_loss_sum
 from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.recipe.graph import graph_of, module_config, module_family
 from disttrain_ds.recipe.schema import Recipe
@@ -225,7 +225,7 @@ def profile_recipe(recipe: Recipe, opts: Options, whole: frozenset[str] = frozen
     # Model code is imported only once the recipe and arguments are known to be good, so errors come back at once.
     # deferred: loads safetensors
     from disttrain_ds.metrics.step_flops import StepFlopsCounter
-    from disttrain_ds.mllm.model import BatchNorms, collate, gen_states, generator_states, llm_inputs, lm_loss_sum
+    from disttrain_ds.mllm.model import BatchNorms, collate, gen_states, generator_states, llm_inputs
     from disttrain_ds.runtime.setup import build_data_and_spec
 
     torch.manual_seed(recipe.seed)

@@ -125,6 +125,12 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute precision (fp16 is not supported on CPU)."""
 
+    compile: bool | Literal["auto"] = "auto"
+    """Compile each pipeline layer in place with ``torch.compile`` (``models/compiled.py``: the same
+    parameter names, checkpoints and export; shapes that vary become dynamic after one recompile;
+    ``compile/graphs`` in the metrics counts the graphs made). auto: on CUDA only; true: on CPU too
+    (inductor, needs a C++ compiler; the first step takes minutes); false: eager."""
+
     peak_tflops: float = 0.0
     """Accelerator peak for MFU; 0 looks the device up (A100 312, H100 989, ...) or, on CPU,
     measures a matmul estimate once."""

@@ -16,6 +16,7 @@ import torch
 from disttrain_ds.metrics.logger import RunLogger
 from disttrain_ds.metrics.step_flops import MfuMeter
 from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
+from disttrain_ds.models.compiled import compile_enabled, compile_layers, graphs_compiled
 from disttrain_ds.models.vae import generator_vae
 from disttrain_ds.recipe.schema import Recipe
 from disttrain_ds.runtime.callbacks.evaluation import Evaluation, eval_figures
@@ -73,7 +74,8 @@ class ReferenceExecutor:
         dt = time.perf_counter() - t0
         return {"loss": totals["loss"], "loss/lm": totals["lm"], "loss/gen": totals["gen"], "step_seconds": dt,
                 "time/step": dt, "time/data_wait": data_wait,
-                **{f"loss/gen/{n}": totals[f"gen/{n}"] for n in self.spec.generators}}, False
+                **{f"loss/gen/{n}": totals[f"gen/{n}"] for n in self.spec.generators},
+                **({"compile/graphs": graphs_compiled()} if graphs_compiled() else {})}, False
 
     def evaluate(self, batches: list[list]) -> dict[str, float]:
         with torch.no_grad():
@@ -97,6 +99,8 @@ def train_reference(recipe: Recipe, run_dir: Path | None, log=print) -> tuple[li
     source, spec = build_data_and_spec(recipe)
     model = ReferenceMLLM(spec)
     model.to(compute_dtype(recipe))
+    if compile_enabled(recipe.train.compile, torch.device("cpu")):  # the reference runs on the CPU
+        compile_layers(layer for name in spec.names for layer in getattr(model, name).layers)
     executor = ReferenceExecutor(recipe, spec, model)  # optimizers over the converted parameters
     writer = RunLogger.from_recipe(run_dir, recipe) if run_dir else None
     # One process holds every module: each module's MFU is over the one device.

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as tdist
 
 from disttrain_ds.graph import MODULES
+from disttrain_ds.models.compiled import graphs_compiled
 from disttrain_ds.runtime.rank_context import RankContext
 
 
@@ -27,6 +28,7 @@ def gather_step_record(ctx: RankContext, stats: dict, elapsed: float, chunks: in
             stats["data_wait_s"],
             peak_memory_gib(),
             1.0 if preempt else 0.0,
+            graphs_compiled(),
         ],
         dtype=torch.float64,
     )
@@ -49,6 +51,8 @@ def gather_step_record(ctx: RankContext, stats: dict, elapsed: float, chunks: in
         "preempt": bool(table[:, 8].max() > 0),
         **{f"loss/gen/{name}": value for name, value in gens.items()},
     }
+    if table[:, 9].sum() > 0:  # train.compile: graphs made so far over all ranks (growing after warm-up: recompiles)
+        rec["compile/graphs"] = int(table[:, 9].sum())
     for i, name in enumerate(names):
         sel = table[table[:, 0] == i]
         rec[f"time/{name}_compute"] = float(sel[:, 4].max())

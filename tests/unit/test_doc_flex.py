@@ -91,11 +91,12 @@ def test_flex_forward_on_cpu_equals_the_spans_and_the_masked_sdpa(monkeypatch):
     assert (wrong - out).abs().max() > 1e-2
 
 
-def test_doc_attention_takes_exactly_one_of_spans_and_blocks():
+def test_doc_attention_takes_exactly_one_of_spans_blocks_and_whole():
     q = torch.zeros(1, 2, 4, 8)
     docs = _docs([(4,)], 4)
-    for kwargs in ({}, {"doc_spans": doc_spans(docs), "doc_blocks": doc_block_mask(docs)}):
-        with pytest.raises(ValueError, match="takes doc_spans or doc_blocks"):
+    for kwargs in ({}, {"doc_spans": doc_spans(docs), "doc_blocks": doc_block_mask(docs)},
+                   {"doc_spans": doc_spans(docs), "doc_whole": True}):
+        with pytest.raises(ValueError, match="takes one of doc_spans, doc_blocks, doc_whole"):
             doc_attention(None, q, q, q, None, **kwargs)
     with pytest.raises(ValueError, match="no dropout"):
         doc_attention(None, q, q, q, None, dropout=0.1, doc_blocks=doc_block_mask(docs))
@@ -107,16 +108,18 @@ def test_auto_is_flex_on_cuda_and_spans_elsewhere():
     assert doc_attention_path("spans", cuda) == "spans" and doc_attention_path("flex", cuda) == "flex"
     docs = _docs([(3, 2)], 6)
     assert set(doc_attention_kwargs(docs)) == {"doc_spans"}  # on CPU
-    assert doc_attention_kwargs(docs)["doc_spans"].tolist() == [3, 2, 1]
+    spans = doc_attention_kwargs(docs)["doc_spans"]
+    assert spans.tolist() == [3, 2, 1] and spans.device.type == "cpu"  # read to the host once, for every block
 
 
 def test_auto_keeps_plain_causal_sdpa_for_rows_of_one_whole_document(monkeypatch):
-    # Pretend CUDA: auto's device rule says flex; a microbatch without packing still takes the
-    # spans (one causal SDPA per row), an explicit flex does not.
+    # Pretend CUDA: auto's device rule says flex; a microbatch without packing still takes plain
+    # causal SDPA over its rows, an explicit flex does not.
     monkeypatch.setattr(doc_mask, "doc_attention_path", lambda choice, device: "flex" if choice != "spans" else "spans")
     whole = _docs([(6,), (6,)], 6)
     packed, padded = _docs([(3, 3), (6,)], 6), _docs([(4,), (6,)], 6)
-    assert set(doc_attention_kwargs(whole, "auto")) == {"doc_spans"}
+    assert doc_attention_kwargs(whole, "auto") == {"doc_whole": True}
+    assert doc_attention_kwargs(whole, "spans") == {"doc_whole": True}
     assert set(doc_attention_kwargs(whole, "flex")) == {"doc_blocks"}
     assert set(doc_attention_kwargs(packed, "auto")) == {"doc_blocks"}
     assert set(doc_attention_kwargs(padded, "auto")) == {"doc_blocks"}  # padding is a span of its own
@@ -158,3 +161,18 @@ def test_every_block_of_a_microbatch_shares_one_mask(tiny_spec, monkeypatch):
         docs[0, 5:] = 7  # the same tensor changed in place is not the same layout
         llm((ids, rows, docs))
         assert len(built) == 3 and real(built[-1]).tolist() == [5, 7]
+
+
+def test_rows_of_one_whole_document_attend_as_the_spans_do():
+    # doc_whole is plain causal SDPA over each row: the spans path's function when every row is one
+    # document (grouped-query heads, several rows); control: on packed rows it is not.
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 12, 8, generator=g)
+    k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(2))
+    whole = _docs([(12,), (12,)], 12)
+    assert doc_attention_kwargs(whole) == {"doc_whole": True}
+    out, _ = doc_attention(None, q, k, v, None, scaling=0.3, doc_whole=True)
+    spans, _ = doc_attention(None, q, k, v, None, scaling=0.3, doc_spans=doc_spans(whole))
+    torch.testing.assert_close(out, spans, rtol=1e-5, atol=1e-6)
+    packed, _ = doc_attention(None, q, k, v, None, scaling=0.3, doc_spans=doc_spans(_docs([(5, 7), (12,)], 12)))
+    assert (packed - out).abs().max() > 1e-2

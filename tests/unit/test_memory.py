@@ -15,8 +15,8 @@ from disttrain_ds.estimate import activations, memory, memory_check
 from disttrain_ds.families.llama.estimates import decoder_activations
 from disttrain_ds.families.unet.estimates import activation_layers as unet_layers
 from disttrain_ds.families.vit.estimates import encoder_activations
-from disttrain_ds.mllm.model import BatchNorms, collate, generator_states, llm_inputs, lm_loss_sum
-from disttrain_ds.models.objectives import gen_condition
+from disttrain_ds.mllm.model import BatchNorms, collate, generator_states, llm_inputs
+from disttrain_ds.models.objectives import gen_condition, lm_loss_sum
 from disttrain_ds.recipe.schema import load_recipe
 from disttrain_ds.runtime.entry import run
 

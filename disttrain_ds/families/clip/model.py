@@ -30,7 +30,7 @@ from disttrain_ds.families.clip.config import VisionTowerConfig, run_layers
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.models.packed import per_item
 from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
-from disttrain_ds.models.pixels import unpack_images
+from disttrain_ds.models.pixels import embed_by_size
 
 
 @dataclass(frozen=True)
@@ -87,16 +87,15 @@ class TowerEmbed(nn.Module):
         self.seq_parallel = None
         self.embeddings, self.pre_norm = embeddings, pre_norm
 
+    def compile_targets(self) -> list[nn.Module]:
+        return []  # one call per image size, grouped on the host
+
     def forward(self, inputs):
         flat, hw = inputs
-        rows, counts = [], []
-        for im in unpack_images(flat, hw):
-            emb = self.embeddings(im.unsqueeze(0), interpolate_pos_encoding=True)[0]
-            rows.append(self.pre_norm(emb) if self.pre_norm is not None else emb)
-            counts.append(emb.shape[0])
-        width = self.embeddings.patch_embedding.out_channels
-        hidden = torch.cat(rows) if rows else flat.new_zeros(0, width)
-        counts = torch.tensor(counts, dtype=torch.long, device=hidden.device)
+        hidden, counts = embed_by_size(lambda x: self.embeddings(x, interpolate_pos_encoding=True), flat, hw,
+                                       self.embeddings.patch_embedding.out_channels)
+        if self.pre_norm is not None:
+            hidden = self.pre_norm(hidden)
         if self.seq_parallel is not None:
             hidden = shard_rows(hidden, self.seq_parallel)
         return hidden, counts
@@ -109,6 +108,9 @@ class TowerBlock(nn.Module):
         super().__init__()
         self.seq_parallel = None
         self.layer = layer
+
+    def compile_targets(self) -> list[nn.Module]:
+        return [self.layer]  # items grouped by length on the host, outside the graph
 
     def forward(self, inputs):
         hidden, counts = inputs
@@ -125,6 +127,9 @@ class TowerHead(nn.Module):
         super().__init__()
         self.seq_parallel = None
         self.post_layernorm, self.cls = post_layernorm.requires_grad_(False), cls
+
+    def compile_targets(self) -> list[nn.Module]:
+        return []  # no compute: CLS rows dropped by a data-dependent index
 
     def forward(self, inputs):
         hidden, counts = inputs

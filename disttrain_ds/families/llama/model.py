@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 from transformers.models.llama.modeling_llama import (
@@ -92,6 +93,9 @@ class LlmEmbed(nn.Module):
         self.image_token = image_token
         self.tokens = tuple(tokens) or (image_token,)
 
+    def compile_targets(self) -> list[nn.Module]:
+        return []  # a lookup and a scatter; the placeholder check reads a count on the host
+
     def forward(self, inputs):
         input_ids, *embeds, doc_ids = inputs
         if len(embeds) != len(self.tokens):
@@ -101,22 +105,32 @@ class LlmEmbed(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for token, rows in zip(self.tokens, embeds):
             mask = input_ids == token
-            n = int(mask.sum())
-            if n != rows.shape[0]:
-                kind = "image" if token == self.image_token else f"token {token}"
-                raise ValueError(f"{n} {kind} placeholders but {rows.shape[0]} encoder rows for them")
-            if n:
-                hidden = hidden.masked_scatter(mask.unsqueeze(-1), rows.to(hidden.dtype))
+            kind = "image" if token == self.image_token else f"token {token}"
+            if input_ids.device.type == "cpu":  # the count is at hand: say what is wrong
+                if (n := int(mask.sum())) != rows.shape[0]:
+                    raise ValueError(f"{n} {kind} placeholders but {rows.shape[0]} encoder rows for them")
+            else:  # checked on the device, so the step does not wait here to read the count
+                torch._assert_async(mask.sum() == rows.shape[0], f"{kind} placeholders and encoder rows differ in number")
+            hidden = hidden.masked_scatter(mask.unsqueeze(-1), rows.to(hidden.dtype))
         if self.seq_parallel is not None:
             hidden = self.seq_parallel.shard(hidden).contiguous()
         return hidden, doc_ids
+
+
+_ROTARY: tuple = ()
+"""(doc_ids, its version, the rotary table's key, the SP group, (positions, rotary table)) of the
+last microbatch a block saw."""
 
 
 class LlmBlock(nn.Module):
     """(hidden, doc_ids) -> (hidden, doc_ids): one decoder layer, causal inside each document
     (per span or through flex attention, ``cfg.doc_attention``), rotary positions restarting at
     each document. Under sequence parallelism ``hidden`` is this rank's slice of every row and
-    ``doc_ids`` the whole rows: positions are the slice's own, attention exchanges heads for rows."""
+    ``doc_ids`` the whole rows: positions are the slice's own, attention exchanges heads for rows.
+
+    Positions, the rotary table and the attention arguments are made once per microbatch by the
+    stage's first block and reused by the others (``_ROTARY``, ``doc_attention_kwargs``); only
+    the decoder layer itself is compiled (``compile_targets``), so they stay outside its graph."""
 
     def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
         super().__init__()
@@ -126,17 +140,36 @@ class LlmBlock(nn.Module):
         self.doc_attention = cfg.doc_attention
         self.layer = decoder.layer(hf, index)
         self.rotary = decoder.rotary(hf)
+        # Blocks of one config make the same table: a key of what it is made from.
+        self._rotary_key = (type(self.rotary), repr(getattr(hf, "rope_parameters", None)), getattr(hf, "head_dim", None),
+                            getattr(hf, "partial_rotary_factor", 1.0), hf.hidden_size, hf.num_attention_heads,
+                            hf.max_position_embeddings)
+
+    def compile_targets(self) -> list[nn.Module]:
+        return [self.layer]
+
+    def _positions(self, hidden, doc_ids):
+        """(position ids, rotary (cos, sin)) of this microbatch, made once for every block."""
+        global _ROTARY
+        key = (self._rotary_key, hidden.dtype, hidden.device)
+        if (_ROTARY and _ROTARY[0] is doc_ids and _ROTARY[1] == doc_ids._version and _ROTARY[2] == key
+                and _ROTARY[3] is self.seq_parallel):
+            return _ROTARY[4]
+        pos = doc_positions(doc_ids)
+        if self.seq_parallel is not None:
+            pos = self.seq_parallel.shard(pos)
+        made = (pos, self.rotary(hidden, pos))
+        _ROTARY = (doc_ids, doc_ids._version, key, self.seq_parallel, made)
+        return made
 
     def forward(self, inputs):
         hidden, doc_ids = inputs
-        pos = doc_positions(doc_ids)
+        pos, table = self._positions(hidden, doc_ids)
         attention = doc_attention_kwargs(doc_ids, self.doc_attention)
         if self.seq_parallel is not None:
-            pos = self.seq_parallel.shard(pos)
             attention = {**attention, "seq_parallel": self.seq_parallel}
         # No [S, S] mask: spans or a block mask, built once per microbatch (bench/bench_doc_mask.py).
-        out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=self.rotary(hidden, pos),
-                         **attention)
+        out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=table, **attention)
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 

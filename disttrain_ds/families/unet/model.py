@@ -76,6 +76,8 @@ def _unet_part(cfg: GeneratorConfig, seed: int, pick):
 class UnetIn(nn.Module):
     """(cond, noisy, timesteps) -> (sample, emb, cond, skip0): time embedding and conv_in."""
 
+    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+
     def __init__(self, parts: tuple):
         super().__init__()
         self.time_proj, self.time_embedding, self.time_embed_act, self.conv_in = parts
@@ -93,6 +95,8 @@ class UnetIn(nn.Module):
 class UnetDown(nn.Module):
     """One down block: appends its skip connections to the tuple."""
 
+    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
@@ -107,6 +111,8 @@ class UnetDown(nn.Module):
 
 
 class UnetMid(nn.Module):
+    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
@@ -122,6 +128,8 @@ class UnetMid(nn.Module):
 
 class UnetUp(nn.Module):
     """One up block: consumes as many skips as it has resnets; the last one drops emb and cond."""
+
+    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
 
     def __init__(self, block: nn.Module, last: bool):
         super().__init__()
@@ -143,6 +151,8 @@ class UnetUp(nn.Module):
 
 class UnetOut(nn.Module):
     """sample -> predicted noise: norm, activation, conv_out."""
+
+    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
 
     def __init__(self, parts: tuple):
         super().__init__()

@@ -26,7 +26,7 @@ from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.models.packed import per_item
 from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
-from disttrain_ds.models.pixels import unpack_images
+from disttrain_ds.models.pixels import embed_by_size
 
 
 def hf_config(cfg: EncoderConfig) -> ViTConfig:
@@ -74,18 +74,13 @@ class VitEmbed(nn.Module):
         self.seq_parallel = None
         self.embeddings = embeddings
 
+    def compile_targets(self) -> list[nn.Module]:
+        return []  # one call per image size, grouped on the host
+
     def forward(self, inputs):
         flat, hw = inputs
-        images = unpack_images(flat, hw)
-        rows = []
-        counts = []
-        for im in images:
-            emb = self.embeddings(im.unsqueeze(0), interpolate_pos_encoding=True)
-            rows.append(emb[0])
-            counts.append(emb.shape[1])
-        width = self.embeddings.cls_token.shape[-1]
-        hidden = torch.cat(rows) if rows else flat.new_zeros(0, width)
-        counts = torch.tensor(counts, dtype=torch.long, device=hidden.device)
+        hidden, counts = embed_by_size(lambda x: self.embeddings(x, interpolate_pos_encoding=True), flat, hw,
+                                       self.embeddings.cls_token.shape[-1])
         if self.seq_parallel is not None:
             hidden = shard_rows(hidden, self.seq_parallel)
         return hidden, counts
@@ -98,6 +93,9 @@ class VitBlock(nn.Module):
         super().__init__()
         self.seq_parallel = None
         self.layer = layer
+
+    def compile_targets(self) -> list[nn.Module]:
+        return [self.layer]  # items grouped by length on the host, outside the graph
 
     def forward(self, inputs):
         hidden, counts = inputs
@@ -113,6 +111,9 @@ class VitHead(nn.Module):
         super().__init__()
         self.seq_parallel = None
         self.layernorm = layernorm
+
+    def compile_targets(self) -> list[nn.Module]:
+        return []  # a LayerNorm alone: torch.compile makes no graph of it
 
     def forward(self, inputs):
         hidden, counts = inputs

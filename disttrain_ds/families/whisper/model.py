@@ -121,6 +121,9 @@ class WhisperEmbed(nn.Module):
                 raise ValueError(f"audio clip {i} has shape ({m}, {frames}); the encoder reads {mels} mel bins "
                                  f"and an even number of frames up to max_frames={max_frames}")
 
+    def compile_targets(self) -> list[nn.Module]:
+        return []  # clips grouped by length on the host
+
     def forward(self, inputs):
         flat, shapes = inputs
         clips = unpack_clips(flat, shapes)
@@ -148,6 +151,9 @@ class WhisperBlock(nn.Module):
         self.seq_parallel = None
         self.layer = layer
 
+    def compile_targets(self) -> list[nn.Module]:
+        return [self.layer]  # items grouped by length on the host, outside the graph
+
     def forward(self, inputs):
         hidden, counts = inputs
         if self.seq_parallel is not None:
@@ -162,6 +168,9 @@ class WhisperHead(nn.Module):
         super().__init__()
         self.seq_parallel = None
         self.layer_norm = layer_norm
+
+    def compile_targets(self) -> list[nn.Module]:
+        return []  # a LayerNorm alone: torch.compile makes no graph of it
 
     def forward(self, inputs):
         hidden, counts = inputs

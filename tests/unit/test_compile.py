@@ -1,0 +1,207 @@
+"""Compiled training (``models/compiled.py``, ``train.compile``) and the hot path without host reads:
+graphs per layer family pinned, compiled = eager, recompiles bounded, host reads per microbatch
+independent of depth, a loss that reads nothing back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.mllm.model import BatchNorms, ReferenceMLLM, collate
+from disttrain_ds.models import doc_mask
+from disttrain_ds.models.compiled import compile_enabled, compile_layers, compile_targets, graphs_compiled
+from disttrain_ds.models.layers import Sequential
+from disttrain_ds.models.objectives import lm_loss_sum
+from disttrain_ds.models.vae import generator_vae
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.runtime.setup import build_data_and_spec
+from disttrain_ds.samples import IGNORE_INDEX, doc_ids
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+GRAPHS = {
+    # Layers that loop on the host (embeddings of items of several sizes) or hold nothing worth a
+    # graph compile nothing; a decoder block on the span path breaks around its span attention
+    # (which loops over the microbatch's span lengths) into 4 graphs, on whole rows it is one.
+    "VitEmbed": 0, "VitBlock": 1, "VitHead": 0, "InputProjector": 1,
+    "WhisperEmbed": 0, "WhisperBlock": 2, "WhisperHead": 0,
+    "LlmEmbed": 0, "LlmBlock": 4, "LlmHead": 1,
+    "ConditionProjector": 1, "UnetIn": 1, "UnetDown": 1, "UnetMid": 1, "UnetUp": 1, "UnetOut": 1,
+    "DiTIn": 1, "DiTBlock": 1, "DiTOut": 1,
+}
+"""Graphs torch.compile makes of the first layer of each family on one microbatch (forward and
+backward; the family's other layers reuse them where their shapes agree)."""
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model_and_batch(recipe: str, sample: int = 0):
+    source, spec = build_data_and_spec(load_recipe(REPO / "recipes" / recipe))
+    samples = source.global_batch(sample)[:1]
+    mb = collate(samples, BatchNorms.of(samples, 1, len(spec.generators)), spec, dtype=torch.float32,
+                 vae=generator_vae(spec))
+    return spec, ReferenceMLLM(spec), mb, source
+
+
+@pytest.mark.parametrize("recipe", ["tiny_two_gen.yaml", "tiny_omni.yaml"])  # every family of tiny_cpu too
+def test_each_layer_family_compiles_into_its_pinned_number_of_graphs(recipe):
+    spec, model, mb, _ = _model_and_batch(recipe)
+    counts: dict[tuple[str, int], tuple[str, CompileCounter]] = {}
+    for name in spec.names:
+        for i, layer in enumerate(getattr(model, name).layers):
+            counter = CompileCounter()
+            compile_layers([layer], backend=counter)
+            counts[(name, i)] = (type(layer).__name__, counter)
+    model(mb)["loss"].backward()
+    seen: dict[str, int] = {}
+    for kind, c in counts.values():  # the family's first layer makes its graphs; the others reuse them
+        seen.setdefault(kind, c.frame_count)
+    assert seen == {kind: GRAPHS[kind] for kind in seen}, seen
+
+
+def test_graph_counting_sees_a_break():
+    # Negative control of the pins above: a host read inside a layer is a graph break.
+    class Reads(nn.Module):
+        def forward(self, x):
+            n = int(x.sum())
+            return x * 2 + n
+
+    counter = CompileCounter()
+    compile_layers([Reads()], backend=counter)
+    layer = Reads()
+    compile_layers([layer], backend=counter)
+    layer(torch.ones(3))
+    assert counter.frame_count == 2
+
+
+def _llm(spec, blocks: int) -> Sequential:
+    spec = spec.with_changes("llm", layers=blocks)
+    return Sequential([d.build() for d in spec.layers("llm")])
+
+
+def test_a_block_on_rows_of_one_whole_document_is_one_graph(tiny_spec):
+    llm = _llm(tiny_spec, 2)
+    counter = CompileCounter()
+    compile_layers(llm.layers[1:2], backend=counter)
+    ids = torch.randint(0, 200, (2, 16))
+    llm((ids, torch.zeros(0, tiny_spec.llm.hidden_size), torch.zeros(2, 16, dtype=torch.long)))[0].sum().backward()
+    assert counter.frame_count == 1
+
+
+def test_new_lengths_recompile_once_then_reuse_dynamic_graphs(tiny_spec):
+    llm = _llm(tiny_spec, 2)
+    counter = CompileCounter()
+    compile_layers(llm.layers[1:], backend=counter)
+    made = []
+    for s in (16, 24, 32, 40, 48):  # every length a new shape, documents packed two per row
+        docs = torch.stack([doc_ids((s // 2, s - s // 2), s)])
+        ids = torch.randint(0, 200, (1, s))
+        llm((ids, torch.zeros(0, tiny_spec.llm.hidden_size), docs))[0].sum().backward()
+        made.append(counter.frame_count)
+    # The first length compiles static graphs, the second recompiles them dynamic, then none.
+    assert made[2] == made[3] == made[4] == made[1] > made[0] > 0, made
+
+
+def test_compiled_layers_train_as_the_eager_ones_do_with_the_same_parameter_names():
+    spec, model, mb, source = _model_and_batch("tiny_cpu.yaml")
+    _, eager, _, _ = _model_and_batch("tiny_cpu.yaml")
+    eager.load_state_dict(model.state_dict())
+    before = graphs_compiled()
+    compile_layers(layer for name in spec.names for layer in getattr(model, name).layers)  # inductor, on the CPU
+    assert list(model.state_dict()) == list(eager.state_dict())
+    out, ref = model(mb), eager(mb)
+    out["loss"].backward()
+    ref["loss"].backward()
+    assert graphs_compiled() > before
+    torch.testing.assert_close(out["loss"], ref["loss"], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        if p.grad is not None or q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # Negative control: one weight nudged by 1e-3 moves the loss past that tolerance.
+    with torch.no_grad():
+        next(eager.llm.parameters()).add_(1e-3)
+    assert (eager(mb)["loss"] - out["loss"]).abs() > 1e-5
+
+
+class _HostReads:
+    """Counts calls that read a tensor's values on the host (a device sync on CUDA)."""
+
+    NAMES = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, real))
+
+    def _counting(self, name, real):
+        def call(t, *a, **k):
+            self.calls.append(name)
+            return real(t, *a, **k)
+        return call
+
+
+def _host_reads(monkeypatch, spec, blocks: int, reset_each_block: bool = False) -> int:
+    llm = _llm(spec, blocks)
+    if reset_each_block:  # the control: every block builds its attention arguments anew
+        for layer in llm.layers[1:-1]:
+            layer.register_forward_pre_hook(lambda *_: setattr(doc_mask, "_LAST", ()))
+    docs = torch.stack([doc_ids((5, 7, 4), 20), doc_ids((20,), 20)])
+    ids = torch.randint(0, 200, (2, 20))
+    labels = torch.randint(0, 200, (2, 20))
+    with monkeypatch.context() as m:
+        reads = _HostReads(m)
+        logits, _ = llm((ids, torch.zeros(0, spec.llm.hidden_size), docs))
+        lm_loss_sum(logits, labels).backward()
+    return len(reads.calls)
+
+
+def test_host_reads_per_microbatch_do_not_grow_with_depth(tiny_spec, monkeypatch):
+    shallow, deep = _host_reads(monkeypatch, tiny_spec, 2), _host_reads(monkeypatch, tiny_spec, 6)
+    assert shallow == deep <= 4
+    # Negative control: attention arguments made per block read the host once per block.
+    assert _host_reads(monkeypatch, tiny_spec, 6, reset_each_block=True) > deep
+
+
+def test_the_lm_loss_reads_nothing_back_and_is_the_labelled_positions_cross_entropy(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 7), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    with monkeypatch.context() as m:
+        reads = _HostReads(m)
+        loss = lm_loss_sum(logits, labels, 0.5)
+    assert reads.calls == []
+    valid = labels != IGNORE_INDEX
+    ref = torch.nn.functional.cross_entropy(logits[valid], labels[valid], reduction="sum") * 0.5
+    torch.testing.assert_close(loss, ref)
+    assert (lm_loss_sum(logits, torch.randint(0, 11, (2, 7), generator=g), 0.5) - ref).abs() > 1e-3  # control
+    none = lm_loss_sum(logits, torch.full_like(labels, IGNORE_INDEX))
+    none.backward()
+    assert float(none) == 0.0 and not logits.grad.any()
+
+
+def test_the_setting_is_auto_true_or_false():
+    from test_checkpoint_init import load_recipe_tiny
+
+    assert load_recipe_tiny([]).train.compile == "auto"
+    assert load_recipe_tiny(["train.compile=true"]).train.compile is True
+    with pytest.raises(ConfigError, match=r"'train.compile' expects"):
+        load_recipe_tiny(["train.compile=fast"])
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_enabled("auto", cuda) and not compile_enabled("auto", cpu)
+    assert compile_enabled(True, cpu) and not compile_enabled(False, cuda)
+
+
+def test_a_block_compiles_its_decoder_layer_not_its_per_microbatch_preparation(tiny_spec):
+    block = _llm(tiny_spec, 1).layers[1]
+    assert compile_targets(block) == [block.layer]
