@@ -113,6 +113,9 @@ class Family:
     sp_heads: Callable[[Any], tuple[int, int]] | None = None
     """cfg -> (query heads, KV heads) of its attention layers, which sequence parallelism
     (``parallel.<module>.sp``) splits among its ranks; None: the family's layers have no SP path."""
+    channels_last: bool = False
+    """Convolutional families: on CUDA their weights and activations take the channels-last layout
+    (``models/channels_last.py``), cuDNN's fast one, with ``cudnn.benchmark`` choosing kernels."""
     not_trainable: str = ""
     """Why recipes cannot train this family yet (empty when they can): its layers are built and
     tested, but some part of the pipeline around them is missing."""

@@ -41,6 +41,7 @@ from disttrain_ds.data.spool import default_base, host_key, plan_shares
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.estimate.memory_check import startup_memory_problem
 from disttrain_ds.mllm.flex_warmup import warm_up_stage
+from disttrain_ds.models.channels_last import to_channels_last
 from disttrain_ds.models.compiled import compile_enabled, compile_layers
 from disttrain_ds.models.configs import trains
 from disttrain_ds.parallel.engine import make_engine
@@ -312,6 +313,8 @@ def _train(job: JobStart) -> int:
                                mp.activation_checkpointing, groups.tied_group(grid.name), sp)
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
+    if device.type == "cuda" and spec.family(grid.name).channels_last:
+        to_channels_last(pm)
     if compile_enabled(recipe.train.compile, device):  # in place: names, checkpoints and export unchanged
         compile_layers(getattr(pm, str(i)) for i in range(pm._local_start, pm._local_stop))
     frozen = not any(p.requires_grad for p in pm.parameters())  # this stage holds nothing to train

@@ -205,3 +205,31 @@ def test_the_setting_is_auto_true_or_false():
 def test_a_block_compiles_its_decoder_layer_not_its_per_microbatch_preparation(tiny_spec):
     block = _llm(tiny_spec, 1).layers[1]
     assert compile_targets(block) == [block.layer]
+
+
+def test_a_channels_last_unet_computes_what_the_default_layout_does():
+    from disttrain_ds.models.channels_last import to_channels_last
+
+    spec, model, mb, _ = _model_and_batch("tiny_cpu.yaml")
+    _, ref, _, _ = _model_and_batch("tiny_cpu.yaml")
+    ref.load_state_dict(model.state_dict())
+    unet = model.generator
+    assert spec.family("generator").channels_last and not spec.family("llm").channels_last
+    to_channels_last(unet)
+    shapes = []
+    for layer in unet.layers[1:]:
+        layer.register_forward_hook(lambda m, a, out: shapes.append(out[0] if isinstance(out, tuple) else out))
+    out, expected = model(mb), ref(mb)
+    out["loss"].backward()
+    expected["loss"].backward()
+    torch.testing.assert_close(out["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+    for p, q in zip(unet.parameters(), ref.generator.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert list(unet.state_dict()) == list(ref.generator.state_dict())
+    four_d = [t for t in shapes if t.dim() == 4]
+    assert four_d and all(t.is_contiguous(memory_format=torch.channels_last) for t in four_d)
+    # Control: the default layout's activations are not channels-last.
+    plain = []
+    ref.generator.layers[2].register_forward_hook(lambda m, a, out: plain.append(out[0]))
+    ref(mb)
+    assert not plain[0].is_contiguous(memory_format=torch.channels_last)

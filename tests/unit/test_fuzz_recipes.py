@@ -115,6 +115,9 @@ def wrong_values(tp) -> list:
     if origin in (typing.Union, types.UnionType) and set(args) - {int} and all(
             a is int or typing.get_origin(a) is typing.Literal for a in args):  # a count or a named choice
         return ["three", 2.5, [1], {"a": 1}, True, None, "bogus_choice"]
+    if origin in (typing.Union, types.UnionType) and bool in args and all(
+            a is bool or typing.get_origin(a) is typing.Literal for a in args):  # a switch or a named choice
+        return [1, "maybe", [True], None, {"a": True}, 0.5, "bogus_choice"]
     raise AssertionError(f"no wrong values for {tp}")
 
 

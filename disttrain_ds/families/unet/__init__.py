@@ -55,4 +55,5 @@ FAMILY = Family(
     image_flops=image_flops,
     activation_layers=activation_layers,
     cost_terms=cost_terms,
+    channels_last=True,
 )

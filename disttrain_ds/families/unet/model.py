@@ -88,6 +88,10 @@ class UnetIn(nn.Module):
         emb = self.time_embedding(t_emb)
         if self.time_embed_act is not None:
             emb = self.time_embed_act(emb)
+        if noisy.is_cuda or self.conv_in.weight.is_contiguous(memory_format=torch.channels_last):
+            # cuDNN's fast layout, kept by every layer after this one (models/channels_last.py), even
+            # where an optimizer's flat buffers have given the weights back their default layout.
+            noisy = noisy.contiguous(memory_format=torch.channels_last)
         sample = self.conv_in(noisy)
         return sample, emb, cond, sample
 
