@@ -1,24 +1,32 @@
-"""One training step (forward + backward + optimizer step) per MLLM module on one GPU, with MFU.
+"""One training step per MLLM module on one GPU, with MFU in both FLOP conventions.
 
-    python bench/gpu_modules.py [--modules llm,vit,unet512,unet1024] [--steps 10] [--warmup 3]
-                                [--seq-len 8192] [--batch unet512=8] [--attention auto] [--json OUT]
+    python bench/gpu_modules.py [--modules llm7b,vit,unet512] [--steps 10] [--warmup 3] [--accum 1]
+                                [--master-fp32] [--compile] [--seq-len 8192] [--docs 1]
+                                [--batch unet512=8] [--attention auto] [--json OUT]
     python bench/gpu_modules.py --device cpu --tiny      # smoke run of the same code, tiny sizes
 
 Modules are built from the project's own layer lists (``disttrain_ds.models``), i.e. the code
-that trains: ``llm`` a ~1.1B Llama backbone (22 layers, width 2048, 16 query / 4 KV heads of
-128, SwiGLU 5632, vocab 32000) on one 8K sequence; ``vit`` the ViT-H/14 encoder preset with its
-input projector on 224 px images; ``unet512`` / ``unet1024`` the SD-2.1-like generator preset
-with its output projector on 64x64 / 128x128 latents (512 / 1024 px images).
+that trains: ``llm`` a ~1.1B Llama backbone (22 layers, width 2048, 16 query / 4 KV heads of 128,
+SwiGLU 5632, vocab 32000); ``llm7b`` / ``llm13b`` stacks of ``--llm-layers`` decoder layers of
+Llama-7B / -13B (width 4096 / 5120; the paper's MLLM-9B and -15B backbones; a stack is one
+pipeline stage's share, with the embedding and the LM head) on ``--seq-len`` tokens packed from
+``--docs`` documents; ``vit`` / ``vit448`` the ViT-H/14 encoder preset with its input projector
+on 224 / 448 px images; ``unet512`` / ``unet1024`` the SD-2.1-like generator preset with its
+output projector on 64x64 / 128x128 latents (512 / 1024 px images).
 
-Precision and optimizer: parameters, gradients and AdamW moments all in bf16 (no fp32 master
-copy), ``torch.optim.AdamW(fused=True)`` on CUDA (foreach on CPU); attention through PyTorch
-SDPA (flash / cuDNN kernels on H100); no activation checkpointing. The 1B model at 8K then needs
-about 2 + 2 + 4 bytes per parameter (~9 GB) plus roughly 20 GB of activations (estimate): well
-within 80 GB.
+Precision and optimizer: bf16 weights and compute; by default bf16 gradients and AdamW moments
+stepping every microbatch; ``--master-fp32`` keeps fp32 master weights and moments as training
+does (DeepSpeed's bf16 optimizer), ``--accum N`` runs N microbatches per optimizer step (MLLM-9B's
+LLM steps once per 120), so the optimizer is amortised as in training; fused AdamW on CUDA.
+``--compile`` compiles each layer in place as ``train.compile`` does (``models/compiled.py``).
+Attention through the layers' own paths (PyTorch SDPA, flex for packed documents on CUDA).
 
-Step time is the median over ``--steps`` timed steps after ``--warmup`` untimed ones (CUDA
-events on GPU, wall clock on CPU). FLOPs come from ``disttrain_ds.cost.flops`` (causal
-attention counted as L(L+1)/2 pairs), the peak from ``disttrain_ds.cost.peak``.
+Step time is the median over ``--steps`` timed steps after ``--warmup`` untimed ones (CUDA events
+on GPU, wall clock on CPU); a step is ``--accum`` microbatches and one optimizer step. FLOPs come
+from ``disttrain_ds.cost.flops``: MFU counts causal attention as L(L+1)/2 pairs (the project's
+convention), MFU full as L^2 (torchtitan's and MosaicML's); tokens/s for the LLMs. Printed
+beside them: the card, its SM clock and power limit (nvidia-smi), and the TFLOP/s of a large
+bf16 GEMM measured in the same run: the ceiling a module's GEMMs could reach on this card.
 Without a CUDA device (and without ``--device cpu``) it prints ``skipped: no CUDA device``.
 """
 
@@ -28,6 +36,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -42,21 +51,27 @@ sys.path.insert(0, str(REPO))
 from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
 from disttrain_ds.cost.mfu import module_mfu, tflops_per_gpu  # noqa: E402
 from disttrain_ds.cost.peak import resolve_peak  # noqa: E402
-from disttrain_ds.families.llama.config import LLMConfig
+from disttrain_ds.families.llama.config import LLM_PRESETS, LLMConfig
 from disttrain_ds.families.unet.config import GENERATOR_PRESETS, GeneratorConfig
 from disttrain_ds.families.vit.config import ENCODER_PRESETS, EncoderConfig  # noqa: E402
+from disttrain_ds.models.compiled import compile_layers  # noqa: E402
 from disttrain_ds.models.layers import Sequential  # noqa: E402
 
 # The model modules pull in transformers / diffusers (seconds to import): each case imports its
 # own when built, so a skipped run or an LLM-only run does not pay for the others.
 
-MODULES = ("llm", "vit", "unet512", "unet1024")
+MODULES = ("llm", "llm7b", "llm13b", "vit", "vit448", "unet512", "unet1024")
 LLM_1B = dict(hidden_size=2048, layers=22, heads=16, kv_heads=4, ffn_hidden=5632, vocab_size=32000, max_position=8192)
+LLM_SIZES = {"llm": LLM_1B, "llm7b": dict(LLM_PRESETS["llama-7b"], max_position=8192),
+             "llm13b": dict(LLM_PRESETS["llama-13b"], max_position=8192)}
 LLM_TINY = dict(hidden_size=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=256, max_position=8192)
 PROJ_WIDTH = {False: 4096, True: 64}  # LLM width the projectors map to/from: MLLM-9B's llama-7b
-DEFAULT_BATCH = {False: dict(llm=1, vit=32, unet512=8, unet1024=2), True: dict(llm=1, vit=2, unet512=2, unet1024=1)}
+DEFAULT_BATCH = {False: dict(llm=1, llm7b=1, llm13b=1, vit=32, vit448=8, unet512=8, unet1024=2),
+                 True: dict(llm=1, llm7b=1, llm13b=1, vit=2, vit448=1, unet512=2, unet1024=1)}
 LATENT = {False: dict(unet512=64, unet1024=128), True: dict(unet512=8, unet1024=16)}
-MFU_GOAL = ("llm", 0.50, "H100")  # module, MFU fraction, device the goal is set for
+MFU_GOALS = {"llm7b": 0.50, "vit": 0.40, "unet512": 0.30}
+"""MFU (causal convention) each module should reach on the cards of ``GOAL_CARDS``."""
+GOAL_CARDS = ("H100", "H200")
 BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
@@ -75,7 +90,11 @@ class Case:
     loss: Callable[[object, object], torch.Tensor]
     """Scalar training loss from (model output, loss target)."""
     flops: Callable[[], float]
-    """Training FLOPs of one step (forward + backward)."""
+    """Training FLOPs of one microbatch (forward + backward), causal attention as L(L+1)/2 pairs."""
+    flops_full: Callable[[], float] | None = None
+    """The same with causal attention counted as L^2 pairs; None: no causal attention (the same)."""
+    tokens: int = 0
+    """Tokens one microbatch trains on (LLMs; 0 elsewhere)."""
 
 
 @dataclass
@@ -93,7 +112,11 @@ class Result:
     tflops: float = float("nan")
     """Achieved TFLOP/s (FLOPs counter / step time)."""
     mfu: float = float("nan")
-    """Fraction of the device peak."""
+    """Fraction of the device peak, causal attention as L(L+1)/2 pairs."""
+    mfu_full: float = float("nan")
+    """The same with causal attention counted as L^2 pairs (torchtitan, MosaicML)."""
+    tokens_per_s: float = float("nan")
+    """Tokens trained per second (LLMs)."""
     peak_mem_gib: float = float("nan")
     """Peak allocated device memory (CUDA only)."""
     note: str = ""
@@ -102,13 +125,17 @@ class Result:
     """Every timed step, milliseconds."""
 
 
-def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention: str = "auto") -> Case:
+def llm_case(name: str, tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention: str = "auto",
+             layers: int | None = None) -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.llama.model import llm_layers
     from disttrain_ds.models.objectives import lm_loss_sum
     from disttrain_ds.samples import doc_ids
 
-    cfg = LLMConfig(preset="bench", doc_attention=doc_attention, **(LLM_TINY if tiny else LLM_1B))
+    size = dict(LLM_TINY if tiny else LLM_SIZES[name])
+    if layers is not None and name != "llm":  # a stack: one pipeline stage's share of the model
+        size["layers"] = layers
+    cfg = LLMConfig(preset="bench", doc_attention=doc_attention, **size)
     cfg.max_position = max(cfg.max_position, seq_len)
     # ``docs`` equal documents per packed sequence (the last one takes the remainder).
     lens = (seq_len // docs,) * (docs - 1) + (seq_len - (seq_len // docs) * (docs - 1),)
@@ -121,21 +148,25 @@ def llm_case(tiny: bool, seq_len: int, batch: int, docs: int = 1, doc_attention:
         docs_ = doc_ids(lens, seq_len).expand(batch, seq_len).contiguous().to(device)
         return (ids, torch.zeros(0, cfg.hidden_size, device=device, dtype=dtype), docs_), labels
 
-    flops = lambda: llm_flops_packed(  # noqa: E731
-        layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
-        kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, doc_lens=list(lens) * batch)
-    shape = f"{batch} x {seq_len} tokens" + (f", {docs} docs" if docs > 1 else "")
-    return Case("llm", shape, lambda: [d.build() for d in llm_layers(cfg, BuildContext("llm", 0, cfg.hidden_size, image_token))],
-                inputs, lambda out, labels: lm_loss_sum(out[0], labels) / labels.numel(), flops)
+    def flops(causal: bool = True) -> float:
+        return llm_flops_packed(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden, heads=cfg.heads,
+                                kv_heads=cfg.kv_heads, vocab=cfg.vocab_size, doc_lens=list(lens) * batch, causal=causal)
+
+    shape = f"{cfg.layers} layers x {cfg.hidden_size}, {batch} x {seq_len} tokens" + (f", {docs} docs" if docs > 1 else "")
+    return Case(name, shape, lambda: [d.build() for d in llm_layers(cfg, BuildContext("llm", 0, cfg.hidden_size, image_token))],
+                inputs, lambda out, labels: lm_loss_sum(out[0], labels) / labels.numel(), flops,
+                lambda: flops(causal=False), batch * seq_len)
 
 
-def vit_case(tiny: bool, batch: int) -> Case:
+def vit_case(name: str, tiny: bool, batch: int) -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.vit.model import encoder_layers
     from disttrain_ds.models.pixels import pack_images
     from disttrain_ds.models.projectors import InputProjector
 
     cfg = EncoderConfig() if tiny else EncoderConfig(preset="vit-h-14", **ENCODER_PRESETS["vit-h-14"])
+    if name == "vit448":
+        cfg = replace(cfg, image_size=cfg.image_size * 2)
     width, side = PROJ_WIDTH[tiny], cfg.image_size
     patches = (side // cfg.patch_size) ** 2
 
@@ -150,7 +181,7 @@ def vit_case(tiny: bool, batch: int) -> Case:
         proj = projector_flops_per_token(in_dim=cfg.hidden_size, hidden_dim=width, out_dim=width)
         return enc + proj * patches * batch
 
-    return Case("vit", f"{batch} x {side}px ({patches} patches)",
+    return Case(name, f"{batch} x {side}px ({patches} patches)",
                 lambda: [*(d.build() for d in encoder_layers(cfg, BuildContext("encoder", 0, width))),
                          InputProjector(cfg.hidden_size, width)],
                 inputs, lambda out, _: out.float().square().mean(), flops)
@@ -190,13 +221,13 @@ def unet_case(name: str, tiny: bool, batch: int) -> Case:
 
 
 def build_cases(names: list[str], tiny: bool, seq_len: int, batch: dict[str, int], docs: int = 1,
-                doc_attention: str = "auto") -> list[Case]:
+                doc_attention: str = "auto", llm_layers: int | None = None) -> list[Case]:
     out = []
     for name in names:
-        if name == "llm":
-            out.append(llm_case(tiny, seq_len, batch[name], docs, doc_attention))
-        elif name == "vit":
-            out.append(vit_case(tiny, batch[name]))
+        if name.startswith("llm"):
+            out.append(llm_case(name, tiny, seq_len, batch[name], docs, doc_attention, llm_layers))
+        elif name.startswith("vit"):
+            out.append(vit_case(name, tiny, batch[name]))
         else:
             out.append(unet_case(name, tiny, batch[name]))
     return out
@@ -220,10 +251,28 @@ def _attention(backend: str):
     return sdpa_kernel([kinds[backend]])
 
 
-def _optimizer(params, device: torch.device) -> torch.optim.Optimizer:
-    if device.type == "cuda":
-        return torch.optim.AdamW(params, lr=1e-5, fused=True)
-    return torch.optim.AdamW(params, lr=1e-5, foreach=True)
+class _Optimizer:
+    """AdamW over the model's bf16 weights, or with ``master`` over fp32 copies of them (the
+    gradients copied up before and the weights copied down after each step, as DeepSpeed's bf16
+    optimizer does)."""
+
+    def __init__(self, params, device: torch.device, master: bool):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params] if master else None
+        kind = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
+        self.opt = torch.optim.AdamW(self.master if master else self.params, lr=1e-5, **kind)
+
+    def step(self) -> None:
+        if self.master is not None:
+            for m, p in zip(self.master, self.params):
+                m.grad = p.grad.float() if p.grad is not None else None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.master is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.master)
+            for p in self.params:
+                p.grad = None
 
 
 def _timer(device: torch.device):
@@ -245,7 +294,7 @@ def _timer(device: torch.device):
 
 
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, steps: int, warmup: int,
-             peak: float, backend: str, compile_layers: bool) -> Result:
+             peak: float, backend: str, compile_: bool, accum: int = 1, master: bool = False) -> Result:
     res = Result(case.name, case.shape)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -253,49 +302,76 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, steps: int, w
     with torch.device(device):
         layers = case.build()
     _drop_build_caches()
-    if compile_layers:
-        layers = [torch.compile(layer) for layer in layers]
     model = Sequential(layers).to(device=device, dtype=dtype)
+    if compile_:
+        compile_layers(model.layers)  # in place, as train.compile does
     res.params = sum(p.numel() for p in model.parameters())
-    opt = _optimizer(model.parameters(), device)
+    opt = _Optimizer(model.parameters(), device, master)
     x, target = case.inputs(device, dtype)
 
     def step() -> None:
         with _attention(backend):
-            loss = case.loss(model(x), target)
-            loss.backward()
+            for _ in range(accum):
+                loss = case.loss(model(x), target)
+                loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
 
     measure = _timer(device)
     for _ in range(warmup):
         measure(step)
     res.samples_ms = [measure(step) for _ in range(steps)]
     res.step_ms = statistics.median(res.samples_ms)
-    flops = case.flops()
-    res.tflops = tflops_per_gpu(flops, 1, res.step_ms / 1e3)
-    res.mfu = module_mfu(flops, 1, peak, res.step_ms / 1e3)
+    seconds = res.step_ms / 1e3
+    flops = case.flops() * accum
+    res.tflops = tflops_per_gpu(flops, 1, seconds)
+    res.mfu = module_mfu(flops, 1, peak, seconds)
+    res.mfu_full = module_mfu((case.flops_full or case.flops)() * accum, 1, peak, seconds)
+    if case.tokens:
+        res.tokens_per_s = case.tokens * accum / seconds
     if device.type == "cuda":
         res.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
     return res
 
 
+def gemm_ceiling(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10) -> float:
+    """TFLOP/s of an n x n x n GEMM in ``dtype`` on ``device`` (median of ``reps``): what a
+    module's large GEMMs could reach on this card in this run (clocks and power as they are)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    measure = _timer(device)
+    for _ in range(3):
+        measure(lambda: a @ b)
+    ms = statistics.median(measure(lambda: a @ b) for _ in range(reps))
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+def card_info() -> dict[str, str]:
+    """The card's name, SM clock now and at most, and power limit (nvidia-smi; {} without it)."""
+    fields = "name,clocks.sm,clocks.max.sm,power.limit,driver_version"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    return dict(zip(fields.split(","), (v.strip() for v in out.split(","))))
+
+
 def goal_note(res: Result, device_name: str) -> str:
-    module, target, where = MFU_GOAL
-    if res.module != module or res.mfu != res.mfu:
+    target = MFU_GOALS.get(res.module)
+    if target is None or res.mfu != res.mfu:
         return ""
-    if where.lower() not in device_name.lower():
-        return f"goal >= {target:.0%} MFU on {where} (this is {device_name})"
-    return f"goal >= {target:.0%} MFU on {where}: {'met' if res.mfu >= target else 'MISSED'}"
+    if not any(card.lower() in device_name.lower() for card in GOAL_CARDS):
+        return f"goal >= {target:.0%} MFU on {' / '.join(GOAL_CARDS)} (this is {device_name})"
+    return f"goal >= {target:.0%} MFU: {'met' if res.mfu >= target else 'MISSED'}"
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| module | batch | params | step ms | TFLOP/s | MFU | peak mem GiB | note |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| module | batch | params | step ms | TFLOP/s | MFU (causal L(L+1)/2) | MFU (full L^2) | tokens/s "
+             "| peak mem GiB | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         mem = "-" if r.peak_mem_gib != r.peak_mem_gib else f"{r.peak_mem_gib:.1f}"
+        tok = "-" if r.tokens_per_s != r.tokens_per_s else f"{r.tokens_per_s:,.0f}"
         lines.append(f"| {r.module} | {r.shape} | {r.params / 1e6:.4g}M | {r.step_ms:.1f} | {r.tflops:.3g} "
-                     f"| {r.mfu:.1%} | {mem} | {r.note} |")
+                     f"| {r.mfu:.1%} | {r.mfu_full:.1%} | {tok} | {mem} | {r.note} |")
     return "\n".join(lines)
 
 
@@ -322,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=1, help="LLM: equal documents per packed sequence (attention stays in each)")
     ap.add_argument("--doc-attention", default="auto", choices=("auto", "spans", "flex"),
                     help="LLM: document attention path (model.<llm>.doc_attention)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    ap.add_argument("--compile", action="store_true", help="compile each layer in place as train.compile does")
+    ap.add_argument("--accum", type=int, default=1, help="microbatches per optimizer step (as gradient accumulation)")
+    ap.add_argument("--master-fp32", action="store_true", help="fp32 master weights and AdamW moments (as training)")
+    ap.add_argument("--llm-layers", type=int, default=8, help="decoder layers of the llm7b / llm13b stacks")
+    ap.add_argument("--gemm", type=int, default=None, help="side of the ceiling GEMM (default 8192; 256 with --tiny)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak instead of the table's")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -332,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--modules: unknown {unknown}; choose from {', '.join(MODULES)}")
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    if args.docs < 1:
-        raise SystemExit("--docs must be >= 1")
+    if args.docs < 1 or args.accum < 1 or args.llm_layers < 1:
+        raise SystemExit("--docs, --accum and --llm-layers must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return 0
@@ -344,25 +424,36 @@ def main(argv: list[str] | None = None) -> int:
         peak, peak_src = resolve_peak(args.peak_tflops, device_name)
     except ValueError as exc:
         raise SystemExit(f"{exc} (pass --peak-tflops)") from None
-    print(f"device: {device_name}; peak {peak:.1f} TFLOP/s ({peak_src}); bf16 params/grads/AdamW states, "
-          f"{'fused' if device.type == 'cuda' else 'foreach'} AdamW; attention: {args.attention}, documents {args.doc_attention}; "
+    card = card_info() if device.type == "cuda" else {}
+    ceiling = gemm_ceiling(device, torch.bfloat16, args.gemm or (256 if args.tiny else 8192))
+    states = "fp32 master weights and AdamW moments" if args.master_fp32 else "bf16 params/grads/AdamW states"
+    print(f"device: {device_name}; peak {peak:.1f} TFLOP/s ({peak_src}); "
+          + (f"SM clock {card.get('clocks.sm', '?')} (max {card.get('clocks.max.sm', '?')}), power limit "
+             f"{card.get('power.limit', '?')}, driver {card.get('driver_version', '?')}; " if card else "")
+          + f"bf16 GEMM ceiling {ceiling:.3g} TFLOP/s ({ceiling / peak:.0%} of peak); {states}, "
+          f"{'fused' if device.type == 'cuda' else 'foreach'} AdamW once per {args.accum} microbatch(es); "
+          f"{'compiled' if args.compile else 'eager'}; attention: {args.attention}, documents {args.doc_attention}; "
           f"torch {torch.__version__}")
     results = []
     for case in build_cases(names, args.tiny, seq_len, parse_batch(args.batch, args.tiny), args.docs,
-                                   args.doc_attention):
+                            args.doc_attention, args.llm_layers):
         try:
-            res = run_case(case, device, torch.bfloat16, args.steps, args.warmup, peak, args.attention, args.compile)
+            res = run_case(case, device, torch.bfloat16, args.steps, args.warmup, peak, args.attention, args.compile,
+                           args.accum, args.master_fp32)
             res.note = goal_note(res, device_name)
         except torch.OutOfMemoryError:
             res = Result(case.name, case.shape, note="out of memory (lower --batch)")
         results.append(res)
-        print(f"{res.module:9s} {res.shape:28s} {res.step_ms:9.1f} ms {res.tflops:8.3g} TFLOP/s "
-              f"MFU {res.mfu:6.1%}  {res.note}", flush=True)
+        print(f"{res.module:9s} {res.shape:44s} {res.step_ms:9.1f} ms {res.tflops:8.3g} TFLOP/s "
+              f"MFU {res.mfu:6.1%} (full L^2 {res.mfu_full:6.1%})  {res.note}", flush=True)
     print()
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"device": device_name, "peak_tflops": peak, "peak_source": peak_src,
-                                         "results": [r.__dict__ for r in results]}, indent=1))
+                                         "card": card, "gemm_ceiling_tflops": ceiling, "accum": args.accum,
+                                         "master_fp32": args.master_fp32, "compiled": args.compile,
+                                         "torch": torch.__version__, "results": [r.__dict__ for r in results]},
+                                        indent=1))
     return 0
 
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU session, the checks in order of what they tell per minute, within about 10 minutes on
+# one H100 / H200; every result also goes to JSON under $OUT (default bench/out), and a table at
+# the end. Run from the repository root:  bash bench/gpu_session.sh
+#   1. the GPU tests (-m gpu): CUDA paths, flex attention, sync-free steps, comm overlap   ~3 min
+#   2. per-module MFU, compiled, training precision (fp32 master, optimizer once per 8
+#      microbatches): Llama-7B layers at 8K packed, ViT-H/14 224 px, SD-2.1 U-Net 512 px   ~3 min
+#   3. the same eager (what compiling gains)                                               ~2 min
+#   4. the 13B layers, ViT-H at 448 px, 8K of 4 documents (flex), compiled                 ~2 min
+set -uo pipefail
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python}
+step() {  # step NAME SECONDS COMMAND...: run with a deadline, keep going whatever it returns
+    local name=$1 limit=$2; shift 2
+    echo "== $name (at most ${limit}s)"
+    local t0=$SECONDS
+    timeout --signal=INT "$limit" "$@"
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - t0))s"
+    echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >> "$OUT/steps.jsonl"
+}
+: > "$OUT/steps.jsonl"
+step "gpu tests" 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml"
+MODS=(--steps 5 --warmup 2 --accum 8 --master-fp32)
+step "modules compiled" 200 $PY bench/gpu_modules.py --modules llm7b,vit,unet512 "${MODS[@]}" --compile \
+    --json "$OUT/modules_compiled.json"
+step "modules eager" 120 $PY bench/gpu_modules.py --modules llm7b,vit,unet512 "${MODS[@]}" \
+    --json "$OUT/modules_eager.json"
+step "larger shapes" 120 $PY bench/gpu_modules.py --modules llm13b,vit448 --docs 4 "${MODS[@]}" --compile \
+    --json "$OUT/modules_larger.json"
+$PY bench/gpu_session_table.py "$OUT"
