@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,9 @@ class Result:
     """The same with causal attention counted as L^2 pairs (torchtitan, MosaicML)."""
     tokens_per_s: float = float("nan")
     """Tokens trained per second (LLMs)."""
+    breakdown_ms: dict = field(default_factory=dict)
+    """One profiled step's time by category (``breakdown``): GEMM and convolution, attention,
+    optimizer, other kernels (elementwise, norms, copies), idle (the device waiting for the host)."""
     peak_mem_gib: float = float("nan")
     """Peak allocated device memory (CUDA only)."""
     note: str = ""
@@ -320,6 +324,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, steps: int, w
     for _ in range(warmup):
         measure(step)
     res.samples_ms = [measure(step) for _ in range(steps)]
+    res.breakdown_ms = breakdown(step, device)
     res.step_ms = statistics.median(res.samples_ms)
     seconds = res.step_ms / 1e3
     flops = case.flops() * accum
@@ -331,6 +336,45 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, steps: int, w
     if device.type == "cuda":
         res.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
     return res
+
+
+CATEGORIES = (
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|flex|_efficient_attention|cudnn.*(mha|attn)", re.I)),
+    ("optimizer", re.compile(r"adam|foreach|multi_tensor", re.I)),
+    ("gemm", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|cublas|conv|aten::(mm|bmm|addmm|linear)$", re.I)),
+)
+"""Kernel (CUDA) or operator (CPU) name patterns of each category, tried in order; the rest is "other"."""
+
+
+def category(name: str) -> str:
+    """The breakdown category of a kernel or operator name."""
+    return next((cat for cat, pat in CATEGORIES if pat.search(name)), "other")
+
+
+def breakdown(step: Callable[[], None], device: torch.device) -> dict[str, float]:
+    """Milliseconds of one profiled ``step`` by category (``CATEGORIES``, "other", and "idle": the
+    step's wall time not covered by device kernels on CUDA, or by operators on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile  # deferred: only a measured run loads the profiler
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = (time.perf_counter() - t0) * 1e3
+    out = {name: 0.0 for name, _ in CATEGORIES} | {"other": 0.0}
+    for e in prof.events():
+        if cuda:
+            if e.device_type.name != "CUDA":
+                continue
+            ms = e.device_time_total / 1e3
+        else:
+            ms = e.self_cpu_time_total / 1e3
+        out[category(e.name)] += ms
+    out["idle"] = max(wall - sum(out.values()), 0.0)
+    return out
 
 
 def gemm_ceiling(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10) -> float:
@@ -446,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         print(f"{res.module:9s} {res.shape:44s} {res.step_ms:9.1f} ms {res.tflops:8.3g} TFLOP/s "
               f"MFU {res.mfu:6.1%} (full L^2 {res.mfu_full:6.1%})  {res.note}", flush=True)
+        if res.breakdown_ms:
+            total = sum(res.breakdown_ms.values()) or 1.0
+            print("          one profiled step: " + ", ".join(f"{k} {v:.1f} ms ({v / total:.0%})"
+                                                          for k, v in res.breakdown_ms.items()), flush=True)
     print()
     print(table(results))
     if args.json:

@@ -58,6 +58,9 @@ def _module_smoke(tmp_path: Path, modules: str, *extra: str) -> dict:
         # Full L^2 counts more attention work than causal L(L+1)/2 where there is causal attention.
         assert r["mfu_full"] > r["mfu"] if r["module"].startswith("llm") else r["mfu_full"] == r["mfu"]
         assert (r["tokens_per_s"] > 0) == r["module"].startswith("llm")
+        parts = r["breakdown_ms"]
+        assert set(parts) == {"attention", "optimizer", "gemm", "other", "idle"} and min(parts.values()) >= 0
+        assert parts["gemm"] > 0 and parts["optimizer"] > 0, parts
     return data
 
 
@@ -172,3 +175,14 @@ def test_the_session_table_reads_the_runs_it_finds_and_names_the_missing(tmp_pat
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_session.sh")]).returncode == 0
     for name in ("bench/gpu_modules.py", "bench/gpu_session_table.py", "tests/gpu"):
         assert name in script and (REPO / name).exists()
+
+
+def test_profiled_kernels_fall_into_the_breakdown_categories():
+    cat = _load("gpu_modules").category
+    for name, want in [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm"), ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA", "gemm"),
+                       ("cudnn::conv2d_grouped_direct_kernel", "gemm"), ("aten::mm", "gemm"), ("aten::addmm", "gemm"),
+                       ("flash_fwd_kernel", "attention"), ("cudnn_generated_fort_native_sdpa_sm90", "attention"),
+                       ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+                       ("multi_tensor_apply_kernel", "optimizer"), ("aten::_fused_adamw_", "optimizer"),
+                       ("vectorized_elementwise_kernel", "other"), ("aten::add_", "other"), ("aten::mm_backward", "other")]:
+        assert cat(name) == want, name
