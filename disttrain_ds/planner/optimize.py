@@ -57,9 +57,12 @@ def predicted_mfu(profile: Profile, t_iter_ms: float, gpus: int) -> float | None
 
 
 def build_plan(profile: Profile, layout: Mapping[str, Degrees],
-               layout_name: str = "disaggregated", table: StragglerTable | None = None) -> Plan:
+               layout_name: str = "disaggregated", table: StragglerTable | None = None,
+               predicted: bool = True) -> Plan:
     """Evaluate a disaggregated ``layout`` into a Plan (times, memory, MFU); no search.
-    ``table``: the profile's straggler factors, made here when None and the profile has draws."""
+    ``table``: the profile's straggler factors, made here when None and the profile has draws;
+    ``predicted=False`` skips the schedule's prediction (``t_pred_ms`` is then the closed form's
+    time and ``mfu`` None: candidates about to be simulated, not plans to return)."""
     graph = profile.graph
     d = layout[graph.llm].dp * profile.microbatch
     k = profile.global_batch // d
@@ -80,9 +83,9 @@ def build_plan(profile: Profile, layout: Mapping[str, Degrees],
                              spec.source(deg.tp), g, deg.sp)
     gpus = sum(p.gpus for p in mods.values())
     pred = predict(graph, {n: layout[n].pp for n in graph.names}, it.total_ms,
-                   {n: mods[n].stage_ms for n in graph.names}, k)
+                   {n: mods[n].stage_ms for n in graph.names}, k) if predicted else it.total_ms
     return Plan(mods, graph, microbatches=k, t_warmup_ms=it.warmup_ms, t_steady_ms=it.steady_ms,
-                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, pred, gpus),
+                t_iter_ms=it.total_ms, mfu=predicted_mfu(profile, pred, gpus) if predicted else None,
                 layout=layout_name, t_pred_ms=pred)
 
 
@@ -141,13 +144,15 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
               if x not in found]
     if len(found) == 1:
         return build_plan(profile, found[0], table=table)
-    return _fastest_simulated(profile, [build_plan(profile, layout, table=table) for layout in found], unit)
+    return _fastest_simulated(profile, found, unit, table)
 
 
-def _fastest_simulated(profile: Profile, plans: list[Plan], unit: np.ndarray) -> Plan:
-    """The plan of ``plans`` with the shortest ``simulated_ms``, simulating them in order of
+def _fastest_simulated(profile: Profile, layouts: list[dict[str, Degrees]], unit: np.ndarray,
+                       table: StragglerTable | None) -> Plan:
+    """The plan of ``layouts`` with the shortest ``simulated_ms``, simulating them in order of
     ``sim_bound``'s lower bound on ``unit`` (the simulated batches' unit times) and none whose
-    bound reaches the best time found (ties: the order of ``plans``)."""
+    bound reaches the best time found (ties: the order of ``layouts``)."""
+    plans = [build_plan(profile, layout, table=table, predicted=False) for layout in layouts]
     bound = SimBound(profile.graph, unit, ordered=True)
     lbs = [_bound_of(profile, p, bound) for p in plans]
     best: tuple[float, int] | None = None
@@ -158,7 +163,7 @@ def _fastest_simulated(profile: Profile, plans: list[Plan], unit: np.ndarray) ->
         if best is None or (t, i) < best:
             best = (t, i)
     assert best is not None
-    return replace(plans[best[1]], t_sim_ms=best[0], finalists=len(plans))
+    return replace(build_plan(profile, layouts[best[1]], table=table), t_sim_ms=best[0], finalists=len(plans))
 
 
 def _bound_of(profile: Profile, p: Plan, bound: SimBound) -> float:

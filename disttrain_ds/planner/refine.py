@@ -110,7 +110,7 @@ class StepEstimate:
 
 def _degrees(o: Opts) -> list[Degrees]:
     """Every option of ``o`` as the planner's degrees."""
-    return [Degrees(int(a), int(b), int(c), int(e)) for a, b, c, e in zip(o.dp, o.tp, o.pp, o.sp)]
+    return list(map(Degrees._make, zip(o.dp.tolist(), o.tp.tolist(), o.pp.tolist(), o.sp.tolist())))
 
 
 def _key(layout: Mapping[str, Degrees], names: tuple[str, ...]) -> tuple:
@@ -140,10 +140,11 @@ class _Feasible:
         return options(p, name, d, self.caps[name], p.memory_limit_bytes, align=self.align, down=down,
                        memo=self.memo)
 
-    def allowed(self, name: str, d: int, down: tuple[int, int] | None) -> frozenset[Degrees]:
+    def allowed(self, name: str, d: int, down: tuple[int, int] | None) -> frozenset[tuple[int, int, int, int]]:
         key = (name, d, None if down is None else down_key(self.profile.graph, name, down))
         if key not in self._sets:
-            self._sets[key] = frozenset(_degrees(self.options(name, d, down)))
+            o = self.options(name, d, down)  # plain tuples: equal to, and hashed as, the Degrees they list
+            self._sets[key] = frozenset(zip(o.dp.tolist(), o.tp.tolist(), o.pp.tolist(), o.sp.tolist()))
         return self._sets[key]
 
     def __call__(self, layout: Mapping[str, Degrees]) -> bool:

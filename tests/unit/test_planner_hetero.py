@@ -312,16 +312,19 @@ def test_a_finalist_is_skipped_only_when_its_bound_shows_it_cannot_be_faster(mon
     for seed in (3, 9, 16, 18):
         profile = profile_from_dict(random_data(GRAPHS["chain"], seed, draw=64))
         table = straggler_table(profile)
-        plans = [build_plan(profile, x, table=table)
-                 for x in finalists(profile, {n: profile.gpus for n in profile.graph.names}, table, True, 8)]
+        layouts = finalists(profile, {n: profile.gpus for n in profile.graph.names}, table, True, 8)
+        plans = [build_plan(profile, x, table=table) for x in layouts]
         assert len(plans) >= 4
         calls = []
         monkeypatch.setattr(optimize, "simulated_ms", lambda *a, **k: calls.append(1) or simulated_ms(*a, **k))
         unit = optimize.sim_unit_times(profile)
-        chosen = optimize._fastest_simulated(profile, plans, unit)
+        chosen = optimize._fastest_simulated(profile, layouts, unit, table)
         monkeypatch.undo()
         sims = [simulated_ms(profile, p) for p in plans]
         assert chosen.t_sim_ms == min(sims) and chosen.degrees() == plans[sims.index(min(sims))].degrees()
+        # The plan returned is the full one: its schedule's prediction and MFU, not the candidate's.
+        full = plans[sims.index(min(sims))]
+        assert (chosen.t_pred_ms, chosen.mfu) == (full.t_pred_ms, full.mfu)
         skipped += len(plans) - len(calls)
     assert skipped > 0  # the bound does leave some out
 
