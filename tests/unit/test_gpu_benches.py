@@ -178,7 +178,7 @@ def test_the_session_table_reads_the_runs_it_finds_and_names_the_missing(tmp_pat
 
 
 def test_profiled_kernels_fall_into_the_breakdown_categories():
-    cat = _load("gpu_modules").category
+    cat = _load("gpu_measure").category
     for name, want in [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm"), ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA", "gemm"),
                        ("cudnn::conv2d_grouped_direct_kernel", "gemm"), ("aten::mm", "gemm"), ("aten::addmm", "gemm"),
                        ("flash_fwd_kernel", "attention"), ("cudnn_generated_fort_native_sdpa_sm90", "attention"),
