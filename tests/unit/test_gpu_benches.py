@@ -71,10 +71,6 @@ def test_module_bench_tiny_cpu_smoke_trains_llm_and_vit_and_prints_the_table(tmp
     assert not data["master_fp32"] and data["accum"] == 1 and not data["compiled"]
 
 
-def test_module_bench_amortises_an_fp32_master_optimizer_over_accumulated_microbatches(tmp_path):
-    data = _module_smoke(tmp_path, "llm", "--accum", "3", "--master-fp32", "--docs", "2")
-    assert data["master_fp32"] and data["accum"] == 3
-    assert data["results"][0]["shape"].endswith("2 docs")
 
 
 @pytest.mark.slow
@@ -161,13 +157,15 @@ def test_vae_bench_tiny_cpu_smoke_counts_flops_per_image_and_latent_sides(tmp_pa
     assert "| 32 | 4x16x16 |" in proc.stdout
 
 
-def test_the_session_table_reads_the_runs_it_finds_and_names_the_missing(tmp_path):
-    _module_smoke(tmp_path, "llm7b")
+def test_an_amortised_fp32_master_run_and_the_session_table_that_reads_it(tmp_path):
+    data = _module_smoke(tmp_path, "llm7b", "--accum", "3", "--master-fp32", "--docs", "2")
+    assert data["master_fp32"] and data["accum"] == 3
+    assert data["results"][0]["shape"].endswith("2 docs")
     (tmp_path / "modules.json").rename(tmp_path / "modules_compiled.json")
     (tmp_path / "steps.jsonl").write_text('{"step": "gpu tests", "rc": 124, "seconds": 200}\n')
     text = _load("gpu_session_table").session_table(tmp_path)
     assert text.startswith("card: cpu, peak ")
-    assert "| compiled, accum 1 | llm7b | 8 layers x 64" in text
+    assert "| compiled, accum 3 | llm7b | 8 layers x 64" in text
     assert "modules_eager.json: missing (the step did not finish)" in text
     assert text.endswith("gpu tests: exit 124, 200 s")
     # The session script parses and every script it runs exists.
