@@ -4,14 +4,15 @@ equal length together as one batch: no padding, no mask, exact."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Callable
 
 import torch
 
 
-def by_length(sizes: list[int]) -> dict[int, list[int]]:
-    """Item indices grouped by length, in first-seen order."""
-    groups: dict[int, list[int]] = {}
+def by_length(sizes: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """Item indices grouped by length (any hashable size: an int, an (H, W)), in first-seen order."""
+    groups: dict[Hashable, list[int]] = {}
     for i, n in enumerate(sizes):
         groups.setdefault(n, []).append(i)
     return groups

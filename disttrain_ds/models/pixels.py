@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from disttrain_ds.models.packed import by_length
+
 
 def pack_images(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten images [3, H, W] into one 1-D tensor plus an int64 [n, 2] (H, W) table."""
@@ -39,11 +41,8 @@ def embed_by_size(embed: Callable[[torch.Tensor], torch.Tensor], flat: torch.Ten
         out = embed(flat.view(n, -1, h, w))
         return out.reshape(-1, out.shape[-1]), torch.full((n,), out.shape[1], dtype=torch.long, device=out.device)
     images = unpack_images(flat, hw)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, size in enumerate(sizes):
-        groups.setdefault(size, []).append(i)
     rows: list[torch.Tensor | None] = [None] * len(images)
-    for idx in groups.values():
+    for idx in by_length(sizes).values():
         out = embed(torch.stack([images[i] for i in idx]))
         for j, i in enumerate(idx):
             rows[i] = out[j]

@@ -75,7 +75,7 @@ class ReferenceExecutor:
         return {"loss": totals["loss"], "loss/lm": totals["lm"], "loss/gen": totals["gen"], "step_seconds": dt,
                 "time/step": dt, "time/data_wait": data_wait,
                 **{f"loss/gen/{n}": totals[f"gen/{n}"] for n in self.spec.generators},
-                **({"compile/graphs": graphs_compiled()} if graphs_compiled() else {})}, False
+                **({"compile/graphs": graphs} if (graphs := graphs_compiled()) else {})}, False
 
     def evaluate(self, batches: list[list]) -> dict[str, float]:
         with torch.no_grad():
