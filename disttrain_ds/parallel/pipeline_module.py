@@ -13,14 +13,17 @@ from disttrain_ds.models.layers import LayerDef, tie_parameters
 from disttrain_ds.parallel.grid import OffsetTopology, subset_grid_for_pipeline_module
 from disttrain_ds.parallel.sequence_parallel import SPContext, attach
 from disttrain_ds.parallel.tensor_parallel import TPContext, mark_norm_owners, shard_layer
+from disttrain_ds.parallel.tp_sequence import TPSeqContext
+from disttrain_ds.parallel.tp_sequence import attach as attach_tp_seq
 
 
 class DefSpec(LayerSpec):
     """A ``LayerSpec`` built by a seeded ``LayerDef`` builder."""
 
-    def __init__(self, layer_def: LayerDef, tp: TPContext, sp: SPContext | None = None):  # no super().__init__
+    def __init__(self, layer_def: LayerDef, tp: TPContext, sp: SPContext | None = None,
+                 tp_seq: TPSeqContext | None = None):  # no super().__init__
         # A named subclass only so DeepSpeed's partition log lists layer names.
-        self.layer_def, self.tp, self.sp = layer_def, tp, sp
+        self.layer_def, self.tp, self.sp, self.tp_seq = layer_def, tp, sp, tp_seq
         self.typename = type(layer_def.name, (torch.nn.Module,), {})
         self.module_args, self.module_kwargs, self.global_rank = (), {}, -1
 
@@ -29,7 +32,7 @@ class DefSpec(LayerSpec):
 
     def build(self, log: bool = False) -> torch.nn.Module:
         # Built whole from its seed, cut to this rank's tensor-parallel shard, given its SP group.
-        return attach(shard_layer(self.layer_def.build(), self.tp), self.sp)
+        return attach_tp_seq(attach(shard_layer(self.layer_def.build(), self.tp), self.sp), self.tp_seq)
 
 
 def recompute(function, *args):
@@ -41,7 +44,8 @@ def recompute(function, *args):
 
 
 def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: TPContext, groups: dict,
-                          checkpoint_every: int = 0, tied_group=None, sp: SPContext | None = None) -> PipelineModule:
+                          checkpoint_every: int = 0, tied_group=None, sp: SPContext | None = None,
+                          tp_seq: TPSeqContext | None = None) -> PipelineModule:
     """A PipelineModule holding only this rank's layers (its TP shards), with a grid on the
     module's ranks and this rank's groups of it (``groups``: ``ProcessGroups.module_axes``);
     layers whose ``LayerDef`` is frozen get no weight gradients.
@@ -49,10 +53,11 @@ def build_pipeline_module(grid, layer_defs: list[LayerDef], partition: str, tp: 
     Tied weights (``LayerDef.ties``) are one parameter where both layers are on this stage; a copy
     whose partner is on another stage goes in ``pm.tied_copies``, its gradient summed over
     ``tied_group`` (``ProcessGroups.tied_group``) before each step. ``sp``: this rank's
-    sequence-parallel group (``parallel/sequence_parallel.py``), None without SP."""
+    sequence-parallel group (``parallel/sequence_parallel.py``), None without SP. ``tp_seq``:
+    sequence-sharded, overlapped TP (``parallel/tp_sequence.py``), None for replicated activations."""
     with subset_grid_for_pipeline_module(groups):  # the groups every rank made, not new ones
         pm = PipelineModule(
-            layers=[DefSpec(d, tp, sp) for d in layer_defs],
+            layers=[DefSpec(d, tp, sp, tp_seq) for d in layer_defs],
             topology=OffsetTopology(grid),
             partition_method=partition,
             activation_checkpoint_interval=checkpoint_every,

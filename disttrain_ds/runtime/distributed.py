@@ -50,9 +50,11 @@ from disttrain_ds.parallel.pipeline_module import build_pipeline_module
 from disttrain_ds.parallel.roles import ROLES
 from disttrain_ds.parallel.sequence_parallel import SPContext
 from disttrain_ds.parallel.tensor_parallel import TPContext, full_state
+from disttrain_ds.parallel.tp_sequence import TPSeqContext
 from disttrain_ds.recipe.deepspeed import engine_config, load_ds_config
 from disttrain_ds.recipe.graph import topology_of
 from disttrain_ds.recipe.schema import Recipe, resolve_path
+from disttrain_ds.recipe.tp_overlap import tp_overlap_on
 from disttrain_ds.reorder.host_order import HostOrder
 from disttrain_ds.runtime.callbacks.balance import Balance
 from disttrain_ds.runtime.callbacks.checkpoint import Checkpointing
@@ -98,6 +100,13 @@ def tp_context(grid, groups: ProcessGroups, tp_index: int) -> TPContext:
     """This rank's tensor-parallel group (the module's "model" axis, made by every rank)."""
     ranks, group = groups.module_axes(grid.name)["model"]
     return TPContext(group if grid.tp > 1 else None, tp_index, grid.tp, ranks[0])
+
+
+def tp_seq_context(recipe: Recipe, grid, tp: TPContext, device: torch.device) -> TPSeqContext | None:
+    """Sequence-sharded, overlapped TP for this rank's module where ``tp_overlap`` turns it on."""
+    if not tp_overlap_on(recipe, grid.name, device.type == "cuda"):
+        return None
+    return TPSeqContext(tp, recipe.parallel.modules[grid.name].tp_overlap_chunks)
 
 
 def sp_context(grid, groups: ProcessGroups, rank: int) -> SPContext | None:
@@ -276,6 +285,10 @@ def _train(job: JobStart) -> int:
     is_logger = rank == 0
     if is_logger:
         log(topo.describe())
+        for m in topo.modules:
+            if tp_overlap_on(recipe, m.name, device.type == "cuda"):
+                log(f"{m.name}: tensor parallelism on sequence slices, collectives overlapped in "
+                    f"{recipe.parallel.modules[m.name].tp_overlap_chunks} chunks")
 
     source, spec = build_data_and_spec(recipe)
     if hasattr(source, "stall_timeout_s"):  # a stopped producer is caught within the heartbeat timeout
@@ -310,7 +323,8 @@ def _train(job: JobStart) -> int:
     check_free_memory(recipe, job.memory_rows, rank, device)  # after NCCL's set-up, before the weights
     mp = recipe.parallel.modules[grid.name]
     pm = build_pipeline_module(grid, spec.layers(grid.name), mp.partition, tp, groups.module_axes(grid.name),
-                               mp.activation_checkpointing, groups.tied_group(grid.name), sp)
+                               mp.activation_checkpointing, groups.tied_group(grid.name), sp,
+                               tp_seq_context(recipe, grid, tp, device))
     if recipe.train.dtype == "bf16":
         pm.to(torch.bfloat16)
     if device.type == "cuda" and spec.family(grid.name).channels_last:

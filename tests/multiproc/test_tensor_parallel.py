@@ -20,17 +20,26 @@ from .test_fidelity import SGD, STEPS
 
 LAYOUTS = {
     # name: (ranks, overrides)
-    # Fan-in from two encoder replicas into a TP group, and TP on both sides of the second boundary.
-    "enc_dp2_llm_tp2_gen_tp2": (
+    # Fan-in from two encoder replicas into a TP group, and TP on both sides of the second boundary;
+    # the LLM on sequence slices with overlapped collectives (what CUDA runs by default).
+    "enc_dp2_llm_tp2_sliced_gen_tp2": (
         6,
         ["layout=disaggregated", "parallel.encoder.dp=2", "train.micro_batch=2", "parallel.llm.tp=2",
-         "parallel.llm.pp=1", "parallel.generator.tp=2"],
+         "parallel.llm.pp=1", "parallel.generator.tp=2", "parallel.llm.tp_overlap=true",
+         "parallel.llm.tp_overlap_chunks=3"],
     ),
 }
 SLOW_LAYOUTS = {
     # Qwen2 (a second LLM family): its biased q/k/v shard with their rows; LLM TP=2 x PP=2.
     "qwen2_llm_tp2_pp2": (6, ["layout=disaggregated", "model.llm.family=qwen2", "parallel.llm.tp=2"]),
-    "llm_tp2_pp2": (6, ["layout=disaggregated", "parallel.llm.tp=2"]),
+    "llm_tp2_pp2": (6, ["layout=disaggregated", "parallel.llm.tp=2", "parallel.llm.tp_overlap=false"]),
+    # Slices cross a pipeline stage boundary (each TP rank sends its own slice), under activation
+    # checkpointing (recomputed gathers), and with Qwen2's biased q/k/v.
+    "llm_tp2_pp2_sliced_checkpointed": (
+        6, ["layout=disaggregated", "parallel.llm.tp=2", "parallel.llm.tp_overlap=true",
+            "parallel.llm.activation_checkpointing=1"]),
+    "qwen2_llm_tp2_pp2_sliced": (6, ["layout=disaggregated", "model.llm.family=qwen2", "parallel.llm.tp=2",
+                                     "parallel.llm.tp_overlap=true", "parallel.llm.tp_overlap_chunks=2"]),
     "enc_tp2_llm_tp2_pp2_gen1": (7, ["layout=disaggregated", "parallel.encoder.tp=2", "parallel.llm.tp=2"]),
     # Monolithic: encoder and generator stages share the LLM's TP (and DP) degree.
     "monolithic_tp2_pp2": (8, ["layout=monolithic", "parallel.llm.tp=2"]),
@@ -53,6 +62,8 @@ def _check(name: str, layouts: dict, tmp_path, reference_run) -> None:
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    sliced = "tensor parallelism on sequence slices" in (tmp_path / "launch.log").read_text()
+    assert sliced == ("parallel.llm.tp_overlap=true" in overrides)  # the path named is the path taken
 
     # No duplicated boundary traffic: only TP index 0 ranks send across module boundaries.
     topo = topology_of(load_recipe(REPO / "recipes" / "tiny_cpu.yaml", overrides))

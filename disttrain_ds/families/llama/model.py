@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from disttrain_ds.families.base import BuildContext
+from disttrain_ds.families.llama import sharded
 from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
 from disttrain_ds.models.layers import LayerDef, seeded, tied_to
@@ -83,11 +84,13 @@ class LlmEmbed(nn.Module):
 
     Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``)
     every rank of the SP group embeds whole rows and keeps its slice of the hidden states; ``doc_ids``
-    stay whole, since attention sees whole rows."""
+    stay whole, since attention sees whole rows. Under sequence-sharded tensor parallelism
+    (``tp_seq``, ``parallel/tp_sequence.py::attach``) likewise within the TP group."""
 
     def __init__(self, cfg: LLMConfig, image_token: int, tokens: tuple[int, ...] = ()):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.vocab_parallel = cfg.tie_embeddings  # under TP: rows split like the head it is tied to
         self.image_token = image_token
@@ -114,6 +117,8 @@ class LlmEmbed(nn.Module):
             hidden = hidden.masked_scatter(mask.unsqueeze(-1), rows.to(hidden.dtype))
         if self.seq_parallel is not None:
             hidden = self.seq_parallel.shard(hidden).contiguous()
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.scatter(hidden)
         return hidden, doc_ids
 
 
@@ -130,11 +135,18 @@ class LlmBlock(nn.Module):
 
     Positions, the rotary table and the attention arguments are made once per microbatch by the
     stage's first block and reused by the others (``_ROTARY``, ``doc_attention_kwargs``); only
-    the decoder layer itself is compiled (``compile_targets``), so they stay outside its graph."""
+    the decoder layer itself is compiled (``compile_targets``), so they stay outside its graph.
+
+    Under sequence-sharded tensor parallelism (``tp_seq``) ``hidden`` is this rank's slice of every
+    row within the TP group and the layer runs through ``sharded.decoder`` (its linears gather and
+    reduce-scatter, overlapped with their GEMMs); positions and attention are of whole rows."""
+
+    tp_seq_region = True  # computes on slices: replicated weights' gradients summed over TP
 
     def __init__(self, cfg: LLMConfig, index: int, decoder: Decoder = LLAMA):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         hf = decoder.config(cfg)
         hf._attn_implementation = DOC_ATTENTION  # this block's own config: attention per document
         self.doc_attention = cfg.doc_attention
@@ -146,6 +158,8 @@ class LlmBlock(nn.Module):
                             hf.max_position_embeddings)
 
     def compile_targets(self) -> list[nn.Module]:
+        if self.tp_seq is not None:  # its collectives run between the layer's modules, which stay eager
+            return []
         return [self.layer]
 
     def _positions(self, hidden, doc_ids):
@@ -168,21 +182,27 @@ class LlmBlock(nn.Module):
         attention = doc_attention_kwargs(doc_ids, self.doc_attention)
         if self.seq_parallel is not None:
             attention = {**attention, "seq_parallel": self.seq_parallel}
+        if self.tp_seq is not None:
+            return sharded.decoder(self.layer, hidden, self.tp_seq, table, **attention), doc_ids
         # No [S, S] mask: spans or a block mask, built once per microbatch (bench/bench_doc_mask.py).
         out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=table, **attention)
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 
 class LlmHead(nn.Module):
-    """(hidden, doc_ids) -> (logits [B, S, V], normed hidden [B, S, H]); the latter feeds the generator."""
+    """(hidden, doc_ids) -> (logits [B, S, V], normed hidden [B, S, H]); the latter feeds the generator.
+    Under sequence-sharded tensor parallelism (``tp_seq``) it first joins the slices into whole rows."""
 
     def __init__(self, cfg: LLMConfig, decoder: Decoder = LLAMA):
         super().__init__()
+        self.tp_seq = None
         self.norm = decoder.norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, inputs):
         hidden, _ = inputs
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.gather(hidden)
         h = self.norm(hidden)
         return self.lm_head(h), h
 

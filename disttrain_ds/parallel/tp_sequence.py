@@ -1,0 +1,147 @@
+"""Tensor parallelism with sequence-sharded activations, its collectives overlapped with GEMMs.
+
+Megatron-LM's sequence parallelism (Korthikanti et al. 2022) done StepCCL-style: between decoder
+blocks each TP rank keeps a contiguous 1/TP slice of every sequence. A column-parallel linear
+all-gathers the slices and multiplies; a row-parallel linear multiplies and reduce-scatters back to
+slices. Each all-gather + GEMM and GEMM + reduce-scatter runs in ``chunks`` pieces
+(``comm/overlap.py``), so the collective of one piece proceeds while the GEMM of another runs
+(on CUDA on a side stream, the host never blocks). The communication volume equals that of the
+replicated layout's all-reduces (an all-reduce is a reduce-scatter plus an all-gather); what changes
+is that the GEMMs hide it, and norms and residual adds run on 1/TP of the tokens.
+
+Gradients. Replicated parameters inside the sharded region (RMSNorm weights, a row-parallel
+linear's bias) see only this rank's tokens: their gradients are summed over the TP group by a
+hook (``attach``), after which every TP rank holds the full, equal gradient, as in the replicated
+layout, so DeepSpeed's DP all-reduce and gradient norm need no change. ``scatter``'s backward
+all-gathers the slices' gradients and ``gather``'s takes this rank's slice, the exact adjoints.
+
+The model code calls this context's methods (``TPSeqContext``); it never touches a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain_ds.comm.overlap import allgather_matmul, matmul_reducescatter
+from disttrain_ds.parallel.tensor_parallel import TPContext
+
+# torch >= 2.10 renamed the flat-tensor collectives; older releases only have the long names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _gather_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Every rank's [B, s, ...] slice joined along dim 1 -> [B, size * s, ...]."""
+    xt = x.transpose(0, 1).contiguous()  # the sequence first: all-gather joins along dim 0
+    out = xt.new_empty((size * xt.shape[0], *xt.shape[1:]))
+    _ALL_GATHER(out, xt, group=group)
+    return out.transpose(0, 1)
+
+
+def _slice_seq(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    n = x.shape[1] // size
+    return x.narrow(1, rank * n, n).contiguous()
+
+
+class _Scatter(torch.autograd.Function):
+    """Replicated [B, S, ...] -> this rank's [B, S/TP, ...]; backward all-gathers the slices' grads."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.group, ctx.size = group, size
+        return _slice_seq(x, rank, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group, ctx.size), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """This rank's [B, S/TP, ...] -> replicated [B, S, ...]; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.rank, ctx.size = rank, size
+        return _gather_seq(x, group, size).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice_seq(grad, ctx.rank, ctx.size), None, None, None
+
+
+@dataclass(frozen=True)
+class TPSeqContext:
+    """Sequence-sharded tensor parallelism for one TP group (see the module docstring)."""
+
+    tp: TPContext
+    """The TP group (size > 1)."""
+    chunks: int = 4
+    """Pieces each all-gather + GEMM / GEMM + reduce-scatter is cut into (1: no overlap)."""
+    _streams: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _side(self, device: torch.device):
+        """One side stream per CUDA device for the collectives (None elsewhere)."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _rows(self, tokens: int) -> int:
+        if tokens % self.tp.size:
+            raise ValueError(f"sequence length {tokens} is not divisible by tensor-parallel degree {self.tp.size} "
+                             "(sequence-sharded tensor parallelism, parallel.modules.<m>.tp_overlap)")
+        return tokens // self.tp.size
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of every row of the replicated ``x`` [B, S, ...]."""
+        self._rows(x.shape[1])
+        return _Scatter.apply(x, self.tp.group, self.tp.rank, self.tp.size)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole rows [B, S, ...] on every rank from each rank's slice [B, S/TP, ...]."""
+        return _Gather.apply(x, self.tp.group, self.tp.rank, self.tp.size)
+
+    def column(self, x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tensor]:
+        """Column-parallel ``linears`` that read the same input: this rank's slice ``x`` [B, s, in]
+        -> each linear's [B, S, out_i] over whole rows, one all-gather for all of them (their weight
+        shards stacked into one GEMM)."""
+        weight = linears[0].weight if len(linears) == 1 else torch.cat([m.weight for m in linears])
+        y = allgather_matmul(x.transpose(0, 1), weight, self.tp.group, self.chunks, validate=False,
+                             side_stream=self._side(x.device)).transpose(0, 1)  # [B, S, sum out_i]
+        outs = y.split([m.weight.shape[0] for m in linears], dim=-1)
+        return [o if m.bias is None else o + m.bias for o, m in zip(outs, linears)]
+
+    def row(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+        """Row-parallel ``linear`` on whole rows ``x`` [B, S, in / TP] -> this rank's slice
+        [B, s, out] of the sum over ranks, plus the (replicated) bias."""
+        self._rows(x.shape[1])
+        y = matmul_reducescatter(x.transpose(0, 1), linear.weight, self.tp.group, self.chunks, validate=False,
+                                 side_stream=self._side(x.device)).transpose(0, 1)
+        return y if linear.bias is None else y + linear.bias
+
+    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A replicated parameter's gradient from this rank's tokens -> the sum over the TP group."""
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=self.tp.group)
+        return grad
+
+
+def attach(layer: nn.Module, ctx: TPSeqContext | None) -> nn.Module:
+    """Give every submodule with a ``tp_seq`` attribute this context; a submodule that also sets
+    ``tp_seq_region`` computes on slices, so its replicated trainable parameters get their
+    gradients summed over the TP group. Without a context the layer is left as built."""
+    if ctx is None:
+        return layer
+    for m in layer.modules():
+        if not hasattr(m, "tp_seq"):
+            continue
+        m.tp_seq = ctx
+        if getattr(m, "tp_seq_region", False):
+            for p in m.parameters():
+                if p.requires_grad and not hasattr(p, "tp_dim"):
+                    p.register_hook(ctx.sum_grad)
+    return layer

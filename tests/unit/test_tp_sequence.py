@@ -1,0 +1,120 @@
+"""Tensor parallelism on sequence slices with overlapped collectives (``parallel/tp_sequence.py``)
+computes the unsharded LLM's outputs and gradients, on two real gloo ranks; the recipe rules of
+``parallel.<module>.tp_overlap``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from tp_seq_cases import CASES, WORLD, B, S, case  # tests/ is on sys.path under pytest
+
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.recipe.tp_overlap import tp_overlap_on
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, port, queue, names, hooks):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        out = {name: case(rank, dist.group.WORLD, *CASES[name], hooks) for name in names}
+        queue.put((rank, "ok", out))
+    except Exception as exc:  # reported to the test, which asserts on it
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _two_ranks(names: list[str], hooks: bool) -> dict:
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue, names, hooks)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(WORLD):
+            rank, status, value = queue.get(timeout=120)
+            assert status == "ok", f"rank {rank}: {value}"
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+@pytest.fixture(scope="module")
+def sharded_runs() -> dict:
+    return _two_ranks(list(CASES), hooks=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sequence_sharded_tp_gives_the_unsharded_loss_and_every_gradient(sharded_runs, name):
+    for rank in range(WORLD):
+        got = sharded_runs[rank][name]
+        assert got["sliced"] == (B, S // WORLD, 32)
+        assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5)
+        assert got["grad_err"] < 1e-5, f"rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
+
+
+def test_without_summing_replicated_gradients_over_tp_the_norm_weights_are_wrong():
+    runs = _two_ranks(["llama_chunks1"], hooks=False)
+    for rank in range(WORLD):
+        got = runs[rank]["llama_chunks1"]
+        assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5)  # the forward is unaffected
+        assert got["grad_err"] > 1e-2 and "layernorm" in got["where"], got
+
+
+# --------------------------------------------------------------------------- recipe rules
+
+
+def _recipe(*overrides: str):
+    return load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["layout=disaggregated", *overrides])
+
+
+def test_tp_overlap_auto_turns_on_for_the_llm_on_cuda_only_where_the_sequence_splits():
+    r = _recipe("parallel.llm.tp=2")
+    assert tp_overlap_on(r, "llm", cuda=True) and not tp_overlap_on(r, "llm", cuda=False)
+    assert not tp_overlap_on(r, "encoder", cuda=True)  # tp 1
+    assert not tp_overlap_on(_recipe("parallel.llm.tp=2", "parallel.llm.tp_overlap=false"), "llm", cuda=True)
+    assert tp_overlap_on(_recipe("parallel.llm.tp=2", "parallel.llm.tp_overlap=true"), "llm", cuda=False)
+    seq = _recipe("parallel.llm.tp=2").data.seq_len
+    odd = _recipe("parallel.llm.tp=2", f"data.seq_len={seq + 1}")
+    assert not tp_overlap_on(odd, "llm", cuda=True)  # auto: replicated activations where slices cannot be cut
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.encoder.tp=2", "parallel.encoder.tp_overlap=true"],
+     "'parallel.encoder.tp_overlap' only the LLM has a sequence-sharded"),
+    (["parallel.llm.tp=2", "parallel.llm.tp_overlap=true", "data.seq_len=65"],
+     "'parallel.llm.tp_overlap' data.seq_len 65 must be divisible by tp 2"),
+    (["parallel.llm.tp=2", "parallel.llm.tp_overlap=true", "parallel.llm.tp_overlap_chunks=100", "data.seq_len=64"],
+     "'parallel.llm.tp_overlap' 100 tp_overlap_chunks exceed the 32 positions"),
+    (["parallel.llm.tp=2", "parallel.llm.tp_overlap=true", "parallel.llm.sp=2"],
+     "'parallel.llm.tp_overlap' does not combine with sequence parallelism"),
+    (["parallel.llm.tp_overlap_chunks=0"], "'parallel.llm.tp_overlap_chunks' must be an integer >= 1, got 0"),
+])
+def test_tp_overlap_where_it_cannot_apply_is_refused_in_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        _recipe(*overrides)
