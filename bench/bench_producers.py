@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in per_seq.items():
         cores = samples_per_gpu * ms / 1e3 / ((1 - WAIT_SHARE) * m["step_s"])
         print(f"| {name} | {ms:.0f} | {1e3 * m['images'] / ms:.2f} | {1e3 / ms:.3f} | {math.ceil(cores)} ({cores:.2f}) |")
-    from disttrain_ds.cost.flops import vae_encode_flops
+    from disttrain_ds.cost.flop_count import vae_encode_flops
     from disttrain_ds.models.vae_config import VaeConfig
 
     per_gpu = m["batch"] * m["images"] / m["gen_gpus"]

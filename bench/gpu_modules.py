@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_measure import Optimizer, breakdown, card_info, gemm_ceiling, timer  # noqa: E402
 
-from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, unet_flops, vit_flops
+from disttrain_ds.cost.flop_count import unet_flops
+from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, vit_flops
 from disttrain_ds.cost.mfu import module_mfu, tflops_per_gpu  # noqa: E402
 from disttrain_ds.cost.peak import resolve_peak  # noqa: E402
 from disttrain_ds.families.llama.config import LLM_PRESETS, LLMConfig

@@ -11,7 +11,8 @@ upstream needs gradients through them.
 
 from __future__ import annotations
 
-from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, training_flops, vae_encode_flops
+from disttrain_ds.cost.flop_count import vae_encode_flops
+from disttrain_ds.cost.flops import llm_flops_packed, projector_flops_per_token, training_flops
 from disttrain_ds.cost.mfu import StepFlops, tflops_per_gpu
 from disttrain_ds.cost.peak import resolve_peak
 from disttrain_ds.mllm.model import MLLMSpec

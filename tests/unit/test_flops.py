@@ -8,15 +8,13 @@ import json
 import pytest
 import torch
 
-from disttrain_ds.cost import flops as F
+from disttrain_ds.cost import flop_count
+from disttrain_ds.cost.flop_count import clear_flops_cache, measure_module_flops, unet_flops
 from disttrain_ds.cost.flops import (
-    clear_flops_cache,
     llm_flops_packed,
     llm_flops_per_token,
-    measure_module_flops,
     projector_flops_per_token,
     training_flops,
-    unet_flops,
     vit_flops,
 )
 
@@ -208,7 +206,7 @@ def test_unet_cache_returns_same_number_without_rerunning(tmp_path, monkeypatch)
     def fail(*args, **kwargs):
         raise AssertionError("measurement re-ran despite a cached result")
 
-    monkeypatch.setattr(F, "_count", fail)
+    monkeypatch.setattr(flop_count, "_count", fail)
     assert unet_flops(UNET, batch=3, resolution=16, cond_tokens=4, mode="train") == first
     clear_flops_cache()  # now only the JSON file can answer
     assert unet_flops(UNET, batch=3, resolution=16, cond_tokens=4, mode="train", cache_path=path) == first

@@ -163,7 +163,7 @@ def test_cost_model_sees_latent_sides_in_both_placements():
 
 
 def test_vae_flops_are_reported_apart_from_mfu():
-    from disttrain_ds.cost.flops import vae_encode_flops
+    from disttrain_ds.cost.flop_count import vae_encode_flops
     from disttrain_ds.metrics.step_flops import MfuMeter
     from disttrain_ds.runtime.setup import build_data_and_spec
 

@@ -8,6 +8,7 @@ without building the model.
 from __future__ import annotations
 
 from disttrain_ds.cost.activations import FP32, LayerBytes, SampleShape
+from disttrain_ds.cost.flops import training_flops
 from disttrain_ds.families.dit.config import DiTConfig
 
 
@@ -44,9 +45,6 @@ def forward_flops(cfg: DiTConfig) -> float:
 
 def image_flops(cfg: DiTConfig, mode: str) -> float:
     """Training FLOPs of one generated image in ``mode`` (train | frozen_passthrough | frozen)."""
-    # deferred: loads torch
-    from disttrain_ds.cost.flops import training_flops  # torch: only when a meter asks
-
     return training_flops(forward_flops(cfg), mode=mode)
 
 

@@ -11,7 +11,7 @@ def image_flops(cfg: GeneratorConfig, mode: str) -> float:
     """Training FLOPs of one generated image in ``mode`` (train | frozen_passthrough | frozen):
     the U-Net has no trusted closed form, so one image is counted once (cached) on the meta device."""
     # deferred: loads torch (diffusers too)
-    from disttrain_ds.cost.flops import unet_flops  # torch and diffusers: only when a meter asks
+    from disttrain_ds.cost.flop_count import unet_flops  # torch and diffusers: only when a meter asks
     from disttrain_ds.families.unet.model import unet_kwargs
 
     return unet_flops(unet_kwargs(cfg), batch=1, resolution=cfg.resolution, cond_tokens=cfg.query_tokens, mode=mode)
