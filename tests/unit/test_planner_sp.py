@@ -178,7 +178,7 @@ def test_adaptive_groups_are_chosen_where_the_simulator_says_they_pay():
     from disttrain_ds.planner.optimize import simulated_ms, without_auto
 
     gains = []
-    for seed in range(12):
+    for seed in range(8):
         profile = profile_from_dict(with_auto(seed))
         try:
             chosen = plan(profile)
