@@ -43,6 +43,7 @@ SLOW_LAYOUTS = {
     "enc_tp2_llm_tp2_pp2_gen1": (7, ["layout=disaggregated", "parallel.encoder.tp=2", "parallel.llm.tp=2"]),
     # Monolithic: encoder and generator stages share the LLM's TP (and DP) degree.
     "monolithic_tp2_pp2": (8, ["layout=monolithic", "parallel.llm.tp=2"]),
+    "monolithic_tp2_pp2_sliced": (8, ["layout=monolithic", "parallel.llm.tp=2", "parallel.llm.tp_overlap=true"]),
     "llm_dp2_tp2_gen_dp2": (
         7,
         ["layout=disaggregated", "parallel.llm.dp=2", "parallel.llm.tp=2", "parallel.llm.pp=1",
