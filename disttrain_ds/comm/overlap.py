@@ -28,7 +28,7 @@ gradients are summed chunk by chunk, so they agree with the unchunked ones to ro
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -187,30 +187,40 @@ def _check_same_on_all_ranks(name: str, x: torch.Tensor, group) -> None:
                          f"elements per row {rest}")
 
 
+def _stacked(weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+
 class _AllGatherMatmul(torch.autograd.Function):
+    """Over several weights sharing the input, one gather and one stacked GEMM; the stack is made
+    again in backward rather than kept, so no weight copy outlives the forward."""
+
     @staticmethod
-    def forward(ctx, x_shard, weight, group, chunks, align, side_stream):
+    def forward(ctx, x_shard, group, chunks, align, side_stream, *weights):
         world = dist.get_world_size(group)
-        out, bufs = gather_matmul(_dist_gather(x_shard, group), world, x_shard, weight, chunks,
+        out, bufs = gather_matmul(_dist_gather(x_shard, group), world, x_shard, _stacked(weights), chunks,
                                   align=align, side_stream=side_stream)
         ctx.args = (group, world, chunks, align, side_stream, x_shard.shape[0])
-        ctx.bufs = bufs if ctx.needs_input_grad[1] else None
-        ctx.save_for_backward(weight)
+        ctx.bufs = bufs if any(ctx.needs_input_grad[5:]) else None
+        ctx.save_for_backward(*weights)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         group, world, chunks, align, side_stream, n = ctx.args
-        (weight,) = ctx.saved_tensors
+        weights = ctx.saved_tensors
+        weight = _stacked(weights)
         grad_out = grad_out.contiguous()
-        grad_x = grad_w = None
+        grad_x, grad_ws = None, [None] * len(weights)
         if ctx.needs_input_grad[0]:
             grad_x = matmul_scatter(_dist_scatter(group), world, grad_out, weight.t(), chunks,
                                     align=align, side_stream=side_stream)
-        if ctx.needs_input_grad[1]:
+        if ctx.bufs is not None:
             grad_w = _chunked_weight_grad(grad_out, ctx.bufs, world, n, chunks, align, gathered_is_grad=False)
+            grad_ws = [g if need else None for g, need in
+                       zip(grad_w.split([w.shape[0] for w in weights]), ctx.needs_input_grad[5:])]
         ctx.bufs = None
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, None, None, None, None, *grad_ws
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -251,26 +261,30 @@ def _chunked_weight_grad(full: torch.Tensor, bufs: list[torch.Tensor], world: in
 
 
 def allgather_matmul(
-    x_shard: torch.Tensor, weight: torch.Tensor, group, chunks: int = 1,
+    x_shard: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor], group, chunks: int = 1,
     *, validate: bool = True, align: int = 1, side_stream=None,
 ) -> torch.Tensor:
     """``all_gather(x_shard, dim 0) @ weight.T`` over ``group``, pipelined in ``chunks`` pieces.
 
     ``x_shard`` [n, ..., in] is this rank's sequence shard; ``weight`` [out, in] (a column-parallel
-    shard of a linear layer). Returns [world * n, ..., out], rank r's rows at r*n .. (r+1)*n.
-    Every rank must pass the same shape; ``validate`` checks it with one small collective (turn
-    it off in hot loops once shapes are known). ``side_stream``: CUDA stream for the collectives
-    (a pooled stream by default). Differentiable in ``x_shard`` and ``weight``.
+    shard of a linear layer), or several such weights that read the same input (e.g. Q, K and V):
+    one gather, one GEMM over the weights stacked by rows, their outputs side by side. Returns
+    [world * n, ..., out], rank r's rows at r*n .. (r+1)*n. Every rank must pass the same shape;
+    ``validate`` checks it with one small collective (turn it off in hot loops once shapes are
+    known). ``side_stream``: CUDA stream for the collectives (a pooled stream by default).
+    Differentiable in ``x_shard`` and every weight.
     """
-    _check_operands("allgather_matmul", x_shard, weight, chunks)
+    weights = (weight,) if isinstance(weight, torch.Tensor) else tuple(weight)
+    for w in weights:
+        _check_operands("allgather_matmul", x_shard, w, chunks)
     x_shard = x_shard.contiguous()
     if validate:
         _check_same_on_all_ranks("allgather_matmul", x_shard, group)
     chunk_bounds(x_shard.shape[0], chunks, align)  # refuse a bad split before any communication
-    if torch.is_grad_enabled() and (x_shard.requires_grad or weight.requires_grad):
-        return _AllGatherMatmul.apply(x_shard, weight, group, chunks, align, side_stream)
+    if torch.is_grad_enabled() and (x_shard.requires_grad or any(w.requires_grad for w in weights)):
+        return _AllGatherMatmul.apply(x_shard, group, chunks, align, side_stream, *weights)
     world = dist.get_world_size(group)
-    out, _ = gather_matmul(_dist_gather(x_shard, group), world, x_shard, weight, chunks,
+    out, _ = gather_matmul(_dist_gather(x_shard, group), world, x_shard, _stacked(weights), chunks,
                            align=align, side_stream=side_stream)
     return out
 

@@ -108,9 +108,8 @@ class TPSeqContext:
     def column(self, x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tensor]:
         """Column-parallel ``linears`` that read the same input: this rank's slice ``x`` [B, s, in]
         -> each linear's [B, S, out_i] over whole rows, one all-gather for all of them (their weight
-        shards stacked into one GEMM)."""
-        weight = linears[0].weight if len(linears) == 1 else torch.cat([m.weight for m in linears])
-        y = allgather_matmul(x.transpose(0, 1), weight, self.tp.group, self.chunks, validate=False,
+        shards stacked into one GEMM, the stack not kept for backward)."""
+        y = allgather_matmul(x.transpose(0, 1), [m.weight for m in linears], self.tp.group, self.chunks, validate=False,
                              side_stream=self._side(x.device)).transpose(0, 1)  # [B, S, sum out_i]
         outs = y.split([m.weight.shape[0] for m in linears], dim=-1)
         return [o if m.bias is None else o + m.bias for o, m in zip(outs, linears)]

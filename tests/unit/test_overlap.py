@@ -203,6 +203,24 @@ def _grad_errors(rank: int, group) -> dict:
     (matmul_reducescatter(x, w, group, 3) * g_full.view(WORLD, ROWS, OUT)[rank]).sum().backward()
     errs["rs_x"] = float((x.grad - x_ref[rank].grad).abs().max())
     errs["rs_w"] = float((w.grad - w_ref[rank].grad).abs().max())
+    # Several weights on one gathered input (Q, K and V): each gets its own gradient.
+    parts = [_data(80 + i, OUT // 2 * (i + 1), IN) for i in range(3)]
+    x_ref = full.clone().requires_grad_(True)
+    p_ref = [p.clone().requires_grad_(True) for p in parts]
+    g_all = _data(90, WORLD * ROWS, sum(p.shape[0] for p in parts))
+    ((x_ref @ torch.cat(p_ref).t()) * g_all).sum().backward()
+    shard = full.view(WORLD, ROWS, IN)[rank].clone().requires_grad_(True)
+    ps = [p.clone().requires_grad_(True) for p in parts]
+    saved: list[tuple] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = allgather_matmul(shard, ps, group, 2)
+    (y * g_all).sum().backward()
+    # What backward keeps is the weights themselves, not a stacked copy of them (1.0 fails the test).
+    errs["multi_stack_kept"] = float((sum(p.shape[0] for p in parts), IN) in saved)
+    # Both ranks hold the same weights and output gradient: the input's gradient comes from both.
+    errs["multi_x"] = float((shard.grad - WORLD * x_ref.grad.view(WORLD, ROWS, IN)[rank]).abs().max())
+    for i, (p, r) in enumerate(zip(ps, p_ref)):
+        errs[f"multi_w{i}"] = float((p.grad - r.grad).abs().max())
     return errs
 
 
