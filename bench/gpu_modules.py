@@ -1,7 +1,7 @@
 """One training step per MLLM module on one GPU, with MFU in both FLOP conventions.
 
     python bench/gpu_modules.py [--modules llm7b,vit,unet512] [--steps 10] [--warmup 3] [--accum 1]
-                                [--master-fp32] [--compile] [--seq-len 8192] [--docs 1]
+                                [--master-fp32] [--compile] [--engine] [--seq-len 8192] [--docs 1]
                                 [--batch unet512=8] [--attention auto] [--json OUT]
     python bench/gpu_modules.py --device cpu --tiny      # smoke run of the same code, tiny sizes
 
@@ -19,6 +19,9 @@ stepping every microbatch; ``--master-fp32`` keeps fp32 master weights and momen
 does (DeepSpeed's bf16 optimizer), ``--accum N`` runs N microbatches per optimizer step (MLLM-9B's
 LLM steps once per 120), so the optimizer is amortised as in training; fused AdamW on CUDA.
 ``--compile`` compiles each layer in place as ``train.compile`` does (``models/compiled.py``).
+``--engine`` also trains each module through DeepSpeed's pipeline engine as the runtime configures
+it (``gpu_engine.py``: fp32 master weights, accumulation over ``--accum``, ``train_batch``), a
+second row per module beside the bare loop.
 Attention through the layers' own paths (PyTorch SDPA, flex for packed documents on CUDA).
 
 Step time is the median over ``--steps`` timed steps after ``--warmup`` untimed ones (CUDA events
@@ -257,27 +260,35 @@ def _attention(backend: str):
 
 
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, steps: int, warmup: int,
-             peak: float, backend: str, compile_: bool, accum: int = 1, master: bool = False) -> Result:
-    res = Result(case.name, case.shape)
+             peak: float, backend: str, compile_: bool, accum: int = 1, master: bool = False,
+             engine: bool = False) -> Result:
+    res = Result(case.name + (" (engine)" if engine else ""), case.shape)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     with torch.device(device):
         layers = case.build()
     _drop_build_caches()
-    model = Sequential(layers).to(device=device, dtype=dtype)
     if compile_:
-        compile_layers(model.layers)  # in place, as train.compile does
-    res.params = sum(p.numel() for p in model.parameters())
-    opt = Optimizer(model.parameters(), device, master)
+        compile_layers(layers)  # in place, as train.compile does
     x, target = case.inputs(device, dtype)
+    if engine:  # DeepSpeed's pipeline engine as the runtime configures it (fp32 master weights)
+        from gpu_engine import engine_step  # deepspeed: only when asked for
+
+        train_batch, model = engine_step(layers, case.loss, (x, target), device, dtype, accum)
+    else:
+        model = Sequential(layers).to(device=device, dtype=dtype)
+        opt = Optimizer(model.parameters(), device, master)
+
+        def train_batch() -> None:
+            for _ in range(accum):
+                case.loss(model(x), target).backward()
+            opt.step()
+    res.params = sum(p.numel() for p in model.parameters())
 
     def step() -> None:
         with _attention(backend):
-            for _ in range(accum):
-                loss = case.loss(model(x), target)
-                loss.backward()
-        opt.step()
+            train_batch()
 
     measure = timer(device)
     for _ in range(warmup):
@@ -297,8 +308,17 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, steps: int, w
     return res
 
 
+def _print_row(res: Result) -> None:
+    print(f"{res.module:9s} {res.shape:44s} {res.step_ms:9.1f} ms {res.tflops:8.3g} TFLOP/s "
+          f"MFU {res.mfu:6.1%} (full L^2 {res.mfu_full:6.1%})  {res.note}", flush=True)
+    if res.breakdown_ms:
+        total = sum(res.breakdown_ms.values()) or 1.0
+        print("          one profiled step: " + ", ".join(f"{k} {v:.1f} ms ({v / total:.0%})"
+                                                      for k, v in res.breakdown_ms.items()), flush=True)
+
+
 def goal_note(res: Result, device_name: str) -> str:
-    target = MFU_GOALS.get(res.module)
+    target = MFU_GOALS.get(res.module.split(" ")[0])  # bare and engine rows alike
     if target is None or res.mfu != res.mfu:
         return ""
     if not any(card.lower() in device_name.lower() for card in GOAL_CARDS):
@@ -343,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="compile each layer in place as train.compile does")
     ap.add_argument("--accum", type=int, default=1, help="microbatches per optimizer step (as gradient accumulation)")
     ap.add_argument("--master-fp32", action="store_true", help="fp32 master weights and AdamW moments (as training)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also through DeepSpeed's pipeline engine as the runtime sets it up (bench/gpu_engine.py)")
     ap.add_argument("--llm-layers", type=int, default=8, help="decoder layers of the llm7b / llm13b stacks")
     ap.add_argument("--gemm", type=int, default=None, help="side of the ceiling GEMM (default 8192; 256 with --tiny)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak instead of the table's")
@@ -380,24 +402,21 @@ def main(argv: list[str] | None = None) -> int:
     for case in build_cases(names, args.tiny, seq_len, parse_batch(args.batch, args.tiny), args.docs,
                             args.doc_attention, args.llm_layers):
         try:
-            res = run_case(case, device, torch.bfloat16, args.steps, args.warmup, peak, args.attention, args.compile,
-                           args.accum, args.master_fp32)
-            res.note = goal_note(res, device_name)
+            for engine in (False, True) if args.engine else (False,):
+                res = run_case(case, device, torch.bfloat16, args.steps, args.warmup, peak, args.attention,
+                               args.compile, args.accum, args.master_fp32, engine)
+                res.note = goal_note(res, device_name)
+                results.append(res)
+                _print_row(res)
         except torch.OutOfMemoryError:
-            res = Result(case.name, case.shape, note="out of memory (lower --batch)")
-        results.append(res)
-        print(f"{res.module:9s} {res.shape:44s} {res.step_ms:9.1f} ms {res.tflops:8.3g} TFLOP/s "
-              f"MFU {res.mfu:6.1%} (full L^2 {res.mfu_full:6.1%})  {res.note}", flush=True)
-        if res.breakdown_ms:
-            total = sum(res.breakdown_ms.values()) or 1.0
-            print("          one profiled step: " + ", ".join(f"{k} {v:.1f} ms ({v / total:.0%})"
-                                                          for k, v in res.breakdown_ms.items()), flush=True)
+            results.append(Result(case.name, case.shape, note="out of memory (lower --batch)"))
+            _print_row(results[-1])
     print()
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"device": device_name, "peak_tflops": peak, "peak_source": peak_src,
                                          "card": card, "gemm_ceiling_tflops": ceiling, "accum": args.accum,
-                                         "master_fp32": args.master_fp32, "compiled": args.compile,
+                                         "master_fp32": args.master_fp32, "compiled": args.compile, "engine": args.engine,
                                          "torch": torch.__version__, "results": [r.__dict__ for r in results]},
                                         indent=1))
     return 0

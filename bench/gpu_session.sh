@@ -21,12 +21,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a deadline, keep going whatev
     echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >> "$OUT/steps.jsonl"
 }
 : > "$OUT/steps.jsonl"
-step "gpu tests" 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml"
+step "gpu tests" 140 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml"
 MODS=(--steps 5 --warmup 2 --accum 8 --master-fp32)
-step "modules compiled" 200 $PY bench/gpu_modules.py --modules llm7b,vit,unet512 "${MODS[@]}" --compile \
+step "modules compiled" 260 $PY bench/gpu_modules.py --modules llm7b,vit,unet512 "${MODS[@]}" --compile --engine \
     --json "$OUT/modules_compiled.json"
-step "modules eager" 120 $PY bench/gpu_modules.py --modules llm7b,vit,unet512 "${MODS[@]}" \
+step "modules eager" 100 $PY bench/gpu_modules.py --modules llm7b,vit,unet512 "${MODS[@]}" \
     --json "$OUT/modules_eager.json"
-step "larger shapes" 120 $PY bench/gpu_modules.py --modules llm13b,vit448 --docs 4 "${MODS[@]}" --compile \
+step "larger shapes" 100 $PY bench/gpu_modules.py --modules llm13b,vit448 --docs 4 "${MODS[@]}" --compile \
     --json "$OUT/modules_larger.json"
 $PY bench/gpu_session_table.py "$OUT"

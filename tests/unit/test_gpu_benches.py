@@ -54,7 +54,9 @@ def _module_smoke(tmp_path: Path, modules: str, *extra: str) -> dict:
             "| peak mem GiB | note |") in proc.stdout
     assert "bf16 GEMM ceiling" in proc.stdout
     data = json.loads(out.read_text())
-    assert [r["module"] for r in data["results"]] == modules.split(",")
+    engine = "--engine" in extra  # each module twice: bare, then through the engine
+    assert [r["module"] for r in data["results"]] == [
+        m + suffix for m in modules.split(",") for suffix in (("", " (engine)") if engine else ("",))]
     assert data["gemm_ceiling_tflops"] > 0
     for r in data["results"]:
         assert f"| {r['module']} |" in proc.stdout
@@ -69,11 +71,14 @@ def _module_smoke(tmp_path: Path, modules: str, *extra: str) -> dict:
     return data
 
 
-def test_module_bench_tiny_cpu_smoke_trains_llm_and_vit_and_prints_the_table(tmp_path):
-    data = _module_smoke(tmp_path, "llm7b,vit")
+def test_module_bench_tiny_cpu_smoke_trains_llm_and_vit_bare_and_through_the_engine(tmp_path):
+    data = _module_smoke(tmp_path, "llm7b,vit", "--engine")
     assert data["peak_source"] == "measured CPU matmul estimate"
     assert data["results"][0]["note"] == "goal >= 50% MFU on H100 / H200 (this is cpu)"
-    assert not data["master_fp32"] and data["accum"] == 1 and not data["compiled"]
+    assert data["results"][1]["note"] == data["results"][0]["note"]  # the goal holds for the engine's row too
+    assert not data["master_fp32"] and data["accum"] == 1 and not data["compiled"] and data["engine"]
+    bare, engine = data["results"][0], data["results"][1]
+    assert bare["params"] == engine["params"]  # the same layers, trained two ways
 
 
 
