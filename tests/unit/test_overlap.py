@@ -3,13 +3,9 @@ exactness against unchunked references on two real gloo ranks."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import socket
-import traceback
-
 import pytest
 import torch
+from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 
 from disttrain_ds.comm.overlap import chunk_bounds, gather_matmul
 
@@ -105,27 +101,6 @@ def test_gather_matmul_float_result_equals_per_chunk_gemms_and_unchunked_to_fp32
 
 
 # --------------------------------------------------------------------------- two gloo ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, port, queue):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        queue.put((rank, "ok", _cases(rank, dist.group.WORLD)))
-    except Exception as exc:  # reported to the test, which asserts on it
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _data(seed: int, *shape, integer: bool = False) -> torch.Tensor:
@@ -226,24 +201,7 @@ def _grad_errors(rank: int, group) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(WORLD):
-            rank, status, value = queue.get(timeout=60)
-            assert status == "ok", f"rank {rank}: {value}"
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return run_ranks(_cases, WORLD, timeout=60)
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4])

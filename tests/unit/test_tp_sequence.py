@@ -4,14 +4,10 @@ computes the unsharded LLM's outputs and gradients, on two real gloo ranks; the 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
-import torch
+from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from tp_seq_cases import CASES, WORLD, B, S, case  # tests/ is on sys.path under pytest
 
 from disttrain_ds.errors import ConfigError
@@ -21,47 +17,12 @@ from disttrain_ds.recipe.tp_overlap import tp_overlap_on
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, port, queue, names, hooks):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        out = {name: case(rank, dist.group.WORLD, *CASES[name], hooks) for name in names}
-        queue.put((rank, "ok", out))
-    except Exception as exc:  # reported to the test, which asserts on it
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _cases(rank: int, group, names: list[str], hooks: bool) -> dict:
+    return {name: case(rank, group, *CASES[name], hooks) for name in names}
 
 
 def _two_ranks(names: list[str], hooks: bool) -> dict:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue, names, hooks)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(WORLD):
-            rank, status, value = queue.get(timeout=120)
-            assert status == "ok", f"rank {rank}: {value}"
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return run_ranks(_cases, WORLD, names, hooks)
 
 
 @pytest.fixture(scope="module")
