@@ -91,6 +91,7 @@ def test_stalled_rank_is_blamed_by_the_ranks_that_waited_for_it(tmp_path):
     assert all("rank 2 (llm stage 1 dp 0) did not answer" in ln for ln in causes), causes
 
 
+@pytest.mark.slow  # the default tier's mixed-TP layout (test_tensor_parallel.py) runs under this launcher too
 def test_mixed_tp_layout_under_the_deepspeed_launcher_matches_reference(tmp_path, reference_run):
     """The launcher users take: no agent (rank 0 hosts the store), every group a world-wide split."""
     from .conftest import max_param_mismatch
