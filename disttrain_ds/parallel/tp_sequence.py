@@ -90,15 +90,11 @@ class TPSeqContext:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def _rows(self, tokens: int) -> int:
-        if tokens % self.tp.size:
-            raise ValueError(f"sequence length {tokens} is not divisible by tensor-parallel degree {self.tp.size} "
-                             "(sequence-sharded tensor parallelism, parallel.modules.<m>.tp_overlap)")
-        return tokens // self.tp.size
-
     def scatter(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous slice of every row of the replicated ``x`` [B, S, ...]."""
-        self._rows(x.shape[1])
+        if x.shape[1] % self.tp.size:
+            raise ValueError(f"sequence length {x.shape[1]} is not divisible by tensor-parallel degree {self.tp.size} "
+                             "(sequence-sharded tensor parallelism, parallel.modules.<m>.tp_overlap)")
         return _Scatter.apply(x, self.tp.group, self.tp.rank, self.tp.size)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +113,6 @@ class TPSeqContext:
     def row(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
         """Row-parallel ``linear`` on whole rows ``x`` [B, S, in / TP] -> this rank's slice
         [B, s, out] of the sum over ranks, plus the (replicated) bias."""
-        self._rows(x.shape[1])
         y = matmul_reducescatter(x.transpose(0, 1), linear.weight, self.tp.group, self.chunks, validate=False,
                                  side_stream=self._side(x.device)).transpose(0, 1)
         return y if linear.bias is None else y + linear.bias

@@ -32,9 +32,8 @@ from disttrain_ds.errors import ConfigError
 from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 from disttrain_ds.parallel.tp_sequence import TPSeqContext, attach
 from disttrain_ds.profiler.measure import Options, profile_recipe
-from disttrain_ds.recipe.graph import graph_of, module_parallel
+from disttrain_ds.recipe.graph import graph_of, sliced_tp_chunks
 from disttrain_ds.recipe.schema import Recipe, load_recipe, tp_shape_problem
-from disttrain_ds.recipe.tp_overlap import tp_overlap_at
 
 WORKER_TIMEOUT_S = 3600
 
@@ -80,7 +79,7 @@ def measure_tp(args: argparse.Namespace, recipe: Recipe, device_kind: str) -> di
     """Module medians for each degree in ``args.measure_tp`` (modules a degree does not split: absent)."""
     out = {}
     for t in args.measure_tp:
-        sliced = tp_overlap_at(recipe, graph_of(recipe).llm, t, device_kind == "cuda")
+        sliced = sliced_tp_chunks(recipe, graph_of(recipe).llm, t, device_kind == "cuda")
         print(f"measuring TP={t} with {t} processes" + (" (the LLM on sequence slices, collectives overlapped)"
                                                         if sliced else ""), file=sys.stderr)
         with tempfile.TemporaryDirectory() as d:
@@ -145,9 +144,8 @@ def _worker(argv: list[str]) -> int:
 
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
     # The LLM on sequence slices where the runtime would run it so (``tp_overlap``): its cost is the one timed.
-    llm = graph_of(recipe).llm
-    tp_seq = TPSeqContext(tp, module_parallel(recipe, llm).tp_overlap_chunks) \
-        if tp_overlap_at(recipe, llm, size, cuda) else None
+    chunks = sliced_tp_chunks(recipe, graph_of(recipe).llm, size, cuda)
+    tp_seq = TPSeqContext(tp, chunks) if chunks else None
     opts = Options(args.samples, args.warmup, device, dtype, build=lambda d: attach(shard_layer(d.build(), tp), tp_seq),
                    sync=sync)
     skip = frozenset(m for m in graph_of(recipe).names if tp_shape_problem(recipe, m, size))

@@ -26,7 +26,7 @@ from disttrain_ds.recipe.graph import (
     module_parallel,
     parallel_key,
 )
-from disttrain_ds.recipe.tp_overlap import tp_overlap_problem
+from disttrain_ds.recipe.tp_overlap import tp_overlap_blocker
 
 if TYPE_CHECKING:
     from disttrain_ds.graph import ModuleGraph
@@ -172,9 +172,11 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
         else:
             _check(mp.sp >= 1, src, f"{pkey}.sp", f"must be >= 1 or auto, got {mp.sp}")
         _check(mp.tp in (1, 2, 4, 8), src, f"{pkey}.tp", f"must be 1, 2, 4 or 8, got {mp.tp}")
-        bad = tp_overlap_problem(r, name)
-        if bad:
-            raise ConfigError(f"{src}: '{bad[0]}' {bad[1]}")
+        _check(mp.tp_overlap_chunks >= 1, src, f"{pkey}.tp_overlap_chunks",
+               f"must be an integer >= 1, got {mp.tp_overlap_chunks}")
+        if mp.tp_overlap is True and mp.tp > 1 and r.layout != "reference":
+            why = tp_overlap_blocker(name == graph.llm, mp.sp, mp.tp, r.data.seq_len, mp.tp_overlap_chunks)
+            _check(why is None, src, f"{pkey}.tp_overlap", why or "")
         _check(mp.pp <= counts[name], src, f"{pkey}.pp", f"{mp.pp} exceeds the module's {counts[name]} pipeline layers")
         _check(mp.partition in ("uniform", "parameters"), src, f"{pkey}.partition", "must be uniform | parameters")
         _check(mp.activation_checkpointing >= 0, src, f"{pkey}.activation_checkpointing",

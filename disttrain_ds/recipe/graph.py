@@ -22,6 +22,7 @@ from disttrain_ds.errors import ConfigError
 from disttrain_ds.families import DEFAULT_FAMILY, FAMILIES, Family, get_family
 from disttrain_ds.graph import ModuleGraph
 from disttrain_ds.recipe.checkpoint_settings import checkpoint_fields
+from disttrain_ds.recipe.tp_overlap import tp_overlap_blocker, tp_overlap_wanted
 from disttrain_ds.topology import Topology
 
 if TYPE_CHECKING:  # annotations only: config imports this module
@@ -142,6 +143,18 @@ def module_degrees(recipe: Recipe) -> dict[str, tuple[int, int, int, int, bool]]
         dp, _, tp, _, _ = degrees[graph.llm]
         degrees.update({n: (dp, 1, tp, 1, False) for n in (*graph.encoders, *graph.generators)})
     return degrees
+
+
+def sliced_tp_chunks(recipe: Recipe, name: str, tp: int, cuda: bool) -> int:
+    """Pieces each overlapped collective is cut into where module ``name`` at TP degree ``tp`` runs
+    on sequence slices (``parallel.<module>.tp_overlap``; auto: on CUDA where it applies), 0 where
+    its activations stay replicated. ``tp``: the degree it runs at (the profiler also asks at
+    degrees the recipe does not set)."""
+    mp = module_parallel(recipe, name)
+    if not tp_overlap_wanted(mp.tp_overlap, tp, cuda):
+        return 0
+    blocked = tp_overlap_blocker(name == graph_of(recipe).llm, mp.sp, tp, recipe.data.seq_len, mp.tp_overlap_chunks)
+    return 0 if blocked else mp.tp_overlap_chunks
 
 
 def module_key(recipe: Recipe, name: str) -> str:

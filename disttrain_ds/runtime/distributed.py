@@ -52,9 +52,8 @@ from disttrain_ds.parallel.sequence_parallel import SPContext
 from disttrain_ds.parallel.tensor_parallel import TPContext, full_state
 from disttrain_ds.parallel.tp_sequence import TPSeqContext
 from disttrain_ds.recipe.deepspeed import engine_config, load_ds_config
-from disttrain_ds.recipe.graph import topology_of
+from disttrain_ds.recipe.graph import sliced_tp_chunks, topology_of
 from disttrain_ds.recipe.schema import Recipe, resolve_path
-from disttrain_ds.recipe.tp_overlap import tp_overlap_on
 from disttrain_ds.reorder.host_order import HostOrder
 from disttrain_ds.runtime.callbacks.balance import Balance
 from disttrain_ds.runtime.callbacks.checkpoint import Checkpointing
@@ -104,9 +103,8 @@ def tp_context(grid, groups: ProcessGroups, tp_index: int) -> TPContext:
 
 def tp_seq_context(recipe: Recipe, grid, tp: TPContext, device: torch.device) -> TPSeqContext | None:
     """Sequence-sharded, overlapped TP for this rank's module where ``tp_overlap`` turns it on."""
-    if not tp_overlap_on(recipe, grid.name, device.type == "cuda"):
-        return None
-    return TPSeqContext(tp, recipe.parallel.modules[grid.name].tp_overlap_chunks)
+    chunks = sliced_tp_chunks(recipe, grid.name, grid.tp, device.type == "cuda")
+    return TPSeqContext(tp, chunks) if chunks else None
 
 
 def sp_context(grid, groups: ProcessGroups, rank: int) -> SPContext | None:
@@ -286,9 +284,8 @@ def _train(job: JobStart) -> int:
     if is_logger:
         log(topo.describe())
         for m in topo.modules:
-            if tp_overlap_on(recipe, m.name, device.type == "cuda"):
-                log(f"{m.name}: tensor parallelism on sequence slices, collectives overlapped in "
-                    f"{recipe.parallel.modules[m.name].tp_overlap_chunks} chunks")
+            if chunks := sliced_tp_chunks(recipe, m.name, m.tp, device.type == "cuda"):
+                log(f"{m.name}: tensor parallelism on sequence slices, collectives overlapped in {chunks} chunks")
 
     source, spec = build_data_and_spec(recipe)
     if hasattr(source, "stall_timeout_s"):  # a stopped producer is caught within the heartbeat timeout

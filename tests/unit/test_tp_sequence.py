@@ -11,8 +11,8 @@ from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from tp_seq_cases import CASES, WORLD, B, S, case  # tests/ is on sys.path under pytest
 
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.graph import module_parallel, sliced_tp_chunks
 from disttrain_ds.recipe.schema import load_recipe
-from disttrain_ds.recipe.tp_overlap import tp_overlap_on
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,6 +52,11 @@ def test_without_summing_replicated_gradients_over_tp_the_norm_weights_are_wrong
 
 def _recipe(*overrides: str):
     return load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["layout=disaggregated", *overrides])
+
+
+def tp_overlap_on(r, name: str, cuda: bool) -> bool:
+    """Whether the job runs module ``name`` on sequence slices at its own TP degree."""
+    return sliced_tp_chunks(r, name, module_parallel(r, name).tp, cuda) > 0
 
 
 def test_tp_overlap_auto_turns_on_for_the_llm_on_cuda_only_where_the_sequence_splits():
