@@ -318,19 +318,24 @@ def simulate_iteration(times: np.ndarray, plan_: Plan, *, intra: bool = False,
 
 
 def simulate_scaled(times: np.ndarray, plan_: Plan, scales: np.ndarray) -> np.ndarray:
-    """``[L]`` makespans of ``simulate_iteration(times * scales[i], plan_)`` (loader order, no
+    """Makespans of ``simulate_iteration(times[b] * scales[i], plan_)`` (loader order, no
     reordering) in one sweep: layouts with ``plan_``'s DP and PP degrees that differ only in each
-    module's per-sample cost (their TP degree); ``scales`` is ``[L, modules]``."""
+    module's per-sample cost (their TP degree), on one batch (``times`` ``[global_batch,
+    modules]``; returns ``[L]``) or several (``[B, global_batch, modules]``; returns ``[L, B]``);
+    ``scales`` is ``[L, modules]``."""
     times = np.asarray(times, dtype=np.float64)
     scales = np.asarray(scales, dtype=np.float64)
+    batches = times.reshape((-1,) + times.shape[-2:])
     graph, g = plan_.graph, replica_groups(plan_)
     mods = list(plan_.modules.values())
     preds = _group_preds(graph.names, tuple(graph.upstream(n) for n in graph.names),
                          tuple(m.dp // g for m in mods), tuple(m.pp for m in mods), _step_size(plan_) // g)
-    groups = group_stage_times(times, plan_, np.arange(len(times)))  # [G, K, S]
+    every = np.arange(batches.shape[1])
+    groups = np.stack([group_stage_times(t, plan_, every) for t in batches])  # [B, G, K, S]
     module_of = np.repeat(np.arange(len(mods)), [m.dp // g * m.pp for m in mods])
-    stages = groups[None] * scales[:, module_of][:, None, None, :]
-    return makespans(*split_fwd_bwd(stages), preds).max(axis=-1)
+    stages = groups[None] * scales[:, module_of][:, None, None, None, :]
+    spans = makespans(*split_fwd_bwd(stages), preds, quick=False).max(axis=-1)  # [L, B]
+    return spans if times.ndim == 3 else spans[:, 0]
 
 
 class _Frozen(dict):

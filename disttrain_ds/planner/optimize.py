@@ -22,8 +22,10 @@ import numpy as np
 
 from disttrain_ds.cost.mfu import overall_mfu
 from disttrain_ds.cost.profile import AUTO_SP, GIB, Profile
+from disttrain_ds.planner.climb import climb, layout_bound
 from disttrain_ds.planner.hetero import StragglerTable
-from disttrain_ds.planner.iteration_sim import sample_times, simulate_iteration
+from disttrain_ds.planner.iteration_sim import sample_times, simulate_iteration, simulate_scaled
+from disttrain_ds.planner.neighbours import Feasible
 from disttrain_ds.planner.objective import (  # noqa: F401
     Degrees,
     IterTime,
@@ -144,7 +146,15 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
               if x not in found]
     if len(found) == 1:
         return build_plan(profile, found[0], table=table)
-    return _fastest_simulated(profile, found, unit, table)
+    chosen = _fastest_simulated(profile, found, unit, table)
+    # What the simulation couples and the estimates miss: a descent on it from the fastest one.
+    build = lambda x: build_plan(profile, x, table=table, predicted=False)  # noqa: E731
+    layout, _ = climb(profile, chosen.degrees(), unit, Feasible(profile, memo, caps, aligned), build)
+    if layout != chosen.degrees():
+        t = simulated_ms(profile, build(layout))
+        if t < chosen.t_sim_ms:
+            return replace(build_plan(profile, layout, table=table), t_sim_ms=t, finalists=chosen.finalists)
+    return chosen
 
 
 def _fastest_simulated(profile: Profile, layouts: list[dict[str, Degrees]], unit: np.ndarray,
@@ -154,7 +164,7 @@ def _fastest_simulated(profile: Profile, layouts: list[dict[str, Degrees]], unit
     bound reaches the best time found (ties: the order of ``layouts``)."""
     plans = [build_plan(profile, layout, table=table, predicted=False) for layout in layouts]
     bound = SimBound(profile.graph, unit, ordered=True)
-    lbs = [_bound_of(profile, p, bound) for p in plans]
+    lbs = [layout_bound(profile, bound, x) for x in layouts]
     best: tuple[float, int] | None = None
     for i in sorted(range(len(plans)), key=lambda j: (lbs[j], j)):
         if best is not None and lbs[i] > best[0] * (1 + 1e-9):  # rounding: a tight bound may equal the time
@@ -164,17 +174,6 @@ def _fastest_simulated(profile: Profile, layouts: list[dict[str, Degrees]], unit
             best = (t, i)
     assert best is not None
     return replace(build_plan(profile, layouts[best[1]], table=table), t_sim_ms=best[0], finalists=len(plans))
-
-
-def _bound_of(profile: Profile, p: Plan, bound: SimBound) -> float:
-    """``sim_bound``'s lower bound on ``p``'s simulated time (0 with adaptive SP groups, which it
-    does not cover)."""
-    if any(m.sp == AUTO_SP for m in p.modules.values()):
-        return 0.0
-    d = p.llm.dp * p.llm.samples_per_microbatch
-    terms = {n: bound.terms(n, profile.modules[n].cost(m.tp, m.sp), m.dp, m.pp, d // m.dp)
-             for n, m in p.modules.items()}
-    return float(bound.bound(*({n: t[i] for n, t in terms.items()} for i in range(3))))
 
 
 def _draw(profile: Profile, names) -> np.ndarray:
@@ -207,8 +206,10 @@ def simulated_ms(profile: Profile, plan_: Plan, samples: int = SIM_SAMPLES, seed
     times = sample_times(draw, plan_)
     auto = {n: draw_cost(profile.modules[n].sp_overhead_ms, profile.modules[n].cost_ms[m.tp], m.tp)
             for n, m in plan_.modules.items() if m.sp == AUTO_SP}
-    return float(np.mean([simulate_iteration(times[i], plan_, auto=auto).makespan_ms
-                          for i in _sim_batches(profile, samples, seed)]))
+    batches = _sim_batches(profile, samples, seed)
+    if not auto:  # every batch in one sweep (the same ops as one by one)
+        return float(np.mean(simulate_scaled(times[batches], plan_, np.ones((1, len(plan_.modules))))[0]))
+    return float(np.mean([simulate_iteration(times[i], plan_, auto=auto).makespan_ms for i in batches]))
 
 
 def exhaustive_layouts(profile: Profile, aligned: bool = True) -> Iterator[dict[str, Degrees]]:

@@ -36,17 +36,18 @@ from collections.abc import Mapping
 import numpy as np
 
 from disttrain_ds.cost.profile import AUTO_SP, Profile
+from disttrain_ds.planner.neighbours import Feasible, Layout, degrees_of
 from disttrain_ds.planner.objective import Degrees
-from disttrain_ds.planner.placement import alignment, tp_aligned
-from disttrain_ds.planner.search import down_key, options
-from disttrain_ds.planner.units import Opts
 
 BEAM = 8
 """Layouts kept between the refinement's rounds."""
 ROUNDS = 4
 """Most rounds of one-module changes."""
 
-Layout = dict[str, Degrees]
+
+
+def _key(layout: Mapping[str, Degrees], names: tuple[str, ...]) -> tuple:
+    return tuple(layout[n] for n in names)
 
 
 class StepEstimate:
@@ -108,53 +109,6 @@ class StepEstimate:
         return float(tau.sum(axis=1).mean())
 
 
-def _degrees(o: Opts) -> list[Degrees]:
-    """Every option of ``o`` as the planner's degrees."""
-    return list(map(Degrees._make, zip(o.dp.tolist(), o.tp.tolist(), o.pp.tolist(), o.sp.tolist())))
-
-
-def _key(layout: Mapping[str, Degrees], names: tuple[str, ...]) -> tuple:
-    return tuple(layout[n] for n in names)
-
-
-def _down(profile: Profile, layout: Mapping[str, Degrees]) -> tuple[int, int] | None:
-    """The layout's (LLM PP, longest generator's PP) (``search.downstream_splits``); None without
-    a memory limit (options do not depend on it)."""
-    if profile.memory_limit_bytes is None:
-        return None
-    graph = profile.graph
-    return layout[graph.llm].pp, max((layout[g].pp for g in graph.generators), default=0)
-
-
-class _Feasible:
-    """Whether a layout obeys the search's rules (``search.options`` per module for the layout's
-    pipeline depths, the GPU budget, the node rule), with each module's options listed once."""
-
-    def __init__(self, profile: Profile, memo: dict, caps: Mapping[str, int], aligned: bool) -> None:
-        self.profile, self.memo, self.caps = profile, memo, caps
-        self.align = alignment(profile) if aligned else 1
-        self._sets: dict[tuple, frozenset[Degrees]] = {}
-
-    def options(self, name: str, d: int, down: tuple[int, int] | None = None) -> Opts:
-        p = self.profile
-        return options(p, name, d, self.caps[name], p.memory_limit_bytes, align=self.align, down=down,
-                       memo=self.memo)
-
-    def allowed(self, name: str, d: int, down: tuple[int, int] | None) -> frozenset[tuple[int, int, int, int]]:
-        key = (name, d, None if down is None else down_key(self.profile.graph, name, down))
-        if key not in self._sets:
-            o = self.options(name, d, down)  # plain tuples: equal to, and hashed as, the Degrees they list
-            self._sets[key] = frozenset(zip(o.dp.tolist(), o.tp.tolist(), o.pp.tolist(), o.sp.tolist()))
-        return self._sets[key]
-
-    def __call__(self, layout: Mapping[str, Degrees]) -> bool:
-        p, graph = self.profile, self.profile.graph
-        if sum(x.gpus for x in layout.values()) > p.gpus or (self.align > 1 and not tp_aligned(layout, graph.names)):
-            return False
-        d, down = layout[graph.llm].dp * p.microbatch, _down(p, layout)
-        return all(layout[n] in self.allowed(n, d, down) for n in graph.names)
-
-
 def refine(profile: Profile, starts: list[Layout], estimate: StepEstimate, memo: dict, count: int,
            caps: Mapping[str, int] | None = None, aligned: bool = True) -> list[Layout]:
     """The ``count`` layouts of lowest estimate found by the beam search from ``starts``
@@ -163,7 +117,7 @@ def refine(profile: Profile, starts: list[Layout], estimate: StepEstimate, memo:
     node rule, which every layout found obeys."""
     names = profile.graph.names
     caps = {n: profile.gpus for n in names} if caps is None else caps
-    feasible = _Feasible(profile, memo, caps, aligned)
+    feasible = Feasible(profile, memo, caps, aligned)
     seen: dict[tuple, tuple[float, Layout]] = {}
 
     def consider(layout: Layout) -> None:
@@ -203,7 +157,7 @@ def refine(profile: Profile, starts: list[Layout], estimate: StepEstimate, memo:
                 if max(terms[:i] + terms[i + 1:], default=0.0) > worst:
                     continue  # the other modules alone already lose
                 if (n, d) not in candidates:
-                    xs = set(_degrees(feasible.options(n, d)))  # fewest microbatches in flight: every candidate
+                    xs = set(degrees_of(feasible.options(n, d)))  # fewest microbatches in flight: every candidate
                     candidates[(n, d)] = sorted((estimate.term(n, x, d), x) for x in xs if x.sp != AUTO_SP)
                 for t, x in candidates[(n, d)]:
                     if t > worst:

@@ -165,21 +165,21 @@ def _build_waves(preds: Preds, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return stage, mb, is_f, n, waves
 
 
-def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds) -> np.ndarray:
+def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds, quick: bool = True) -> np.ndarray:
     """Makespan of every pipeline in ``fwd`` / ``bwd`` (``[..., K, P]``, stage columns numbered
     topologically as ``preds``); returns the leading shape (a 0-d array for one pipeline).
 
     A few relaxation sweeps settle even costs; otherwise (or when the DAG's waves are at hand)
     the op DAG is evaluated wave by wave (``_waves``, built once per DAG and K): each wave's ops
     start at the later of their stage's previous op and their dependencies, all leading
-    pipelines at once."""
+    pipelines at once. ``quick=False`` skips the sweeps (uneven costs rarely settle in them)."""
     f = np.asarray(fwd, dtype=np.float64)
     b = np.asarray(bwd, dtype=np.float64)
     k, p = f.shape[-2:]
     if len(preds) != p:
         raise ValueError(f"preds must list {p} stages (fwd's columns), got {len(preds)}")
     preds = tuple(tuple(x) for x in preds)
-    if (preds, k) not in _WAVES:
+    if quick and (preds, k) not in _WAVES:
         ends = _sweep(f, b, preds, QUICK_PASSES)
         if ends is not None:
             return np.maximum(ends[0].max(axis=(-2, -1)), ends[1].max(axis=(-2, -1)))

@@ -8,6 +8,7 @@ from test_planner_hetero import GRAPHS, random_data
 
 from disttrain_ds.cost.profile_file import profile_from_dict
 from disttrain_ds.graph import ModuleGraph
+from disttrain_ds.planner.climb import layout_bound
 from disttrain_ds.planner.every_layout import every_layout
 from disttrain_ds.planner.iteration_sim import VARIANTS, sample_times, simulate_iteration, simulate_scaled
 from disttrain_ds.planner.objective import Degrees, straggler_table, t_iter
@@ -45,14 +46,6 @@ def test_the_best_listed_layout_is_the_planners_exact_optimum(seed):
     assert min(t_iter(profile, x, table).total_ms for x in found) == best.t_iter_ms
 
 
-def layout_bound(profile, layout, bound: SimBound) -> float:
-    """The bound of one layout from its modules' terms."""
-    d = layout[profile.graph.llm].dp * profile.microbatch
-    terms = {n: bound.terms(n, profile.modules[n].cost(deg.tp, deg.sp), deg.dp, deg.pp, d // deg.dp)
-             for n, deg in layout.items()}
-    return float(bound.bound(*({n: t[i] for n, t in terms.items()} for i in range(3))))
-
-
 def simulated(profile, layout, flops, batches, variant, lock_step=False):
     p = build_plan(profile, layout)
     times = sample_times(flops, p).reshape(batches, profile.global_batch, -1)
@@ -77,7 +70,7 @@ def test_no_layout_simulates_faster_than_its_bound(graph, seed):
     anyhow = SimBound(profile.graph, unit_times(flops, batches))
     ordered = SimBound(profile.graph, unit_times(flops, batches), ordered=True)
     for i, layout in enumerate(layouts[:: max(1, len(layouts) // 25)]):
-        lb, lb_ordered = layout_bound(profile, layout, anyhow), layout_bound(profile, layout, ordered)
+        lb, lb_ordered = layout_bound(profile, anyhow, layout), layout_bound(profile, ordered, layout)
         variant = list(VARIANTS)[i % len(VARIANTS)]
         assert lb <= simulated(profile, layout, flops, batches, variant, lock_step=i % 5 == 0) * (1 + 1e-12)
         assert lb <= lb_ordered * (1 + 1e-12)  # knowing the order only tightens it
@@ -91,7 +84,7 @@ def test_the_bound_is_the_simulated_time_of_a_pipeline_of_equal_samples():
     flops = np.ones((16, 2))
     sim = simulated(profile, layout, flops, 1, "none")
     for ordered in (False, True):
-        lb = layout_bound(profile, layout, SimBound(profile.graph, unit_times(flops, 1), ordered))
+        lb = layout_bound(profile, SimBound(profile.graph, unit_times(flops, 1), ordered), layout)
         assert lb == pytest.approx(sim, rel=1e-6)
         assert lb == pytest.approx((8 + 3) * 40.0 / 4)  # K = 8 steps, 4 stages, 10 ms per stage
 
@@ -108,7 +101,7 @@ def test_a_bound_priced_at_mean_loads_is_caught_by_the_simulation():
         bound = SimBound(profile.graph, unit_times(flops, 1))
         mean = bound._total[:, None, :] / profile.global_batch  # [batches, 1, modules]
         bound._cheapest = np.arange(profile.global_batch + 1)[None, :, None] * mean
-        return any(layout_bound(profile, x, bound) > simulated(profile, x, flops, 1, "none") * (1 + 1e-9)
+        return any(layout_bound(profile, bound, x) > simulated(profile, x, flops, 1, "none") * (1 + 1e-9)
                    for x in layouts[:: max(1, len(layouts) // 40)])
 
     assert any(caught(g, s) for g in GRAPHS for s in range(8))

@@ -1,0 +1,111 @@
+"""Descent on the simulated iteration from the fastest simulated layout.
+
+The finalists (closed forms) and the refined layouts (``refine.py``'s step estimate) are ranked by
+models of a step that miss how a 1F1B iteration really couples modules: a replica waits only for the
+partners it exchanges samples with, and a stage runs at most as many microbatches ahead as the
+pipeline is deep, so the depth of one module changes how much another one's stragglers cost. The
+simulation (``iteration_sim``) has both; :func:`climb` follows it directly:
+
+from the fastest simulated layout, every layout that changes one module's degrees at the same
+samples per step (the search's options, memory, GPU budget, caps and node rule: ``neighbours``)
+is simulated on the planner's batches, and the descent moves to the fastest one while it is
+faster, at most ``ROUNDS`` times. The cost stays low: a neighbour whose lower bound
+(``sim_bound``) reaches the time to beat is not simulated, and neighbours that differ only in TP
+degrees (the same DP and PP shape, so the same replica DAG) share one sweep
+(``iteration_sim.simulate_scaled``, every batch at once).
+
+The result is a local minimum of the simulated time over one-module changes, not the global
+minimum; ``bench/bench_hetero_plan.py`` measures how far that is from the best of every layout.
+Layouts with adaptive SP groups are not climbed from or to (the sweep does not regroup replicas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from disttrain_ds.cost.profile import AUTO_SP, Profile
+from disttrain_ds.planner.iteration_sim import simulate_scaled
+from disttrain_ds.planner.neighbours import Feasible, Layout, degrees_of
+from disttrain_ds.planner.objective import Degrees
+from disttrain_ds.planner.plan import Plan
+from disttrain_ds.planner.sim_bound import SimBound
+
+ROUNDS = 4
+"""Most moves of the descent."""
+
+
+def layout_bound(profile: Profile, bound: SimBound, layout: Mapping[str, Degrees]) -> float:
+    """``bound``'s lower bound on ``layout``'s simulated time (0 with adaptive SP groups, which
+    it does not cover)."""
+    if any(x.sp == AUTO_SP for x in layout.values()):
+        return 0.0
+    d = layout[profile.graph.llm].dp * profile.microbatch
+    terms = {n: bound.terms(n, profile.modules[n].cost(x.tp, x.sp), x.dp, x.pp, d // x.dp)
+             for n, x in layout.items()}
+    return float(bound.bound(*({n: t[i] for n, t in terms.items()} for i in range(3))))
+
+
+def _shape(layout: Mapping[str, Degrees], names: tuple[str, ...]) -> tuple:
+    return tuple((layout[n].dp, layout[n].pp) for n in names)
+
+
+class SimulatedTimes:
+    """Mean simulated iteration (ms) of layouts on fixed batches, in loader order: every layout of
+    one DP and PP shape in one sweep."""
+
+    def __init__(self, profile: Profile, unit: np.ndarray, build: Callable[[Layout], Plan]) -> None:
+        """``unit``: ``[batches, global_batch, modules]`` unit times (``optimize.sim_unit_times``);
+        ``build``: a layout's plan (only its graph and degrees are read)."""
+        self.profile, self.unit, self.build = profile, unit, build
+
+    def __call__(self, layouts: list[Layout]) -> np.ndarray:
+        """``[len(layouts)]`` mean simulated times; every layout of one shape."""
+        names = self.profile.graph.names
+        scales = np.array([[self.profile.modules[n].cost(x[n].tp, x[n].sp) for n in names] for x in layouts])
+        return simulate_scaled(self.unit, self.build(layouts[0]), scales).mean(axis=1)
+
+
+def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
+          build: Callable[[Layout], Plan], rounds: int | None = None) -> tuple[Layout, float]:
+    """The descent's last layout and its mean simulated time on ``unit`` (module docstring), from
+    ``start``; ``feasible``: the search's rules with its caps and node rule; ``build``: a layout's
+    plan (``optimize.build_plan`` without the schedule's prediction); ``rounds``: most moves
+    (default ``ROUNDS``)."""
+    names, graph = profile.graph.names, profile.graph
+    times = SimulatedTimes(profile, unit, build)
+    current, best = dict(start), float(times([dict(start)])[0])
+    if any(x.sp == AUTO_SP for x in start.values()):
+        return current, best
+    d = current[graph.llm].dp * profile.microbatch
+    options = {n: [x for x in degrees_of(feasible.options(n, d)) if x.sp != AUTO_SP] for n in names}
+    if any(current[n] not in options[n] for n in names):  # e.g. caps below the start's degrees
+        return current, best
+    # Each option's (own, up_f, up_b) bound terms, once: a neighbour's bound combines one
+    # module's column with the others' current values.
+    bound = SimBound(graph, unit, ordered=True)
+    terms = {}
+    for n in names:
+        x = np.array([(profile.modules[n].cost(o.tp, o.sp), o.dp, o.pp, d // o.dp) for o in options[n]])
+        terms[n] = bound.terms(n, x[:, 0], x[:, 1].astype(int), x[:, 2].astype(int), x[:, 3].astype(int))
+    for _ in range(ROUNDS if rounds is None else rounds):
+        at = {n: options[n].index(current[n]) for n in names}
+        shapes: dict[tuple, list[Layout]] = {}
+        for n in names:
+            parts = [{m: terms[m][i] if m == n else terms[m][i][at[m]] for m in names} for i in range(3)]
+            lbs = bound.bound(*parts)
+            for x, lb in zip(options[n], lbs):
+                layout = {**current, n: x}
+                if x != current[n] and lb < best and feasible(layout):
+                    shapes.setdefault(_shape(layout, names), []).append(layout)
+        found: tuple[float, Layout] | None = None
+        for same in shapes.values():
+            t = times(same)
+            i = int(np.argmin(t))
+            if found is None or t[i] < found[0]:
+                found = (float(t[i]), same[i])
+        if found is None or not found[0] < best * (1 - 1e-12):
+            break
+        best, current = found
+    return current, best
