@@ -1,8 +1,8 @@
 """Planning with a draw of per-sample costs vs from mean costs, on heterogeneous workloads,
 against the best of every feasible plan.
 
-    python bench/bench_hetero_plan.py [--seeds 8] [--first-seed 0] [--iterations 2] [--budget 0.05] [--reorder]
-                                      [--only NAME]
+    python bench/bench_hetero_plan.py [--seeds 8] [--first-seed 0] [--iterations 2] [--held-out 16]
+                                      [--budget 0.05] [--reorder] [--only NAME]
 
 For every cost distribution and seed a random three-module profile is made (64-256 GPUs, global
 batch 128-512, per-module mean costs and layer counts drawn from the seed; TP costs with 0.9
@@ -17,7 +17,7 @@ their simulated time, until the bound reaches the best time found, so the best i
 Printed per distribution: the gain T_sim(mean plan) / T_sim(draw plan), how far each plan's
 simulated time is from its predicted one (``Plan.t_pred_ms``), each plan over the best feasible
 plan (mean and worst), the chosen plan over the layout found best when both are simulated again on
-held-out batches (the best of many noisy scores is biased low), planning time, and how many
+``--held-out`` fresh batches (the best of many noisy scores is biased low), planning time, and how many
 layouts were feasible and simulated. Costs of
 one sample in different modules are drawn independently, except in ``paper``, which prices
 LAION-400M-like packed sequences with the cost model (``paper/scale.py``, MLLM-9B's modules), and
@@ -186,7 +186,7 @@ def best_of_every_plan(profile, fresh: np.ndarray, iterations: int, budget: floa
 
 
 def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorder: bool,
-             share: tuple[float, float] = (0.05, 0.4)) -> dict | None:
+             share: tuple[float, float] = (0.05, 0.4), held_out: int = 16) -> dict | None:
     """Plan a seed's profile from mean costs, from a draw by the closed form alone and with its
     finalists simulated; simulate them on fresh samples and find the best of every feasible
     layout (``best_of_every_plan``)."""
@@ -213,9 +213,9 @@ def run_case(sampler: Sampler, seed: int, iterations: int, budget: float, reorde
     # best, and the chosen plan, scored again on batches neither was picked on.
     best_plan = (build_plan(with_draw, found, table=straggler_table(with_draw)) if found is not None
                  else plans[min(sim, key=sim.get)])
-    held = sampler(np.random.default_rng([seed, 3]), batch * iterations)
-    held_vs_best = (simulate(chosen, held, batch, iterations, budget, reorder)
-                    / simulate(best_plan, held, batch, iterations, budget, reorder))
+    held = sampler(np.random.default_rng([seed, 3]), batch * held_out)
+    held_vs_best = (simulate(chosen, held, batch, held_out, budget, reorder)
+                    / simulate(best_plan, held, batch, held_out, budget, reorder))
     return {"gain": sim["mean"] / sim["draw"], "same": plans["mean"].degrees() == plans["draw"].degrees(),
             "vs_best": sim["draw"] / best, "held_vs_best": held_vs_best,
             "closed_vs_best": sim["closed"] / best, "mean_vs_best": sim["mean"] / best,
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=8, help="profiles per distribution")
     ap.add_argument("--first-seed", type=int, default=0, help="seed of the first profile (to split a run)")
     ap.add_argument("--iterations", type=int, default=2, help="global batches simulated per plan")
+    ap.add_argument("--held-out", type=int, default=16,
+                    help="fresh global batches on which the chosen plan and the best one are scored again")
     ap.add_argument("--budget", type=float, default=0.05,
                     help="seconds of inter-microbatch search per iteration")
     ap.add_argument("--reorder", action="store_true",
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
-            r = run_case(sampler, seed, args.iterations, args.budget, args.reorder, SHARE.get(name, (0.05, 0.4)))
+            r = run_case(sampler, seed, args.iterations, args.budget, args.reorder, SHARE.get(name, (0.05, 0.4)),
+                         args.held_out)
             if r is not None:  # progress on stderr: the search for the best plan can take minutes a case
                 print(f"{name} seed {seed}: chosen / best {r['vs_best']:.3f} (held-out {r['held_vs_best']:.3f}), "
                       f"{r['simulated']:,} of "
@@ -276,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nbest feasible plan: every layout the planner may return, simulated on the same batches in "
           "order of a lower bound on its simulated time (planner/sim_bound.py) until the bound reaches "
           "the best time found, so none left out could be faster.")
-    print("\nheld-out: the layout found best and the chosen plan simulated again on other batches of the "
-          "same distribution; the minimum over every layout's score on the search batches is biased low.")
+    print(f"\nheld-out: the layout found best and the chosen plan simulated again on {args.held_out} other "
+          "batches of the same distribution; the minimum over every layout's score on the search batches is "
+          "biased low.")
     print("\ngain: simulated time of the mean-cost plan over the draw plan's (> 1: the draw plan "
           "is faster); same plan: cases where both chose the same layout.")
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

@@ -30,6 +30,7 @@ from disttrain_ds.planner.iteration_sim import simulate_scaled
 from disttrain_ds.planner.neighbours import Feasible, Layout, degrees_of
 from disttrain_ds.planner.objective import Degrees
 from disttrain_ds.planner.plan import Plan
+from disttrain_ds.planner.search import batch_splits
 from disttrain_ds.planner.sim_bound import SimBound
 
 ROUNDS = 4
@@ -78,27 +79,41 @@ def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
     current, best = dict(start), float(times([dict(start)])[0])
     if any(x.sp == AUTO_SP for x in start.values()):
         return current, best
-    d = current[graph.llm].dp * profile.microbatch
-    options = {n: [x for x in degrees_of(feasible.options(n, d)) if x.sp != AUTO_SP] for n in names}
-    if any(current[n] not in options[n] for n in names):  # e.g. caps below the start's degrees
-        return current, best
-    # Each option's (own, up_f, up_b) bound terms, once: a neighbour's bound combines one
-    # module's column with the others' current values.
     bound = SimBound(graph, unit, ordered=True)
-    terms = {}
-    for n in names:
-        x = np.array([(profile.modules[n].cost(o.tp, o.sp), o.dp, o.pp, d // o.dp) for o in options[n]])
-        terms[n] = bound.terms(n, x[:, 0], x[:, 1].astype(int), x[:, 2].astype(int), x[:, 3].astype(int))
+    columns: dict[tuple[str, int], tuple[list[Degrees], tuple[np.ndarray, ...]]] = {}
+
+    def column(n: str, d: int) -> tuple[list[Degrees], tuple[np.ndarray, ...]]:
+        """Module n's options at D = d and each one's (own, up_f, up_b) bound terms."""
+        if (n, d) not in columns:
+            xs = [x for x in degrees_of(feasible.options(n, d)) if x.sp != AUTO_SP]
+            v = np.array([(profile.modules[n].cost(o.tp, o.sp), o.dp, o.pp, d // o.dp) for o in xs]).reshape(-1, 4)
+            columns[(n, d)] = xs, bound.terms(n, v[:, 0], *(v[:, i].astype(int) for i in (1, 2, 3)))
+        return columns[(n, d)]
+
     for _ in range(ROUNDS if rounds is None else rounds):
-        at = {n: options[n].index(current[n]) for n in names}
+        d = current[graph.llm].dp * profile.microbatch
+        cols = {n: column(n, d) for n in names}
+        if any(current[n] not in cols[n][0] for n in names):  # e.g. caps below the start's degrees
+            break
+        at = {n: cols[n][0].index(current[n]) for n in names}
         shapes: dict[tuple, list[Layout]] = {}
-        for n in names:
-            parts = [{m: terms[m][i] if m == n else terms[m][i][at[m]] for m in names} for i in range(3)]
-            lbs = bound.bound(*parts)
-            for x, lb in zip(options[n], lbs):
-                layout = {**current, n: x}
-                if x != current[n] and lb < best and feasible(layout):
-                    shapes.setdefault(_shape(layout, names), []).append(layout)
+
+        def consider(layout: Layout, lb: float) -> None:
+            if lb < best and feasible(layout):
+                shapes.setdefault(_shape(layout, names), []).append(layout)
+
+        for n in names:  # one module's degrees at the same D: the bound from the terms at hand
+            xs, terms = cols[n]
+            parts = [{m: terms[i] if m == n else cols[m][1][i][at[m]] for m in names} for i in range(3)]
+            for x, lb in zip(xs, bound.bound(*parts)):
+                if x != current[n]:
+                    consider({**current, n: x}, float(lb))
+        for other in batch_splits(profile):  # the LLM's degrees at another D, the rest kept
+            if other != d:
+                for x in column(graph.llm, other)[0]:
+                    layout = {**current, graph.llm: x}
+                    if feasible(layout):  # the others' DPs divide the new D
+                        consider(layout, layout_bound(profile, bound, layout))
         found: tuple[float, Layout] | None = None
         for same in shapes.values():
             t = times(same)

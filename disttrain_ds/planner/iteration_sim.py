@@ -242,12 +242,16 @@ def _group_preds(names: tuple[str, ...], upstream: tuple[tuple[str, ...], ...],
     for n, ups in zip(names, upstream):
         c, pp = replicas[index[n]], pps[index[n]]
         last[n] = []
+        feeds: list[set[int]] = [set() for _ in range(c)]  # each replica's upstream last stages
+        for u in ups:
+            if {u, n} & linked:
+                for r in range(c):
+                    feeds[r].update(last[u])
+                continue
+            for rt in routes(samples, replicas[index[u]], c):
+                feeds[rt.down].add(last[u][rt.up])
         for r in range(c):
-            feeds = sorted(last[u][rt.up] for u in ups
-                           for rt in routes(samples, replicas[index[u]], c)
-                           if rt.down == r or {u, n} & linked)
-            feeds = sorted(set(feeds))
-            preds.append(tuple(feeds))
+            preds.append(tuple(sorted(feeds[r])))
             preds.extend((len(preds) - 1,) for _ in range(pp - 1))
             last[n].append(len(preds) - 1)
     return tuple(preds)

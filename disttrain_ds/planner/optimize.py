@@ -150,10 +150,8 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
     # What the simulation couples and the estimates miss: a descent on it from the fastest one.
     build = lambda x: build_plan(profile, x, table=table, predicted=False)  # noqa: E731
     layout, _ = climb(profile, chosen.degrees(), unit, Feasible(profile, memo, caps, aligned), build)
-    if layout != chosen.degrees():
-        t = simulated_ms(profile, build(layout))
-        if t < chosen.t_sim_ms:
-            return replace(build_plan(profile, layout, table=table), t_sim_ms=t, finalists=chosen.finalists)
+    if layout != chosen.degrees() and (t := simulated_ms(profile, build(layout))) < chosen.t_sim_ms:
+        return replace(build_plan(profile, layout, table=table), t_sim_ms=t, finalists=chosen.finalists)
     return chosen
 
 
