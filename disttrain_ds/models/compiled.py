@@ -7,10 +7,14 @@ decoder block compiles only its transformers layer, so what it prepares once per
 (positions, rotary tables, attention arguments: host values read once) stays outside the graph;
 layers that loop over items on the host (image and clip embeddings) name none; any other layer is
 its own target. Shapes start static and become dynamic where they change (torch's automatic
-dynamic shapes: a second shape recompiles once, dynamically, not once per shape), except in
-layers that set ``compile_dynamic = False`` (the U-Net's: inductor cannot lower its convolutions
-at symbolic sizes in torch 2.13), which compile once per shape (images per microbatch); and
-``graphs_compiled`` counts every graph made, so a run reports recompiles as they happen.
+dynamic shapes: a second shape recompiles once, dynamically, not once per shape). Layers that set
+``compile_dynamic = "batch"`` (the U-Net's) take only their inputs' first dimension (images per
+microbatch) as dynamic and every other one as static: instances of one layer class share a code
+object, so automatic dynamic shapes would make their spatial sizes symbolic too (the down blocks
+run at several resolutions), and inductor in torch 2.13 cannot lower the convolutions then
+("cannot determine truth value of Relational"); static per image count instead would recompile
+for every count, up to torch's 8 graphs per code object, then run eager. ``graphs_compiled``
+counts every graph made, so a run reports recompiles as they happen.
 """
 
 from __future__ import annotations
@@ -44,10 +48,41 @@ def compile_layers(layers: Iterable[nn.Module], backend: str | Callable = "induc
     ``backend``: torch.compile's (tests count graphs with a counting one)."""
     n = 0
     for layer in layers:
+        dynamic = getattr(layer, "compile_dynamic", None)
         for target in compile_targets(layer):
-            target.compile(dynamic=getattr(layer, "compile_dynamic", None), backend=backend)
+            if dynamic == "batch":
+                # What ``nn.Module.compile`` sets, with the inputs' dimensions marked on each call.
+                target._compiled_call_impl = _batch_dynamic(torch.compile(target._call_impl, backend=backend))
+            else:
+                target.compile(dynamic=dynamic, backend=backend)
             n += 1
     return n
+
+
+def _tensors(value) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _batch_dynamic(compiled: Callable) -> Callable:
+    """``compiled`` called with every input tensor's first dimension dynamic (size 1 still gets its
+    own graph: torch specialises it) and every other dimension static."""
+
+    def call(*args, **kwargs):
+        for t in _tensors((args, kwargs)):
+            if t.dim():
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                for d in range(1, t.dim()):
+                    torch._dynamo.mark_static(t, d)
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def graphs_compiled() -> int:

@@ -7,9 +7,10 @@ pipeline is deep, so the depth of one module changes how much another one's stra
 simulation (``iteration_sim``) has both; :func:`climb` follows it directly:
 
 from the fastest simulated layout, every layout that changes one module's degrees at the same
-samples per step (the search's options, memory, GPU budget, caps and node rule: ``neighbours``)
-is simulated on the planner's batches, and the descent moves to the fastest one while it is
-faster, at most ``ROUNDS`` times. The cost stays low: a neighbour whose lower bound
+samples per step, and the LLM's at any other split of the global batch with the other modules
+kept (the search's options, memory, GPU budget, caps and node rule: ``neighbours``), is simulated
+on the planner's batches, and the descent moves to the fastest one while it is faster, at most
+``ROUNDS`` times. The cost stays low: a neighbour whose lower bound
 (``sim_bound``) reaches the time to beat is not simulated, and neighbours that differ only in TP
 degrees (the same DP and PP shape, so the same replica DAG) share one sweep
 (``iteration_sim.simulate_scaled``, every batch at once).

@@ -239,3 +239,87 @@ def test_a_channels_last_unet_computes_what_the_default_layout_does():
     ref.generator.layers[2].register_forward_hook(lambda m, a, out: plain.append(out[0]))
     ref(mb)
     assert not plain[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def _unet_layers(channels_last: bool = False) -> tuple[list[nn.Module], nn.Module]:
+    """The tiny U-Net's pipeline layers (without the projector) and a copy of the whole model."""
+    import copy
+
+    from disttrain_ds.families.unet.config import GeneratorConfig
+    from disttrain_ds.families.unet.model import (
+        UnetDown,
+        UnetIn,
+        UnetMid,
+        UnetOut,
+        UnetUp,
+        _in_parts,
+        _out_parts,
+        build_unet,
+    )
+
+    torch.manual_seed(0)
+    u = build_unet(GeneratorConfig())
+    if channels_last:
+        u = u.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(u)
+    layers = [UnetIn(_in_parts(u)), *(UnetDown(b) for b in u.down_blocks), UnetMid(u.mid_block),
+              *(UnetUp(b, i == len(u.up_blocks) - 1) for i, b in enumerate(u.up_blocks)), UnetOut(_out_parts(u))]
+    return layers, ref
+
+
+def _unet_step(layers, ref, n: int) -> None:
+    """Images per microbatch ``n`` through the layers (forward and backward), checked against the
+    whole diffusers model."""
+    g = torch.Generator().manual_seed(n)
+    x, t, c = torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 1000, (n,), generator=g), \
+        torch.randn(n, 4, 32, generator=g)
+    h = (c, x, t)
+    for layer in layers:
+        h = layer(h)
+    h.sum().backward()
+    torch.testing.assert_close(h, ref(x, t, encoder_hidden_states=c).sample, rtol=1e-5, atol=1e-5)
+
+
+def test_unet_layers_compile_once_for_every_number_of_images():
+    # Only the images-per-microbatch dimension is dynamic: the down blocks (one code object at two
+    # resolutions) keep static spatial sizes, which inductor needs for their convolutions. The
+    # first three layers (the slow test below runs the whole U-Net through inductor).
+    import copy
+
+    layers = _unet_layers()[0][:3]
+    eager = copy.deepcopy(layers)
+    counter = CompileCounter()
+    compile_layers(layers, backend=counter)
+    made = []
+    for n in (1, 2, 3, 5, 8):
+        h = (torch.randn(n, 4, 32), torch.randn(n, 3, 16, 16), torch.randint(0, 1000, (n,)))
+        out, ref = h, h
+        for layer, same in zip(layers, eager):
+            out, ref = layer(out), same(ref)
+        out[0].sum().backward()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        made.append(counter.frame_count)
+    # One image is its own (specialised) graph per layer, any other count one dynamic graph per layer.
+    assert made == [3, 6, 6, 6, 6], made
+    # Negative control: static layers compile again for every number of images.
+    counter = CompileCounter()
+    for layer in eager[:2]:
+        layer.compile(dynamic=False, backend=counter)
+    grew = []
+    for n in (1, 2, 3, 5):
+        h = (torch.randn(n, 4, 32), torch.randn(n, 3, 16, 16), torch.randint(0, 1000, (n,)))
+        eager[1](eager[0](h))[0].sum().backward()
+        grew.append(counter.frame_count)
+    assert grew == [2, 4, 6, 8], grew
+
+
+@pytest.mark.slow
+def test_unet_layers_in_channels_last_lower_through_inductor_at_any_number_of_images():
+    # Inductor builds C++ for every kernel on the CPU (minutes): the slow tier. The layout is the
+    # one CUDA runs (models/channels_last.py), whose strides inductor must order.
+    layers, ref = _unet_layers(channels_last=True)
+    before = graphs_compiled()
+    compile_layers(layers)
+    for n in (1, 2, 3):
+        _unet_step(layers, ref, n)
+    assert graphs_compiled() - before == 2 * len(layers)

@@ -76,7 +76,7 @@ def _unet_part(cfg: GeneratorConfig, seed: int, pick):
 class UnetIn(nn.Module):
     """(cond, noisy, timesteps) -> (sample, emb, cond, skip0): time embedding and conv_in."""
 
-    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+    compile_dynamic = "batch"  # (models/compiled.py) inductor fails on its convolutions at symbolic spatial sizes
 
     def __init__(self, parts: tuple):
         super().__init__()
@@ -99,7 +99,7 @@ class UnetIn(nn.Module):
 class UnetDown(nn.Module):
     """One down block: appends its skip connections to the tuple."""
 
-    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+    compile_dynamic = "batch"  # (models/compiled.py) inductor fails on its convolutions at symbolic spatial sizes
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -115,7 +115,7 @@ class UnetDown(nn.Module):
 
 
 class UnetMid(nn.Module):
-    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+    compile_dynamic = "batch"  # (models/compiled.py) inductor fails on its convolutions at symbolic spatial sizes
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -133,7 +133,7 @@ class UnetMid(nn.Module):
 class UnetUp(nn.Module):
     """One up block: consumes as many skips as it has resnets; the last one drops emb and cond."""
 
-    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+    compile_dynamic = "batch"  # (models/compiled.py) inductor fails on its convolutions at symbolic spatial sizes
 
     def __init__(self, block: nn.Module, last: bool):
         super().__init__()
@@ -156,7 +156,7 @@ class UnetUp(nn.Module):
 class UnetOut(nn.Module):
     """sample -> predicted noise: norm, activation, conv_out."""
 
-    compile_dynamic = False  # (models/compiled.py) inductor fails on its convolutions at symbolic sizes
+    compile_dynamic = "batch"  # (models/compiled.py) inductor fails on its convolutions at symbolic spatial sizes
 
     def __init__(self, parts: tuple):
         super().__init__()
