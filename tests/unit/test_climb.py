@@ -21,13 +21,12 @@ from disttrain_ds.planner.sim_bound import unit_times
 
 def one_module_changes(profile, layout) -> list[dict]:
     """Every feasible layout (brute force) that differs from ``layout`` in one module's degrees
-    at the same LLM DP."""
+    (the LLM's at any DP, so at another samples-per-step split)."""
     names = profile.graph.names
     out = []
     for key in brute_force_layouts(profile):
         other = dict(zip(names, key))
-        diff = [n for n in names if other[n] != layout[n]]
-        if len(diff) == 1 and other[profile.graph.llm].dp == layout[profile.graph.llm].dp:
+        if sum(other[n] != layout[n] for n in names) == 1:
             out.append(other)
     return out
 
