@@ -10,10 +10,10 @@ from the fastest simulated layout, every layout that changes one module's degree
 samples per step, and the LLM's at any other split of the global batch with the other modules
 kept (the search's options, memory, GPU budget, caps and node rule: ``neighbours``), is simulated
 on the planner's batches, and the descent moves to the fastest one while it is faster, at most
-``ROUNDS`` times. The cost stays low: a neighbour whose lower bound
-(``sim_bound``) reaches the time to beat is not simulated, and neighbours that differ only in TP
-degrees (the same DP and PP shape, so the same replica DAG) share one sweep
-(``iteration_sim.simulate_scaled``, every batch at once).
+``ROUNDS`` times. The cost stays low: neighbours that differ only in TP degrees (the same DP and
+PP shape, so the same replica DAG) share one sweep (``iteration_sim.simulate_scaled``, every
+batch at once), shapes are simulated in order of their neighbours' lower bounds (``sim_bound``),
+and none whose bounds reach the current time or the fastest neighbour found is simulated.
 
 The result is a local minimum of the simulated time over one-module changes, not the global
 minimum; ``bench/bench_hetero_plan.py`` measures how far that is from the best of every layout.
@@ -97,11 +97,13 @@ def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
         if any(current[n] not in cols[n][0] for n in names):  # e.g. caps below the start's degrees
             break
         at = {n: cols[n][0].index(current[n]) for n in names}
-        shapes: dict[tuple, list[Layout]] = {}
+        shapes: dict[tuple, tuple[list[float], list[Layout]]] = {}
 
         def consider(layout: Layout, lb: float) -> None:
             if lb < best and feasible(layout):
-                shapes.setdefault(_shape(layout, names), []).append(layout)
+                lbs, same = shapes.setdefault(_shape(layout, names), ([], []))
+                lbs.append(lb)
+                same.append(layout)
 
         for n in names:  # one module's degrees at the same D: the bound from the terms at hand
             xs, terms = cols[n]
@@ -115,13 +117,18 @@ def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
                     layout = {**current, graph.llm: x}
                     if feasible(layout):  # the others' DPs divide the new D
                         consider(layout, layout_bound(profile, bound, layout))
-        found: tuple[float, Layout] | None = None
-        for same in shapes.values():
+        # Shapes in order of their lowest bound; once that reaches the fastest neighbour found,
+        # no later shape holds a faster one (ties: the earlier shape, then the earlier layout).
+        found: tuple[float, int, Layout] | None = None
+        order = sorted(enumerate(shapes.values()), key=lambda x: (min(x[1][0]), x[0]))
+        for k, (lbs, same) in order:
+            if found is not None and min(lbs) >= found[0]:
+                break
             t = times(same)
             i = int(np.argmin(t))
-            if found is None or t[i] < found[0]:
-                found = (float(t[i]), same[i])
+            if found is None or (float(t[i]), k) < found[:2]:
+                found = (float(t[i]), k, same[i])
         if found is None or not found[0] < best * (1 - 1e-12):
             break
-        best, current = found
+        best, current = found[0], found[2]
     return current, best
