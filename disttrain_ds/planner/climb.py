@@ -111,11 +111,12 @@ def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
             for x, lb in zip(xs, bound.bound(*parts)):
                 if x != current[n]:
                     consider({**current, n: x}, float(lb))
+        rest = [current[n].dp for n in names if n != graph.llm]
         for other in batch_splits(profile):  # the LLM's degrees at another D, the rest kept
-            if other != d:
+            if other != d and all(other % dp == 0 for dp in rest):  # the others' DPs divide the new D
                 for x in column(graph.llm, other)[0]:
                     layout = {**current, graph.llm: x}
-                    if feasible(layout):  # the others' DPs divide the new D
+                    if feasible(layout):  # (memory at the new D, GPU budget, node rule)
                         consider(layout, layout_bound(profile, bound, layout))
         # Shapes in order of their lowest bound; once that reaches the fastest neighbour found,
         # no later shape holds a faster one (ties: the earlier shape, then the earlier layout).
