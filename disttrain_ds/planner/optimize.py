@@ -116,8 +116,9 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
     resampled from the draw (``simulated_ms``: each step waits for its slowest replica and
     module, which the closed form prices only in expectation), in order of a lower bound on
     their simulated time (``sim_bound``; one whose bound reaches the best time found is not
-    simulated), and the fastest is returned; 1: the closed form's best. Raises PlanError with the
-    binding constraint when nothing is feasible."""
+    simulated); from the fastest, a descent on the simulated time over one-module changes
+    (``climb.py``) returns the layout it ends at; 1: the closed form's best. Raises PlanError with
+    the binding constraint when nothing is feasible."""
     caps = {n: profile.gpus if gpu_caps is None else min(gpu_caps[n], profile.gpus)
             for n in profile.graph.names}
     table = straggler_table(profile)
