@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from disttrain_ds.cost.flops import mode_multiplier, require_positive
+from disttrain_ds.models.tensor_tree import tensors_in
 from disttrain_ds.models.vae import vae_kwargs
 
 _MEMORY_CACHE: dict[str, float] = {}
@@ -86,16 +87,6 @@ def _cached(key: str, label: str, compute: Callable[[], float],
     return flops
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    elif hasattr(value, "to_tuple"):
-        value = value.to_tuple()
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _count(module: nn.Module, example_inputs: tuple | dict, mode: str) -> float:
@@ -130,7 +121,7 @@ def _count(module: nn.Module, example_inputs: tuple | dict, mode: str) -> float:
         with sdpa_kernel(SDPBackend.MATH), counter, torch.set_grad_enabled(mode != "frozen"):
             out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
             if mode != "frozen":
-                outs = [t for t in _tensors(out) if t.requires_grad]
+                outs = [t for t in tensors_in(out) if t.requires_grad]
                 if not outs or not wrt:
                     raise ValueError(f"example_inputs give nothing to differentiate in mode {mode!r}")
                 # (autograd.grad clashes with FlopCounterMode's module hooks.)

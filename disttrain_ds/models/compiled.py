@@ -26,6 +26,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.models.tensor_tree import tensors_in
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
@@ -59,23 +60,12 @@ def compile_layers(layers: Iterable[nn.Module], backend: str | Callable = "induc
     return n
 
 
-def _tensors(value) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
 def _batch_dynamic(compiled: Callable) -> Callable:
     """``compiled`` called with every input tensor's first dimension dynamic (size 1 still gets its
     own graph: torch specialises it) and every other dimension static."""
 
     def call(*args, **kwargs):
-        for t in _tensors((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             if t.dim():
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 for d in range(1, t.dim()):

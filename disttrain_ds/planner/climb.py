@@ -72,14 +72,14 @@ class SimulatedTimes:
 def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
           build: Callable[[Layout], Plan], rounds: int | None = None) -> tuple[Layout, float]:
     """The descent's last layout and its mean simulated time on ``unit`` (module docstring), from
-    ``start``; ``feasible``: the search's rules with its caps and node rule; ``build``: a layout's
-    plan (``optimize.build_plan`` without the schedule's prediction); ``rounds``: most moves
-    (default ``ROUNDS``)."""
+    ``start`` (without adaptive SP groups); ``feasible``: the search's rules with its caps and node
+    rule; ``build``: a layout's plan (``optimize.build_plan`` without the schedule's prediction);
+    ``rounds``: most moves (default ``ROUNDS``)."""
+    if any(x.sp == AUTO_SP for x in start.values()):
+        raise ValueError("the descent cannot start from adaptive SP groups (the sweep does not regroup replicas)")
     names, graph = profile.graph.names, profile.graph
     times = SimulatedTimes(profile, unit, build)
     current, best = dict(start), float(times([dict(start)])[0])
-    if any(x.sp == AUTO_SP for x in start.values()):
-        return current, best
     bound = SimBound(graph, unit, ordered=True)
     columns: dict[tuple[str, int], tuple[list[Degrees], tuple[np.ndarray, ...]]] = {}
 

@@ -148,6 +148,8 @@ def plan(profile: Profile, *, gpu_caps: Mapping[str, int] | None = None,
     if len(found) == 1:
         return build_plan(profile, found[0], table=table)
     chosen = _fastest_simulated(profile, found, unit, table)
+    if any(m.sp == AUTO_SP for m in chosen.modules.values()):
+        return chosen  # adaptive groups: the descent's sweep does not regroup replicas
     # What the simulation couples and the estimates miss: a descent on it from the fastest one.
     build = lambda x: build_plan(profile, x, table=table, predicted=False)  # noqa: E731
     layout, _ = climb(profile, chosen.degrees(), unit, Feasible(profile, memo, caps, aligned), build)

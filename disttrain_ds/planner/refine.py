@@ -45,7 +45,6 @@ ROUNDS = 4
 """Most rounds of one-module changes."""
 
 
-
 def _key(layout: Mapping[str, Degrees], names: tuple[str, ...]) -> tuple:
     return tuple(layout[n] for n in names)
 
