@@ -30,7 +30,7 @@ def _trained(proc) -> bool:
     return "step    1" in _said(proc)
 
 
-@pytest.mark.slow  # the old start-up deadlocking; its guard is pinned below in the default tier
+@pytest.mark.slow  # the old start-up deadlocking; its guard is pinned in tests/unit/test_startup_groups.py
 def test_member_only_groups_stop_a_mixed_tp_layout_at_startup_under_eager_rules(tmp_path):
     """Negative control: the old start-up (each module's groups made by its members only, the
     refusal lifted) stops before step 1, naming ranks that did not take part in a split."""
@@ -51,6 +51,7 @@ def test_member_only_groups_pass_under_lazy_rules(tmp_path):
     assert proc.returncode == 0, _said(proc)[-3000:]
 
 
+@pytest.mark.slow  # the guard itself is pinned in the default tier by tests/unit/test_startup_groups.py
 def test_member_only_group_is_refused_in_one_line_on_a_device_bound_world(tmp_path):
     """With the refusal in place the same start-up stops at once, before any split times out."""
     proc = launch(tmp_path, 6, [*MIXED_TP, "parallel.comm_timeout_s=120"], fault="member_only_groups_guarded",
@@ -77,7 +78,7 @@ def test_aborted_communicator_is_reported_by_its_rank_and_nobody_else_is_blamed(
     assert "CommTimeoutError" not in said  # nobody waited out its deadline and blamed itself
 
 
-@pytest.mark.slow  # the default tier keeps the mixed-TP start-up and the refusal
+@pytest.mark.slow  # the default tier keeps the mixed-TP start-up (test_tensor_parallel.py)
 def test_stalled_rank_is_blamed_by_the_ranks_that_waited_for_it(tmp_path):
     """Rank 2 stops answering (alive, heartbeat beating, main thread stuck): its neighbours' deadlines
     fire and the job stops naming rank 2, not the rank that waited."""
