@@ -4,11 +4,14 @@ a two-block LLM run whole and sharded over a TP group of two, compared layer by 
 from __future__ import annotations
 
 import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.families.llama.model import LLAMA, decoder_layers
 from disttrain_ds.families.qwen2.model import QWEN2
+from disttrain_ds.models.compiled import compile_layers
 from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer, shard_rows
 from disttrain_ds.parallel.tp_sequence import TPSeqContext, attach
 
@@ -46,8 +49,11 @@ def _expected_grad(ref: torch.Tensor, p: torch.nn.Parameter, rank: int) -> torch
     return ref.chunk(WORLD, dim=1)[rank]
 
 
-def case(rank: int, group, family: str, overrides: dict, chunks: int, hooks: bool, device: str = "cpu") -> dict:
-    """One rank's run of a case: losses, and the worst gradient error against the unsharded layers."""
+def case(rank: int, group, family: str, overrides: dict, chunks: int, hooks: bool, device: str = "cpu",
+         backend: str | None = None) -> dict:
+    """One rank's run of a case: losses, and the worst gradient error against the unsharded layers;
+    ``backend``: the sharded layers compiled with it (``compile_layers``), counting the graphs of a
+    decoder block in ``graphs``."""
     defs = _layers(family, overrides)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB - 1, (B, S), generator=g)
@@ -67,6 +73,12 @@ def case(rank: int, group, family: str, overrides: dict, chunks: int, hooks: boo
         if not hooks:
             layer.tp_seq_region = False  # the fault to catch: slice-only gradients left unsummed
         sharded.append(attach(layer, ctx))
+    counters = []
+    if backend is not None:
+        torch._dynamo.reset()
+        for layer in sharded:
+            counters.append(CompileCounterWithBackend(backend))
+            compile_layers([layer], backend=counters[-1])
     sliced = sharded[0]((ids, torch.zeros(0, 32, device=device), doc_ids))[0].shape  # between blocks: this rank's slice
     loss = _run(sharded, ids, doc_ids, weights)
     loss.backward()
@@ -79,4 +91,6 @@ def case(rank: int, group, family: str, overrides: dict, chunks: int, hooks: boo
             err = float((p.grad - want).abs().max() / want.abs().max().clamp_min(1e-12))
             if err > worst:
                 worst, where = err, f"{d.name}.{name}"
-    return {"loss": float(loss), "ref_loss": float(ref_loss), "grad_err": worst, "where": where, "sliced": tuple(sliced)}
+    graphs = {type(layer).__name__: c.frame_count for layer, c in zip(sharded, counters)}
+    return {"loss": float(loss), "ref_loss": float(ref_loss), "grad_err": worst, "where": where, "sliced": tuple(sliced),
+            "graphs": graphs}

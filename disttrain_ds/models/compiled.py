@@ -3,8 +3,9 @@
 ``compile_layers`` calls ``nn.Module.compile`` on every layer's *compile targets*, so parameter
 names, state dicts, checkpoints and export are those of the eager model (``compile`` only sets
 the module's call implementation). A layer names its targets with ``compile_targets()``: the
-decoder block compiles only its transformers layer, so what it prepares once per microbatch
-(positions, rotary tables, attention arguments: host values read once) stays outside the graph;
+decoder block compiles only its transformers layer (on sequence slices, its written-out forward,
+collectives left eager), so what it prepares once per microbatch (positions, rotary tables,
+attention arguments: host values read once) stays outside the graph;
 layers that loop over items on the host (image and clip embeddings) name none; any other layer is
 its own target. Shapes start static and become dynamic where they change (torch's automatic
 dynamic shapes: a second shape recompiles once, dynamically, not once per shape). Layers that set

@@ -101,6 +101,9 @@ class TPSeqContext:
         """Whole rows [B, S, ...] on every rank from each rank's slice [B, S/TP, ...]."""
         return _Gather.apply(x, self.tp.group, self.tp.rank, self.tp.size)
 
+    # Collectives on a side stream, left out of compiled graphs (compiled code around them breaks
+    # into graphs before and after each).
+    @torch.compiler.disable
     def column(self, x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tensor]:
         """Column-parallel ``linears`` that read the same input: this rank's slice ``x`` [B, s, in]
         -> each linear's [B, S, out_i] over whole rows, one all-gather for all of them (their weight
@@ -110,6 +113,7 @@ class TPSeqContext:
         outs = y.split([m.weight.shape[0] for m in linears], dim=-1)
         return [o if m.bias is None else o + m.bias for o, m in zip(outs, linears)]
 
+    @torch.compiler.disable
     def row(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
         """Row-parallel ``linear`` on whole rows ``x`` [B, S, in / TP] -> this rank's slice
         [B, s, out] of the sum over ranks, plus the (replicated) bias."""

@@ -11,17 +11,18 @@ from tp_seq_cases import CASES, WORLD, case  # tests/ is on sys.path under pytes
 pytestmark = pytest.mark.gpu
 
 
-def _cases(rank: int, group) -> dict:
+def _cases(rank: int, group, compiler: str | None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 GEMMs, compared at fp32 tolerance
-    out = {name: case(rank, group, *CASES[name], True, device=f"cuda:{rank}") for name in CASES}
+    out = {name: case(rank, group, *CASES[name], True, device=f"cuda:{rank}", backend=compiler) for name in CASES}
     torch.cuda.synchronize()
     return out
 
 
-def test_sequence_sharded_tp_on_nccl_gives_the_unsharded_loss_and_gradients():
+@pytest.mark.parametrize("compiler", [None, "inductor"])  # eager, and compiled around the collectives
+def test_sequence_sharded_tp_on_nccl_gives_the_unsharded_loss_and_gradients(compiler):
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA devices")
-    runs = run_ranks(_cases, WORLD, backend="nccl", start="spawn", timeout=300)
+    runs = run_ranks(_cases, WORLD, compiler, backend="nccl", start="spawn", timeout=600)
     for rank, value in runs.items():
         for name, got in value.items():
             assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-4), name

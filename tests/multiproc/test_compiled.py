@@ -16,6 +16,8 @@ LAYOUTS = {
     "plain": (4, []),
     # Column / row-parallel linears (autograd functions around all-reduces) inside compiled layers.
     "llm_tp2_replicated": (6, ["parallel.llm.tp=2", "parallel.llm.tp_overlap=false"]),
+    # The LLM on sequence slices: its blocks compiled around the overlapped collectives.
+    "llm_tp2_sliced": (6, ["parallel.llm.tp=2", "parallel.llm.tp_overlap=true"]),
     # Compiled layers recomputed in backward.
     "llm_checkpointed": (4, ["parallel.llm.activation_checkpointing=1"]),
 }

@@ -151,6 +151,7 @@ class LlmBlock(nn.Module):
         hf._attn_implementation = DOC_ATTENTION  # this block's own config: attention per document
         self.doc_attention = cfg.doc_attention
         self.layer = decoder.layer(hf, index)
+        object.__setattr__(self, "sliced", sharded.SlicedDecoder(self.layer))  # unregistered: no new names
         self.rotary = decoder.rotary(hf)
         # Blocks of one config make the same table: a key of what it is made from.
         self._rotary_key = (type(self.rotary), repr(getattr(hf, "rope_parameters", None)), getattr(hf, "head_dim", None),
@@ -158,9 +159,9 @@ class LlmBlock(nn.Module):
                             hf.max_position_embeddings)
 
     def compile_targets(self) -> list[nn.Module]:
-        if self.tp_seq is not None:  # its collectives run between the layer's modules, which stay eager
-            return []
-        return [self.layer]
+        # On slices the collectives run between the layer's modules: the sliced forward is compiled
+        # around them (they stay eager, ``TPSeqContext``).
+        return [self.sliced if self.tp_seq is not None else self.layer]
 
     def _positions(self, hidden, doc_ids):
         """(position ids, rotary (cos, sin)) of this microbatch, made once for every block."""
@@ -183,7 +184,7 @@ class LlmBlock(nn.Module):
         if self.seq_parallel is not None:
             attention = {**attention, "seq_parallel": self.seq_parallel}
         if self.tp_seq is not None:
-            return sharded.decoder(self.layer, hidden, self.tp_seq, table, **attention), doc_ids
+            return self.sliced(hidden, self.tp_seq, table, **attention), doc_ids
         # No [S, S] mask: spans or a block mask, built once per microbatch (bench/bench_doc_mask.py).
         out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=table, **attention)
         return (out[0] if isinstance(out, tuple) else out), doc_ids

@@ -7,6 +7,9 @@ transformers' attention reshapes its projections by the shape of its input, whic
 so the attention and MLP forwards are written out: the same operations as ``LlamaAttention`` /
 ``Qwen2Attention`` (``sliding_window`` where the module has one), ``LlamaMLP`` and
 ``LlamaDecoderLayer``, with the layer's own rotary function and attention interface.
+
+``SlicedDecoder`` makes ``decoder`` a module of its own, so compiled training compiles it in place:
+the collectives (``TPSeqContext.column`` / ``row``) run eagerly between its graphs.
 """
 
 from __future__ import annotations
@@ -45,3 +48,16 @@ def decoder(layer: nn.Module, hidden: torch.Tensor, ctx, position_embeddings, **
     arguments for whole rows)."""
     hidden = hidden + attention(layer.self_attn, layer.input_layernorm(hidden), ctx, position_embeddings, **kwargs)
     return hidden + mlp(layer.mlp, layer.post_attention_layernorm(hidden), ctx)
+
+
+class SlicedDecoder(nn.Module):
+    """``decoder`` of one layer as a module (what ``compile_layers`` compiles for a sliced block). It
+    holds the layer without registering it, so parameter names, state dicts and hooks stay the
+    layer's own."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "layer_", layer)  # not a child module: no second name for its weights
+
+    def forward(self, hidden: torch.Tensor, ctx, position_embeddings, **kwargs) -> torch.Tensor:
+        return decoder(self.layer_, hidden, ctx, position_embeddings, **kwargs)
