@@ -129,13 +129,13 @@ def _build_waves(preds: Preds, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
                                           tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]]:
     """The op DAG of ``k`` microbatches over ``preds`` in waves of independent ops.
 
-    Ops are numbered stage by stage in each stage's 1F1B order (op ``2k * s + j``); an op waits
+    Ops are built stage by stage in each stage's 1F1B order (op ``2k * s + j``); an op waits
     for the stage's previous op and for the same microbatch's forward on every upstream stage
     (a forward) or backward on every downstream stage (a backward). An op's wave is the length
     of the longest dependency chain before it (the schedule's end times at unit op cost), so no
-    wave holds two ops where one waits for the other. Returns (stage, microbatch, is-forward of
-    every op, and per wave (ops, previous ops, ``[ops, deg]`` dependencies), index ``2k * P``
-    standing for "nothing")."""
+    wave holds two ops where one waits for the other. Ops are then renumbered in wave order.
+    Returns (stage, microbatch, is-forward of every op, and per wave (its ops: a slice, their
+    previous ops, their dependencies: ``_trimmed``), index ``2k * P`` standing for "nothing")."""
     p = len(preds)
     succ, depth = _depths(preds)
     ones = np.ones((k, p))
@@ -159,10 +159,21 @@ def _build_waves(preds: Preds, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
             deps[fwd, c] = pos[0, u, mb[fwd]]
         for c, d in enumerate(succ[s]):
             deps[bwd, c] = pos[1, d, mb[bwd]]
+    # Ops renumbered wave by wave, so each wave's ops are one contiguous range (slices, no scatter).
     by = np.argsort(level, kind="stable")
-    cuts = np.flatnonzero(np.diff(level[by])) + 1
-    waves = tuple((w, prev[w], deps[w]) for w in np.split(by, cuts))
-    return stage, mb, is_f, n, waves
+    new = np.empty(n + 1, dtype=np.int64)
+    new[by], new[n] = np.arange(n), n
+    prev, deps = new[prev[by]], new[deps[by]]
+    bounds = [0, *(np.flatnonzero(np.diff(level[by])) + 1), n]
+    waves = tuple((slice(a, b), prev[a:b], _trimmed(deps[a:b], n)) for a, b in zip(bounds[:-1], bounds[1:]))
+    return stage[by], mb[by], is_f[by], n, waves
+
+
+def _trimmed(deps: np.ndarray, n: int) -> np.ndarray:
+    """A wave's ``[ops, deg]`` dependencies without the columns that hold only "nothing" (``n``),
+    and as ``[ops]`` where each op waits for at most one (most waves: a gather, no reduction)."""
+    width = int((deps != n).sum(axis=1).max(initial=0))  # filled from the left
+    return deps[:, 0] if width <= 1 else deps[:, :width]
 
 
 def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds, quick: bool = True) -> np.ndarray:
@@ -187,6 +198,6 @@ def makespans(fwd: np.ndarray, bwd: np.ndarray, preds: Preds, quick: bool = True
     cost = np.where(is_f, f[..., mb, stage], b[..., mb, stage])  # [..., ops]
     end = np.zeros(f.shape[:-2] + (n + 1,))
     for ops, prev, deps in waves:
-        start = np.maximum(end[..., prev], end[..., deps].max(axis=-1))
-        end[..., ops] = start + cost[..., ops]
+        ready = end[..., deps] if deps.ndim == 1 else end[..., deps].max(axis=-1)
+        end[..., ops] = np.maximum(end[..., prev], ready) + cost[..., ops]
     return end[..., :n].max(axis=-1)
