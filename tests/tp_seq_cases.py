@@ -26,11 +26,16 @@ CASES = {
 }
 
 
-def _layers(family: str, overrides: dict):
-    cfg = LLMConfig(family=family, hidden_size=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, vocab_size=VOCAB,
-                    **overrides)
+def config(family: str, overrides: dict) -> LLMConfig:
+    """The cases' two-block LLM."""
+    return LLMConfig(family=family, hidden_size=32, layers=2, heads=4, kv_heads=2, ffn_hidden=48, vocab_size=VOCAB,
+                     **overrides)
+
+
+def layer_defs(family: str, overrides: dict):
+    """The cases' LLM as pipeline layer definitions (embedding, two blocks, head)."""
     ctx = BuildContext(module="llm", seed=3, llm_hidden=32, image_token=VOCAB - 1)
-    return decoder_layers(cfg, ctx, QWEN2 if family == "qwen2" else LLAMA)
+    return decoder_layers(config(family, overrides), ctx, QWEN2 if family == "qwen2" else LLAMA)
 
 
 def _run(layers: list[torch.nn.Module], ids: torch.Tensor, doc_ids: torch.Tensor, weights) -> torch.Tensor:
@@ -54,7 +59,7 @@ def case(rank: int, group, family: str, overrides: dict, chunks: int, hooks: boo
     """One rank's run of a case: losses, and the worst gradient error against the unsharded layers;
     ``backend``: the sharded layers compiled with it (``compile_layers``), counting the graphs of a
     decoder block in ``graphs``."""
-    defs = _layers(family, overrides)
+    defs = layer_defs(family, overrides)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB - 1, (B, S), generator=g)
     doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5])

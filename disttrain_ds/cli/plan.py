@@ -232,7 +232,7 @@ def memory_problem(path: Path, profile: Profile) -> str:
     if recipe.train.device_memory_gib <= 0:
         return ""
     try:
-        check_fits(recipe, estimate(recipe), recipe.train.device_memory_gib, "train.device_memory_gib")
+        check_fits(recipe, estimate(recipe, cuda=True), recipe.train.device_memory_gib, "train.device_memory_gib")
     except ConfigError as exc:
         blind = [n for n, s in profile.modules.items() if s.activation_bytes_per_sample == 0]
         why = f" (the profile has no activation_bytes_per_sample for {', '.join(blind)})" if blind else ""

@@ -46,7 +46,23 @@ class LayerBytes:
     internals); the rest, and ``outputs`` and ``inputs``, is whole on every TP rank. Empty: all
     of it is replicated (the safe figure for a family that does not say)."""
 
-    def on_rank(self, tp: int) -> list[float]:
-        """Each layer's saved bytes on one of ``tp`` TP ranks."""
+    sliced: list[float] = field(default_factory=list)
+    """Under tensor parallelism on sequence slices (an LLM with ``tp_overlap``): the part of each
+    layer's ``saved`` beyond ``sharded`` that every TP rank then keeps for its slice only (the
+    norms' inputs and statistics; the column-parallel GEMMs keep their gathered whole-row inputs,
+    as the replicated layout keeps them). Empty: such a module is never sliced."""
+    sliced_outputs: list[bool] = field(default_factory=list)
+    """Whether each layer's output is this rank's slice under that layout (the embedding's and
+    the blocks'; the head joins the slices again)."""
+
+    def on_rank(self, tp: int, sliced: bool = False) -> list[float]:
+        """Each layer's saved bytes on one of ``tp`` TP ranks (``sliced``: activations on sequence
+        slices between the layers)."""
         split = self.sharded or [0.0] * len(self.saved)
-        return [s - x + x / tp for s, x in zip(self.saved, split)]
+        seq = self.sliced if sliced and self.sliced else [0.0] * len(self.saved)
+        return [s - x + x / tp - (y - y / tp) for s, x, y in zip(self.saved, split, seq)]
+
+    def outputs_on_rank(self, tp: int, sliced: bool = False) -> list[float]:
+        """Each layer's output bytes on one of ``tp`` TP ranks."""
+        cut = self.sliced_outputs if sliced and self.sliced_outputs else [False] * len(self.outputs)
+        return [o / tp if c else o for o, c in zip(self.outputs, cut)]

@@ -23,7 +23,7 @@ from disttrain_ds.mllm.recipe_spec import meta_spec
 from disttrain_ds.models.configs import trains
 from disttrain_ds.models.vae import vae_memory_bytes
 from disttrain_ds.recipe.deepspeed import load_ds_config
-from disttrain_ds.recipe.graph import as_written, encoder_of, graph_of, topology_of
+from disttrain_ds.recipe.graph import as_written, encoder_of, graph_of, sliced_tp_chunks, topology_of
 from disttrain_ds.recipe.schema import resolve_path
 from disttrain_ds.reorder.post_balance import share_cap
 from disttrain_ds.samples import SpecialTokens
@@ -206,7 +206,7 @@ def _per_gpu(params: float, kept: float, per_param: tuple, dp: int, tp: int, sam
 
 
 def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int = 1,
-                       sp: int = 1) -> tuple[float, float]:
+                       sp: int = 1, sliced: bool = False) -> tuple[float, float]:
     """Per-sample bytes on one TP rank of a stage holding layers ``lo:hi`` kept for each
     microbatch in flight (what its layers save, the TP-sharded part over ``tp``; the input it
     received beside the copy its first layer reads; its output), and the backward workspace of one
@@ -218,9 +218,10 @@ def _stage_activations(lb: LayerBytes, lo: int, hi: int, every: int = 0, tp: int
     workspace also holds what the largest block saves. Layer inputs and outputs are whole on
     every TP rank. With sequence parallelism (``sp``) every rank keeps 1/SP of each sequence: of
     what layers save and pass on, all but the module's own inputs (token ids and encoder rows,
-    received whole by every SP rank)."""
-    saved = [b / sp for b in lb.on_rank(tp)]
-    outputs = [b / sp for b in lb.outputs]
+    received whole by every SP rank). ``sliced``: tensor parallelism on sequence slices, whose
+    layers keep and pass on slices where ``LayerBytes.sliced`` / ``sliced_outputs`` say."""
+    saved = [b / sp for b in lb.on_rank(tp, sliced)]
+    outputs = [b / sp for b in lb.outputs_on_rank(tp, sliced)]
     received = lb.inputs if lo == 0 else outputs[lo - 1]
     out = outputs[hi - 1] if hi > lo else 0.0
     grads = max(saved[lo:hi], default=0.0)
@@ -239,14 +240,15 @@ def stage_params(params: list[int], lo: int, hi: int, shared: tuple[Shared, ...]
 
 
 def module_stages(params: list[int], lb: LayerBytes, bounds: list[int], tp: int, every: int,
-                  backward: bool, shared: tuple[Shared, ...] = (), sp: int = 1) -> list[StageBytes]:
-    """Each stage of a module split at ``bounds`` (``stage_bounds``) at TP degree ``tp`` (and SP ``sp``): its
-    parameters (``stage_params``) and the per-sample bytes one microbatch keeps there and one
-    backward needs (``_stage_activations``; none for a module that runs no backward). What
-    ``estimate`` prices every rank by, and the planner every layout by."""
+                  backward: bool, shared: tuple[Shared, ...] = (), sp: int = 1,
+                  sliced: bool = False) -> list[StageBytes]:
+    """Each stage of a module split at ``bounds`` (``stage_bounds``) at TP degree ``tp`` (and SP ``sp``;
+    ``sliced``: TP on sequence slices): its parameters (``stage_params``) and the per-sample bytes
+    one microbatch keeps there and one backward needs (``_stage_activations``; none for a module
+    that runs no backward). What ``estimate`` prices every rank by, and the planner every layout by."""
     rows = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        kept, work = _stage_activations(lb, lo, hi, every, tp, sp) if backward else (0.0, 0.0)
+        kept, work = _stage_activations(lb, lo, hi, every, tp, sp, sliced) if backward else (0.0, 0.0)
         rows.append(StageBytes(float(stage_params(params, lo, hi, shared)), kept, work))
     return rows
 
@@ -265,9 +267,15 @@ def replica_samples(recipe, grid, slot: int) -> int:
     return slot // grid.dp
 
 
-def estimate(recipe) -> list[StageMemory]:
+def estimate(recipe, cuda: bool | None = None) -> list[StageMemory]:
     """Every stage of every module, with its estimated per-rank peak (reference: one row per
-    module, all on rank 0)."""
+    module, all on rank 0). ``cuda``: whether the job runs on CUDA, which decides where
+    ``tp_overlap: auto`` puts the LLM on sequence slices (default: whether this machine has CUDA,
+    as the job started here would)."""
+    if cuda is None:
+        import torch  # deferred: heavy
+
+        cuda = torch.cuda.is_available()
     vocab = vocab_size(recipe)
     backward = backward_modules(recipe)
     micro = recipe.train.micro_batch
@@ -291,7 +299,8 @@ def estimate(recipe) -> list[StageMemory]:
         bounds = stage_bounds(params, grid.pp, par.partition)
         samples, extra, bucket = replica_samples(recipe, grid, slot), extra_bytes(recipe, grid.name), reduce_bucket_bytes(recipe, grid.name)
         stages = module_stages(params, lb, bounds, grid.tp, par.activation_checkpointing, backward[grid.name],
-                               shared_params(recipe, grid.name, vocab), grid.sp)
+                               shared_params(recipe, grid.name, vocab), grid.sp,
+                               sliced_tp_chunks(recipe, grid.name, grid.tp, cuda) > 0)
         for s, st in enumerate(stages):
             k = int(in_flight(topo.total_stages - topo.stage_offset(grid.name) - s, gas))
             # ZeRO shards optimizer state over DeepSpeed's whole data axis (DP x SP).

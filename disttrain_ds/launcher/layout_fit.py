@@ -37,7 +37,7 @@ def check_memory(recipe: Recipe) -> str:
     from disttrain_ds.estimate.memory import GIB, estimate, per_rank_totals
     from disttrain_ds.estimate.memory_check import check_fits, per_rank_needs
 
-    rows = estimate(recipe)
+    rows = estimate(recipe, cuda=True)  # the nodes' GPUs, whatever the launching machine has
     check_fits(recipe, rows, recipe.train.device_memory_gib, "train.device_memory_gib")
     totals, needs = per_rank_totals(rows), per_rank_needs(recipe, rows)
     worst = max(needs, key=needs.get)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 from disttrain_ds.cost.profile import GIB, Profile
 from disttrain_ds.planner.optimize import Plan, PlanError
+from disttrain_ds.recipe.graph import sliced_tp_chunks
 
 if TYPE_CHECKING:
     from disttrain_ds.recipe.schema import Recipe
@@ -57,8 +58,10 @@ def with_recipe_memory(profile: Profile, recipe: Recipe) -> Profile:
         pps = [p for p in spec.pp_degrees() if p <= len(params)]
         bounds = {p: stage_bounds(params, p, par.partition) for p in pps}
         shared = shared_params(recipe, name, vocab)
+        # Plans are for CUDA clusters: at each TP degree the LLM runs on sequence slices where
+        # ``tp_overlap`` (auto: on CUDA) puts it there.
         stages = {(t, p): tuple(module_stages(params, lb, bounds[p], t, par.activation_checkpointing, backward[name],
-                                              shared))
+                                              shared, sliced=sliced_tp_chunks(recipe, name, t, True) > 0))
                   for t in spec.cost_ms for p in pps}
         modules[name] = replace(
             spec, params=float(stage_params(params, 0, len(params), shared)), frozen=g == 0 and o == 0,
@@ -79,7 +82,7 @@ def runtime_peaks(recipe: Recipe) -> dict[str, float]:
     from disttrain_ds.estimate.memory import estimate
     from disttrain_ds.estimate.memory_check import per_rank_needs
 
-    rows = estimate(recipe)
+    rows = estimate(recipe, cuda=True)
     totals = per_rank_needs(recipe, rows)
     peaks: dict[str, float] = {}
     for row in rows:

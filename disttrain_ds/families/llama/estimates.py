@@ -16,8 +16,13 @@ def decoder_activations(cfg, shape: SampleShape, b: int) -> LayerBytes:
     # TP splits q, k, v, the attention output and log-sum-exp, and the MLP's hidden tensors; the
     # norms' inputs and outputs and cos/sin are whole on every rank.
     split = (2 * h + 2 * q + 2 * kv + 4 * f) * b + a * FP32
+    # On sequence slices each rank normalises its slice only: both norms' float32 inputs and
+    # statistics and their normalised (pre-weight) values split; their weighted outputs are not kept,
+    # the gathered whole rows the GEMMs read are (measured in tests/unit/test_memory_sliced.py).
+    sliced = (2 * h + 2) * FP32 + 2 * h * b
     head = 2 * h * b + (h + 1) * FP32 + v * FP32  # norm, LM-head input, float32 log-softmax
     saved = [9.0 * s, *[block * s] * cfg.layers, head * s]  # embed: token ids and image mask
     outputs = [h * b * s] * (cfg.layers + 1) + [(v + h) * b * s]  # the head returns logits and states
     return LayerBytes(saved, outputs, 8.0 * s + h * b * (shape.patches + shape.audio_rows),
-                      [0.0, *[split * s] * cfg.layers, 0.0])
+                      [0.0, *[split * s] * cfg.layers, 0.0], [0.0, *[sliced * s] * cfg.layers, 0.0],
+                      [True] * (cfg.layers + 1) + [False])

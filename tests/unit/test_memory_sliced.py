@@ -1,0 +1,92 @@
+"""The memory estimate of an LLM on sequence slices (tensor parallelism with ``tp_overlap``): what
+real sliced decoder blocks keep for backward on two gloo ranks against the Llama formula's
+``LayerBytes.sliced``, and the estimate and the planner's stage tables following the layout that runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rank_pool import run_ranks  # tests/ is on sys.path under pytest
+from tp_seq_cases import VOCAB, WORLD, B, S, config, layer_defs  # tests/ is on sys.path under pytest
+
+from disttrain_ds.comm import overlap
+from disttrain_ds.cost.activations import SampleShape
+from disttrain_ds.estimate import memory
+from disttrain_ds.families.llama.estimates import decoder_activations
+from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
+from disttrain_ds.parallel.tp_sequence import TPSeqContext, attach
+from disttrain_ds.recipe.schema import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _kept(rank: int, group, family: str) -> dict:
+    """Bytes each layer keeps for backward (parameters excluded, each storage once, and the
+    gathered inputs the overlapped column GEMMs keep on their autograd context) and each layer's
+    output bytes, replicated and on slices."""
+    gathered: list[int] = []
+    forward = overlap._AllGatherMatmul.forward
+
+    def counting(ctx, *args):
+        out = forward(ctx, *args)
+        gathered.extend(b.untyped_storage().nbytes() for b in ctx.bufs or ())
+        return out
+
+    overlap._AllGatherMatmul.forward = staticmethod(counting)
+    tp = TPContext(group, rank, WORLD, 0)
+    ids = torch.randint(0, VOCAB - 1, (B, S), generator=torch.Generator().manual_seed(1))
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5])
+    out = {}
+    for mode in ("replicated", "sliced"):
+        layers = [shard_layer(d.build(), tp) for d in layer_defs(family, {})]
+        if mode == "sliced":
+            layers = [attach(layer, TPSeqContext(tp, 2)) for layer in layers]
+        x, saved, outputs = (ids, torch.zeros(0, 32), docs), [], []
+        for layer in layers:
+            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+            params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                if t.untyped_storage().data_ptr() not in params:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            gathered.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x = layer(x)
+            saved.append(sum(seen.values()) + sum(gathered))
+            outputs.append(sum(t.numel() * t.element_size() for t in x if t.is_floating_point()))
+        out[mode] = (saved, outputs)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sliced_blocks_keep_what_the_formula_takes_off_the_replicated_layout(family):
+    runs = run_ranks(_kept, WORLD, family)
+    lb = decoder_activations(config(family, {}), SampleShape(tokens=S, images=0, patches=0, gen_images=1), 4)
+    # The formula is per sample, a row of S tokens; the runs hold B rows.
+    want = [B * (r - s) for r, s in zip(lb.on_rank(WORLD), lb.on_rank(WORLD, sliced=True))]
+    for rank in range(WORLD):
+        (rep, rep_out), (cut, cut_out) = runs[rank]["replicated"], runs[rank]["sliced"]
+        got = [r - c for r, c in zip(rep, cut)]
+        assert got == pytest.approx(want, rel=1e-9, abs=0.5)  # the blocks keep less; embedding and head as before
+        # Control: the blocks keep a tenth less and more, so a formula blind to slices fails above.
+        assert min(got[1:-1]) > 0.1 * max(rep[1:-1])
+        # Between layers a rank passes on its slice (embedding, blocks); the head joins them.
+        assert cut_out == pytest.approx([B * o for o in lb.outputs_on_rank(WORLD, sliced=True)], rel=1e-9)
+        assert cut_out[:-1] == [o // WORLD for o in rep_out[:-1]] and cut_out[-1] == rep_out[-1]
+
+
+def _llm_activation_bytes(overrides: list[str], cuda: bool) -> float:
+    recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["layout=disaggregated", "parallel.llm.tp=2", *overrides])
+    return max(r.activations for r in memory.estimate(recipe, cuda=cuda) if r.module == "llm")
+
+
+def test_the_estimate_counts_slices_where_the_llm_runs_on_them():
+    sliced = _llm_activation_bytes([], cuda=True)  # tp_overlap auto: slices on CUDA
+    assert sliced < _llm_activation_bytes([], cuda=False)  # ...replicated on the CPU
+    assert sliced == _llm_activation_bytes(["parallel.llm.tp_overlap=true"], cuda=False)
+    assert _llm_activation_bytes(["parallel.llm.tp_overlap=false"], cuda=True) == _llm_activation_bytes([], cuda=False)
