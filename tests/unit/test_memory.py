@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from saved_bytes import saved_bytes  # tests/ is on sys.path under pytest
 
 from disttrain_ds.cli.train import build_parser, main
 from disttrain_ds.errors import ConfigError
@@ -24,21 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
 
 
-def _saved_bytes(layer: torch.nn.Module, fn) -> tuple[int, object]:
-    """Bytes autograd keeps in ``fn()``, parameters excluded, each storage once."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
 def _leaf(x):
     if isinstance(x, tuple):
         return tuple(_leaf(t) for t in x)
@@ -51,7 +37,7 @@ def _measure(spec, module: str, inputs, head=None) -> tuple[list[int], object]:
     for i, d in enumerate(defs):
         layer, x = d.build(), _leaf(out)
         last = i == len(defs) - 1
-        n, out = _saved_bytes(layer, (lambda: head(layer(x))) if last and head else (lambda: layer(x)))
+        n, out = saved_bytes(layer, (lambda: head(layer(x))) if last and head else (lambda: layer(x)))
         sizes.append(n)
     return sizes, out
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
+from saved_bytes import saved_bytes  # tests/ is on sys.path under pytest
 from tp_seq_cases import VOCAB, WORLD, B, S, config, layer_defs  # tests/ is on sys.path under pytest
 
 from disttrain_ds.comm import overlap
@@ -46,18 +47,9 @@ def _kept(rank: int, group, family: str) -> dict:
         x, saved, outputs = (ids, torch.zeros(0, 32), docs), [], []
         for layer in layers:
             x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
-            params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-            seen: dict[int, int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                if t.untyped_storage().data_ptr() not in params:
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
             gathered.clear()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x = layer(x)
-            saved.append(sum(seen.values()) + sum(gathered))
+            n, x = saved_bytes(layer, lambda: layer(x))
+            saved.append(n + sum(gathered))
             outputs.append(sum(t.numel() * t.element_size() for t in x if t.is_floating_point()))
         out[mode] = (saved, outputs)
     return out
