@@ -87,8 +87,6 @@ def _cached(key: str, label: str, compute: Callable[[], float],
     return flops
 
 
-
-
 def _count(module: nn.Module, example_inputs: tuple | dict, mode: str) -> float:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
