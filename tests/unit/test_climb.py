@@ -12,10 +12,10 @@ from disttrain_ds.paper.scale import sample_cost_draw, tp_costs
 from disttrain_ds.planner import climb, optimize
 from disttrain_ds.planner.climb import SimulatedTimes
 from disttrain_ds.planner.iteration_sim import sample_times, simulate_iteration, simulate_scaled
-from disttrain_ds.planner.neighbours import Feasible
+from disttrain_ds.planner.neighbours import Feasible, degrees_of
 from disttrain_ds.planner.objective import straggler_table
 from disttrain_ds.planner.optimize import build_plan, plan, simulated_ms
-from disttrain_ds.planner.search import finalists
+from disttrain_ds.planner.search import batch_splits, finalists
 from disttrain_ds.planner.sim_bound import unit_times
 
 
@@ -67,21 +67,22 @@ def test_without_moves_the_start_is_often_not_where_the_descent_ends():
     assert moved == 2
 
 
-def multimodal_profile() -> dict:
-    """256 GPUs, global batch 128: interleaved samples (Zipf image counts, about half text-only,
-    7 in 10 generating nothing), where the closed forms' layouts and the refinement's miss the
-    fastest layout by some 20 %."""
-    rng = np.random.default_rng([1, 1])
+def multimodal_profile(seed: int = 1, gpus: int = 256, mean: dict | None = None, llm_layers: int = 40,
+                       batch: int = 128) -> dict:
+    """Interleaved samples (Zipf image counts, about half text-only, 7 in 10 generating nothing); by
+    default 256 GPUs and global batch 128, where the closed forms' layouts and the refinement's
+    miss the fastest layout by some 20 %."""
+    rng = np.random.default_rng([seed, 1])
     n = 1024
     images = np.minimum(rng.zipf(1.8, n) - 1, 32) * rng.lognormal(0, 0.1, n)
     generated = np.where(rng.random(n) < 0.3, rng.geometric(0.5, n), 0).astype(np.float64)
     flops = np.column_stack([images, rng.lognormal(0, 0.2, n) + 0.25 * (images + generated), generated])
-    mean = {"encoder": 291.7, "llm": 507.1, "generator": 87.26}
-    layers = {"encoder": 32, "llm": 40, "generator": 12}
+    mean = mean or {"encoder": 291.7, "llm": 507.1, "generator": 87.26}
+    layers = {"encoder": 32, "llm": llm_layers, "generator": 12}
     draws = sample_cost_draw(flops, list(mean.values()))
     mods = {m: {"layers": layers[m], "cost_ms": tp_costs(mean[m], 1), "sample_cost_ms": d}
             for m, d in zip(mean, draws)}
-    return {"gpus": 256, "global_batch": 128, "microbatch": 1, "gpus_per_node": 8, "modules": mods}
+    return {"gpus": gpus, "global_batch": batch, "microbatch": 1, "gpus_per_node": 8, "modules": mods}
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +131,56 @@ def test_batches_and_tp_variants_in_one_sweep_simulate_as_one_by_one(seed):
     times = sample_times(optimize._draw(profile, p.modules), p)
     each = [simulate_iteration(times[i], p).makespan_ms for i in optimize._sim_batches(profile)]
     assert simulated_ms(profile, p) == pytest.approx(np.mean(each), rel=1e-12)
+
+
+def test_the_descent_steps_out_of_a_local_minimum_to_a_faster_layout(monkeypatch):
+    # 64 GPUs: the descent stops at encoder 2x8x1 / LLM 4x8x1 / generator 2x2x4 (DP x TP x PP),
+    # where every one-module change simulates slower; two steps through slower generators
+    # (2x4x2, then 1x1x12) reach the LLM at twice the DP, 3 % faster than that minimum.
+    profile = profile_from_dict(multimodal_profile(0, 64, {"encoder": 136.75, "llm": 582.18, "generator": 70.14},
+                                                   llm_layers=24))
+    chosen = plan(profile)
+    monkeypatch.setattr(climb, "ESCAPES", 0)  # negative control: the plain descent
+    stuck = plan(profile)
+    assert chosen.t_sim_ms < stuck.t_sim_ms * 0.98, (chosen.degrees(), stuck.degrees())
+    assert chosen.t_sim_ms == simulated_ms(profile, build_plan(profile, chosen.degrees()))
+    unit = optimize.sim_unit_times(profile)
+    times = SimulatedTimes(profile, unit, lambda x: build_plan(profile, x, predicted=False))
+    start = stuck.degrees()
+    feasible = Feasible(profile, {}, {n: profile.gpus for n in profile.graph.names}, True)
+    neighbours = [{**start, n: x} for n in profile.graph.names
+                  for x in degrees_of(feasible.options(n, start["llm"].dp)) if x != start[n]]
+    neighbours += [{**start, "llm": x} for d in batch_splits(profile) if d != start["llm"].dp
+                   for x in degrees_of(feasible.options("llm", d))]  # the LLM at other samples per step
+    assert all(float(times([x])[0]) >= stuck.t_sim_ms * (1 - 1e-9) for x in neighbours if feasible(x))
+
+
+def test_the_descent_realigns_the_other_modules_dp_where_no_one_module_move_leads(monkeypatch):
+    # 128 GPUs, global batch 256: the descent stops at encoder 4x8x1 / LLM 8x8x1 / generator 4x8x1;
+    # encoder and generator at 8x4x1 together (one replica of each per LLM replica) are 3 % faster,
+    # and neither move alone is.
+    data = multimodal_profile(6, 128, {"encoder": 142.04, "llm": 522.9, "generator": 148.78}, llm_layers=32,
+                              batch=256)
+    profile = profile_from_dict(data)
+    chosen = plan(profile)
+    monkeypatch.setattr(climb, "realigned", lambda layout, llm, d: [])  # negative control
+    unaligned = plan(profile)
+    assert chosen.t_sim_ms < unaligned.t_sim_ms * 0.98, (chosen.degrees(), unaligned.degrees())
+    assert chosen.degrees()["encoder"].dp == chosen.degrees()["generator"].dp == 8
+    times = SimulatedTimes(profile, optimize.sim_unit_times(profile), lambda x: build_plan(profile, x, predicted=False))
+    start = unaligned.degrees()
+    for n in ("encoder", "generator"):  # each module's half of the move alone is slower
+        assert float(times([{**start, n: chosen.degrees()[n]}])[0]) > unaligned.t_sim_ms
+
+
+def test_realigned_layouts_keep_each_modules_gpus_and_move_two_modules_or_more():
+    D = climb.Degrees
+    layout = {"encoder": D(4, 8, 1), "llm": D(8, 8, 1), "generator": D(2, 4, 3)}
+    out = climb.realigned(layout, "llm", 8)
+    assert {"encoder": D(8, 4, 1), "llm": D(8, 8, 1), "generator": D(8, 1, 3)} in out
+    for x in out:
+        assert x["llm"] == layout["llm"] and len({x["encoder"].dp, x["generator"].dp}) == 1
+        assert all(x[n].gpus == layout[n].gpus and x[n].pp == layout[n].pp for n in layout)
+        assert sum(x[n] != layout[n] for n in layout) >= 2
+    # DP 1 or 2 would take the encoder to TP 32 or 16; DP 4 moves the generator alone (a neighbour already)
+    assert [x["encoder"].dp for x in out] == [8]
