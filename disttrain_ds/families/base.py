@@ -113,6 +113,10 @@ class Family:
     sp_heads: Callable[[Any], tuple[int, int]] | None = None
     """cfg -> (query heads, KV heads) of its attention layers, which sequence parallelism
     (``parallel.<module>.sp``) splits among its ranks; None: the family's layers have no SP path."""
+    sliced_tp: bool = False
+    """Whether the family's blocks have a path on sequence slices under tensor parallelism
+    (``parallel.<module>.tp_overlap``, ``parallel/tp_sequence.py``): each TP rank keeps a slice of
+    the rows between blocks and the collectives overlap the GEMMs."""
     channels_last: bool = False
     """Convolutional families: on CUDA their weights and activations take the channels-last layout
     (``models/channels_last.py``), cuDNN's fast one, with ``cudnn.benchmark`` choosing kernels."""

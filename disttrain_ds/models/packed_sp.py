@@ -26,7 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from disttrain_ds.models.packed import per_item
+from disttrain_ds.models.packed import host_sizes, per_item
 
 ITEM_ATTENTION = "disttrain_items"
 """Name of ``item_attention`` among transformers' attention implementations."""
@@ -55,8 +55,8 @@ def gather_rows(part: torch.Tensor, rows: int, sp) -> torch.Tensor:
 
 def item_spans(counts: torch.Tensor, size: int) -> torch.Tensor:
     """Rows per item of the padded rows: the items' own counts, then the padding as one more item
-    (on the CPU, where ``per_item`` reads them: one device read per layer)."""
-    sizes = counts.tolist()
+    (on the CPU, where ``per_item`` reads them; ``counts`` read from the device once per microbatch)."""
+    sizes = host_sizes(counts)
     pad = padded_rows(sum(sizes), size) - sum(sizes)
     return torch.tensor(sizes + [pad] if pad else sizes, dtype=torch.long)
 

@@ -27,49 +27,53 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain_ds.comm.overlap import allgather_matmul, matmul_reducescatter
+from disttrain_ds.models.packed_sp import padded_rows
 from disttrain_ds.parallel.tensor_parallel import TPContext
 
 # torch >= 2.10 renamed the flat-tensor collectives; older releases only have the long names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _gather_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    """Every rank's [B, s, ...] slice joined along dim 1 -> [B, size * s, ...]."""
-    xt = x.transpose(0, 1).contiguous()  # the sequence first: all-gather joins along dim 0
+def _gather_seq(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
+    """Every rank's slice joined along ``dim`` (1: [B, s, ...] rows of sequences; 0: [s, ...]
+    packed rows) -> ``size`` times as long."""
+    xt = x.transpose(0, dim).contiguous()  # the sequence first: all-gather joins along dim 0
     out = xt.new_empty((size * xt.shape[0], *xt.shape[1:]))
     _ALL_GATHER(out, xt, group=group)
-    return out.transpose(0, 1)
+    return out.transpose(0, dim)
 
 
-def _slice_seq(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    n = x.shape[1] // size
-    return x.narrow(1, rank * n, n).contiguous()
+def _slice_seq(x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
+    n = x.shape[dim] // size
+    return x.narrow(dim, rank * n, n).contiguous()
 
 
 class _Scatter(torch.autograd.Function):
-    """Replicated [B, S, ...] -> this rank's [B, S/TP, ...]; backward all-gathers the slices' grads."""
+    """Replicated [B, S, ...] -> this rank's [B, S/TP, ...] (``dim`` 1; 0: packed rows); backward
+    all-gathers the slices' grads."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, size):
-        ctx.group, ctx.size = group, size
-        return _slice_seq(x, rank, size)
+    def forward(ctx, x, group, rank, size, dim):
+        ctx.group, ctx.size, ctx.dim = group, size, dim
+        return _slice_seq(x, rank, size, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group, ctx.size), None, None, None
+        return _gather_seq(grad, ctx.group, ctx.size, ctx.dim), None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
-    """This rank's [B, S/TP, ...] -> replicated [B, S, ...]; backward keeps this rank's slice."""
+    """This rank's [B, S/TP, ...] -> replicated [B, S, ...] (``dim`` 1; 0: packed rows); backward
+    keeps this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, size):
-        ctx.rank, ctx.size = rank, size
-        return _gather_seq(x, group, size).contiguous()
+    def forward(ctx, x, group, rank, size, dim):
+        ctx.rank, ctx.size, ctx.dim = rank, size, dim
+        return _gather_seq(x, group, size, dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _slice_seq(grad, ctx.rank, ctx.size), None, None, None
+        return _slice_seq(grad, ctx.rank, ctx.size, ctx.dim), None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -95,30 +99,55 @@ class TPSeqContext:
         if x.shape[1] % self.tp.size:
             raise ValueError(f"sequence length {x.shape[1]} is not divisible by tensor-parallel degree {self.tp.size} "
                              "(sequence-sharded tensor parallelism, parallel.modules.<m>.tp_overlap)")
-        return _Scatter.apply(x, self.tp.group, self.tp.rank, self.tp.size)
+        return _Scatter.apply(x, self.tp.group, self.tp.rank, self.tp.size, 1)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Whole rows [B, S, ...] on every rank from each rank's slice [B, S/TP, ...]."""
-        return _Gather.apply(x, self.tp.group, self.tp.rank, self.tp.size)
+        return _Gather.apply(x, self.tp.group, self.tp.rank, self.tp.size, 1)
+
+    def scatter_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of packed rows [rows, ...] (an encoder's items one after
+        another), zero rows appended to a multiple of the TP degree (``padded_rows``)."""
+        pad = padded_rows(x.shape[0], self.tp.size) - x.shape[0]
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+        return _Scatter.apply(x, self.tp.group, self.tp.rank, self.tp.size, 0)
+
+    def gather_packed(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The packed [rows, ...] on every rank from each rank's slice, the padding dropped."""
+        return _Gather.apply(x, self.tp.group, self.tp.rank, self.tp.size, 0)[:rows]
+
+    def _pieces(self, rows: int) -> int:
+        """``chunks``, or fewer where a slice has fewer rows (packed items vary by microbatch)."""
+        return max(1, min(self.chunks, rows))
 
     # Collectives on a side stream, left out of compiled graphs (compiled code around them breaks
     # into graphs before and after each).
     @torch.compiler.disable
-    def column(self, x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tensor]:
+    def column(self, x: torch.Tensor, linears: list[nn.Module], joined: bool = False) -> list[torch.Tensor]:
         """Column-parallel ``linears`` that read the same input: this rank's slice ``x`` [B, s, in]
-        -> each linear's [B, S, out_i] over whole rows, one all-gather for all of them (their weight
-        shards stacked into one GEMM, the stack not kept for backward)."""
-        y = allgather_matmul(x.transpose(0, 1), [m.weight for m in linears], self.tp.group, self.chunks, validate=False,
-                             side_stream=self._side(x.device)).transpose(0, 1)  # [B, S, sum out_i]
+        (or packed rows [s, in]) -> each linear's [B, S, out_i] over whole rows, one all-gather for
+        all of them (their weight shards stacked into one GEMM, the stack not kept for backward);
+        ``joined``: the outputs side by side in one tensor, not split."""
+        rows = x if x.dim() == 2 else x.transpose(0, 1)  # the sequence first
+        y = allgather_matmul(rows, [m.weight for m in linears], self.tp.group, self._pieces(rows.shape[0]),
+                             validate=False, side_stream=self._side(x.device))
+        y = y if x.dim() == 2 else y.transpose(0, 1)  # [B, S, sum out_i]
+        if joined:
+            biases = [m.bias for m in linears]
+            return [y if all(b is None for b in biases) else
+                    y + torch.cat([y.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in linears])]
         outs = y.split([m.weight.shape[0] for m in linears], dim=-1)
         return [o if m.bias is None else o + m.bias for o, m in zip(outs, linears)]
 
     @torch.compiler.disable
     def row(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-        """Row-parallel ``linear`` on whole rows ``x`` [B, S, in / TP] -> this rank's slice
-        [B, s, out] of the sum over ranks, plus the (replicated) bias."""
-        y = matmul_reducescatter(x.transpose(0, 1), linear.weight, self.tp.group, self.chunks, validate=False,
-                                 side_stream=self._side(x.device)).transpose(0, 1)
+        """Row-parallel ``linear`` on whole rows ``x`` [B, S, in / TP] (or packed rows [S, in / TP])
+        -> this rank's slice [B, s, out] of the sum over ranks, plus the (replicated) bias."""
+        rows = x if x.dim() == 2 else x.transpose(0, 1)
+        y = matmul_reducescatter(rows, linear.weight, self.tp.group, self._pieces(rows.shape[0] // self.tp.size),
+                                 validate=False, side_stream=self._side(x.device))
+        y = y if x.dim() == 2 else y.transpose(0, 1)
         return y if linear.bias is None else y + linear.bias
 
     def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:

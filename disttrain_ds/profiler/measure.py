@@ -45,8 +45,9 @@ class Options:
     """Where the modules run."""
     dtype: torch.dtype = torch.float32
     """Compute dtype (the recipe's ``train.dtype``)."""
-    build: Callable[[Any], torch.nn.Module] | None = None
-    """Builds one layer from its ``LayerDef`` (default: whole; tensor-parallel shards in profiler/tp.py)."""
+    build: Callable[[str, Any], torch.nn.Module] | None = None
+    """Builds one layer of a module from (module name, its ``LayerDef``) (default: whole;
+    tensor-parallel shards in profiler/tp.py)."""
     sync: Callable[[], None] | None = None
     """Called before each timed pass (tensor-parallel ranks start each pass together)."""
 
@@ -169,8 +170,8 @@ def measure_module(recipe: Recipe, spec: MLLMSpec, name: str, passes: list[Pass]
     """Time ``passes`` on a freshly built module; returns the result and each pass's carry."""
     mode, _ = modes(recipe)[name]
     try:
-        build = opts.build or (lambda d: d.build())
-        model = Sequential([build(d) for d in spec.layers(name)]).to(opts.device, opts.dtype)
+        build = opts.build or (lambda _, d: d.build())
+        model = Sequential([build(name, d) for d in spec.layers(name)]).to(opts.device, opts.dtype)
     except ValueError as exc:  # sizes the recipe check cannot see (e.g. heads not dividing width)
         raise ConfigError(f"{recipe.source_file}: cannot build the {name}: {exc}") from None
     model.requires_grad_(mode == "train")

@@ -79,9 +79,9 @@ def measure_tp(args: argparse.Namespace, recipe: Recipe, device_kind: str) -> di
     """Module medians for each degree in ``args.measure_tp`` (modules a degree does not split: absent)."""
     out = {}
     for t in args.measure_tp:
-        sliced = sliced_tp_chunks(recipe, graph_of(recipe).llm, t, device_kind == "cuda")
-        print(f"measuring TP={t} with {t} processes" + (" (the LLM on sequence slices, collectives overlapped)"
-                                                        if sliced else ""), file=sys.stderr)
+        sliced = [m for m in graph_of(recipe).names if sliced_tp_chunks(recipe, m, t, device_kind == "cuda")]
+        print(f"measuring TP={t} with {t} processes" + (f" ({', '.join(sliced)} on sequence slices, collectives "
+                                                        "overlapped)" if sliced else ""), file=sys.stderr)
         with tempfile.TemporaryDirectory() as d:
             out[t] = measure(args, t, device_kind, Path(d) / "tp.json")
     return out
@@ -143,11 +143,11 @@ def _worker(argv: list[str]) -> int:
             torch.cuda.synchronize(device)
 
     dtype = torch.bfloat16 if recipe.train.dtype == "bf16" else torch.float32
-    # The LLM on sequence slices where the runtime would run it so (``tp_overlap``): its cost is the one timed.
-    chunks = sliced_tp_chunks(recipe, graph_of(recipe).llm, size, cuda)
-    tp_seq = TPSeqContext(tp, chunks) if chunks else None
-    opts = Options(args.samples, args.warmup, device, dtype, build=lambda d: attach(shard_layer(d.build(), tp), tp_seq),
-                   sync=sync)
+    # Modules on sequence slices where the runtime would run them so (``tp_overlap``): that cost is the one timed.
+    tp_seq = {m: TPSeqContext(tp, chunks) if (chunks := sliced_tp_chunks(recipe, m, size, cuda)) else None
+              for m in graph_of(recipe).names}
+    opts = Options(args.samples, args.warmup, device, dtype,
+                   build=lambda m, d: attach(shard_layer(d.build(), tp), tp_seq[m]), sync=sync)
     skip = frozenset(m for m in graph_of(recipe).names if tp_shape_problem(recipe, m, size))
     medians = {}
     for r in profile_recipe(recipe, opts, whole=skip):

@@ -25,8 +25,8 @@ from disttrain_ds.recipe.graph import (
     module_key,
     module_parallel,
     parallel_key,
+    tp_overlap_blocked,
 )
-from disttrain_ds.recipe.tp_overlap import tp_overlap_blocker
 
 if TYPE_CHECKING:
     from disttrain_ds.graph import ModuleGraph
@@ -175,7 +175,7 @@ def check_parallel(r: Recipe, graph: ModuleGraph, src: str) -> None:
         _check(mp.tp_overlap_chunks >= 1, src, f"{pkey}.tp_overlap_chunks",
                f"must be an integer >= 1, got {mp.tp_overlap_chunks}")
         if mp.tp_overlap is True and mp.tp > 1 and r.layout != "reference":
-            why = tp_overlap_blocker(name == graph.llm, mp.sp, mp.tp, r.data.seq_len, mp.tp_overlap_chunks)
+            why = tp_overlap_blocked(r, name, mp.tp)
             _check(why is None, src, f"{pkey}.tp_overlap", why or "")
         _check(mp.pp <= counts[name], src, f"{pkey}.pp", f"{mp.pp} exceeds the module's {counts[name]} pipeline layers")
         _check(mp.partition in ("uniform", "parameters"), src, f"{pkey}.partition", "must be uniform | parameters")

@@ -153,8 +153,14 @@ def sliced_tp_chunks(recipe: Recipe, name: str, tp: int, cuda: bool) -> int:
     mp = module_parallel(recipe, name)
     if not tp_overlap_wanted(mp.tp_overlap, tp, cuda):
         return 0
-    blocked = tp_overlap_blocker(name == graph_of(recipe).llm, mp.sp, tp, recipe.data.seq_len, mp.tp_overlap_chunks)
-    return 0 if blocked else mp.tp_overlap_chunks
+    return 0 if tp_overlap_blocked(recipe, name, tp) else mp.tp_overlap_chunks
+
+
+def tp_overlap_blocked(recipe: Recipe, name: str, tp: int) -> str | None:
+    """Why module ``name`` cannot run on sequence slices at TP degree ``tp`` (``tp_overlap_blocker``), or None."""
+    mp, family = module_parallel(recipe, name), module_family(recipe, name)
+    return tp_overlap_blocker(family.name, family.sliced_tp, name == graph_of(recipe).llm, mp.sp, tp,
+                              recipe.data.seq_len, mp.tp_overlap_chunks)
 
 
 def module_key(recipe: Recipe, name: str) -> str:

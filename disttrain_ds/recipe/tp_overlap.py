@@ -5,12 +5,18 @@
 from __future__ import annotations
 
 
-def tp_overlap_blocker(is_llm: bool, sp: int | str, tp: int, seq_len: int, chunks: int) -> str | None:
-    """Why a module cannot run on sequence slices at TP degree ``tp``, or None."""
-    if not is_llm:
-        return "only the LLM has a sequence-sharded tensor-parallel path"
+def tp_overlap_blocker(family: str, sliced: bool, is_llm: bool, sp: int | str, tp: int, seq_len: int,
+                       chunks: int) -> str | None:
+    """Why a module of ``family`` (``sliced``: its blocks have a path on slices) cannot run on
+    sequence slices at TP degree ``tp``, or None. The LLM's rows are ``seq_len`` long and must split;
+    an encoder's packed rows are padded to a multiple of ``tp`` per microbatch, and a microbatch
+    with fewer rows per slice than ``chunks`` runs in fewer pieces."""
+    if not sliced:
+        return f"the {family} family has no sequence-sharded tensor-parallel path"
     if sp != 1:
         return f"does not combine with sequence parallelism (sp={sp})"
+    if not is_llm:
+        return None
     if seq_len % tp:
         return f"data.seq_len {seq_len} must be divisible by tp {tp}"
     if seq_len // tp < chunks:

@@ -1,5 +1,6 @@
-"""Tensor parallelism on sequence slices on CUDA + NCCL: the collectives on the side stream, the
-GEMMs waiting on events, and the result equal to the unsharded layers. Skipped without 2 GPUs."""
+"""Tensor parallelism on sequence slices on CUDA + NCCL (the LLM, and a ViT on its packed image rows):
+the collectives on the side stream, the GEMMs waiting on events, and the result equal to the
+unsharded layers. Skipped without 2 GPUs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from tp_seq_cases import CASES, WORLD, case  # tests/ is on sys.path under pytest
+from tp_seq_vit_cases import CASES as VIT_CASES
+from tp_seq_vit_cases import vit_case
 
 pytestmark = pytest.mark.gpu
 
@@ -27,3 +30,21 @@ def test_sequence_sharded_tp_on_nccl_gives_the_unsharded_loss_and_gradients(comp
         for name, got in value.items():
             assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-4), name
             assert got["grad_err"] < 1e-4, f"{name} rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
+
+
+def _vit_cases(rank: int, group, compiler: str | None) -> list[dict]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = [vit_case(rank, group, *c, backend=compiler, device=f"cuda:{rank}") for c in VIT_CASES]
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("compiler", [None, "inductor"])
+def test_a_vit_on_slices_on_nccl_gives_the_unsharded_output_and_gradients(compiler):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices")
+    runs = run_ranks(_vit_cases, WORLD, compiler, backend="nccl", start="spawn", timeout=600)
+    for rank, value in runs.items():
+        for case_, got in zip(VIT_CASES, value):
+            assert got["out_err"] < 1e-4, case_
+            assert got["grad_err"] < 1e-4, f"{case_} rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"

@@ -100,8 +100,8 @@ def test_tp_overlap_auto_turns_on_for_the_llm_on_cuda_only_where_the_sequence_sp
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["parallel.encoder.tp=2", "parallel.encoder.tp_overlap=true"],
-     "'parallel.encoder.tp_overlap' only the LLM has a sequence-sharded"),
+    (["parallel.generator.tp=2", "parallel.generator.tp_overlap=true"],
+     "'parallel.generator.tp_overlap' the unet family has no sequence-sharded"),
     (["parallel.llm.tp=2", "parallel.llm.tp_overlap=true", "data.seq_len=65"],
      "'parallel.llm.tp_overlap' data.seq_len 65 must be divisible by tp 2"),
     (["parallel.llm.tp=2", "parallel.llm.tp_overlap=true", "parallel.llm.tp_overlap_chunks=100", "data.seq_len=64"],

@@ -52,6 +52,7 @@ def decoder_problems(cfg: LLMConfig, prefix: str) -> list[tuple[str, str]]:
 
 
 FAMILY = Family(
+    sliced_tp=True,
     name="llama",
     role="llm",
     config_type=LLMConfig,

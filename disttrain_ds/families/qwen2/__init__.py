@@ -31,6 +31,7 @@ PRESETS: dict[str, dict] = {
 }
 
 FAMILY = Family(
+    sliced_tp=True,
     name="qwen2",
     role="llm",
     config_type=LLMConfig,

@@ -16,6 +16,7 @@ def _problems(cfg: EncoderConfig, prefix: str) -> list[tuple[str, str]]:
 
 
 FAMILY = Family(
+    sliced_tp=True,
     name="vit",
     role="encoder",
     modality="image",

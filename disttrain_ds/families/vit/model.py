@@ -7,7 +7,10 @@ images of equal token count together as one batch (no padding, no mask, exact).
 
 Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``) the
 embedding keeps this rank's slice of the packed rows, each block attends through the exchange of
-``models/packed_sp.py``, and the head gathers the rows back before its norm.
+``models/packed_sp.py``, and the head gathers the rows back before its norm. Under tensor
+parallelism on sequence slices (``tp_seq``, ``parallel/tp_sequence.py::attach``) likewise: the
+embedding keeps this rank's slice, each block runs ``sharded.vit_layer`` (collectives overlapped
+with its GEMMs), and the head gathers the rows back.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.vit.config import EncoderConfig
+from disttrain_ds.families.vit.sharded import SlicedVitLayer
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
-from disttrain_ds.models.packed import per_item
-from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
+from disttrain_ds.models.packed import host_sizes, per_item
+from disttrain_ds.models.packed_sp import gather_rows, item_spans, shard_rows, sp_layer
 from disttrain_ds.models.pixels import embed_by_size
 
 
@@ -72,6 +76,7 @@ class VitEmbed(nn.Module):
     def __init__(self, embeddings: nn.Module):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.embeddings = embeddings
 
     def compile_targets(self) -> list[nn.Module]:
@@ -83,24 +88,37 @@ class VitEmbed(nn.Module):
                                        self.embeddings.cls_token.shape[-1])
         if self.seq_parallel is not None:
             hidden = shard_rows(hidden, self.seq_parallel)
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.scatter_packed(hidden)
         return hidden, counts
 
 
 class VitBlock(nn.Module):
     """(hidden, counts) -> (hidden, counts): one ViT transformer layer, attention per image."""
 
+    tp_seq_region = True  # on slices: replicated weights' gradients summed over TP
+
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.layer = layer
+        object.__setattr__(self, "sliced", SlicedVitLayer(self.layer))  # unregistered: no new names
 
     def compile_targets(self) -> list[nn.Module]:
-        return [self.layer]  # items grouped by length on the host, outside the graph
+        # Items grouped by length on the host, outside the graph; on slices the collectives run
+        # between the layer's modules, so the sliced forward is compiled instead.
+        return [self.sliced if self.tp_seq is not None else self.layer]
 
     def forward(self, inputs):
         hidden, counts = inputs
         if self.seq_parallel is not None:
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
+        if self.tp_seq is not None:
+            spans = item_spans(counts, self.tp_seq.tp.size)
+            if not hidden.shape[0]:  # no image in this microbatch: every rank of the group knows
+                return hidden, counts
+            return self.sliced(hidden, spans, self.tp_seq), counts
         return per_item(self.layer, hidden, counts), counts
 
 
@@ -110,6 +128,7 @@ class VitHead(nn.Module):
     def __init__(self, layernorm: nn.Module):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.layernorm = layernorm
 
     def compile_targets(self) -> list[nn.Module]:
@@ -119,6 +138,8 @@ class VitHead(nn.Module):
         hidden, counts = inputs
         if self.seq_parallel is not None:
             hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.gather_packed(hidden, sum(host_sizes(counts)))
         hidden = self.layernorm(hidden)
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         starts = torch.cumsum(counts, 0) - counts
