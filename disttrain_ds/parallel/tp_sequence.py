@@ -45,7 +45,9 @@ def _gather_seq(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
 
 def _slice_seq(x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
     n = x.shape[dim] // size
-    return x.narrow(dim, rank * n, n).contiguous()
+    # A copy, never a view: a slice of packed rows (dim 0) is contiguous already, and a view would
+    # keep the whole replicated tensor alive for as long as the slice is.
+    return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
 
 
 class _Scatter(torch.autograd.Function):

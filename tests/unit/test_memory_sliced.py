@@ -1,6 +1,7 @@
-"""The memory estimate of an LLM on sequence slices (tensor parallelism with ``tp_overlap``): what
-real sliced decoder blocks keep for backward on two gloo ranks against the Llama formula's
-``LayerBytes.sliced``, and the estimate and the planner's stage tables following the layout that runs."""
+"""The memory estimate of an LLM or a ViT encoder on sequence slices (tensor parallelism with
+``tp_overlap``): what real sliced decoder and ViT blocks keep for backward on two gloo ranks against
+the Llama and ViT formulas' ``LayerBytes.sliced``, and the estimate and the planner's stage tables
+following the layout that runs."""
 
 from __future__ import annotations
 
@@ -15,12 +16,22 @@ from tp_seq_cases import VOCAB, WORLD, B, S, config, layer_defs  # tests/ is on 
 from disttrain_ds.comm import overlap
 from disttrain_ds.cost.activations import SampleShape
 from disttrain_ds.estimate import memory
+from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.llama.estimates import decoder_activations
+from disttrain_ds.families.vit.config import EncoderConfig
+from disttrain_ds.families.vit.estimates import encoder_activations
+from disttrain_ds.families.vit.model import encoder_layers
+from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 from disttrain_ds.parallel.tp_sequence import TPSeqContext, attach
 from disttrain_ds.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+VIT = EncoderConfig(hidden_size=32, layers=2, heads=4, ffn_hidden=64, patch_size=8, image_size=32)
+IMAGES = 4
+"""Images of 16 x 16 px in the ViT runs: 4 patches and a CLS token each, 20 rows (10 per slice)."""
 
 
 def _kept(rank: int, group, family: str) -> dict:
@@ -37,14 +48,20 @@ def _kept(rank: int, group, family: str) -> dict:
 
     overlap._AllGatherMatmul.forward = staticmethod(counting)
     tp = TPContext(group, rank, WORLD, 0)
-    ids = torch.randint(0, VOCAB - 1, (B, S), generator=torch.Generator().manual_seed(1))
-    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5])
+    g = torch.Generator().manual_seed(1)
+    if family == "vit":
+        defs = encoder_layers(VIT, BuildContext(module="encoder", seed=3, llm_hidden=32))
+        inputs = pack_images([torch.randn(3, 16, 16, generator=g) for _ in range(IMAGES)])
+    else:
+        defs = layer_defs(family, {})
+        ids = torch.randint(0, VOCAB - 1, (B, S), generator=g)
+        inputs = (ids, torch.zeros(0, 32), torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5]))
     out = {}
     for mode in ("replicated", "sliced"):
-        layers = [shard_layer(d.build(), tp) for d in layer_defs(family, {})]
+        layers = [shard_layer(d.build(), tp) for d in defs]
         if mode == "sliced":
             layers = [attach(layer, TPSeqContext(tp, 2)) for layer in layers]
-        x, saved, outputs = (ids, torch.zeros(0, 32), docs), [], []
+        x, saved, outputs = inputs, [], []
         for layer in layers:
             x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
             gathered.clear()
@@ -72,6 +89,19 @@ def test_sliced_blocks_keep_what_the_formula_takes_off_the_replicated_layout(fam
         assert cut_out[:-1] == [o // WORLD for o in rep_out[:-1]] and cut_out[-1] == rep_out[-1]
 
 
+def test_sliced_vit_blocks_keep_what_the_formula_takes_off_the_replicated_layout():
+    runs = run_ranks(_kept, WORLD, "vit")
+    # One sample holding every image of the run (the formula's projector layer is not built here).
+    lb = encoder_activations(VIT, 32, SampleShape(tokens=0, images=IMAGES, patches=4 * IMAGES, gen_images=0), 4)
+    want = [r - s for r, s in zip(lb.on_rank(WORLD), lb.on_rank(WORLD, sliced=True))][:-1]
+    for rank in range(WORLD):
+        (rep, rep_out), (cut, cut_out) = runs[rank]["replicated"], runs[rank]["sliced"]
+        got = [r - c for r, c in zip(rep, cut)]
+        assert got == pytest.approx(want, rel=1e-9, abs=0.5)
+        assert min(got[1:-1]) > 0.05 * max(rep[1:-1])  # control: a formula blind to slices fails above
+        assert cut_out == pytest.approx(lb.outputs_on_rank(WORLD, sliced=True)[:-1], rel=1e-9)
+
+
 def _llm_activation_bytes(overrides: list[str], cuda: bool) -> float:
     recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["layout=disaggregated", "parallel.llm.tp=2", *overrides])
     return max(r.activations for r in memory.estimate(recipe, cuda=cuda) if r.module == "llm")
@@ -82,3 +112,15 @@ def test_the_estimate_counts_slices_where_the_llm_runs_on_them():
     assert sliced < _llm_activation_bytes([], cuda=False)  # ...replicated on the CPU
     assert sliced == _llm_activation_bytes(["parallel.llm.tp_overlap=true"], cuda=False)
     assert _llm_activation_bytes(["parallel.llm.tp_overlap=false"], cuda=True) == _llm_activation_bytes([], cuda=False)
+
+
+def _encoder_activation_bytes(overrides: list[str], cuda: bool) -> float:
+    recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml",
+                         ["layout=disaggregated", "parallel.encoder.tp=2", *overrides])
+    return max(r.activations for r in memory.estimate(recipe, cuda=cuda) if r.module == "encoder")
+
+
+def test_the_estimate_counts_slices_where_the_vit_runs_on_them():
+    sliced = _encoder_activation_bytes([], cuda=True)
+    assert sliced < _encoder_activation_bytes([], cuda=False)
+    assert sliced == _encoder_activation_bytes(["parallel.encoder.tp_overlap=true"], cuda=False)

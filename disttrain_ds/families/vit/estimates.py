@@ -40,8 +40,13 @@ def encoder_activations(cfg, llm_hidden: int, shape: SampleShape, b: int) -> Lay
     # output, GELU input and fc2 input.
     block = ((8 * e + 2 * fe) * b + (a + 4) * FP32) * tokens
     split = ((4 * e + 2 * fe) * b + a * FP32) * tokens  # q, k, v, attention output, MLP hidden
+    # On slices of the packed rows (``families/vit/sharded.py``) each rank keeps both LayerNorms'
+    # inputs and statistics for its slice only; the gathered whole rows the GEMMs read stay whole
+    # (measured in tests/unit/test_memory_sliced.py).
+    sliced = (2 * e * b + 4 * FP32) * tokens
     head = (e * b + 2 * FP32) * tokens
     projector = (e + 2 * llm_hidden) * b * shape.patches  # fc1 input, GELU input, fc2 input
     saved = [pixels, *[block] * cfg.layers, head, projector]
     outputs = [e * b * tokens] * (cfg.layers + 1) + [e * b * shape.patches, llm_hidden * b * shape.patches]
-    return LayerBytes(saved, outputs, pixels, [0.0, *[split] * cfg.layers, 0.0, 0.0])
+    return LayerBytes(saved, outputs, pixels, [0.0, *[split] * cfg.layers, 0.0, 0.0],
+                      [0.0, *[sliced] * cfg.layers, 0.0, 0.0], [True] * (cfg.layers + 1) + [False, False])
