@@ -54,6 +54,20 @@ def _expected_grad(ref: torch.Tensor, p: torch.nn.Parameter, rank: int) -> torch
     return ref.chunk(WORLD, dim=1)[rank]
 
 
+def sharded_layers(defs, group, rank: int, chunks: int, hooks: bool, device: str) -> list[torch.nn.Module]:
+    """``defs`` built, TP-sharded over ``group`` and on sequence slices in ``chunks`` pieces; without
+    ``hooks`` the replicated parameters' gradients are left unsummed over TP (the fault to catch)."""
+    tp = TPContext(group, rank, WORLD, 0)
+    ctx = TPSeqContext(tp, chunks)
+    sharded = []
+    for d in defs:
+        layer = shard_layer(d.build(), tp).to(device)
+        if not hooks:
+            layer.tp_seq_region = False
+        sharded.append(attach(layer, ctx))
+    return sharded
+
+
 def case(rank: int, group, family: str, overrides: dict, chunks: int, hooks: bool, device: str = "cpu",
          backend: str | None = None) -> dict:
     """One rank's run of a case: losses, and the worst gradient error against the unsharded layers;
@@ -70,14 +84,7 @@ def case(rank: int, group, family: str, overrides: dict, chunks: int, hooks: boo
     ref_loss = _run(ref, ids, doc_ids, weights)
     ref_loss.backward()
 
-    tp = TPContext(group, rank, WORLD, 0)
-    ctx = TPSeqContext(tp, chunks)
-    sharded = []
-    for d in defs:
-        layer = shard_layer(d.build(), tp).to(device)
-        if not hooks:
-            layer.tp_seq_region = False  # the fault to catch: slice-only gradients left unsummed
-        sharded.append(attach(layer, ctx))
+    sharded = sharded_layers(defs, group, rank, chunks, hooks, device)
     counters = []
     if backend is not None:
         torch._dynamo.reset()

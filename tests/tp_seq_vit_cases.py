@@ -1,26 +1,43 @@
-"""Cases shared by the CPU (gloo) and CUDA (NCCL) tests of a ViT encoder on slices of its packed
-image rows: the encoder run whole and sharded over a TP group of two, compared layer by layer."""
+"""Cases shared by the CPU (gloo) and CUDA (NCCL) tests of image encoders (ViT, CLIP and SigLIP
+towers) on slices of their packed image rows: the encoder run whole and sharded over a TP group of
+two, compared layer by layer."""
 
 from __future__ import annotations
 
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
-from tp_seq_cases import WORLD, _expected_grad
+from tp_seq_cases import _expected_grad, sharded_layers
 
 from disttrain_ds.families.base import BuildContext
+from disttrain_ds.families.clip.config import VisionTowerConfig
+from disttrain_ds.families.clip.model import CLIP, tower_layers
+from disttrain_ds.families.siglip.model import SIGLIP
 from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.families.vit.model import encoder_layers
 from disttrain_ds.models.compiled import compile_layers
 from disttrain_ds.models.pixels import pack_images
-from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
-from disttrain_ds.parallel.tp_sequence import TPSeqContext, attach
 
 MIXED = (32, 16, 32, 24)
-"""Image sides: 17 + 5 + 17 + 10 = 49 rows (CLS included), padded to 50 for two slices of 25."""
-CASES = [(MIXED, 3), (MIXED, 1), ((16, 16, 16), 2), ((), 4)]
-"""(image sides, chunks): mixed sizes with padding, one chunk, equal sizes (one batched attention,
-no padding: 15 rows -> 16), no image at all."""
+"""Image sides: 17 + 5 + 17 + 10 = 49 rows with a CLS token each, padded to 50 for two slices of 25."""
+CASES = [("vit", MIXED, 3), ("vit", MIXED, 1), ("vit", (16, 16, 16), 2), ("vit", (), 4), ("clip", MIXED, 3),
+         ("siglip", MIXED, 2)]
+"""(family, image sides, chunks): mixed sizes with padding, one chunk, equal sizes (one batched
+attention, 15 rows padded to 16), no image at all; the CLIP tower (CLS, pre-LayerNorm) and SigLIP's
+(no CLS: 45 rows padded to 46)."""
+CLS = {"vit": True, "clip": True, "siglip": False}
+"""Whether the family's embedding puts a CLS row before each image's patches."""
+
+
+def encoder_defs(family: str):
+    """The cases' two-block encoder of ``family`` as pipeline layer definitions."""
+    ctx = BuildContext(module="encoder", seed=3, llm_hidden=32)
+    if family == "vit":
+        return encoder_layers(EncoderConfig(hidden_size=32, layers=2, heads=4, ffn_hidden=64, patch_size=8,
+                                            image_size=32), ctx)
+    cfg = VisionTowerConfig(family=family, hidden_size=32, layers=2, heads=4, ffn_hidden=64, patch_size=8,
+                            image_size=32, feature_layer=-1)
+    return tower_layers(cfg, ctx, CLIP if family == "clip" else SIGLIP)
 
 
 def _run(layers, flat, hw, weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,32 +47,24 @@ def _run(layers, flat, hw, weight) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * weight).sum(), x
 
 
-def vit_case(rank: int, group, sides: tuple[int, ...], chunks: int, hooks: bool = True,
+def vit_case(rank: int, group, family: str, sides: tuple[int, ...], chunks: int, hooks: bool = True,
              backend: str | None = None, device: str = "cpu") -> dict:
     """One rank's run: the sharded encoder's loss and output against the whole encoder's, the worst
     gradient error (relative to the layer's largest gradient) and where; ``backend``: the first
     sharded block compiled with it."""
-    cfg = EncoderConfig(hidden_size=32, layers=2, heads=4, ffn_hidden=64, patch_size=8, image_size=32)
-    defs = encoder_layers(cfg, BuildContext(module="encoder", seed=3, llm_hidden=32))
+    defs = encoder_defs(family)
     g = torch.Generator().manual_seed(5)
     flat, hw = pack_images([torch.randn(3, s, s, generator=g) for s in sides])
     flat, hw = flat.to(device), hw.to(device)
     weight = torch.randn(sum((s // 8) ** 2 for s in sides), 32, generator=g).to(device)  # the head drops CLS
-    rows = sum((s // 8) ** 2 + 1 for s in sides)
+    rows = sum((s // 8) ** 2 + CLS[family] for s in sides)
 
     ref = [d.build().to(device) for d in defs]
     ref_loss, ref_out = _run(ref, flat, hw, weight)
     if rows:
         ref_loss.backward()
 
-    tp = TPContext(group, rank, WORLD, 0)
-    ctx = TPSeqContext(tp, chunks)
-    sharded = []
-    for d in defs:
-        layer = shard_layer(d.build(), tp).to(device)
-        if not hooks:
-            layer.tp_seq_region = False  # the fault to catch: slice-only gradients left unsummed
-        sharded.append(attach(layer, ctx))
+    sharded = sharded_layers(defs, group, rank, chunks, hooks, device)
     counter = None
     if backend is not None:
         torch._dynamo.reset()

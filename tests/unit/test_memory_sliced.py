@@ -100,6 +100,7 @@ def test_sliced_vit_blocks_keep_what_the_formula_takes_off_the_replicated_layout
         assert got == pytest.approx(want, rel=1e-9, abs=0.5)
         assert min(got[1:-1]) > 0.05 * max(rep[1:-1])  # control: a formula blind to slices fails above
         assert cut_out == pytest.approx(lb.outputs_on_rank(WORLD, sliced=True)[:-1], rel=1e-9)
+        assert cut_out[:-1] == [o // WORLD for o in rep_out[:-1]] and cut_out[-1] == rep_out[-1]  # slices, then whole
 
 
 def _llm_activation_bytes(overrides: list[str], cuda: bool) -> float:

@@ -1,7 +1,7 @@
-"""A ViT encoder on slices of its packed image rows (``families/vit/sharded.py``, tensor
-parallelism with sequence-sharded activations) computes the unsharded encoder's outputs and
-gradients on two real gloo ranks, images of mixed sizes with padding rows included; the recipe
-rules that let encoders ask for it."""
+"""Image encoders on slices of their packed image rows (``models/packed_tp.py``, tensor parallelism
+with sequence-sharded activations: ViT, CLIP and SigLIP towers) compute the unsharded encoder's
+outputs and gradients on two real gloo ranks, images of mixed sizes with padding rows included; the
+recipe rules that let encoders ask for it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from test_tp_sequence import _recipe, tp_overlap_on
 from tp_seq_cases import WORLD
-from tp_seq_vit_cases import CASES, MIXED, vit_case
+from tp_seq_vit_cases import CASES, CLS, MIXED, vit_case
 
 SLICED_VIT_GRAPHS = 4
 """Graphs of a compiled ViT block on slices, between its four collectives and the per-image
@@ -23,16 +23,18 @@ def _vit_cases(rank: int, group, cases: list[tuple]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return run_ranks(_vit_cases, WORLD, CASES + [(MIXED, 2, False)])
+    return run_ranks(_vit_cases, WORLD, CASES + [("vit", MIXED, 2, False)])
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=["mixed_chunks3", "mixed_chunks1", "equal_sizes", "no_image"])
-def test_vit_on_slices_gives_the_unsharded_output_and_every_gradient(runs, i):
-    sides = CASES[i][0]
-    rows = sum((s // 8) ** 2 + 1 for s in sides)
+@pytest.mark.parametrize("i", range(len(CASES)), ids=["vit_mixed_chunks3", "vit_mixed_chunks1", "vit_equal_sizes",
+                                                      "vit_no_image", "clip_mixed", "siglip_mixed"])
+def test_encoders_on_slices_give_the_unsharded_output_and_every_gradient(runs, i):
+    family, sides, _ = CASES[i]
+    patches = sum((s // 8) ** 2 for s in sides)
+    rows = patches + CLS[family] * len(sides)
     for rank in range(WORLD):
         got = runs[rank][i]
-        assert got["shape"] == (rows - len(sides), 32)  # whole rows after the head, padding and CLS dropped
+        assert got["shape"] == (patches, 32)  # whole rows after the head, padding and CLS dropped
         assert got["sliced"] == -(-rows // WORLD)  # between blocks: this rank's slice
         assert got["out_err"] < 1e-5
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5, abs=1e-6)
@@ -48,7 +50,7 @@ def test_vit_on_slices_without_summing_replicated_gradients_over_tp_gets_norms_a
 
 
 def _compiled(rank: int, group) -> dict:
-    return vit_case(rank, group, MIXED, 2, backend="aot_eager")
+    return vit_case(rank, group, "vit", MIXED, 2, backend="aot_eager")
 
 
 def test_compiled_vit_blocks_on_slices_give_the_unsharded_output_and_every_gradient():

@@ -46,6 +46,7 @@ def tower_family(name: str, presets: dict[str, dict], formats: str, checkpoint_f
     return Family(
         name=name,
         role="encoder",
+        sliced_tp=True,
         modality="image",
         config_type=VisionTowerConfig,
         presets=presets,

@@ -9,7 +9,9 @@ reads the hidden states as they are); the head keeps it, frozen, so that export 
 
 Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``) the
 embedding keeps this rank's slice of the packed rows, each block attends through the exchange of
-``models/packed_sp.py``, and the head gathers the rows back.
+``models/packed_sp.py``, and the head gathers the rows back. Under tensor parallelism on sequence
+slices (``tp_seq``, ``parallel/tp_sequence.py::attach``) likewise, each block running
+``sharded.tower_layer`` (``models/packed_tp.py``: collectives overlapped with its GEMMs).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from transformers.models.clip.modeling_clip import CLIPMLP, CLIPAttention
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.clip.config import VisionTowerConfig, run_layers
+from disttrain_ds.families.clip.sharded import tower_layer
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
-from disttrain_ds.models.packed import per_item
-from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
+from disttrain_ds.models.packed import host_sizes, per_item
+from disttrain_ds.models.packed_sp import gather_rows, item_spans, shard_rows, sp_layer
+from disttrain_ds.models.packed_tp import SlicedLayer
 from disttrain_ds.models.pixels import embed_by_size
 
 
@@ -85,6 +89,7 @@ class TowerEmbed(nn.Module):
     def __init__(self, embeddings: nn.Module, pre_norm: nn.Module | None):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.embeddings, self.pre_norm = embeddings, pre_norm
 
     def compile_targets(self) -> list[nn.Module]:
@@ -98,24 +103,37 @@ class TowerEmbed(nn.Module):
             hidden = self.pre_norm(hidden)
         if self.seq_parallel is not None:
             hidden = shard_rows(hidden, self.seq_parallel)
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.scatter_packed(hidden)
         return hidden, counts
 
 
 class TowerBlock(nn.Module):
     """(hidden, counts) -> (hidden, counts): one tower layer, attention within each image."""
 
+    tp_seq_region = True  # on slices: replicated weights' gradients summed over TP
+
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.layer = layer
+        object.__setattr__(self, "sliced", SlicedLayer(self.layer, tower_layer))  # unregistered: no new names
 
     def compile_targets(self) -> list[nn.Module]:
-        return [self.layer]  # items grouped by length on the host, outside the graph
+        # Items grouped by length on the host, outside the graph; on slices the collectives run
+        # between the layer's modules, so the sliced forward is compiled instead.
+        return [self.sliced if self.tp_seq is not None else self.layer]
 
     def forward(self, inputs):
         hidden, counts = inputs
         if self.seq_parallel is not None:
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
+        if self.tp_seq is not None:
+            spans = item_spans(counts, self.tp_seq.tp.size)
+            if not hidden.shape[0]:  # no image in this microbatch: every rank of the group knows
+                return hidden, counts
+            return self.sliced(hidden, spans, self.tp_seq), counts
         return per_item(lambda x: self.layer(x, attention_mask=None), hidden, counts), counts
 
 
@@ -126,6 +144,7 @@ class TowerHead(nn.Module):
     def __init__(self, post_layernorm: nn.Module, cls: bool):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.post_layernorm, self.cls = post_layernorm.requires_grad_(False), cls
 
     def compile_targets(self) -> list[nn.Module]:
@@ -135,6 +154,8 @@ class TowerHead(nn.Module):
         hidden, counts = inputs
         if self.seq_parallel is not None:
             hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.gather_packed(hidden, sum(host_sizes(counts)))
         if not self.cls:
             return hidden
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)

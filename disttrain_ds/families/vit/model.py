@@ -9,8 +9,8 @@ Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_paralle
 embedding keeps this rank's slice of the packed rows, each block attends through the exchange of
 ``models/packed_sp.py``, and the head gathers the rows back before its norm. Under tensor
 parallelism on sequence slices (``tp_seq``, ``parallel/tp_sequence.py::attach``) likewise: the
-embedding keeps this rank's slice, each block runs ``sharded.vit_layer`` (collectives overlapped
-with its GEMMs), and the head gathers the rows back.
+embedding keeps this rank's slice, each block runs ``sharded.vit_layer`` (``models/packed_tp.py``:
+collectives overlapped with its GEMMs), and the head gathers the rows back.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.vit.config import EncoderConfig
-from disttrain_ds.families.vit.sharded import SlicedVitLayer
+from disttrain_ds.families.vit.sharded import vit_layer
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 from disttrain_ds.models.packed import host_sizes, per_item
 from disttrain_ds.models.packed_sp import gather_rows, item_spans, shard_rows, sp_layer
+from disttrain_ds.models.packed_tp import SlicedLayer
 from disttrain_ds.models.pixels import embed_by_size
 
 
@@ -103,7 +104,7 @@ class VitBlock(nn.Module):
         self.seq_parallel = None
         self.tp_seq = None
         self.layer = layer
-        object.__setattr__(self, "sliced", SlicedVitLayer(self.layer))  # unregistered: no new names
+        object.__setattr__(self, "sliced", SlicedLayer(self.layer, vit_layer))  # unregistered: no new names
 
     def compile_targets(self) -> list[nn.Module]:
         # Items grouped by length on the host, outside the graph; on slices the collectives run
