@@ -1,6 +1,6 @@
-"""Cases shared by the CPU (gloo) and CUDA (NCCL) tests of image encoders (ViT, CLIP and SigLIP
-towers) on slices of their packed image rows: the encoder run whole and sharded over a TP group of
-two, compared layer by layer."""
+"""Cases shared by the CPU (gloo) and CUDA (NCCL) tests of encoders (ViT, CLIP and SigLIP towers,
+Whisper) on slices of their packed rows: the encoder run whole and sharded over a TP group of two,
+compared layer by layer."""
 
 from __future__ import annotations
 
@@ -15,23 +15,37 @@ from disttrain_ds.families.clip.model import CLIP, tower_layers
 from disttrain_ds.families.siglip.model import SIGLIP
 from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.families.vit.model import encoder_layers
+from disttrain_ds.families.whisper.config import AudioEncoderConfig
+from disttrain_ds.families.whisper.model import encoder_layers as whisper_layers
 from disttrain_ds.models.compiled import compile_layers
+from disttrain_ds.models.packed import pack_clips
 from disttrain_ds.models.pixels import pack_images
 
 MIXED = (32, 16, 32, 24)
 """Image sides: 17 + 5 + 17 + 10 = 49 rows with a CLS token each, padded to 50 for two slices of 25."""
 CASES = [("vit", MIXED, 3), ("vit", MIXED, 1), ("vit", (16, 16, 16), 2), ("vit", (), 4), ("clip", MIXED, 3),
-         ("siglip", MIXED, 2)]
-"""(family, image sides, chunks): mixed sizes with padding, one chunk, equal sizes (one batched
-attention, 15 rows padded to 16), no image at all; the CLIP tower (CLS, pre-LayerNorm) and SigLIP's
-(no CLS: 45 rows padded to 46)."""
+         ("siglip", MIXED, 2), ("whisper", (12, 20, 14), 2)]
+"""(family, image sides or clip frames, chunks): mixed sizes with padding, one chunk, equal sizes
+(one batched attention, 15 rows padded to 16), no image at all; the CLIP tower (CLS, pre-LayerNorm)
+and SigLIP's (no CLS: 45 rows padded to 46); Whisper clips of 6 + 10 + 7 rows, padded to 24."""
 CLS = {"vit": True, "clip": True, "siglip": False}
 """Whether the family's embedding puts a CLS row before each image's patches."""
+
+
+def rows(family: str, sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(rows between blocks, rows the head returns) for items of ``sizes``."""
+    if family == "whisper":
+        return sum(f // 2 for f in sizes), sum(f // 2 for f in sizes)
+    patches = sum((s // 8) ** 2 for s in sizes)
+    return patches + CLS[family] * len(sizes), patches
 
 
 def encoder_defs(family: str):
     """The cases' two-block encoder of ``family`` as pipeline layer definitions."""
     ctx = BuildContext(module="encoder", seed=3, llm_hidden=32)
+    if family == "whisper":
+        return whisper_layers(AudioEncoderConfig(n_mels=8, hidden_size=32, layers=2, heads=4, ffn_hidden=64,
+                                                 max_frames=40), ctx)
     if family == "vit":
         return encoder_layers(EncoderConfig(hidden_size=32, layers=2, heads=4, ffn_hidden=64, patch_size=8,
                                             image_size=32), ctx)
@@ -54,14 +68,17 @@ def vit_case(rank: int, group, family: str, sides: tuple[int, ...], chunks: int,
     sharded block compiled with it."""
     defs = encoder_defs(family)
     g = torch.Generator().manual_seed(5)
-    flat, hw = pack_images([torch.randn(3, s, s, generator=g) for s in sides])
+    if family == "whisper":
+        flat, hw = pack_clips([torch.randn(8, f, generator=g) for f in sides])
+    else:
+        flat, hw = pack_images([torch.randn(3, s, s, generator=g) for s in sides])
     flat, hw = flat.to(device), hw.to(device)
-    weight = torch.randn(sum((s // 8) ** 2 for s in sides), 32, generator=g).to(device)  # the head drops CLS
-    rows = sum((s // 8) ** 2 + CLS[family] for s in sides)
+    between, out_rows = rows(family, sides)
+    weight = torch.randn(out_rows, 32, generator=g).to(device)
 
     ref = [d.build().to(device) for d in defs]
     ref_loss, ref_out = _run(ref, flat, hw, weight)
-    if rows:
+    if between:
         ref_loss.backward()
 
     sharded = sharded_layers(defs, group, rank, chunks, hooks, device)
@@ -72,7 +89,7 @@ def vit_case(rank: int, group, family: str, sides: tuple[int, ...], chunks: int,
         compile_layers(sharded[1:2], backend=counter)
     sliced = sharded[0]((flat, hw))[0].shape[0]
     loss, out = _run(sharded, flat, hw, weight)
-    if rows:
+    if between:
         loss.backward()
 
     worst, where = 0.0, ""

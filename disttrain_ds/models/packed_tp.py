@@ -22,14 +22,18 @@ from disttrain_ds.models.packed import per_item
 
 
 @torch.compiler.disable  # items grouped by length on the host: eager, as in every encoder block
-def attend_items(qkv: torch.Tensor, spans: torch.Tensor, head_dim: int, dropout: float, scale: float) -> torch.Tensor:
+def attend_items(qkv: torch.Tensor, spans: torch.Tensor, head_dim: int, dropout: float, scale: float,
+                 prescale: bool = False) -> torch.Tensor:
     """Each item's rows of ``qkv`` [R, 3 * heads * head_dim] (whole rows, this rank's heads) attending
-    within the item -> [R, heads * head_dim]; ``spans``: rows per item."""
+    within the item -> [R, heads * head_dim]; ``spans``: rows per item; ``prescale``: the queries
+    multiplied by ``scale`` before attention at scale 1 (Whisper's order of operations)."""
 
     def attend(items: torch.Tensor) -> torch.Tensor:  # [items of one length, length, 3 * heads * d]
         n, length, _ = items.shape
         q, k, v = (t.reshape(n, length, -1, head_dim).transpose(1, 2) for t in items.chunk(3, dim=-1))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale)
+        if prescale:
+            q = q * scale
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=1.0 if prescale else scale)
         return out.transpose(1, 2).reshape(n, length, -1)
 
     return per_item(attend, qkv, spans)
@@ -38,13 +42,14 @@ def attend_items(qkv: torch.Tensor, spans: torch.Tensor, head_dim: int, dropout:
 def pre_norm_layer(part: torch.Tensor, spans: torch.Tensor, ctx, *, norm1: nn.Module, qkv: list[nn.Module],
                    out: nn.Module, head_dim: int, scale: float, dropout: float, norm2: nn.Module, fc1: nn.Module,
                    act: Callable[[torch.Tensor], torch.Tensor], fc2: nn.Module,
-                   residual_dropout: Callable[[torch.Tensor], torch.Tensor] = nn.Identity()) -> torch.Tensor:
+                   residual_dropout: Callable[[torch.Tensor], torch.Tensor] = nn.Identity(),
+                   prescale: bool = False) -> torch.Tensor:
     """``x + attn(norm1(x))``, then ``+ fc2(act(fc1(norm2(.))))``, on this rank's slice ``part`` [s, H]
     of the padded packed rows (``spans``: rows per item, the padding last); ``dropout``: the
     attention's probability dropout (0 outside training); ``residual_dropout``: what the layer
-    applies to each branch before its residual add."""
+    applies to each branch before its residual add; ``prescale``: as ``attend_items``."""
     (joined,) = ctx.column(norm1(part), qkv, joined=True)
-    hidden = residual_dropout(ctx.row(attend_items(joined, spans, head_dim, dropout, scale), out)) + part
+    hidden = residual_dropout(ctx.row(attend_items(joined, spans, head_dim, dropout, scale, prescale), out)) + part
     (up,) = ctx.column(norm2(hidden), [fc1])
     return residual_dropout(ctx.row(act(up), fc2)) + hidden
 

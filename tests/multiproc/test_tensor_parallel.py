@@ -107,3 +107,18 @@ def test_boundary_traffic_is_the_same_with_and_without_tp(tmp_path, reference_ru
         sends = [json.loads((out / f"sends_rank{r}.json").read_text()) for r in range(nproc)]
         totals.append(sorted(sum(n for _, n in s) for s in sends if s))
     assert totals[0] == totals[1] and totals[0]
+
+
+@pytest.mark.slow
+def test_audio_and_image_encoders_on_slices_train_the_reference(tmp_path, reference_run):
+    """tiny_omni: the Whisper and ViT encoders each at TP 2 on slices of their packed rows (clips and
+    images of several sizes, padding rows where they do not split)."""
+    overrides = ["parallel.modules.ear.tp=2", "parallel.modules.ear.tp_overlap=true", "parallel.modules.vision.tp=2",
+                 "parallel.modules.vision.tp_overlap=true"]
+    rows, params, _ = launch(tmp_path, 7, [STEPS, *SGD, "layout=disaggregated", *overrides], recipe="tiny_omni")
+    ref_losses, ref_params = reference_run([STEPS, *SGD], "tiny_omni")
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    log = (tmp_path / "launch.log").read_text()
+    assert "ear: tensor parallelism on sequence slices" in log and "vision: tensor parallelism on sequence slices" in log

@@ -1,6 +1,6 @@
-"""Image encoders on slices of their packed image rows (``models/packed_tp.py``, tensor parallelism
-with sequence-sharded activations: ViT, CLIP and SigLIP towers) compute the unsharded encoder's
-outputs and gradients on two real gloo ranks, images of mixed sizes with padding rows included; the
+"""Encoders on slices of their packed rows (``models/packed_tp.py``, tensor parallelism with
+sequence-sharded activations: ViT, CLIP and SigLIP towers, Whisper) compute the unsharded encoder's
+outputs and gradients on two real gloo ranks, items of mixed sizes with padding rows included; the
 recipe rules that let encoders ask for it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from test_tp_sequence import _recipe, tp_overlap_on
 from tp_seq_cases import WORLD
-from tp_seq_vit_cases import CASES, CLS, MIXED, vit_case
+from tp_seq_vit_cases import CASES, MIXED, rows, vit_case
 
 SLICED_VIT_GRAPHS = 4
 """Graphs of a compiled ViT block on slices, between its four collectives and the per-image
@@ -27,15 +27,14 @@ def runs() -> dict:
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=["vit_mixed_chunks3", "vit_mixed_chunks1", "vit_equal_sizes",
-                                                      "vit_no_image", "clip_mixed", "siglip_mixed"])
+                                                      "vit_no_image", "clip_mixed", "siglip_mixed", "whisper_clips"])
 def test_encoders_on_slices_give_the_unsharded_output_and_every_gradient(runs, i):
-    family, sides, _ = CASES[i]
-    patches = sum((s // 8) ** 2 for s in sides)
-    rows = patches + CLS[family] * len(sides)
+    family, sizes, _ = CASES[i]
+    between, out_rows = rows(family, sizes)
     for rank in range(WORLD):
         got = runs[rank][i]
-        assert got["shape"] == (patches, 32)  # whole rows after the head, padding and CLS dropped
-        assert got["sliced"] == -(-rows // WORLD)  # between blocks: this rank's slice
+        assert got["shape"] == (out_rows, 32)  # whole rows after the head, padding (and CLS) dropped
+        assert got["sliced"] == -(-between // WORLD)  # between blocks: this rank's slice
         assert got["out_err"] < 1e-5
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5, abs=1e-6)
         assert got["grad_err"] < 1e-5, f"rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"

@@ -40,6 +40,7 @@ def _problems(cfg: AudioEncoderConfig, prefix: str) -> list[tuple[str, str]]:
 
 
 FAMILY = Family(
+    sliced_tp=True,
     name="whisper",
     role="encoder",
     config_type=AudioEncoderConfig,

@@ -11,7 +11,9 @@ transformers' WhisperEncoder computes for a clip padded to nothing.
 
 Under sequence parallelism (``seq_parallel``, set by ``parallel/sequence_parallel.py::attach``) the
 stem keeps this rank's slice of the packed rows, each block attends through the exchange of
-``models/packed_sp.py``, and the head gathers the rows back before its norm.
+``models/packed_sp.py``, and the head gathers the rows back before its norm. Under tensor
+parallelism on sequence slices (``tp_seq``) likewise, each block running ``sharded.whisper_layer``
+(``models/packed_tp.py``: collectives overlapped with its GEMMs).
 
 The parts are taken from one whole transformers ``WhisperEncoder`` (HF's own init), so a
 checkpoint of that class loads key for key (``FAMILY.hf_rules``).
@@ -31,9 +33,11 @@ from transformers.models.whisper.modeling_whisper import WhisperAttention, Whisp
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.whisper.config import AudioEncoderConfig
+from disttrain_ds.families.whisper.sharded import whisper_layer
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
-from disttrain_ds.models.packed import by_length, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
-from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
+from disttrain_ds.models.packed import by_length, host_sizes, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
+from disttrain_ds.models.packed_sp import gather_rows, item_spans, shard_rows, sp_layer
+from disttrain_ds.models.packed_tp import SlicedLayer
 
 
 def hf_config(cfg: AudioEncoderConfig) -> WhisperConfig:
@@ -110,6 +114,7 @@ class WhisperEmbed(nn.Module):
     def __init__(self, conv1: nn.Conv1d, conv2: nn.Conv1d, embed_positions: nn.Embedding):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.conv1, self.conv2, self.embed_positions = conv1, conv2, embed_positions
 
     def _check(self, clips: list[torch.Tensor]) -> None:
@@ -140,24 +145,37 @@ class WhisperEmbed(nn.Module):
         counts = torch.tensor([o.shape[0] for o in out], dtype=torch.long, device=hidden.device)
         if self.seq_parallel is not None:
             hidden = shard_rows(hidden, self.seq_parallel)
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.scatter_packed(hidden)
         return hidden, counts
 
 
 class WhisperBlock(nn.Module):
     """(hidden, counts) -> (hidden, counts): one WhisperEncoderLayer, attention per clip."""
 
+    tp_seq_region = True  # on slices: replicated weights' gradients summed over TP
+
     def __init__(self, layer: WhisperEncoderLayer):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.layer = layer
+        object.__setattr__(self, "sliced", SlicedLayer(self.layer, whisper_layer))  # unregistered: no new names
 
     def compile_targets(self) -> list[nn.Module]:
-        return [self.layer]  # items grouped by length on the host, outside the graph
+        # Items grouped by length on the host, outside the graph; on slices the collectives run
+        # between the layer's modules, so the sliced forward is compiled instead.
+        return [self.sliced if self.tp_seq is not None else self.layer]
 
     def forward(self, inputs):
         hidden, counts = inputs
         if self.seq_parallel is not None:
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
+        if self.tp_seq is not None:
+            spans = item_spans(counts, self.tp_seq.tp.size)
+            if not hidden.shape[0]:  # no clip in this microbatch: every rank of the group knows
+                return hidden, counts
+            return self.sliced(hidden, spans, self.tp_seq), counts
         return per_item(lambda batch: self.layer(batch, None), hidden, counts), counts
 
 
@@ -167,6 +185,7 @@ class WhisperHead(nn.Module):
     def __init__(self, layer_norm: nn.LayerNorm):
         super().__init__()
         self.seq_parallel = None
+        self.tp_seq = None
         self.layer_norm = layer_norm
 
     def compile_targets(self) -> list[nn.Module]:
@@ -176,6 +195,8 @@ class WhisperHead(nn.Module):
         hidden, counts = inputs
         if self.seq_parallel is not None:
             hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.gather_packed(hidden, sum(host_sizes(counts)))
         return self.layer_norm(hidden)
 
 
