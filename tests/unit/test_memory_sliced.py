@@ -21,6 +21,10 @@ from disttrain_ds.families.llama.estimates import decoder_activations
 from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.families.vit.estimates import encoder_activations
 from disttrain_ds.families.vit.model import encoder_layers
+from disttrain_ds.families.whisper.config import AudioEncoderConfig
+from disttrain_ds.families.whisper.estimates import activation_layers
+from disttrain_ds.families.whisper.model import encoder_layers as whisper_layers
+from disttrain_ds.models.packed import pack_clips
 from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer
 from disttrain_ds.parallel.tp_sequence import TPSeqContext, attach
@@ -32,6 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 VIT = EncoderConfig(hidden_size=32, layers=2, heads=4, ffn_hidden=64, patch_size=8, image_size=32)
 IMAGES = 4
 """Images of 16 x 16 px in the ViT runs: 4 patches and a CLS token each, 20 rows (10 per slice)."""
+WHISPER = AudioEncoderConfig(n_mels=8, hidden_size=32, layers=2, heads=4, ffn_hidden=64, max_frames=40)
+CLIPS = 4
+"""Clips of 10 log-mel frames in the Whisper runs: 5 rows each, 20 rows (10 per slice)."""
 
 
 def _kept(rank: int, group, family: str) -> dict:
@@ -52,6 +59,9 @@ def _kept(rank: int, group, family: str) -> dict:
     if family == "vit":
         defs = encoder_layers(VIT, BuildContext(module="encoder", seed=3, llm_hidden=32))
         inputs = pack_images([torch.randn(3, 16, 16, generator=g) for _ in range(IMAGES)])
+    elif family == "whisper":
+        defs = whisper_layers(WHISPER, BuildContext(module="encoder", seed=3, llm_hidden=32))
+        inputs = pack_clips([torch.randn(8, 10, generator=g) for _ in range(CLIPS)])
     else:
         defs = layer_defs(family, {})
         ids = torch.randint(0, VOCAB - 1, (B, S), generator=g)
@@ -89,10 +99,15 @@ def test_sliced_blocks_keep_what_the_formula_takes_off_the_replicated_layout(fam
         assert cut_out[:-1] == [o // WORLD for o in rep_out[:-1]] and cut_out[-1] == rep_out[-1]
 
 
-def test_sliced_vit_blocks_keep_what_the_formula_takes_off_the_replicated_layout():
-    runs = run_ranks(_kept, WORLD, "vit")
-    # One sample holding every image of the run (the formula's projector layer is not built here).
-    lb = encoder_activations(VIT, 32, SampleShape(tokens=0, images=IMAGES, patches=4 * IMAGES, gen_images=0), 4)
+@pytest.mark.parametrize("family", ["vit", "whisper"])
+def test_sliced_encoder_blocks_keep_what_the_formula_takes_off_the_replicated_layout(family):
+    runs = run_ranks(_kept, WORLD, family)
+    # One sample holding every item of the run (the formula's projector layer is not built here).
+    if family == "vit":
+        lb = encoder_activations(VIT, 32, SampleShape(tokens=0, images=IMAGES, patches=4 * IMAGES, gen_images=0), 4)
+    else:
+        lb = activation_layers(WHISPER, 32, SampleShape(tokens=0, images=0, patches=0, gen_images=0,
+                                                        audio_rows=5 * CLIPS), 4)
     want = [r - s for r, s in zip(lb.on_rank(WORLD), lb.on_rank(WORLD, sliced=True))][:-1]
     for rank in range(WORLD):
         (rep, rep_out), (cut, cut_out) = runs[rank]["replicated"], runs[rank]["sliced"]

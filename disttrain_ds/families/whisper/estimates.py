@@ -18,11 +18,13 @@ def activation_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> Layer
     # conv1 input, its GELU input and conv2 input (full frame rate), conv2's GELU input (half rate)
     stem = mels + 2 * e * frames * b + e * rows * b
     block = ((8 * e + 2 * fe) * b + (a + 4) * FP32) * rows
+    sliced = (2 * e * b + 4 * FP32) * rows  # on slices: both LayerNorms' inputs and statistics
     head = (e * b + 2 * FP32) * rows
     projector = (e + 2 * llm_hidden) * b * rows
     saved = [stem, *[block] * cfg.layers, head, projector]
     outputs = [e * b * rows] * (cfg.layers + 2) + [llm_hidden * b * rows]
-    return LayerBytes(saved, outputs, mels)
+    return LayerBytes(saved, outputs, mels, sliced=[0.0, *[sliced] * cfg.layers, 0.0, 0.0],
+                      sliced_outputs=[True] * (cfg.layers + 1) + [False, False])
 
 
 def cost_terms(cfg) -> dict[str, float]:
