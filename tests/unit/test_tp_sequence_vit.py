@@ -12,7 +12,7 @@ from tp_seq_cases import WORLD
 from tp_seq_vit_cases import CASES, MIXED, rows, vit_case
 
 SLICED_VIT_GRAPHS = 4
-"""Graphs of a compiled ViT block on slices, between its four collectives and the per-image
+"""Graphs of a compiled encoder block (ViT, CLIP, Whisper) on slices, between its four collectives and the per-image
 attention (images grouped by length on the host, left out of graphs as in every block): the first
 norm; the residual and the second norm; the MLP's activation; the last residual."""
 
@@ -48,12 +48,14 @@ def test_vit_on_slices_without_summing_replicated_gradients_over_tp_gets_norms_a
         assert got["grad_err"] > 1e-2 and any(k in got["where"] for k in ("layernorm", "o_proj.bias", "fc2.bias")), got
 
 
-def _compiled(rank: int, group) -> dict:
-    return vit_case(rank, group, "vit", MIXED, 2, backend="aot_eager")
+def _compiled(rank: int, group, family: str, sizes: tuple[int, ...]) -> dict:
+    return vit_case(rank, group, family, sizes, 2, backend="aot_eager")
 
 
-def test_compiled_vit_blocks_on_slices_give_the_unsharded_output_and_every_gradient():
-    runs = run_ranks(_compiled, WORLD)
+@pytest.mark.parametrize("family, sizes", [("vit", MIXED), pytest.param("clip", MIXED, marks=pytest.mark.slow),
+                                           pytest.param("whisper", (12, 20, 14), marks=pytest.mark.slow)])
+def test_compiled_encoder_blocks_on_slices_give_the_unsharded_output_and_every_gradient(family, sizes):
+    runs = run_ranks(_compiled, WORLD, family, sizes)
     for rank in range(WORLD):
         got = runs[rank]
         assert got["out_err"] < 1e-5
