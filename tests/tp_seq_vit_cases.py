@@ -106,7 +106,8 @@ def vit_case(rank: int, group, family: str, sides: tuple[int, ...], chunks: int,
             err = float((p.grad - want).abs().max()) / max(scale, 1e-12)
             if err > worst:
                 worst, where = err, f"{d.name}.{name}"
-    return {"loss": float(loss), "ref_loss": float(ref_loss), "out_err": float((out - ref_out).abs().max()) if out.numel() else 0.0,
+    out_err = float((out - ref_out).abs().max()) if out.numel() else 0.0
+    return {"loss": float(loss), "ref_loss": float(ref_loss), "out_err": out_err,
             "shape": tuple(out.shape), "sliced": sliced, "grad_err": worst, "where": where,
             "graphs": None if counter is None else counter.frame_count}
 

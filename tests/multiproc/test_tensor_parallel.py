@@ -121,4 +121,4 @@ def test_audio_and_image_encoders_on_slices_train_the_reference(tmp_path, refere
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
     log = (tmp_path / "launch.log").read_text()
-    assert "ear: tensor parallelism on sequence slices" in log and "vision: tensor parallelism on sequence slices" in log
+    assert all(f"{m}: tensor parallelism on sequence slices" in log for m in ("ear", "vision"))
