@@ -115,3 +115,18 @@ class Sequential(nn.Module):
 
 def as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
+
+
+class SlicedLayer(nn.Module):
+    """A family's forward of ``layer`` on sequence slices, ``forward(layer, *args, **kwargs)``
+    (``families/<family>/sharded.py``), as a module of its own: what ``compile_layers`` compiles
+    for a block on slices, its collectives left eager between the graphs. It holds the layer
+    without registering it, so parameter names, state dicts and hooks stay the layer's own."""
+
+    def __init__(self, layer: nn.Module, forward: Callable[..., torch.Tensor]):
+        super().__init__()
+        object.__setattr__(self, "layer_", layer)  # not a child module: no second name for its weights
+        self.forward_on_slices = forward
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.forward_on_slices(self.layer_, *args, **kwargs)

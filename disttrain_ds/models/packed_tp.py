@@ -1,4 +1,4 @@
-"""A pre-norm encoder layer (ViT, CLIP, SigLIP) on slices of packed items: tensor parallelism with
+"""A pre-norm encoder layer (ViT, CLIP, SigLIP, Whisper) on slices of packed items: tensor parallelism with
 sequence-sharded activations (``parallel/tp_sequence.py``) for encoders whose activations travel
 packed (``models/packed.py``: every item's rows one after another, zero rows padding them to a
 multiple of the TP degree).
@@ -7,7 +7,8 @@ The layer's own modules and math, written out: norms, residuals and the MLP's ac
 by row on this rank's slice; Q/K/V read whole rows gathered from the slices in one GEMM; each item
 attends within itself on whole rows (no mask, as the library's encoder layers; the padding an item
 of its own whose output is dropped); the row-parallel linears return slices. A family maps its
-layer's modules onto ``pre_norm_layer`` (``families/<family>/sharded.py``).
+layer's modules onto ``pre_norm_layer`` (``families/<family>/sharded.py``); its block runs it
+through ``on_slices``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain_ds.models.packed import per_item
+from disttrain_ds.models.packed_sp import item_spans
 
 
 @torch.compiler.disable  # items grouped by length on the host: eager, as in every encoder block
@@ -54,15 +56,10 @@ def pre_norm_layer(part: torch.Tensor, spans: torch.Tensor, ctx, *, norm1: nn.Mo
     return residual_dropout(ctx.row(act(up), fc2)) + hidden
 
 
-class SlicedLayer(nn.Module):
-    """A family's forward on slices, ``forward(layer, part, spans, ctx)``, as a module of its own (what
-    ``compile_layers`` compiles for a sliced block). It holds the layer without registering it, so
-    parameter names, state dicts and hooks stay the layer's own."""
-
-    def __init__(self, layer: nn.Module, forward: Callable[..., torch.Tensor]):
-        super().__init__()
-        object.__setattr__(self, "layer_", layer)  # not a child module: no second name for its weights
-        self.forward_on_slices = forward
-
-    def forward(self, part: torch.Tensor, spans: torch.Tensor, ctx) -> torch.Tensor:
-        return self.forward_on_slices(self.layer_, part, spans, ctx)
+def on_slices(sliced: Callable[..., torch.Tensor], part: torch.Tensor, counts: torch.Tensor, ctx) -> torch.Tensor:
+    """A block's forward on slices, ``sliced(part, spans, ctx)``, on this rank's slice [s, H] of the
+    padded packed rows of the items ``counts`` describes (as ``sp_layer`` under SP). A microbatch
+    without items has no rows on any rank of the group, so none exchanges."""
+    if not part.shape[0]:
+        return part
+    return sliced(part, item_spans(counts, ctx.tp.size), ctx)

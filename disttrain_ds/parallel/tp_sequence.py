@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain_ds.comm.overlap import allgather_matmul, matmul_reducescatter
+from disttrain_ds.models.packed import host_sizes
 from disttrain_ds.models.packed_sp import padded_rows
 from disttrain_ds.parallel.tensor_parallel import TPContext
 
@@ -115,9 +116,10 @@ class TPSeqContext:
             x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
         return _Scatter.apply(x, self.tp.group, self.tp.rank, self.tp.size, 0)
 
-    def gather_packed(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """The packed [rows, ...] on every rank from each rank's slice, the padding dropped."""
-        return _Gather.apply(x, self.tp.group, self.tp.rank, self.tp.size, 0)[:rows]
+    def gather_packed(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The packed rows of the items ``counts`` describes (rows per item, read once per
+        microbatch: ``host_sizes``) on every rank from each rank's slice, the padding dropped."""
+        return _Gather.apply(x, self.tp.group, self.tp.rank, self.tp.size, 0)[:sum(host_sizes(counts))]
 
     def _pieces(self, rows: int) -> int:
         """``chunks``, or fewer where a slice has fewer rows (packed items vary by microbatch)."""

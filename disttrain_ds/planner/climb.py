@@ -50,14 +50,18 @@ ESCAPES = 2
 (slower than the minimum) before it stops there; a faster layout found on the way resets them."""
 
 
+def module_terms(profile: Profile, bound: SimBound, n: str, x: Degrees, d: int) -> tuple:
+    """``bound``'s (own, up_f, up_b) terms of module ``n`` at degrees ``x`` and D = ``d`` samples per step."""
+    return bound.terms(n, profile.modules[n].cost(x.tp, x.sp), x.dp, x.pp, d // x.dp)
+
+
 def layout_bound(profile: Profile, bound: SimBound, layout: Mapping[str, Degrees]) -> float:
     """``bound``'s lower bound on ``layout``'s simulated time (0 with adaptive SP groups, which
     it does not cover)."""
     if any(x.sp == AUTO_SP for x in layout.values()):
         return 0.0
     d = layout[profile.graph.llm].dp * profile.microbatch
-    terms = {n: bound.terms(n, profile.modules[n].cost(x.tp, x.sp), x.dp, x.pp, d // x.dp)
-             for n, x in layout.items()}
+    terms = {n: module_terms(profile, bound, n, x, d) for n, x in layout.items()}
     return float(bound.bound(*({n: t[i] for n, t in terms.items()} for i in range(3))))
 
 
@@ -124,12 +128,6 @@ def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
             columns[(n, d)] = xs, bound.terms(n, v[:, 0], *(v[:, i].astype(int) for i in (1, 2, 3)))
         return columns[(n, d)]
 
-    def kept_terms(n: str, x: Degrees, d: int) -> tuple[float, ...]:
-        """Module n's bound terms with degrees ``x`` at D = d."""
-        v = bound.terms(n, np.array([profile.modules[n].cost(x.tp, x.sp)]), np.array([x.dp]), np.array([x.pp]),
-                        np.array([d // x.dp]))
-        return tuple(t[0] for t in v)
-
     key = lambda x: tuple(x[n] for n in names)  # noqa: E731
     known = {key(current): best}  # simulated times (the same batches every round)
     visited, realigned_at = {key(current)}, set()
@@ -178,7 +176,7 @@ def climb(profile: Profile, start: Layout, unit: np.ndarray, feasible: Feasible,
         for other in batch_splits(profile):  # the LLM's degrees at another D, the rest kept
             if other != d and all(other % dp == 0 for dp in rest):  # the others' DPs divide the new D
                 xs, terms = column(graph.llm, other)  # (``fastest`` checks memory at the new D, GPUs, nodes)
-                kept = {m: kept_terms(m, here[m], other) for m in names if m != graph.llm}
+                kept = {m: module_terms(profile, bound, m, here[m], other) for m in names if m != graph.llm}
                 parts = [{m: terms[i] if m == graph.llm else kept[m][i] for m in names} for i in range(3)]
                 candidates += [({**here, graph.llm: x}, float(lb)) for x, lb in zip(xs, bound.bound(*parts))]
         found = fastest(candidates)

@@ -30,10 +30,10 @@ from transformers.models.clip.modeling_clip import CLIPMLP, CLIPAttention
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.clip.config import VisionTowerConfig, run_layers
 from disttrain_ds.families.clip.sharded import tower_layer
-from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
-from disttrain_ds.models.packed import host_sizes, per_item
-from disttrain_ds.models.packed_sp import gather_rows, item_spans, shard_rows, sp_layer
-from disttrain_ds.models.packed_tp import SlicedLayer
+from disttrain_ds.models.layers import LayerDef, SlicedLayer, layer_seed, seeded
+from disttrain_ds.models.packed import per_item
+from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
+from disttrain_ds.models.packed_tp import on_slices
 from disttrain_ds.models.pixels import embed_by_size
 
 
@@ -130,10 +130,7 @@ class TowerBlock(nn.Module):
         if self.seq_parallel is not None:
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         if self.tp_seq is not None:
-            spans = item_spans(counts, self.tp_seq.tp.size)
-            if not hidden.shape[0]:  # no image in this microbatch: every rank of the group knows
-                return hidden, counts
-            return self.sliced(hidden, spans, self.tp_seq), counts
+            return on_slices(self.sliced, hidden, counts, self.tp_seq), counts
         return per_item(lambda x: self.layer(x, attention_mask=None), hidden, counts), counts
 
 
@@ -155,7 +152,7 @@ class TowerHead(nn.Module):
         if self.seq_parallel is not None:
             hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
         if self.tp_seq is not None:
-            hidden = self.tp_seq.gather_packed(hidden, sum(host_sizes(counts)))
+            hidden = self.tp_seq.gather_packed(hidden, counts)
         if not self.cls:
             return hidden
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)

@@ -24,7 +24,7 @@ from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.llama import sharded
 from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.models.doc_mask import DOC_ATTENTION, doc_attention_kwargs, doc_positions
-from disttrain_ds.models.layers import LayerDef, seeded, tied_to
+from disttrain_ds.models.layers import LayerDef, SlicedLayer, seeded, tied_to
 
 
 def hf_kwargs(cfg: LLMConfig) -> dict:
@@ -151,7 +151,7 @@ class LlmBlock(nn.Module):
         hf._attn_implementation = DOC_ATTENTION  # this block's own config: attention per document
         self.doc_attention = cfg.doc_attention
         self.layer = decoder.layer(hf, index)
-        object.__setattr__(self, "sliced", sharded.SlicedDecoder(self.layer))  # unregistered: no new names
+        object.__setattr__(self, "sliced", SlicedLayer(self.layer, sharded.decoder))  # unregistered: no new names
         self.rotary = decoder.rotary(hf)
         # Blocks of one config make the same table: a key of what it is made from.
         self._rotary_key = (type(self.rotary), repr(getattr(hf, "rope_parameters", None)), getattr(hf, "head_dim", None),

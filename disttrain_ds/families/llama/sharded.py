@@ -8,8 +8,8 @@ so the attention and MLP forwards are written out: the same operations as ``Llam
 ``Qwen2Attention`` (``sliding_window`` where the module has one), ``LlamaMLP`` and
 ``LlamaDecoderLayer``, with the layer's own rotary function and attention interface.
 
-``SlicedDecoder`` makes ``decoder`` a module of its own, so compiled training compiles it in place:
-the collectives (``TPSeqContext.column`` / ``row``) run eagerly between its graphs.
+``models/layers.py::SlicedLayer`` makes ``decoder`` a module of its own, so compiled training
+compiles it in place: the collectives (``TPSeqContext.column`` / ``row``) run eagerly between its graphs.
 """
 
 from __future__ import annotations
@@ -49,15 +49,3 @@ def decoder(layer: nn.Module, hidden: torch.Tensor, ctx, position_embeddings, **
     hidden = hidden + attention(layer.self_attn, layer.input_layernorm(hidden), ctx, position_embeddings, **kwargs)
     return hidden + mlp(layer.mlp, layer.post_attention_layernorm(hidden), ctx)
 
-
-class SlicedDecoder(nn.Module):
-    """``decoder`` of one layer as a module (what ``compile_layers`` compiles for a sliced block). It
-    holds the layer without registering it, so parameter names, state dicts and hooks stay the
-    layer's own."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        object.__setattr__(self, "layer_", layer)  # not a child module: no second name for its weights
-
-    def forward(self, hidden: torch.Tensor, ctx, position_embeddings, **kwargs) -> torch.Tensor:
-        return decoder(self.layer_, hidden, ctx, position_embeddings, **kwargs)

@@ -27,10 +27,10 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTMLP
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.families.vit.sharded import vit_layer
-from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
-from disttrain_ds.models.packed import host_sizes, per_item
-from disttrain_ds.models.packed_sp import gather_rows, item_spans, shard_rows, sp_layer
-from disttrain_ds.models.packed_tp import SlicedLayer
+from disttrain_ds.models.layers import LayerDef, SlicedLayer, layer_seed, seeded
+from disttrain_ds.models.packed import per_item
+from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
+from disttrain_ds.models.packed_tp import on_slices
 from disttrain_ds.models.pixels import embed_by_size
 
 
@@ -116,10 +116,7 @@ class VitBlock(nn.Module):
         if self.seq_parallel is not None:
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         if self.tp_seq is not None:
-            spans = item_spans(counts, self.tp_seq.tp.size)
-            if not hidden.shape[0]:  # no image in this microbatch: every rank of the group knows
-                return hidden, counts
-            return self.sliced(hidden, spans, self.tp_seq), counts
+            return on_slices(self.sliced, hidden, counts, self.tp_seq), counts
         return per_item(self.layer, hidden, counts), counts
 
 
@@ -140,7 +137,7 @@ class VitHead(nn.Module):
         if self.seq_parallel is not None:
             hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
         if self.tp_seq is not None:
-            hidden = self.tp_seq.gather_packed(hidden, sum(host_sizes(counts)))
+            hidden = self.tp_seq.gather_packed(hidden, counts)
         hidden = self.layernorm(hidden)
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         starts = torch.cumsum(counts, 0) - counts

@@ -34,10 +34,10 @@ from transformers.models.whisper.modeling_whisper import WhisperAttention, Whisp
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.whisper.config import AudioEncoderConfig
 from disttrain_ds.families.whisper.sharded import whisper_layer
-from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
-from disttrain_ds.models.packed import by_length, host_sizes, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
-from disttrain_ds.models.packed_sp import gather_rows, item_spans, shard_rows, sp_layer
-from disttrain_ds.models.packed_tp import SlicedLayer
+from disttrain_ds.models.layers import LayerDef, SlicedLayer, layer_seed, seeded
+from disttrain_ds.models.packed import by_length, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
+from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
+from disttrain_ds.models.packed_tp import on_slices
 
 
 def hf_config(cfg: AudioEncoderConfig) -> WhisperConfig:
@@ -172,10 +172,7 @@ class WhisperBlock(nn.Module):
         if self.seq_parallel is not None:
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         if self.tp_seq is not None:
-            spans = item_spans(counts, self.tp_seq.tp.size)
-            if not hidden.shape[0]:  # no clip in this microbatch: every rank of the group knows
-                return hidden, counts
-            return self.sliced(hidden, spans, self.tp_seq), counts
+            return on_slices(self.sliced, hidden, counts, self.tp_seq), counts
         return per_item(lambda batch: self.layer(batch, None), hidden, counts), counts
 
 
@@ -196,7 +193,7 @@ class WhisperHead(nn.Module):
         if self.seq_parallel is not None:
             hidden = gather_rows(hidden, int(counts.sum()), self.seq_parallel)
         if self.tp_seq is not None:
-            hidden = self.tp_seq.gather_packed(hidden, sum(host_sizes(counts)))
+            hidden = self.tp_seq.gather_packed(hidden, counts)
         return self.layer_norm(hidden)
 
 
