@@ -51,9 +51,10 @@ class LayerBytes:
     layer's ``saved`` beyond ``sharded`` that every TP rank then keeps for its slice only (the
     norms' inputs and statistics; the column-parallel GEMMs keep their gathered whole-row inputs,
     as the replicated layout keeps them). Empty: such a module is never sliced."""
-    sliced_outputs: list[bool] = field(default_factory=list)
-    """Whether each layer's output is this rank's slice under that layout (the embedding's and
-    the blocks'; the head joins the slices again)."""
+    sliced_outputs: list[float] = field(default_factory=list)
+    """The part of each layer's ``outputs`` that is this rank's slice under that layout (the rows
+    the embedding and the blocks pass on; a generator's whole condition and modulation beside
+    them are not; the head joins the slices again). Empty: none."""
 
     def on_rank(self, tp: int, sliced: bool = False) -> list[float]:
         """Each layer's saved bytes on one of ``tp`` TP ranks (``sliced``: activations on sequence
@@ -64,5 +65,5 @@ class LayerBytes:
 
     def outputs_on_rank(self, tp: int, sliced: bool = False) -> list[float]:
         """Each layer's output bytes on one of ``tp`` TP ranks."""
-        cut = self.sliced_outputs if sliced and self.sliced_outputs else [False] * len(self.outputs)
-        return [o / tp if c else o for o, c in zip(self.outputs, cut)]
+        cut = self.sliced_outputs if sliced and self.sliced_outputs else [0.0] * len(self.outputs)
+        return [o - c + c / tp for o, c in zip(self.outputs, cut)]

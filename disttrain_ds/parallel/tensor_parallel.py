@@ -50,7 +50,9 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        # Summed in a copy: autograd may hand this very tensor to another branch too (an add of
+        # two same-shaped inputs gives both the one gradient), which an in-place sum would corrupt.
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -78,6 +80,12 @@ class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None, None, None
+
+
+def to_tp_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """``x``, whole on every TP rank, entering a computation each rank does its share of: unchanged
+    forward; backward sums the gradient over the group, so every rank holds the whole gradient."""
+    return _CopyToTP.apply(x, tp.group)
 
 
 def shard_rows(t: torch.Tensor, rank: int, size: int, pieces: int = 1) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch import nn
 from disttrain_ds.comm.overlap import allgather_matmul, matmul_reducescatter
 from disttrain_ds.models.packed import host_sizes
 from disttrain_ds.models.packed_sp import padded_rows
-from disttrain_ds.parallel.tensor_parallel import TPContext
+from disttrain_ds.parallel.tensor_parallel import TPContext, to_tp_region
 
 # torch >= 2.10 renamed the flat-tensor collectives; older releases only have the long names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -154,9 +154,15 @@ class TPSeqContext:
         y = y if x.dim() == 2 else y.transpose(0, 1)
         return y if linear.bias is None else y + linear.bias
 
+    @torch.compiler.disable
+    def replicated(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, whole on every TP rank (a generator's condition or modulation), read by computation
+        on this rank's slice: unchanged forward, gradient summed over the TP group."""
+        return to_tp_region(x, self.tp)
+
     def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A replicated parameter's gradient from this rank's tokens -> the sum over the TP group."""
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never in place: the tensor may be shared
         dist.all_reduce(grad, group=self.tp.group)
         return grad
 

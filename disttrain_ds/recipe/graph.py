@@ -159,8 +159,9 @@ def sliced_tp_chunks(recipe: Recipe, name: str, tp: int, cuda: bool) -> int:
 def tp_overlap_blocked(recipe: Recipe, name: str, tp: int) -> str | None:
     """Why module ``name`` cannot run on sequence slices at TP degree ``tp`` (``tp_overlap_blocker``), or None."""
     mp, family = module_parallel(recipe, name), module_family(recipe, name)
-    return tp_overlap_blocker(family.name, family.sliced_tp, name == graph_of(recipe).llm, mp.sp, tp,
-                              recipe.data.seq_len, mp.tp_overlap_chunks)
+    seq_len = recipe.data.seq_len if name == graph_of(recipe).llm else None
+    image_tokens = family.image_tokens(module_config(recipe, name)) if family.image_tokens else None
+    return tp_overlap_blocker(family.name, family.sliced_tp, mp.sp, tp, mp.tp_overlap_chunks, seq_len, image_tokens)
 
 
 def module_key(recipe: Recipe, name: str) -> str:

@@ -5,17 +5,21 @@
 from __future__ import annotations
 
 
-def tp_overlap_blocker(family: str, sliced: bool, is_llm: bool, sp: int | str, tp: int, seq_len: int,
-                       chunks: int) -> str | None:
+def tp_overlap_blocker(family: str, sliced: bool, sp: int | str, tp: int, chunks: int, seq_len: int | None = None,
+                       image_tokens: int | None = None) -> str | None:
     """Why a module of ``family`` (``sliced``: its blocks have a path on slices) cannot run on
     sequence slices at TP degree ``tp``, or None. The LLM's rows are ``seq_len`` long and must split;
-    an encoder's packed rows are padded to a multiple of ``tp`` per microbatch, and a microbatch
-    with fewer rows per slice than ``chunks`` runs in fewer pieces."""
+    a DiT generator's ``image_tokens`` patch tokens per image must split; an encoder's packed rows
+    are padded to a multiple of ``tp`` per microbatch, and a microbatch with fewer rows per slice
+    than ``chunks`` runs in fewer pieces."""
     if not sliced:
         return f"the {family} family has no sequence-sharded tensor-parallel path"
     if sp != 1:
         return f"does not combine with sequence parallelism (sp={sp})"
-    if not is_llm:
+    if image_tokens is not None and image_tokens % tp:
+        return (f"the {image_tokens} patch tokens of a generated image ((resolution / patch_size)^2) must be "
+                f"divisible by tp {tp}")
+    if seq_len is None:
         return None
     if seq_len % tp:
         return f"data.seq_len {seq_len} must be divisible by tp {tp}"

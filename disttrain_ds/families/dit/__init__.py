@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from disttrain_ds.families.base import Family
 from disttrain_ds.families.dit.config import DIT_PRESETS, DiTConfig
-from disttrain_ds.families.dit.estimates import activation_layers, cost_terms, forward_flops, image_flops
+from disttrain_ds.families.dit.estimates import activation_layers, cost_terms, forward_flops, image_flops, tokens
 from disttrain_ds.families.dit.hf_settings import dit_fields
 
 
@@ -59,6 +59,8 @@ FAMILY = Family(
     image_flops=image_flops,
     activation_layers=activation_layers,
     cost_terms=cost_terms,
+    sliced_tp=True,
+    image_tokens=tokens,
 )
 
 __all__ = ["DIT_PRESETS", "DiTConfig", "FAMILY", "HF_RULES", "activation_layers", "cost_terms", "forward_flops", "image_flops",

@@ -14,6 +14,11 @@ head; the last block drops what no later layer reads, so every floating tensor c
 pipeline stage receives a gradient. The patch grid is square (R x R samples), so the head
 recovers it from N; no sizes travel as Python values.
 
+Under tensor parallelism on sequence slices (``tp_seq``, ``parallel/tp_sequence.py::attach``)
+``dit_in`` keeps this rank's contiguous slice of every image's tokens, each block runs
+``sharded.dit_block`` (collectives overlapped with its GEMMs; ``t_mod`` and ``cond`` whole), and
+``dit_out`` joins the slices before its norm.
+
 Why PixArt's caption projection is left out: it is a Linear-GELU-Linear MLP from T5-XXL's 4096
 features to the model width, i.e. the same job and form as the output projector the caller puts
 before ``dit_in`` (LLM width -> ``cross_attention_dim``); a second MLP would add depth but no
@@ -40,7 +45,8 @@ from torch import nn
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.dit.config import DiTConfig
-from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
+from disttrain_ds.families.dit.sharded import check_block, dit_block
+from disttrain_ds.models.layers import LayerDef, SlicedLayer, layer_seed, seeded
 
 
 def pixart_kwargs(cfg: DiTConfig) -> dict:
@@ -94,6 +100,7 @@ class DiTIn(nn.Module):
 
     def __init__(self, parts: tuple):
         super().__init__()
+        self.tp_seq = None
         self.pos_embed, self.adaln_single = parts
 
     def forward(self, inputs):
@@ -101,20 +108,34 @@ class DiTIn(nn.Module):
         # The patch embedding's output is a transposed view; a pipeline stage can only send contiguous tensors.
         hidden = self.pos_embed(noisy).contiguous()
         t_mod, t_emb = self.adaln_single(timesteps, None, batch_size=noisy.shape[0], hidden_dtype=hidden.dtype)
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.scatter(hidden)
         return hidden, t_mod, t_emb, cond
 
 
 class DiTBlock(nn.Module):
     """One ``BasicTransformerBlock`` (adaLN-single self-attention, cross-attention to cond, MLP)."""
 
+    tp_seq_region = True  # on slices: replicated weights' gradients summed over TP
+
     def __init__(self, block: nn.Module, last: bool):
         super().__init__()
+        self.tp_seq = None
         self.block = block
         self.last = last
+        check_block(block)
+        object.__setattr__(self, "sliced", SlicedLayer(self.block, dit_block))  # unregistered: no new names
+
+    def compile_targets(self) -> list[nn.Module]:
+        # On slices the collectives run between the block's modules: its written-out forward is compiled.
+        return [self.sliced if self.tp_seq is not None else self]
 
     def forward(self, inputs):
         hidden, t_mod, t_emb, cond = inputs
-        hidden = self.block(hidden, encoder_hidden_states=cond, timestep=t_mod)
+        if self.tp_seq is not None:
+            hidden = self.sliced(hidden, t_mod, cond, self.tp_seq)
+        else:
+            hidden = self.block(hidden, encoder_hidden_states=cond, timestep=t_mod)
         if self.last:
             return hidden, t_emb
         return hidden, t_mod, t_emb, cond
@@ -125,11 +146,14 @@ class DiTOut(nn.Module):
 
     def __init__(self, parts: tuple, patch: int, out_channels: int, in_channels: int):
         super().__init__()
+        self.tp_seq = None
         self.norm_out, self.scale_shift_table, self.proj_out = parts
         self.patch, self.out_channels, self.in_channels = patch, out_channels, in_channels
 
     def forward(self, inputs):
         hidden, t_emb = inputs
+        if self.tp_seq is not None:
+            hidden = self.tp_seq.gather(hidden)
         n, tokens, _ = hidden.shape
         side = math.isqrt(tokens)
         if side * side != tokens:

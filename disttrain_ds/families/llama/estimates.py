@@ -25,4 +25,4 @@ def decoder_activations(cfg, shape: SampleShape, b: int) -> LayerBytes:
     outputs = [h * b * s] * (cfg.layers + 1) + [(v + h) * b * s]  # the head returns logits and states
     return LayerBytes(saved, outputs, 8.0 * s + h * b * (shape.patches + shape.audio_rows),
                       [0.0, *[split * s] * cfg.layers, 0.0], [0.0, *[sliced * s] * cfg.layers, 0.0],
-                      [True] * (cfg.layers + 1) + [False])
+                      [h * b * s] * (cfg.layers + 1) + [0.0])

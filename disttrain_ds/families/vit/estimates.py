@@ -49,4 +49,4 @@ def encoder_activations(cfg, llm_hidden: int, shape: SampleShape, b: int) -> Lay
     saved = [pixels, *[block] * cfg.layers, head, projector]
     outputs = [e * b * tokens] * (cfg.layers + 1) + [e * b * shape.patches, llm_hidden * b * shape.patches]
     return LayerBytes(saved, outputs, pixels, [0.0, *[split] * cfg.layers, 0.0, 0.0],
-                      [0.0, *[sliced] * cfg.layers, 0.0, 0.0], [True] * (cfg.layers + 1) + [False, False])
+                      [0.0, *[sliced] * cfg.layers, 0.0, 0.0], outputs[:-2] + [0.0, 0.0])

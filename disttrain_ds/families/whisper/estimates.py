@@ -24,7 +24,7 @@ def activation_layers(cfg, llm_hidden: int, shape: SampleShape, b: int) -> Layer
     saved = [stem, *[block] * cfg.layers, head, projector]
     outputs = [e * b * rows] * (cfg.layers + 2) + [llm_hidden * b * rows]
     return LayerBytes(saved, outputs, mels, sliced=[0.0, *[sliced] * cfg.layers, 0.0, 0.0],
-                      sliced_outputs=[True] * (cfg.layers + 1) + [False, False])
+                      sliced_outputs=outputs[:-2] + [0.0, 0.0])
 
 
 def cost_terms(cfg) -> dict[str, float]:
