@@ -22,6 +22,7 @@ from torch import nn
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.unet.config import GeneratorConfig
+from disttrain_ds.families.unet.layout import keep_layout
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 
 
@@ -103,7 +104,7 @@ class UnetDown(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.block = block
+        self.block = keep_layout(block)  # transformer outputs in their input's layout (channels-last on CUDA)
 
     def forward(self, inputs):
         sample, emb, cond, *skips = inputs
@@ -119,7 +120,7 @@ class UnetMid(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.block = block
+        self.block = keep_layout(block)  # transformer outputs in their input's layout (channels-last on CUDA)
 
     def forward(self, inputs):
         sample, emb, cond, *skips = inputs
@@ -137,7 +138,7 @@ class UnetUp(nn.Module):
 
     def __init__(self, block: nn.Module, last: bool):
         super().__init__()
-        self.block = block
+        self.block = keep_layout(block)  # transformer outputs in their input's layout (channels-last on CUDA)
         self.last = last
 
     def forward(self, inputs):
