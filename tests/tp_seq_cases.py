@@ -63,7 +63,9 @@ def sharded_layers(defs, group, rank: int, chunks: int, hooks: bool, device: str
     for d in defs:
         layer = shard_layer(d.build(), tp).to(device)
         if not hooks:
-            layer.tp_seq_region = False
+            for m in layer.modules():  # the layer itself, or blocks inside it (a U-Net's transformer blocks)
+                if getattr(m, "tp_seq_region", False):
+                    m.tp_seq_region = False
         sharded.append(attach(layer, ctx))
     return sharded
 

@@ -118,9 +118,10 @@ class Family:
     (``parallel.<module>.tp_overlap``, ``parallel/tp_sequence.py``): each TP rank keeps a slice of
     the rows between blocks and the collectives overlap the GEMMs."""
     image_tokens: Callable[[Any], int] | None = None
-    """Generators whose blocks run on slices of every image's tokens (a DiT's): cfg -> patch tokens of
-    one generated image, which the TP degree must divide; None: the rows split otherwise (the LLM's
-    ``data.seq_len``, an encoder's packed rows padded per microbatch)."""
+    """Generators whose transformer blocks run on slices of every image's tokens: cfg -> the token
+    count per generated image the TP degree must divide (a DiT's patch tokens; a U-Net's tokens at its
+    smallest attention level, of which every level's are multiples); None: the rows split otherwise
+    (the LLM's ``data.seq_len``, an encoder's packed rows padded per microbatch)."""
     channels_last: bool = False
     """Convolutional families: on CUDA their weights and activations take the channels-last layout
     (``models/channels_last.py``), cuDNN's fast one, with ``cudnn.benchmark`` choosing kernels."""

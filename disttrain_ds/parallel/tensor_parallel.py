@@ -44,17 +44,18 @@ class TPContext:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, fresh: bool = False):
+        ctx.group, ctx.fresh = group, fresh
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        # Summed in a copy: autograd may hand this very tensor to another branch too (an add of
-        # two same-shaped inputs gives both the one gradient), which an in-place sum would corrupt.
-        grad = grad.clone(memory_format=torch.contiguous_format)
+        # Summed in place only where the one reader is a linear (its input gradient is a new tensor);
+        # elsewhere autograd may hand this very tensor to another branch too (an add of two
+        # same-shaped inputs gives both the one gradient), which an in-place sum would corrupt.
+        grad = grad.contiguous() if ctx.fresh else grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return grad, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -131,7 +132,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if full.bias is None else _tp_param(shard_rows(full.bias.data, tp.rank, tp.size, pieces), 0, pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(_CopyToTP.apply(x, self.tp.group), self.weight, self.bias)
+        y = F.linear(_CopyToTP.apply(x, self.tp.group, True), self.weight, self.bias)
         return _GatherLastDim.apply(y, self.tp.group, self.tp.rank, self.tp.size) if self.gather_output else y
 
 

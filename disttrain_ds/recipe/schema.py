@@ -64,16 +64,14 @@ class ModuleParallel:
     of different power-of-two sizes, each running some of the microbatch's sequences
     (``reorder/sp_groups.py``); the module runs on dp x tp x pp ranks."""
     tp_overlap: bool | Literal["auto"] = "auto"
-    """With tp > 1 (the LLM; ViT, CLIP, SigLIP and Whisper encoders; a DiT generator): between blocks
-    each TP rank keeps a 1/tp slice of every sequence, of an encoder's packed image or clip rows, or
-    of every generated image's patch tokens (Megatron's
+    """With tp > 1: between transformer blocks each TP rank keeps a 1/tp slice of every sequence, of an
+    encoder's packed image or clip rows, or of a generator's tokens of every image (Megatron's
     sequence parallelism: norms and residuals on 1/tp of the tokens), and every all-gather + GEMM
     and GEMM + reduce-scatter runs in ``tp_overlap_chunks`` pieces so the collective of one
     overlaps the GEMM of another (``parallel/tp_sequence.py``). Same math as without. auto: on
     CUDA where it applies (a family with a path on slices, tp > 1, no sp, for the LLM data.seq_len
-    split by tp, for a DiT its patch tokens per image); true: also on CPU, refused where it cannot
-    apply; false: activations replicated
-    over TP."""
+    split by tp, for a generator its tokens per image); true: also on CPU, refused where it cannot
+    apply; false: activations replicated over TP."""
     tp_overlap_chunks: int = 4
     """With ``tp_overlap``: pieces each collective + GEMM is cut into (1: sharded, not overlapped);
     for the LLM at most data.seq_len / tp; an encoder's microbatch with fewer rows per slice runs

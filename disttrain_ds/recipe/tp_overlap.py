@@ -9,7 +9,7 @@ def tp_overlap_blocker(family: str, sliced: bool, sp: int | str, tp: int, chunks
                        image_tokens: int | None = None) -> str | None:
     """Why a module of ``family`` (``sliced``: its blocks have a path on slices) cannot run on
     sequence slices at TP degree ``tp``, or None. The LLM's rows are ``seq_len`` long and must split;
-    a DiT generator's ``image_tokens`` patch tokens per image must split; an encoder's packed rows
+    a generator's ``image_tokens`` tokens per image (``Family.image_tokens``) must split; an encoder's packed rows
     are padded to a multiple of ``tp`` per microbatch, and a microbatch with fewer rows per slice
     than ``chunks`` runs in fewer pieces."""
     if not sliced:
@@ -17,8 +17,7 @@ def tp_overlap_blocker(family: str, sliced: bool, sp: int | str, tp: int, chunks
     if sp != 1:
         return f"does not combine with sequence parallelism (sp={sp})"
     if image_tokens is not None and image_tokens % tp:
-        return (f"the {image_tokens} patch tokens of a generated image ((resolution / patch_size)^2) must be "
-                f"divisible by tp {tp}")
+        return f"tp {tp} must divide the {image_tokens} tokens of a generated image in its transformer blocks"
     if seq_len is None:
         return None
     if seq_len % tp:

@@ -1,4 +1,4 @@
-"""Tensor parallelism on sequence slices on CUDA + NCCL (the LLM, encoders on their packed rows, a DiT):
+"""Tensor parallelism on sequence slices on CUDA + NCCL (the LLM, encoders on their packed rows, the generators):
 the collectives on the side stream, the GEMMs waiting on events, and the result equal to the
 unsharded layers. Skipped without 2 GPUs."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from tp_seq_cases import CASES, WORLD, case  # tests/ is on sys.path under pytest
-from tp_seq_dit_cases import CASES as DIT_CASES
-from tp_seq_dit_cases import dit_case
+from tp_seq_gen_cases import CASES as GEN_CASES
+from tp_seq_gen_cases import generator_case
 from tp_seq_vit_cases import CASES as VIT_CASES
 from tp_seq_vit_cases import vit_case
 
@@ -52,19 +52,20 @@ def test_a_vit_on_slices_on_nccl_gives_the_unsharded_output_and_gradients(compil
             assert got["grad_err"] < 1e-4, f"{case_} rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
 
 
-def _dit_cases(rank: int, group, compiler: str | None) -> list[dict]:
+def _gen_cases(rank: int, group, compiler: str | None) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
-    out = [dit_case(rank, group, *c, backend=compiler, device=f"cuda:{rank}") for c in DIT_CASES]
+    torch.backends.cudnn.allow_tf32 = False  # the U-Net's convolutions too
+    out = [generator_case(rank, group, *c, backend=compiler, device=f"cuda:{rank}") for c in GEN_CASES]
     torch.cuda.synchronize()
     return out
 
 
 @pytest.mark.parametrize("compiler", [None, "inductor"])
-def test_a_dit_on_slices_on_nccl_gives_the_unsharded_output_and_gradients(compiler):
+def test_generators_on_slices_on_nccl_give_the_unsharded_output_and_gradients(compiler):
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA devices")
-    runs = run_ranks(_dit_cases, WORLD, compiler, backend="nccl", start="spawn", timeout=600)
+    runs = run_ranks(_gen_cases, WORLD, compiler, backend="nccl", start="spawn", timeout=600)
     for rank, value in runs.items():
-        for case_, got in zip(DIT_CASES, value):
+        for case_, got in zip(GEN_CASES, value):
             assert got["out_err"] < 1e-4 and got["cond_err"] < 1e-4, case_
             assert got["grad_err"] < 1e-4, f"{case_} rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"

@@ -124,17 +124,17 @@ def test_audio_and_image_encoders_on_slices_train_the_reference(tmp_path, refere
     assert all(f"{m}: tensor parallelism on sequence slices" in log for m in ("ear", "vision"))
 
 
-def test_a_dit_generator_on_slices_across_a_stage_boundary_trains_the_reference(tmp_path, reference_run):
+def test_both_generators_on_slices_train_the_reference(tmp_path, reference_run):
     """tiny_two_gen: the DiT generator (``sketcher``) at TP 2 x PP 2 on slices of its images' patch
     tokens (each TP rank sends its own slice to the next stage, the condition and modulation whole),
-    beside a U-Net generator and a ViT encoder without TP."""
+    and the U-Net (``painter``) at TP 2 with its transformer blocks on slices inside each block."""
     overrides = ["parallel.modules.llm.pp=1", "parallel.modules.sketcher.tp=2", "parallel.modules.sketcher.pp=2",
-                 "parallel.modules.sketcher.tp_overlap=true", "parallel.modules.sketcher.tp_overlap_chunks=3"]
-    rows, params, _ = launch(tmp_path, 7, [STEPS, *SGD, "layout=disaggregated", *overrides], recipe="tiny_two_gen")
+                 "parallel.modules.sketcher.tp_overlap=true", "parallel.modules.sketcher.tp_overlap_chunks=3",
+                 "parallel.modules.painter.tp=2", "parallel.modules.painter.tp_overlap=true"]
+    rows, params, _ = launch(tmp_path, 8, [STEPS, *SGD, "layout=disaggregated", *overrides], recipe="tiny_two_gen")
     ref_losses, ref_params = reference_run([STEPS, *SGD], "tiny_two_gen")
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
     worst, where = max_param_mismatch(params, ref_params)
     assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
     log = (tmp_path / "launch.log").read_text()
-    assert "sketcher: tensor parallelism on sequence slices" in log
-    assert "painter: tensor parallelism on sequence slices" not in log
+    assert all(f"{m}: tensor parallelism on sequence slices" in log for m in ("sketcher", "painter"))

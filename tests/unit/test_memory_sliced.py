@@ -1,5 +1,5 @@
-"""The memory estimate of an LLM, an encoder or a DiT generator on sequence slices (tensor parallelism
-with ``tp_overlap``): what real sliced decoder, ViT, Whisper and DiT blocks keep for backward on two
+"""The memory estimate of an LLM, an encoder or a generator on sequence slices (tensor parallelism
+with ``tp_overlap``): what real sliced decoder, ViT, Whisper, DiT and U-Net blocks keep for backward on two
 gloo ranks against their formulas' ``LayerBytes.sliced``, and the estimate and the planner's stage
 tables following the layout that runs."""
 
@@ -12,7 +12,8 @@ import torch
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from saved_bytes import saved_bytes  # tests/ is on sys.path under pytest
 from tp_seq_cases import VOCAB, WORLD, B, S, config, layer_defs  # tests/ is on sys.path under pytest
-from tp_seq_dit_cases import config as dit_config
+from tp_seq_gen_cases import config as gen_config
+from tp_seq_gen_cases import generator_defs
 
 from disttrain_ds.comm import overlap
 from disttrain_ds.cost.activations import SampleShape
@@ -21,6 +22,7 @@ from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.dit.estimates import activation_layers as dit_activations
 from disttrain_ds.families.dit.model import dit_layers
 from disttrain_ds.families.llama.estimates import decoder_activations
+from disttrain_ds.families.unet.estimates import activation_layers as unet_activations
 from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.families.vit.estimates import encoder_activations
 from disttrain_ds.families.vit.model import encoder_layers
@@ -43,9 +45,10 @@ IMAGES = 4
 WHISPER = AudioEncoderConfig(n_mels=8, hidden_size=32, layers=2, heads=4, ffn_hidden=64, max_frames=40)
 CLIPS = 4
 """Clips of 10 log-mel frames in the Whisper runs: 5 rows each, 20 rows (10 per slice)."""
-DIT = dit_config(16)
+DIT = gen_config("dit", 16)
 GEN_IMAGES = 3
-"""Images of 16 x 16 px in the DiT runs: 64 patch tokens each (32 per slice), a condition of 5 tokens."""
+"""Images of 16 x 16 px in the DiT and U-Net runs (DiT: 64 patch tokens each, 32 per slice), a condition of 5 tokens."""
+UNET = gen_config("unet", 16)
 
 
 def _kept(rank: int, group, family: str) -> dict:
@@ -69,8 +72,9 @@ def _kept(rank: int, group, family: str) -> dict:
     elif family == "whisper":
         defs = whisper_layers(WHISPER, BuildContext(module="encoder", seed=3, llm_hidden=32))
         inputs = pack_clips([torch.randn(8, 10, generator=g) for _ in range(CLIPS)])
-    elif family == "dit":
-        defs = dit_layers(DIT, BuildContext(module="generator", seed=3, llm_hidden=32))
+    elif family in ("dit", "unet"):
+        defs = (dit_layers(DIT, BuildContext(module="generator", seed=3, llm_hidden=32)) if family == "dit"
+                else generator_defs("unet", 16))
         inputs = (torch.randn(GEN_IMAGES, DIT.query_tokens, DIT.cross_attention_dim, generator=g),
                   torch.randn(GEN_IMAGES, DIT.in_channels, 16, 16, generator=g),
                   torch.randint(0, 1000, (GEN_IMAGES,), generator=g))
@@ -145,6 +149,19 @@ def test_sliced_dit_blocks_keep_what_the_formula_takes_off_the_replicated_layout
         assert [r - c for r, c in zip(rep_out, cut_out)] == [tokens // WORLD] * 3 + [0]
 
 
+def test_sliced_unet_transformer_blocks_keep_what_the_formula_takes_off_the_replicated_layout():
+    runs = run_ranks(_kept, WORLD, "unet")
+    lb = unet_activations(UNET, 32, SampleShape(tokens=0, images=0, patches=0, gen_images=GEN_IMAGES), 4)
+    want = [r - s for r, s in zip(lb.on_rank(WORLD), lb.on_rank(WORLD, sliced=True))][1:]  # no projector here
+    for rank in range(WORLD):
+        (rep, rep_out), (cut, cut_out) = runs[rank]["replicated"], runs[rank]["sliced"]
+        got = [r - c for r, c in zip(rep, cut)]
+        assert got == pytest.approx(want, rel=1e-9, abs=0.5)
+        # Control: the layers with transformer blocks (first down, mid, last up) keep less on slices.
+        assert [g > 0.02 * r for g, r in zip(got, rep)] == [False, True, False, True, False, True, False]
+        assert cut_out == rep_out  # between layers the images are whole
+
+
 def _llm_activation_bytes(overrides: list[str], cuda: bool) -> float:
     recipe = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", ["layout=disaggregated", "parallel.llm.tp=2", *overrides])
     return max(r.activations for r in memory.estimate(recipe, cuda=cuda) if r.module == "llm")
@@ -169,13 +186,14 @@ def test_the_estimate_counts_slices_where_the_vit_runs_on_them():
     assert sliced == _encoder_activation_bytes(["parallel.encoder.tp_overlap=true"], cuda=False)
 
 
-def _dit_activation_bytes(overrides: list[str], cuda: bool) -> float:
+def _generator_activation_bytes(name: str, overrides: list[str], cuda: bool) -> float:
     recipe = load_recipe(REPO / "recipes" / "tiny_two_gen.yaml",
-                         ["layout=disaggregated", "parallel.modules.sketcher.tp=2", *overrides])
-    return max(r.activations for r in memory.estimate(recipe, cuda=cuda) if r.module == "sketcher")
+                         ["layout=disaggregated", f"parallel.modules.{name}.tp=2", *overrides])
+    return max(r.activations for r in memory.estimate(recipe, cuda=cuda) if r.module == name)
 
 
-def test_the_estimate_counts_slices_where_the_dit_runs_on_them():
-    sliced = _dit_activation_bytes([], cuda=True)
-    assert sliced < _dit_activation_bytes([], cuda=False)
-    assert sliced == _dit_activation_bytes(["parallel.modules.sketcher.tp_overlap=true"], cuda=False)
+@pytest.mark.parametrize("name", ["sketcher", "painter"])  # the DiT, the U-Net
+def test_the_estimate_counts_slices_where_a_generator_runs_on_them(name):
+    sliced = _generator_activation_bytes(name, [], cuda=True)
+    assert sliced < _generator_activation_bytes(name, [], cuda=False)
+    assert sliced == _generator_activation_bytes(name, [f"parallel.modules.{name}.tp_overlap=true"], cuda=False)

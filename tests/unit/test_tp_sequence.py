@@ -13,6 +13,7 @@ from tp_seq_cases import CASES, WORLD, B, S, case  # tests/ is on sys.path under
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.recipe.graph import module_parallel, sliced_tp_chunks
 from disttrain_ds.recipe.schema import load_recipe
+from disttrain_ds.recipe.tp_overlap import tp_overlap_blocker
 
 REPO = Path(__file__).resolve().parents[2]
 SLICED_BLOCK_GRAPHS = 6
@@ -100,8 +101,8 @@ def test_tp_overlap_auto_turns_on_for_the_llm_on_cuda_only_where_the_sequence_sp
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["parallel.generator.tp=2", "parallel.generator.tp_overlap=true"],
-     "'parallel.generator.tp_overlap' the unet family has no sequence-sharded"),
+    (["parallel.generator.tp=2", "parallel.generator.tp_overlap=true", "model.generator.resolution=18"],
+     "'parallel.generator.tp_overlap' tp 2 must divide the 81 tokens of a generated image"),
     (["parallel.llm.tp=2", "parallel.llm.tp_overlap=true", "data.seq_len=65"],
      "'parallel.llm.tp_overlap' data.seq_len 65 must be divisible by tp 2"),
     (["parallel.llm.tp=2", "parallel.llm.tp_overlap=true", "parallel.llm.tp_overlap_chunks=100", "data.seq_len=64"],
@@ -113,3 +114,9 @@ def test_tp_overlap_auto_turns_on_for_the_llm_on_cuda_only_where_the_sequence_sp
 def test_tp_overlap_where_it_cannot_apply_is_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match):
         _recipe(*overrides)
+
+
+def test_a_family_without_a_path_on_slices_is_named():
+    # Every built-in family has one; a plug-in family says so with Family.sliced_tp.
+    assert tp_overlap_blocker("conv3d", False, 1, 2, 4) == "the conv3d family has no sequence-sharded tensor-parallel path"
+    assert tp_overlap_blocker("unet", True, 1, 2, 4, image_tokens=64) is None

@@ -1,4 +1,4 @@
-"""The U-Net's transformer blocks return their output in their input's layout (``families/unet/layout.py``):
+"""The U-Net's transformer blocks return their output in their input's layout (``families/unet/transformer.py``):
 on a channels-last U-Net (what CUDA runs) no activation is copied back to NCHW around them, where
 diffusers' own blocks copy each one; the values are the library model's."""
 
@@ -58,4 +58,4 @@ def test_a_channels_last_unet_copies_no_transformer_output_back_to_nchw():
 
 def test_an_nchw_unet_copies_as_the_library_does():
     ours, library = _copies(channels_last=False)
-    assert ours.get("layout.py", 0) == library["transformer_2d.py"] > 0
+    assert ours.get("transformer.py", 0) == library["transformer_2d.py"] > 0

@@ -69,7 +69,7 @@ def activation_layers(cfg: DiTConfig, llm_hidden: int, shape: SampleShape, b: in
     output, the modulated fc1 input, the GELU input, the fc2 input and the output the gate
     multiplies (12 D). Exact on CPU in float32 (``tests/unit/test_memory.py``).
 
-    On sequence slices (``families/dit/sharded.py``) each TP rank keeps for its slice only: both
+    On sequence slices (``models/diffusers_tp.py``) each TP rank keeps for its slice only: both
     LayerNorms' inputs and float32 statistics, the normed values the modulations multiply and the
     two branch outputs the gates multiply (6 D); the gathered whole rows the GEMMs read stay whole
     (measured in ``tests/unit/test_memory_sliced.py``). Between layers the tokens are slices, the

@@ -16,8 +16,8 @@ recovers it from N; no sizes travel as Python values.
 
 Under tensor parallelism on sequence slices (``tp_seq``, ``parallel/tp_sequence.py::attach``)
 ``dit_in`` keeps this rank's contiguous slice of every image's tokens, each block runs
-``sharded.dit_block`` (collectives overlapped with its GEMMs; ``t_mod`` and ``cond`` whole), and
-``dit_out`` joins the slices before its norm.
+``models/diffusers_tp.py::basic_block`` (collectives overlapped with its GEMMs; ``t_mod`` and ``cond`` whole, their
+gradients summed over TP once, in ``dit_in``), and ``dit_out`` joins the slices before its norm.
 
 Why PixArt's caption projection is left out: it is a Linear-GELU-Linear MLP from T5-XXL's 4096
 features to the model width, i.e. the same job and form as the output projector the caller puts
@@ -45,7 +45,7 @@ from torch import nn
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.dit.config import DiTConfig
-from disttrain_ds.families.dit.sharded import check_block, dit_block
+from disttrain_ds.models.diffusers_tp import basic_block, check_block
 from disttrain_ds.models.layers import LayerDef, SlicedLayer, layer_seed, seeded
 
 
@@ -110,6 +110,9 @@ class DiTIn(nn.Module):
         t_mod, t_emb = self.adaln_single(timesteps, None, batch_size=noisy.shape[0], hidden_dtype=hidden.dtype)
         if self.tp_seq is not None:
             hidden = self.tp_seq.scatter(hidden)
+            # Every block reads t_mod and cond on its slice only: their gradients, partial on each
+            # rank through all the blocks (and stages), are summed over TP once, here.
+            t_mod, cond = self.tp_seq.replicated(t_mod), self.tp_seq.replicated(cond)
         return hidden, t_mod, t_emb, cond
 
 
@@ -124,7 +127,7 @@ class DiTBlock(nn.Module):
         self.block = block
         self.last = last
         check_block(block)
-        object.__setattr__(self, "sliced", SlicedLayer(self.block, dit_block))  # unregistered: no new names
+        object.__setattr__(self, "sliced", SlicedLayer(self.block, basic_block))  # unregistered: no new names
 
     def compile_targets(self) -> list[nn.Module]:
         # On slices the collectives run between the block's modules: its written-out forward is compiled.
@@ -133,7 +136,7 @@ class DiTBlock(nn.Module):
     def forward(self, inputs):
         hidden, t_mod, t_emb, cond = inputs
         if self.tp_seq is not None:
-            hidden = self.sliced(hidden, t_mod, cond, self.tp_seq)
+            hidden = self.sliced(hidden, cond, self.tp_seq, t_mod)
         else:
             hidden = self.block(hidden, encoder_hidden_states=cond, timestep=t_mod)
         if self.last:

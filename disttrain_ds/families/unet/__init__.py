@@ -11,6 +11,12 @@ def _tp_sizes(cfg: GeneratorConfig, prefix: str, llm_hidden: int) -> list[tuple[
     return [(f"{prefix}.attention_head_dim[{i}]", h) for i, h in enumerate(cfg.attention_head_dim)]
 
 
+def attention_tokens(cfg: GeneratorConfig) -> int:
+    """Tokens of one image at the U-Net's smallest level, where its mid block attends: every level's
+    token count is a multiple of it, so a TP degree that divides it splits every transformer's rows."""
+    return (cfg.resolution // 2 ** (len(cfg.block_out_channels) - 1)) ** 2
+
+
 def _problems(g: GeneratorConfig, prefix: str) -> list[tuple[str, str]]:
     levels, out = len(g.block_out_channels), []
     if levels < 1 or min(g.block_out_channels) < 1:
@@ -56,4 +62,6 @@ FAMILY = Family(
     activation_layers=activation_layers,
     cost_terms=cost_terms,
     channels_last=True,
+    sliced_tp=True,
+    image_tokens=attention_tokens,
 )

@@ -4,7 +4,9 @@ Tuples between layers: ``(sample, emb, cond, *skips)``; the down blocks append t
 connections and the up blocks consume them, exactly as ``UNet2DConditionModel.forward`` does, so
 the split model's output equals the unsplit one. Training objective: DDPM epsilon prediction in
 pixel space (the noise, noisy sample and timestep come with the data, so every layout draws the
-same noise).
+same noise). The blocks' transformer models run as ``transformer.py`` adapts them: outputs in their
+input's memory layout, and, under tensor parallelism on sequence slices (``tp_seq``), their blocks
+on each rank's slice of every image's tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.unet.config import GeneratorConfig
-from disttrain_ds.families.unet.layout import keep_layout
+from disttrain_ds.families.unet.transformer import adapt
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 
 
@@ -81,6 +83,7 @@ class UnetIn(nn.Module):
 
     def __init__(self, parts: tuple):
         super().__init__()
+        self.tp_seq = None
         self.time_proj, self.time_embedding, self.time_embed_act, self.conv_in = parts
 
     def forward(self, inputs):
@@ -94,6 +97,10 @@ class UnetIn(nn.Module):
             # where an optimizer's flat buffers have given the weights back their default layout.
             noisy = noisy.contiguous(memory_format=torch.channels_last)
         sample = self.conv_in(noisy)
+        if self.tp_seq is not None:
+            # The transformer blocks read cond on their slices only: its gradient, partial on each
+            # rank through all of them (and stages), is summed over TP once, here.
+            cond = self.tp_seq.replicated(cond)
         return sample, emb, cond, sample
 
 
@@ -104,7 +111,7 @@ class UnetDown(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.block = keep_layout(block)  # transformer outputs in their input's layout (channels-last on CUDA)
+        self.block = adapt(block)  # transformer models in their input's layout; on slices under TP
 
     def forward(self, inputs):
         sample, emb, cond, *skips = inputs
@@ -120,7 +127,7 @@ class UnetMid(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.block = keep_layout(block)  # transformer outputs in their input's layout (channels-last on CUDA)
+        self.block = adapt(block)  # transformer models in their input's layout; on slices under TP
 
     def forward(self, inputs):
         sample, emb, cond, *skips = inputs
@@ -138,7 +145,7 @@ class UnetUp(nn.Module):
 
     def __init__(self, block: nn.Module, last: bool):
         super().__init__()
-        self.block = keep_layout(block)  # transformer outputs in their input's layout (channels-last on CUDA)
+        self.block = adapt(block)  # transformer models in their input's layout; on slices under TP
         self.last = last
 
     def forward(self, inputs):

@@ -1,0 +1,97 @@
+"""The generators on sequence slices (``models/diffusers_tp.py``, tensor parallelism with
+sequence-sharded activations: the DiT's blocks, the U-Net's transformer blocks) compute the unsharded
+model's output and gradients on two real gloo ranks, the condition's gradient included; the recipe
+rules that let a generator ask for it."""
+
+from __future__ import annotations
+
+import pytest
+from rank_pool import run_ranks  # tests/ is on sys.path under pytest
+from test_tp_sequence import REPO, tp_overlap_on
+from tp_seq_cases import WORLD
+from tp_seq_gen_cases import CASES, generator_case
+
+from disttrain_ds.errors import ConfigError
+from disttrain_ds.recipe.schema import load_recipe
+
+SLICED_DIT_GRAPHS = 7
+"""Graphs of a compiled DiT block on slices, between its six collectives: the modulation, first norm
+and q/k/v input; the self-attention; the gated residual; the cross-attention (keys and values of the condition); the
+residual, second norm and modulation; the GELU; the gated residual."""
+
+
+SLICED_UNET_DOWN_GRAPHS = 11
+"""Graphs of the tiny U-Net's first down block (a ResNet, a transformer model of one block, a
+downsampling convolution) compiled with its transformer block on slices: the ResNet; the GroupNorm,
+input projection and the slice it keeps; then, between the block's six collectives, the first norm,
+the self-attention, the residual and second norm, the cross-attention, the residual and third norm,
+the GEGLU; the last residual; the joined slices, output projection and residual; the downsampling."""
+
+
+def _cases(rank: int, group, cases: list[tuple], hooks: bool) -> list[dict]:
+    return [generator_case(rank, group, *c, hooks=hooks) for c in cases]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return run_ranks(_cases, WORLD, CASES, True)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=["dit_tokens64_chunks3", "dit_tokens36_chunks1", "dit_one_image",
+                                                      "unet_conv_projections", "unet_linear_projections_one_image"])
+def test_generators_on_slices_give_the_unsharded_output_and_every_gradient(runs, i):
+    family, resolution, _, images, _ = CASES[i]
+    for rank in range(WORLD):
+        got = runs[rank][i]
+        if family == "dit":  # between blocks: this rank's slice of every image's tokens
+            assert got["between"] == (images, (resolution // 2) ** 2 // WORLD, 32)
+        else:  # between U-Net blocks: whole images (only the transformer blocks inside run on slices)
+            assert got["between"] == (images, 16, resolution // 2, resolution // 2)
+        assert got["contiguous"]  # what a pipeline stage can send
+        assert got["out_err"] < 1e-5
+        assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5, abs=1e-6)
+        assert got["grad_err"] < 1e-5, f"rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
+        assert got["cond_err"] < 1e-5  # what the output projector before the generator receives
+
+
+@pytest.mark.parametrize("i, replicated", [(0, ("scale_shift_table", "to_out.0.bias", "net.2.bias")),
+                                            (3, ("norm1", "norm2", "norm3", "to_out.0.bias", "net.2.bias"))],
+                         ids=["dit", "unet"])
+def test_generators_on_slices_without_summing_replicated_gradients_over_tp_get_them_wrong(i, replicated):
+    runs = run_ranks(_cases, WORLD, CASES[i:i + 1], False)
+    for rank in range(WORLD):
+        got = runs[rank][0]
+        assert got["out_err"] < 1e-5  # the forward is unaffected
+        # the replicated parameters on slices: modulation table or norms, the row-parallel linears' biases
+        assert got["grad_err"] > 1e-2 and any(k in got["where"] for k in replicated), got
+
+
+def _compiled(rank: int, group, i: int) -> dict:
+    return generator_case(rank, group, *CASES[i], backend="aot_eager")
+
+
+@pytest.mark.parametrize("i, graphs", [(0, SLICED_DIT_GRAPHS), (3, SLICED_UNET_DOWN_GRAPHS)], ids=["dit", "unet"])
+def test_compiled_generator_layers_on_slices_give_the_unsharded_output_and_every_gradient(i, graphs):
+    runs = run_ranks(_compiled, WORLD, i)
+    for rank in range(WORLD):
+        got = runs[rank]
+        assert got["out_err"] < 1e-5 and got["cond_err"] < 1e-5
+        assert got["grad_err"] < 1e-5, f"rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
+        assert got["graphs"] == graphs, got["graphs"]
+
+
+def _two_gen(*overrides: str):
+    """tiny_two_gen, whose ``sketcher`` is a DiT of 8 x 8 px at patch 2: 16 patch tokens per image."""
+    return load_recipe(REPO / "recipes" / "tiny_two_gen.yaml", ["layout=disaggregated", *overrides])
+
+
+def test_tp_overlap_auto_turns_on_for_a_dit_generator_on_cuda_where_its_tokens_split():
+    r = _two_gen("parallel.modules.sketcher.tp=2")
+    assert tp_overlap_on(r, "sketcher", cuda=True) and not tp_overlap_on(r, "sketcher", cuda=False)
+    assert tp_overlap_on(_two_gen("parallel.modules.sketcher.tp=2", "parallel.modules.sketcher.tp_overlap=true"),
+                         "sketcher", cuda=False)
+    # At 6 x 6 px, 9 patch tokens do not split over 2 ranks: auto stays replicated, true is refused.
+    odd = ("parallel.modules.sketcher.tp=2", "model.modules.sketcher.resolution=6")
+    assert not tp_overlap_on(_two_gen(*odd), "sketcher", cuda=True)
+    with pytest.raises(ConfigError, match=r"parallel\.modules\.sketcher\.tp_overlap.*tp 2 must divide the 9 tokens"):
+        _two_gen(*odd, "parallel.modules.sketcher.tp_overlap=true")
