@@ -4,9 +4,9 @@ Tuples between layers: ``(sample, emb, cond, *skips)``; the down blocks append t
 connections and the up blocks consume them, exactly as ``UNet2DConditionModel.forward`` does, so
 the split model's output equals the unsplit one. Training objective: DDPM epsilon prediction in
 pixel space (the noise, noisy sample and timestep come with the data, so every layout draws the
-same noise). The blocks' transformer models run as ``transformer.py`` adapts them: outputs in their
-input's memory layout, and, under tensor parallelism on sequence slices (``tp_seq``), their blocks
-on each rank's slice of every image's tokens.
+same noise). The blocks' parts run as ``blocks.py`` adapts them: activations kept in their memory
+layout (channels-last on CUDA), and, under tensor parallelism on sequence slices (``tp_seq``), the
+transformer blocks on each rank's slice of every image's tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.unet.config import GeneratorConfig
-from disttrain_ds.families.unet.transformer import adapt
+from disttrain_ds.families.unet.blocks import adapt
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 
 
@@ -111,7 +111,7 @@ class UnetDown(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.block = adapt(block)  # transformer models in their input's layout; on slices under TP
+        self.block = adapt(block)  # layouts kept; transformer blocks on slices under TP
 
     def forward(self, inputs):
         sample, emb, cond, *skips = inputs
@@ -127,7 +127,7 @@ class UnetMid(nn.Module):
 
     def __init__(self, block: nn.Module):
         super().__init__()
-        self.block = adapt(block)  # transformer models in their input's layout; on slices under TP
+        self.block = adapt(block)  # layouts kept; transformer blocks on slices under TP
 
     def forward(self, inputs):
         sample, emb, cond, *skips = inputs
@@ -145,7 +145,7 @@ class UnetUp(nn.Module):
 
     def __init__(self, block: nn.Module, last: bool):
         super().__init__()
-        self.block = adapt(block)  # transformer models in their input's layout; on slices under TP
+        self.block = adapt(block)  # layouts kept; transformer blocks on slices under TP
         self.last = last
 
     def forward(self, inputs):

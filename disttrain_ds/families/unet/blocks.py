@@ -1,13 +1,16 @@
-"""The U-Net's transformer models (diffusers ``Transformer2DModel`` and its ``BasicTransformerBlock``s)
-as this family runs them: outputs in their input's memory layout, and on sequence slices under tensor
-parallelism. ``adapt`` gives a U-Net block's transformer models these classes in place (subclasses:
-the same modules, parameters and names; only methods differ).
+"""Parts of diffusers' U-Net blocks as this family runs them: transformer models (``Transformer2DModel``
+and its ``BasicTransformerBlock``s) with outputs in their input's memory layout and on sequence slices
+under tensor parallelism, and ResNets without an NCHW copy of their shortcut input. ``adapt`` gives a
+U-Net block's parts these classes in place (subclasses: the same modules, parameters and names; only
+methods differ).
 
-**Layout.** diffusers turns the token rows back into an image with ``.contiguous()``, which on a
-channels-last network (``models/channels_last.py``, the layout cuDNN runs fastest) copies the whole
-activation to NCHW, and the convolution after it copies it back. The rows reshaped to [n, h, w, c]
-and permuted to NCHW already are a channels-last image, so the copy is made only where the model's
-input was NCHW, as the library makes it. Same values either way.
+**Layout.** On a channels-last network (``models/channels_last.py``, the layout cuDNN runs fastest)
+diffusers copies activations to NCHW in two places, each copied back by the convolution after it: a
+transformer model turns its token rows back into an image with ``.contiguous()``, and a ResNet with
+a shortcut convolution makes its input contiguous in training (a guard against DDP's gradient-stride
+warning; DeepSpeed copies gradients into its own buffers). The rows reshaped to [n, h, w, c] and
+permuted to NCHW already are a channels-last image, so the transformer's copy is made only where its
+input was NCHW, as the library makes it, and the ResNet's is not made. Same values either way.
 
 **Slices.** With a ``tp_seq`` context (``parallel/tp_sequence.py::attach``) each transformer model
 keeps this rank's contiguous slice of every image's tokens after its input projection, its blocks
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
@@ -68,13 +72,30 @@ class UnetTransformerBlock(BasicTransformerBlock):
         return basic_block(self, hidden_states, encoder_hidden_states, self.tp_seq)
 
 
+class UnetResnet(ResnetBlock2D):
+    """``ResnetBlock2D`` whose shortcut reads its input in the layout it came in (module docstring)."""
+
+    def forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        plain = (self.upsample is None and self.downsample is None and self.time_embedding_norm == "default"
+                 and not self.skip_time_act and self.time_emb_proj is not None and temb is not None)
+        if not plain or args or kwargs:  # settings the U-Net blocks here do not use: the library's forward
+            return super().forward(input_tensor, temb, *args, **kwargs)
+        hidden = self.conv1(self.nonlinearity(self.norm1(input_tensor)))
+        temb = self.time_emb_proj(self.nonlinearity(temb))[:, :, None, None]
+        hidden = self.conv2(self.dropout(self.nonlinearity(self.norm2(hidden + temb))))
+        shortcut = input_tensor if self.conv_shortcut is None else self.conv_shortcut(input_tensor)
+        return (shortcut + hidden) / self.output_scale_factor
+
+
+_CLASSES = {Transformer2DModel: UnetTransformer, BasicTransformerBlock: UnetTransformerBlock, ResnetBlock2D: UnetResnet}
+
+
 def adapt(block: nn.Module) -> nn.Module:
-    """``block`` (a U-Net down, mid or up block) with its transformer models and their blocks given
-    this module's classes, in place."""
+    """``block`` (a U-Net down, mid or up block) with its transformer models, their blocks and its
+    ResNets given this module's classes, in place."""
     for m in block.modules():
-        if type(m) is Transformer2DModel:
-            m.__class__ = UnetTransformer
-        elif type(m) is BasicTransformerBlock:
+        if type(m) is BasicTransformerBlock:
             check_block(m)
-            m.__class__ = UnetTransformerBlock
+        if (cls := _CLASSES.get(type(m))) is not None:
+            m.__class__ = cls
     return block
