@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
-from tp_seq_cases import WORLD, _expected_grad, sharded_layers
+from tp_seq_cases import _expected_grad, sharded_layers
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.dit.config import DiTConfig

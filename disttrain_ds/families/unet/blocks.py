@@ -43,7 +43,8 @@ class UnetTransformer(Transformer2DModel):
                                           height: int, width: int, inner_dim: int) -> torch.Tensor:
         if self.tp_seq is not None:
             hidden_states = self.tp_seq.gather(hidden_states)
-        fmt = torch.channels_last if residual.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+        channels_last = residual.is_contiguous(memory_format=torch.channels_last)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
 
         def as_image(rows: torch.Tensor) -> torch.Tensor:
             return rows.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2).contiguous(memory_format=fmt)

@@ -23,8 +23,8 @@ from diffusers.models.attention_processor import Attention as DiffusersAttention
 from torch import nn
 
 from disttrain_ds.families.base import BuildContext
-from disttrain_ds.families.unet.config import GeneratorConfig
 from disttrain_ds.families.unet.blocks import adapt
+from disttrain_ds.families.unet.config import GeneratorConfig
 from disttrain_ds.models.layers import LayerDef, layer_seed, seeded
 
 
