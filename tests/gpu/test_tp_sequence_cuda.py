@@ -34,38 +34,32 @@ def test_sequence_sharded_tp_on_nccl_gives_the_unsharded_loss_and_gradients(comp
             assert got["grad_err"] < 1e-4, f"{name} rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
 
 
-def _vit_cases(rank: int, group, compiler: str | None) -> list[dict]:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    out = [vit_case(rank, group, *c, backend=compiler, device=f"cuda:{rank}") for c in VIT_CASES]
+def _on_nccl(cases, fn, compiler: str | None) -> list[list[dict]]:
+    """``fn(rank, group, *case, backend=compiler, device=...)`` for every case on two GPUs, each rank's results."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices")
+    return list(run_ranks(_run_cases, WORLD, cases, fn, compiler, backend="nccl", start="spawn", timeout=600).values())
+
+
+def _run_cases(rank: int, group, cases, fn, compiler: str | None) -> list[dict]:
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 GEMMs and convolutions, compared at fp32 tolerance
+    torch.backends.cudnn.allow_tf32 = False
+    out = [fn(rank, group, *c, backend=compiler, device=f"cuda:{rank}") for c in cases]
     torch.cuda.synchronize()
     return out
 
 
 @pytest.mark.parametrize("compiler", [None, "inductor"])
 def test_a_vit_on_slices_on_nccl_gives_the_unsharded_output_and_gradients(compiler):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA devices")
-    runs = run_ranks(_vit_cases, WORLD, compiler, backend="nccl", start="spawn", timeout=600)
-    for rank, value in runs.items():
+    for rank, value in enumerate(_on_nccl(VIT_CASES, vit_case, compiler)):
         for case_, got in zip(VIT_CASES, value):
             assert got["out_err"] < 1e-4, case_
             assert got["grad_err"] < 1e-4, f"{case_} rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
 
 
-def _gen_cases(rank: int, group, compiler: str | None) -> list[dict]:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False  # the U-Net's convolutions too
-    out = [generator_case(rank, group, *c, backend=compiler, device=f"cuda:{rank}") for c in GEN_CASES]
-    torch.cuda.synchronize()
-    return out
-
-
 @pytest.mark.parametrize("compiler", [None, "inductor"])
 def test_generators_on_slices_on_nccl_give_the_unsharded_output_and_gradients(compiler):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA devices")
-    runs = run_ranks(_gen_cases, WORLD, compiler, backend="nccl", start="spawn", timeout=600)
-    for rank, value in runs.items():
+    for rank, value in enumerate(_on_nccl(GEN_CASES, generator_case, compiler)):
         for case_, got in zip(GEN_CASES, value):
             assert got["out_err"] < 1e-4 and got["cond_err"] < 1e-4, case_
             assert got["grad_err"] < 1e-4, f"{case_} rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"

@@ -109,19 +109,24 @@ def test_boundary_traffic_is_the_same_with_and_without_tp(tmp_path, reference_ru
     assert totals[0] == totals[1] and totals[0]
 
 
+def _sliced_job_trains_the_reference(tmp_path, reference_run, recipe: str, nproc: int, overrides: list[str],
+                                      sliced: tuple[str, ...]) -> None:
+    rows, params, _ = launch(tmp_path, nproc, [STEPS, *SGD, "layout=disaggregated", *overrides], recipe=recipe)
+    ref_losses, ref_params = reference_run([STEPS, *SGD], recipe)
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
+    worst, where = max_param_mismatch(params, ref_params)
+    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
+    log = (tmp_path / "launch.log").read_text()
+    assert all(f"{m}: tensor parallelism on sequence slices" in log for m in sliced)
+
+
 @pytest.mark.slow
 def test_audio_and_image_encoders_on_slices_train_the_reference(tmp_path, reference_run):
     """tiny_omni: the Whisper and ViT encoders each at TP 2 on slices of their packed rows (clips and
     images of several sizes, padding rows where they do not split)."""
     overrides = ["parallel.modules.ear.tp=2", "parallel.modules.ear.tp_overlap=true", "parallel.modules.vision.tp=2",
                  "parallel.modules.vision.tp_overlap=true"]
-    rows, params, _ = launch(tmp_path, 7, [STEPS, *SGD, "layout=disaggregated", *overrides], recipe="tiny_omni")
-    ref_losses, ref_params = reference_run([STEPS, *SGD], "tiny_omni")
-    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
-    worst, where = max_param_mismatch(params, ref_params)
-    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
-    log = (tmp_path / "launch.log").read_text()
-    assert all(f"{m}: tensor parallelism on sequence slices" in log for m in ("ear", "vision"))
+    _sliced_job_trains_the_reference(tmp_path, reference_run, "tiny_omni", 7, overrides, ("ear", "vision"))
 
 
 def test_both_generators_on_slices_train_the_reference(tmp_path, reference_run):
@@ -131,10 +136,4 @@ def test_both_generators_on_slices_train_the_reference(tmp_path, reference_run):
     overrides = ["parallel.modules.llm.pp=1", "parallel.modules.sketcher.tp=2", "parallel.modules.sketcher.pp=2",
                  "parallel.modules.sketcher.tp_overlap=true", "parallel.modules.sketcher.tp_overlap_chunks=3",
                  "parallel.modules.painter.tp=2", "parallel.modules.painter.tp_overlap=true"]
-    rows, params, _ = launch(tmp_path, 8, [STEPS, *SGD, "layout=disaggregated", *overrides], recipe="tiny_two_gen")
-    ref_losses, ref_params = reference_run([STEPS, *SGD], "tiny_two_gen")
-    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-5)
-    worst, where = max_param_mismatch(params, ref_params)
-    assert worst < 1e-5, f"{where} differs by {worst:.2e} (relative to its scale)"
-    log = (tmp_path / "launch.log").read_text()
-    assert all(f"{m}: tensor parallelism on sequence slices" in log for m in ("sketcher", "painter"))
+    _sliced_job_trains_the_reference(tmp_path, reference_run, "tiny_two_gen", 8, overrides, ("sketcher", "painter"))

@@ -134,32 +134,27 @@ def test_sliced_encoder_blocks_keep_what_the_formula_takes_off_the_replicated_la
         assert cut_out[:-1] == [o // WORLD for o in rep_out[:-1]] and cut_out[-1] == rep_out[-1]  # slices, then whole
 
 
-def test_sliced_dit_blocks_keep_what_the_formula_takes_off_the_replicated_layout():
-    runs = run_ranks(_kept, WORLD, "dit")
-    lb = dit_activations(DIT, 32, SampleShape(tokens=0, images=0, patches=0, gen_images=GEN_IMAGES), 4)
+@pytest.mark.parametrize("family", ["dit", "unet"])
+def test_sliced_generator_blocks_keep_what_the_formula_takes_off_the_replicated_layout(family):
+    runs = run_ranks(_kept, WORLD, family)
+    formula = dit_activations if family == "dit" else unet_activations
+    lb = formula(DIT if family == "dit" else UNET, 32,
+                 SampleShape(tokens=0, images=0, patches=0, gen_images=GEN_IMAGES), 4)
     want = [r - s for r, s in zip(lb.on_rank(WORLD), lb.on_rank(WORLD, sliced=True))][1:]  # no projector here
     for rank in range(WORLD):
         (rep, rep_out), (cut, cut_out) = runs[rank]["replicated"], runs[rank]["sliced"]
         got = [r - c for r, c in zip(rep, cut)]
         assert got == pytest.approx(want, rel=1e-9, abs=0.5)
-        assert min(got[1:-1]) > 0.1 * max(rep[1:-1])  # control: a formula blind to slices fails above
-        # Tokens pass on as slices beside the whole condition and modulation; the head joins them.
         assert cut_out == pytest.approx(lb.outputs_on_rank(WORLD, sliced=True)[1:], rel=1e-9)
-        tokens = GEN_IMAGES * 64 * 32 * 4
-        assert [r - c for r, c in zip(rep_out, cut_out)] == [tokens // WORLD] * 3 + [0]
-
-
-def test_sliced_unet_transformer_blocks_keep_what_the_formula_takes_off_the_replicated_layout():
-    runs = run_ranks(_kept, WORLD, "unet")
-    lb = unet_activations(UNET, 32, SampleShape(tokens=0, images=0, patches=0, gen_images=GEN_IMAGES), 4)
-    want = [r - s for r, s in zip(lb.on_rank(WORLD), lb.on_rank(WORLD, sliced=True))][1:]  # no projector here
-    for rank in range(WORLD):
-        (rep, rep_out), (cut, cut_out) = runs[rank]["replicated"], runs[rank]["sliced"]
-        got = [r - c for r, c in zip(rep, cut)]
-        assert got == pytest.approx(want, rel=1e-9, abs=0.5)
-        # Control: the layers with transformer blocks (first down, mid, last up) keep less on slices.
-        assert [g > 0.02 * r for g, r in zip(got, rep)] == [False, True, False, True, False, True, False]
-        assert cut_out == rep_out  # between layers the images are whole
+        if family == "dit":
+            assert min(got[1:-1]) > 0.1 * max(rep[1:-1])  # control: a formula blind to slices fails above
+            # Tokens pass on as slices beside the whole condition and modulation; the head joins them.
+            tokens = GEN_IMAGES * 64 * 32 * 4
+            assert [r - c for r, c in zip(rep_out, cut_out)] == [tokens // WORLD] * 3 + [0]
+        else:
+            # Control: the layers with transformer blocks (first down, mid, last up) keep less on slices.
+            assert [g > 0.02 * r for g, r in zip(got, rep)] == [False, True, False, True, False, True, False]
+            assert cut_out == rep_out  # between layers the images are whole
 
 
 def _llm_activation_bytes(overrides: list[str], cuda: bool) -> float:
