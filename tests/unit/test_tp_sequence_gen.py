@@ -6,12 +6,14 @@ rules that let a generator ask for it."""
 from __future__ import annotations
 
 import pytest
+from diffusers.models.attention import BasicTransformerBlock
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from test_tp_sequence import REPO, tp_overlap_on
 from tp_seq_cases import WORLD
 from tp_seq_gen_cases import CASES, generator_case
 
 from disttrain_ds.errors import ConfigError
+from disttrain_ds.models.diffusers_tp import check_block
 from disttrain_ds.recipe.schema import load_recipe
 
 SLICED_DIT_GRAPHS = 7
@@ -95,3 +97,10 @@ def test_tp_overlap_auto_turns_on_for_a_dit_generator_on_cuda_where_its_tokens_s
     assert not tp_overlap_on(_two_gen(*odd), "sketcher", cuda=True)
     with pytest.raises(ConfigError, match=r"parallel\.modules\.sketcher\.tp_overlap.*tp 2 must divide the 9 tokens"):
         _two_gen(*odd, "parallel.modules.sketcher.tp_overlap=true")
+
+
+def test_a_transformer_block_the_sliced_forward_does_not_compute_is_refused_in_one_line():
+    check_block(BasicTransformerBlock(16, 2, 8, cross_attention_dim=24, activation_fn="geglu"))  # the U-Net's
+    odd = BasicTransformerBlock(16, 2, 8, cross_attention_dim=24, norm_type="ada_norm_zero", num_embeds_ada_norm=10)
+    with pytest.raises(ValueError, match=r"^transformer block on sequence slices: norm_type 'ada_norm_zero' not supported$"):
+        check_block(odd)

@@ -70,6 +70,7 @@ class UnetTransformerBlock(BasicTransformerBlock):
                                    timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
         if attention_mask is not None or encoder_attention_mask is not None or cross_attention_kwargs:
             raise ValueError("a U-Net transformer block on sequence slices takes no attention masks or kwargs")
+        check_block(self)  # settings the written-out forward computes (the family's own always are)
         return basic_block(self, hidden_states, encoder_hidden_states, self.tp_seq)
 
 
@@ -95,8 +96,6 @@ def adapt(block: nn.Module) -> nn.Module:
     """``block`` (a U-Net down, mid or up block) with its transformer models, their blocks and its
     ResNets given this module's classes, in place."""
     for m in block.modules():
-        if type(m) is BasicTransformerBlock:
-            check_block(m)
         if (cls := _CLASSES.get(type(m))) is not None:
             m.__class__ = cls
     return block
