@@ -102,5 +102,6 @@ def test_tp_overlap_auto_turns_on_for_a_dit_generator_on_cuda_where_its_tokens_s
 def test_a_transformer_block_the_sliced_forward_does_not_compute_is_refused_in_one_line():
     check_block(BasicTransformerBlock(16, 2, 8, cross_attention_dim=24, activation_fn="geglu"))  # the U-Net's
     odd = BasicTransformerBlock(16, 2, 8, cross_attention_dim=24, norm_type="ada_norm_zero", num_embeds_ada_norm=10)
-    with pytest.raises(ValueError, match=r"^transformer block on sequence slices: norm_type 'ada_norm_zero' not supported$"):
+    refusal = r"^transformer block on sequence slices: norm_type 'ada_norm_zero' not supported$"
+    with pytest.raises(ValueError, match=refusal):
         check_block(odd)
