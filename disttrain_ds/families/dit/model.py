@@ -126,7 +126,6 @@ class DiTBlock(nn.Module):
         self.tp_seq = None
         self.block = block
         self.last = last
-        check_block(block)
         object.__setattr__(self, "sliced", SlicedLayer(self.block, basic_block))  # unregistered: no new names
 
     def compile_targets(self) -> list[nn.Module]:
@@ -136,6 +135,7 @@ class DiTBlock(nn.Module):
     def forward(self, inputs):
         hidden, t_mod, t_emb, cond = inputs
         if self.tp_seq is not None:
+            check_block(self.block)  # settings the written-out forward computes (the family's own always are)
             hidden = self.sliced(hidden, cond, self.tp_seq, t_mod)
         else:
             hidden = self.block(hidden, encoder_hidden_states=cond, timestep=t_mod)
