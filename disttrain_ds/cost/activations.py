@@ -47,10 +47,11 @@ class LayerBytes:
     of it is replicated (the safe figure for a family that does not say)."""
 
     sliced: list[float] = field(default_factory=list)
-    """Under tensor parallelism on sequence slices (an LLM with ``tp_overlap``): the part of each
-    layer's ``saved`` beyond ``sharded`` that every TP rank then keeps for its slice only (the
+    """Under tensor parallelism on sequence slices (``parallel.<module>.tp_overlap``): the part of
+    each layer's ``saved`` beyond ``sharded`` that every TP rank then keeps for its slice only (the
     norms' inputs and statistics; the column-parallel GEMMs keep their gathered whole-row inputs,
-    as the replicated layout keeps them). Empty: such a module is never sliced."""
+    as the replicated layout keeps them). Empty: the family's formula counts no such part (the
+    replicated figure, an upper bound)."""
     sliced_outputs: list[float] = field(default_factory=list)
     """The part of each layer's ``outputs`` that is this rank's slice under that layout (the rows
     the embedding and the blocks pass on; a generator's whole condition and modulation beside
