@@ -118,5 +118,6 @@ def test_tp_overlap_where_it_cannot_apply_is_refused_in_one_line(overrides, matc
 
 def test_a_family_without_a_path_on_slices_is_named():
     # Every built-in family has one; a plug-in family says so with Family.sliced_tp.
-    assert tp_overlap_blocker("conv3d", False, 1, 2, 4) == "the conv3d family has no sequence-sharded tensor-parallel path"
+    refusal = "the conv3d family has no sequence-sharded tensor-parallel path"
+    assert tp_overlap_blocker("conv3d", False, 1, 2, 4) == refusal
     assert tp_overlap_blocker("unet", True, 1, 2, 4, image_tokens=64) is None
