@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from host_reads import host_reads  # tests/ is on sys.path under pytest
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
@@ -138,25 +139,7 @@ def test_compiled_layers_train_as_the_eager_ones_do_with_the_same_parameter_name
     assert (eager(mb)["loss"] - out["loss"]).abs() > 1e-5
 
 
-class _HostReads:
-    """Counts calls that read a tensor's values on the host (a device sync on CUDA)."""
-
-    NAMES = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-
-    def __init__(self, monkeypatch):
-        self.calls: list[str] = []
-        for name in self.NAMES:
-            real = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._counting(name, real))
-
-    def _counting(self, name, real):
-        def call(t, *a, **k):
-            self.calls.append(name)
-            return real(t, *a, **k)
-        return call
-
-
-def _host_reads(monkeypatch, spec, blocks: int, reset_each_block: bool = False) -> int:
+def _host_reads(spec, blocks: int, reset_each_block: bool = False) -> int:
     llm = _llm(spec, blocks)
     if reset_each_block:  # the control: every block builds its attention arguments anew
         for layer in llm.layers[1:-1]:
@@ -164,29 +147,27 @@ def _host_reads(monkeypatch, spec, blocks: int, reset_each_block: bool = False) 
     docs = torch.stack([doc_ids((5, 7, 4), 20), doc_ids((20,), 20)])
     ids = torch.randint(0, 200, (2, 20))
     labels = torch.randint(0, 200, (2, 20))
-    with monkeypatch.context() as m:
-        reads = _HostReads(m)
+    with host_reads() as calls:
         logits, _ = llm((ids, torch.zeros(0, spec.llm.hidden_size), docs))
         lm_loss_sum(logits, labels).backward()
-    return len(reads.calls)
+    return len(calls)
 
 
-def test_host_reads_per_microbatch_do_not_grow_with_depth(tiny_spec, monkeypatch):
-    shallow, deep = _host_reads(monkeypatch, tiny_spec, 2), _host_reads(monkeypatch, tiny_spec, 6)
+def test_host_reads_per_microbatch_do_not_grow_with_depth(tiny_spec):
+    shallow, deep = _host_reads(tiny_spec, 2), _host_reads(tiny_spec, 6)
     assert shallow == deep <= 4
     # Negative control: attention arguments made per block read the host once per block.
-    assert _host_reads(monkeypatch, tiny_spec, 6, reset_each_block=True) > deep
+    assert _host_reads(tiny_spec, 6, reset_each_block=True) > deep
 
 
-def test_the_lm_loss_reads_nothing_back_and_is_the_labelled_positions_cross_entropy(monkeypatch):
+def test_the_lm_loss_reads_nothing_back_and_is_the_labelled_positions_cross_entropy():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 7, 11, generator=g, requires_grad=True)
     labels = torch.randint(0, 11, (2, 7), generator=g)
     labels[0, :3] = IGNORE_INDEX
-    with monkeypatch.context() as m:
-        reads = _HostReads(m)
+    with host_reads() as calls:
         loss = lm_loss_sum(logits, labels, 0.5)
-    assert reads.calls == []
+    assert calls == []
     valid = labels != IGNORE_INDEX
     ref = torch.nn.functional.cross_entropy(logits[valid], labels[valid], reduction="sum") * 0.5
     torch.testing.assert_close(loss, ref)

@@ -54,6 +54,7 @@ def test_generators_on_slices_give_the_unsharded_output_and_every_gradient(runs,
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5, abs=1e-6)
         assert got["grad_err"] < 1e-5, f"rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
         assert got["cond_err"] < 1e-5  # what the output projector before the generator receives
+        assert got["host_reads"] == ["__float__"]  # only the control's read of the loss, after the step
 
 
 @pytest.mark.parametrize("i, replicated", [(0, ("scale_shift_table", "to_out.0.bias", "net.2.bias")),
