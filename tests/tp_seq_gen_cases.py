@@ -90,8 +90,10 @@ def generator_case(rank: int, group, family: str, resolution: int, chunks: int, 
             err = float((p.grad - want).abs().max()) / max(scale, 1e-12)
             if err > worst:
                 worst, where = err, f"{d.name}.{name}"
+    share = sum(p.numel() for layer in sharded for p in layer.parameters()) / \
+        sum(p.numel() for layer in ref for p in layer.parameters())
     cond_err = float((own_cond.grad - ref_cond.grad).abs().max() / ref_cond.grad.abs().max())
     return {"loss": control, "ref_loss": float(ref_loss.detach()),
             "out_err": float((out - ref_out).abs().max()), "between": tuple(between.shape),
             "contiguous": between.is_contiguous(), "grad_err": worst, "where": where, "cond_err": cond_err,
-            "host_reads": reads, "graphs": None if counter is None else counter.frame_count}
+            "param_share": share, "host_reads": reads, "graphs": None if counter is None else counter.frame_count}

@@ -11,7 +11,9 @@ following row-parallel linear splits its input features and all-reduces its part
 them, activations are replicated on every TP rank: ``_CopyToTP`` (identity forward, all-reduce of
 the input gradient backward) and ``_ReduceFromTP`` (all-reduce forward, identity backward) keep
 replicated parameters' gradients equal on every TP rank, so DeepSpeed's DP all-reduce and
-optimizer need no change. Layers without a plan (embeddings, norms, convolutions) stay replicated.
+optimizer need no change. Convolutions split alike (output channels, then input channels), with a
+GroupNorm between them holding whole groups of its rank's channels (a U-Net's ResNets). Layers
+without a plan (embeddings, norms, other convolutions) stay replicated.
 """
 
 from __future__ import annotations
@@ -173,6 +175,56 @@ class VocabParallelEmbedding(nn.Module):
         return _ReduceFromTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.tp.group)
 
 
+class ColumnParallelConv2d(nn.Module):
+    """``full`` with its output channels split over the TP group (its input whole on every rank)."""
+
+    def __init__(self, full: nn.Conv2d, tp: TPContext):
+        super().__init__()
+        if full.groups != 1 or full.out_channels % tp.size:
+            raise ValueError(f"a convolution to {full.out_channels} channels (groups {full.groups}) does not split "
+                             f"over tensor-parallel degree {tp.size}")
+        self.tp, self.conv = tp, dict(stride=full.stride, padding=full.padding, dilation=full.dilation)
+        self.weight = _tp_param(shard_rows(full.weight.data, tp.rank, tp.size), 0)
+        self.bias = None if full.bias is None else _tp_param(shard_rows(full.bias.data, tp.rank, tp.size), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(_CopyToTP.apply(x, self.tp.group, True), self.weight, self.bias, **self.conv)
+
+
+class RowParallelConv2d(nn.Module):
+    """``full`` with its input channels split over the TP group; partial sums all-reduced."""
+
+    def __init__(self, full: nn.Conv2d, tp: TPContext):
+        super().__init__()
+        if full.groups != 1 or full.in_channels % tp.size:
+            raise ValueError(f"a convolution from {full.in_channels} channels (groups {full.groups}) does not split "
+                             f"over tensor-parallel degree {tp.size}")
+        self.tp, self.conv = tp, dict(stride=full.stride, padding=full.padding, dilation=full.dilation)
+        self.weight = _tp_param(full.weight.data.chunk(tp.size, dim=1)[tp.rank].clone(), 1)
+        # The bias is added once, after the reduction: replicated.
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.data.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromTP.apply(F.conv2d(x, self.weight, None, **self.conv), self.tp.group)
+        return y if self.bias is None else y + self.bias[:, None, None]
+
+
+class ChannelParallelGroupNorm(nn.Module):
+    """``full`` on this rank's channels of a column-split activation: whole groups per rank, so each
+    group's statistics are the unsplit norm's."""
+
+    def __init__(self, full: nn.GroupNorm, tp: TPContext):
+        super().__init__()
+        if full.num_groups % tp.size:
+            raise ValueError(f"{full.num_groups} norm groups do not split over tensor-parallel degree {tp.size}")
+        self.groups, self.eps = full.num_groups // tp.size, full.eps
+        self.weight = None if full.weight is None else _tp_param(shard_rows(full.weight.data, tp.rank, tp.size), 0)
+        self.bias = None if full.bias is None else _tp_param(shard_rows(full.bias.data, tp.rank, tp.size), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+
+
 PROJECTOR_PLAN = (MLPProjector, {"0": "col", "2": "row"})
 """The projectors' split, shared by every family (the families own theirs: ``Family.tp_plan``)."""
 
@@ -194,7 +246,8 @@ def _set(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def shard_layer(layer: nn.Module, tp: TPContext) -> nn.Module:
-    """Replace the planned linears of ``layer`` (in place) by this rank's shards."""
+    """Replace the planned linears, convolutions and group norms of ``layer`` (in place) by this
+    rank's shards."""
     if tp.size == 1:
         return layer
     plans = _plans()
@@ -215,6 +268,12 @@ def shard_layer(layer: nn.Module, tp: TPContext) -> nn.Module:
                     raise TypeError(f"{name}.{path}: expected nn.Embedding to shard, found {type(full).__name__}")
                 if full.num_embeddings % tp.size == 0:
                     _set(module, path, VocabParallelEmbedding(full, tp))
+                continue
+            if style == "groups":  # a GroupNorm between a column- and a row-split convolution
+                _set(module, path, ChannelParallelGroupNorm(full, tp))
+                continue
+            if isinstance(full, nn.Conv2d) and style in ("col", "row"):
+                _set(module, path, (ColumnParallelConv2d if style == "col" else RowParallelConv2d)(full, tp))
                 continue
             if not isinstance(full, nn.Linear):
                 raise TypeError(f"{name}.{path}: expected nn.Linear to shard, found {type(full).__name__}")

@@ -49,6 +49,9 @@ def test_generators_on_slices_give_the_unsharded_output_and_every_gradient(runs,
             assert got["between"] == (images, (resolution // 2) ** 2 // WORLD, 32)
         else:  # between U-Net blocks: whole images (only the transformer blocks inside run on slices)
             assert got["between"] == (images, 16, resolution // 2, resolution // 2)
+        # Each rank holds about half the weights: attention, MLPs and (in the U-Net) the ResNets'
+        # convolutions split; embeddings, projections, heads and the U-Net's outer convolutions do not.
+        assert 0.5 < got["param_share"] < 0.7, got["param_share"]
         assert got["contiguous"]  # what a pipeline stage can send
         assert got["out_err"] < 1e-5
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-5, abs=1e-6)
@@ -98,6 +101,14 @@ def test_tp_overlap_auto_turns_on_for_a_dit_generator_on_cuda_where_its_tokens_s
     assert not tp_overlap_on(_two_gen(*odd), "sketcher", cuda=True)
     with pytest.raises(ConfigError, match=r"parallel\.modules\.sketcher\.tp_overlap.*tp 2 must divide the 9 tokens"):
         _two_gen(*odd, "parallel.modules.sketcher.tp_overlap=true")
+
+
+def test_a_unet_whose_resnet_channels_or_norm_groups_do_not_split_over_tp_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"model\.modules\.painter\.norm_num_groups"):
+        _two_gen("parallel.modules.painter.tp=4", "model.modules.painter.norm_num_groups=2")
+    with pytest.raises(ConfigError, match=r"model\.modules\.painter\.block_out_channels\[0\]"):
+        _two_gen("parallel.modules.painter.tp=4", "model.modules.painter.block_out_channels=[18,32]",
+                 "model.modules.painter.norm_num_groups=2", "model.modules.painter.attention_head_dim=[4,4]")
 
 
 def test_a_transformer_block_the_sliced_forward_does_not_compute_is_refused_in_one_line():

@@ -7,8 +7,11 @@ from disttrain_ds.families.unet.hf_settings import unet_fields
 
 
 def _tp_sizes(cfg: GeneratorConfig, prefix: str, llm_hidden: int) -> list[tuple[str, int]]:
-    # ``attention_head_dim`` holds head counts (diffusers' naming).
-    return [(f"{prefix}.attention_head_dim[{i}]", h) for i, h in enumerate(cfg.attention_head_dim)]
+    # ``attention_head_dim`` holds head counts (diffusers' naming); the ResNets split their channels
+    # and their second GroupNorm's groups.
+    return [*((f"{prefix}.attention_head_dim[{i}]", h) for i, h in enumerate(cfg.attention_head_dim)),
+            *((f"{prefix}.block_out_channels[{i}]", c) for i, c in enumerate(cfg.block_out_channels)),
+            (f"{prefix}.norm_num_groups", cfg.norm_num_groups)]
 
 
 def attention_tokens(cfg: GeneratorConfig) -> int:

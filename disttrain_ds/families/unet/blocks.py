@@ -15,8 +15,9 @@ input was NCHW, as the library makes it, and the ResNet's is not made. Same valu
 **Slices.** With a ``tp_seq`` context (``parallel/tp_sequence.py::attach``) each transformer model
 keeps this rank's contiguous slice of every image's tokens after its input projection, its blocks
 run on slices (``models/diffusers_tp.py::basic_block``: collectives overlapped with the GEMMs), and
-the slices are joined again before its output projection. The convolutions around it need their
-spatial neighbours and stay replicated over TP, as do the GroupNorm and the projections here.
+the slices are joined again before its output projection. The ResNets around it need whole images
+(convolutions read spatial neighbours) and split their channels over TP instead (``model.py``'s
+``RESNET_PLAN``); the transformer model's GroupNorm and projections stay whole.
 """
 
 from __future__ import annotations

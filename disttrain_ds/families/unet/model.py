@@ -20,6 +20,7 @@ from diffusers import UNet2DConditionModel
 from diffusers.models.activations import GEGLU
 from diffusers.models.attention import FeedForward
 from diffusers.models.attention_processor import Attention as DiffusersAttention
+from diffusers.models.resnet import ResnetBlock2D
 from torch import nn
 
 from disttrain_ds.families.base import BuildContext
@@ -221,7 +222,13 @@ def feed_forward_plan(ff: FeedForward) -> dict[str, str]:
     return {"net.0.proj": "col_pairs" if isinstance(ff.net[0], GEGLU) else "col", "net.2": "row"}
 
 
+RESNET_PLAN = {"conv1": "col", "time_emb_proj": "col", "norm2": "groups", "conv2": "row"}
+"""A ResNet's two convolutions split Megatron-style: conv1's output channels (and the time embedding's
+projection added to them, and the GroupNorm after them, whole groups per rank), then conv2's input
+channels with its partial sums all-reduced; its first norm and shortcut read the whole input."""
+
 TP_PLAN = (
     (DiffusersAttention, {"to_q": "col", "to_k": "col", "to_v": "col", "to_out.0": "row", "heads": "divide"}),
     (FeedForward, feed_forward_plan),
+    (ResnetBlock2D, RESNET_PLAN),
 )
