@@ -60,14 +60,20 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
         # statistics for this rank's slice only (tests/unit/test_memory_sliced.py).
         return (3 * c * b + 6 * FP32) * px(level) if "CrossAttn" in kind else 0.0
 
+    def split(cout: int, level: int, resnets: int) -> float:
+        # TP splits a ResNet's second half (the GroupNorm, SiLU and conv2 inputs); the transformers'
+        # split parts are not counted, so a sharded U-Net's estimate stays an upper bound.
+        return resnets * 3 * cout * px(level) * b
+
     cond = k * cross + 4 * ch[0]  # conditioning and time embedding travel with every U-Net layer
     skips = [ch[0] * px(0)]
     saved = [k * (llm_hidden + 2 * cross) * b, c_in * px(0) * b]
-    sliced = [0.0, 0.0]
+    sliced, sharded = [0.0, 0.0], [0.0, 0.0]
     outputs = [(k * cross + c_in * px(0)) * b, (cond + 2 * ch[0] * px(0)) * b]
     for i, kind in enumerate(cfg.down_block_types):
         cin, cout, total = ch[max(i - 1, 0)], ch[i], 0.0
         sliced.append(lpb * on_slices(cout, i, kind))
+        sharded.append(split(cout, i, lpb))
         for j in range(lpb):
             total += _resnet(cin if j == 0 else cout, cout, px(i), b) + attn(cout, i, kind)
             skips.append(cout * px(i))
@@ -79,12 +85,14 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
     c = ch[-1]
     saved.append(2 * _resnet(c, c, px(n - 1), b) + attn(c, n - 1, "CrossAttn"))
     sliced.append(on_slices(c, n - 1, "CrossAttn"))
+    sharded.append(split(c, n - 1, 2))
     outputs.append(outputs[-1])
     rev, prev = list(reversed(ch)), ch[-1]
     for i, kind in enumerate(cfg.up_block_types):
         level, cout, cin = n - 1 - i, rev[i], rev[min(i + 1, n - 1)]
         total = 0.0
         sliced.append((lpb + 1) * on_slices(cout, level, kind))
+        sharded.append(split(cout, level, lpb + 1))
         for j in range(lpb + 1):
             skip = cin if j == lpb else cout
             total += _resnet((prev if j == 0 else cout) + skip, cout, px(level), b) + attn(cout, level, kind)
@@ -97,7 +105,8 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
         prev = cout
     saved.append(3 * ch[0] * px(0) * b)  # GroupNorm, SiLU and conv_out inputs
     sliced.append(0.0)
+    sharded.append(0.0)
     outputs.append(c_in * px(0) * b)
     g = shape.gen_images
     return LayerBytes([x * g for x in saved], [x * g for x in outputs], (k * llm_hidden + c_in * px(0)) * b * g,
-                      sliced=[x * g for x in sliced])
+                      sharded=[x * g for x in sharded], sliced=[x * g for x in sliced])
