@@ -175,15 +175,21 @@ class VocabParallelEmbedding(nn.Module):
         return _ReduceFromTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.tp.group)
 
 
+def _conv_args(full: nn.Conv2d, channels: int, tp: TPContext) -> dict:
+    """``F.conv2d``'s arguments of ``full`` besides its weights, once its ``channels`` (in or out) are
+    known to split over ``tp``; a convolution the split does not compute is refused."""
+    if full.groups != 1 or full.padding_mode != "zeros" or channels % tp.size:
+        raise ValueError(f"a convolution over {channels} channels (groups {full.groups}, padding {full.padding_mode}) "
+                         f"does not split over tensor-parallel degree {tp.size}")
+    return dict(stride=full.stride, padding=full.padding, dilation=full.dilation)
+
+
 class ColumnParallelConv2d(nn.Module):
     """``full`` with its output channels split over the TP group (its input whole on every rank)."""
 
     def __init__(self, full: nn.Conv2d, tp: TPContext):
         super().__init__()
-        if full.groups != 1 or full.out_channels % tp.size:
-            raise ValueError(f"a convolution to {full.out_channels} channels (groups {full.groups}) does not split "
-                             f"over tensor-parallel degree {tp.size}")
-        self.tp, self.conv = tp, dict(stride=full.stride, padding=full.padding, dilation=full.dilation)
+        self.tp, self.conv = tp, _conv_args(full, full.out_channels, tp)
         self.weight = _tp_param(shard_rows(full.weight.data, tp.rank, tp.size), 0)
         self.bias = None if full.bias is None else _tp_param(shard_rows(full.bias.data, tp.rank, tp.size), 0)
 
@@ -196,10 +202,7 @@ class RowParallelConv2d(nn.Module):
 
     def __init__(self, full: nn.Conv2d, tp: TPContext):
         super().__init__()
-        if full.groups != 1 or full.in_channels % tp.size:
-            raise ValueError(f"a convolution from {full.in_channels} channels (groups {full.groups}) does not split "
-                             f"over tensor-parallel degree {tp.size}")
-        self.tp, self.conv = tp, dict(stride=full.stride, padding=full.padding, dilation=full.dilation)
+        self.tp, self.conv = tp, _conv_args(full, full.in_channels, tp)
         self.weight = _tp_param(full.weight.data.chunk(tp.size, dim=1)[tp.rank].clone(), 1)
         # The bias is added once, after the reduction: replicated.
         self.bias = None if full.bias is None else nn.Parameter(full.bias.data.clone())

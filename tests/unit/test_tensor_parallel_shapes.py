@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from disttrain_ds.errors import ConfigError
-from disttrain_ds.parallel.tensor_parallel import TPContext, shard_layer, shard_rows, unshard_rows
+from disttrain_ds.parallel.tensor_parallel import (
+    ColumnParallelConv2d,
+    RowParallelConv2d,
+    TPContext,
+    shard_layer,
+    shard_rows,
+    unshard_rows,
+)
 from disttrain_ds.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +71,14 @@ def test_splittable_tp_degrees_load():
     r = load_recipe(TINY, ["layout=disaggregated", "parallel.llm.tp=2", "parallel.encoder.tp=2",
                            "parallel.generator.tp=2"])
     assert (r.parallel.encoder.tp, r.parallel.llm.tp, r.parallel.generator.tp) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("conv, style", [
+    (torch.nn.Conv2d(3, 4, 3), "row"),  # 3 input channels over 2 ranks
+    (torch.nn.Conv2d(4, 4, 3, groups=2), "col"),  # grouped: each group reads its own channels
+    (torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), "col"),  # F.conv2d pads with zeros
+])
+def test_a_convolution_the_channel_split_does_not_compute_is_refused_in_one_line(conv, style):
+    split = ColumnParallelConv2d if style == "col" else RowParallelConv2d
+    with pytest.raises(ValueError, match=r"^a convolution over \d+ channels .* does not split over tensor-parallel"):
+        split(conv, TPContext(None, 0, 2))
