@@ -54,6 +54,24 @@ def _expected_grad(ref: torch.Tensor, p: torch.nn.Parameter, rank: int) -> torch
     return ref.chunk(WORLD, dim=1)[rank]
 
 
+def worst_grad_error(ref: list[torch.nn.Module], sharded: list[torch.nn.Module], defs, rank: int) -> tuple[float, str]:
+    """The worst gradient error of ``sharded`` against ``ref`` (this rank's shard of each gradient),
+    relative to the layer's largest gradient: a key bias's gradient is zero up to rounding (softmax
+    ignores a shift shared by every key), so its own scale is noise; and where it is."""
+    worst, where = 0.0, ""
+    for r_layer, s_layer, d in zip(ref, sharded, defs):
+        ref_grads = dict(r_layer.named_parameters())
+        scale = max((float(p.grad.abs().max()) for p in ref_grads.values() if p.grad is not None), default=0.0)
+        for name, p in s_layer.named_parameters():
+            if ref_grads[name].grad is None:
+                assert p.grad is None or not p.grad.any(), name
+                continue
+            err = float((p.grad - _expected_grad(ref_grads[name].grad, p, rank)).abs().max()) / max(scale, 1e-12)
+            if err > worst:
+                worst, where = err, f"{d.name}.{name}"
+    return worst, where
+
+
 def sharded_layers(defs, group, rank: int, chunks: int, hooks: bool, device: str) -> list[torch.nn.Module]:
     """``defs`` built, TP-sharded over ``group`` and on sequence slices in ``chunks`` pieces; without
     ``hooks`` the replicated parameters' gradients are left unsummed over TP (the fault to catch)."""

@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 from host_reads import host_reads
 from torch._dynamo.testing import CompileCounterWithBackend
-from tp_seq_cases import _expected_grad, sharded_layers
+from tp_seq_cases import sharded_layers, worst_grad_error
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.dit.config import DiTConfig
@@ -80,16 +80,7 @@ def generator_case(rank: int, group, family: str, resolution: int, chunks: int, 
         loss.backward()
         control = float(loss.detach())  # what the counter sees of one read
 
-    worst, where = 0.0, ""
-    for r_layer, s_layer, d in zip(ref, sharded, defs):
-        ref_grads = dict(r_layer.named_parameters())
-        # Relative to the layer's largest gradient: a key bias's gradient is zero up to rounding.
-        scale = max(float(p.grad.abs().max()) for p in ref_grads.values())
-        for name, p in s_layer.named_parameters():
-            want = _expected_grad(ref_grads[name].grad, p, rank)
-            err = float((p.grad - want).abs().max()) / max(scale, 1e-12)
-            if err > worst:
-                worst, where = err, f"{d.name}.{name}"
+    worst, where = worst_grad_error(ref, sharded, defs, rank)
     share = sum(p.numel() for layer in sharded for p in layer.parameters()) / \
         sum(p.numel() for layer in ref for p in layer.parameters())
     cond_err = float((own_cond.grad - ref_cond.grad).abs().max() / ref_cond.grad.abs().max())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
-from tp_seq_cases import _expected_grad, sharded_layers
+from tp_seq_cases import sharded_layers, worst_grad_error
 
 from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.clip.config import VisionTowerConfig
@@ -92,20 +92,7 @@ def vit_case(rank: int, group, family: str, sides: tuple[int, ...], chunks: int,
     if between:
         loss.backward()
 
-    worst, where = 0.0, ""
-    for r_layer, s_layer, d in zip(ref, sharded, defs):
-        ref_grads = dict(r_layer.named_parameters())
-        # Errors relative to the layer's largest gradient: a key bias's gradient is zero up to
-        # rounding (softmax ignores a shift shared by every key), so its own scale is noise.
-        scale = max((float(p.grad.abs().max()) for p in ref_grads.values() if p.grad is not None), default=0.0)
-        for name, p in s_layer.named_parameters():
-            if ref_grads[name].grad is None:
-                assert p.grad is None or not p.grad.any(), name
-                continue
-            want = _expected_grad(ref_grads[name].grad, p, rank)
-            err = float((p.grad - want).abs().max()) / max(scale, 1e-12)
-            if err > worst:
-                worst, where = err, f"{d.name}.{name}"
+    worst, where = worst_grad_error(ref, sharded, defs, rank)
     out_err = float((out - ref_out).abs().max()) if out.numel() else 0.0
     return {"loss": float(loss), "ref_loss": float(ref_loss), "out_err": out_err,
             "shape": tuple(out.shape), "sliced": sliced, "grad_err": worst, "where": where,

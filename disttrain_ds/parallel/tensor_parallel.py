@@ -44,6 +44,16 @@ class TPContext:
     """Global rank of TP index 0 (the rank that talks across module boundaries)."""
 
 
+def summed_over_tp(grad: torch.Tensor, group, fresh: bool = False) -> torch.Tensor:
+    """A gradient summed over the TP ``group``. In place only where it is ``fresh`` (the input
+    gradient of a linear or convolution, a new tensor); elsewhere autograd may hand this very tensor
+    to another branch too (an add of two same-shaped inputs gives both the one gradient), which an
+    in-place sum would corrupt, so the sum is made in a copy."""
+    grad = grad.contiguous() if fresh else grad.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, fresh: bool = False):
@@ -52,12 +62,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Summed in place only where the one reader is a linear (its input gradient is a new tensor);
-        # elsewhere autograd may hand this very tensor to another branch too (an add of two
-        # same-shaped inputs gives both the one gradient), which an in-place sum would corrupt.
-        grad = grad.contiguous() if ctx.fresh else grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None, None
+        return summed_over_tp(grad, ctx.group, ctx.fresh), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):

@@ -29,7 +29,7 @@ from torch import nn
 from disttrain_ds.comm.overlap import allgather_matmul, matmul_reducescatter
 from disttrain_ds.models.packed import host_sizes
 from disttrain_ds.models.packed_sp import padded_rows
-from disttrain_ds.parallel.tensor_parallel import TPContext, to_tp_region
+from disttrain_ds.parallel.tensor_parallel import TPContext, summed_over_tp, to_tp_region
 
 # torch >= 2.10 renamed the flat-tensor collectives; older releases only have the long names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -162,9 +162,7 @@ class TPSeqContext:
 
     def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A replicated parameter's gradient from this rank's tokens -> the sum over the TP group."""
-        grad = grad.clone(memory_format=torch.contiguous_format)  # never in place: the tensor may be shared
-        dist.all_reduce(grad, group=self.tp.group)
-        return grad
+        return summed_over_tp(grad, self.tp.group)
 
 
 def attach(layer: nn.Module, ctx: TPSeqContext | None) -> nn.Module:

@@ -12,8 +12,8 @@ import torch
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from saved_bytes import saved_bytes  # tests/ is on sys.path under pytest
 from tp_seq_cases import VOCAB, WORLD, B, S, config, layer_defs  # tests/ is on sys.path under pytest
+from tp_seq_gen_cases import CHANNELS, COND, CROSS, generator_defs
 from tp_seq_gen_cases import config as gen_config
-from tp_seq_gen_cases import generator_defs
 
 from disttrain_ds.comm import overlap
 from disttrain_ds.cost.activations import SampleShape
@@ -51,6 +51,26 @@ GEN_IMAGES = 3
 UNET = gen_config("unet", 16)
 
 
+def _generator_inputs(g: torch.Generator) -> tuple:
+    """(condition, noisy images of 16 x 16 px, timesteps) of the generator runs."""
+    return (torch.randn(GEN_IMAGES, COND, CROSS, generator=g), torch.randn(GEN_IMAGES, CHANNELS, 16, 16, generator=g),
+            torch.randint(0, 1000, (GEN_IMAGES,), generator=g))
+
+
+def _per_layer(layers, inputs, gathered: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """Bytes each layer keeps for backward (parameters excluded, each storage once, plus what
+    ``gathered`` collects while it runs) and its output bytes, the layers run one after another."""
+    x, saved, outputs = inputs, [], []
+    for layer in layers:
+        x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x))
+        if gathered is not None:
+            gathered.clear()
+        n, x = saved_bytes(layer, lambda: layer(x))
+        saved.append(n + sum(gathered or ()))
+        outputs.append(sum(t.numel() * t.element_size() for t in as_tuple(x) if t.is_floating_point()))
+    return saved, outputs
+
+
 def _kept(rank: int, group, family: str) -> dict:
     """Bytes each layer keeps for backward (parameters excluded, each storage once, and the
     gathered inputs the overlapped column GEMMs keep on their autograd context) and each layer's
@@ -75,9 +95,7 @@ def _kept(rank: int, group, family: str) -> dict:
     elif family in ("dit", "unet"):
         defs = (dit_layers(DIT, BuildContext(module="generator", seed=3, llm_hidden=32)) if family == "dit"
                 else generator_defs("unet", 16))
-        inputs = (torch.randn(GEN_IMAGES, DIT.query_tokens, DIT.cross_attention_dim, generator=g),
-                  torch.randn(GEN_IMAGES, DIT.in_channels, 16, 16, generator=g),
-                  torch.randint(0, 1000, (GEN_IMAGES,), generator=g))
+        inputs = _generator_inputs(g)
     else:
         defs = layer_defs(family, {})
         ids = torch.randint(0, VOCAB - 1, (B, S), generator=g)
@@ -87,14 +105,7 @@ def _kept(rank: int, group, family: str) -> dict:
         layers = [shard_layer(d.build(), tp) for d in defs]
         if mode == "sliced":
             layers = [attach(layer, TPSeqContext(tp, 2)) for layer in layers]
-        x, saved, outputs = inputs, [], []
-        for layer in layers:
-            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x))
-            gathered.clear()
-            n, x = saved_bytes(layer, lambda: layer(x))
-            saved.append(n + sum(gathered))
-            outputs.append(sum(t.numel() * t.element_size() for t in as_tuple(x) if t.is_floating_point()))
-        out[mode] = (saved, outputs)
+        out[mode] = _per_layer(layers, inputs, gathered)
     return out
 
 
@@ -160,18 +171,11 @@ def test_sliced_generator_blocks_keep_what_the_formula_takes_off_the_replicated_
 def _kept_by_degree(rank: int, group, overrides: dict) -> dict[int, list[int]]:
     """Bytes each layer of the tiny U-Net (``overrides`` on its config) keeps for backward, whole
     (TP 1) and on one of two TP ranks (activations replicated)."""
-    g = torch.Generator().manual_seed(1)
-    defs = generator_defs("unet", 16, overrides)
-    inputs = (torch.randn(GEN_IMAGES, 5, 24, generator=g), torch.randn(GEN_IMAGES, 4, 16, 16, generator=g),
-              torch.randint(0, 1000, (GEN_IMAGES,), generator=g))
+    defs, inputs = generator_defs("unet", 16, overrides), _generator_inputs(torch.Generator().manual_seed(1))
     out = {}
     for size in (1, WORLD):
         tp = TPContext(group if size > 1 else None, rank if size > 1 else 0, size, 0)
-        x, out[size] = inputs, []
-        for layer in (shard_layer(d.build(), tp) for d in defs):
-            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x))
-            n, x = saved_bytes(layer, lambda: layer(x))
-            out[size].append(n)
+        out[size] = _per_layer([shard_layer(d.build(), tp) for d in defs], inputs)[0]
     return out
 
 
