@@ -77,6 +77,21 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverTP(torch.autograd.Function):
+    """Every rank's ``x`` summed, where each rank reads the sum differently: all-reduce both ways."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return summed_over_tp(grad, ctx.group), None
+
+
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, rank, size):
@@ -94,6 +109,12 @@ def to_tp_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """``x``, whole on every TP rank, entering a computation each rank does its share of: unchanged
     forward; backward sums the gradient over the group, so every rank holds the whole gradient."""
     return _CopyToTP.apply(x, tp.group)
+
+
+def sum_over_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """The sum over the TP group of each rank's ``x`` (statistics of this rank's share of the
+    tokens), read by every rank's own computation: its gradient is summed over the group too."""
+    return _SumOverTP.apply(x, tp.group)
 
 
 def shard_rows(t: torch.Tensor, rank: int, size: int, pieces: int = 1) -> torch.Tensor:

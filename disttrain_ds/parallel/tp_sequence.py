@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from disttrain_ds.comm.overlap import allgather_matmul, matmul_reducescatter
 from disttrain_ds.models.packed import host_sizes
 from disttrain_ds.models.packed_sp import padded_rows
-from disttrain_ds.parallel.tensor_parallel import TPContext, summed_over_tp, to_tp_region
+from disttrain_ds.parallel.tensor_parallel import TPContext, sum_over_tp, summed_over_tp, to_tp_region
 
 # torch >= 2.10 renamed the flat-tensor collectives; older releases only have the long names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -77,6 +78,26 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _slice_seq(grad, ctx.rank, ctx.size, ctx.dim), None, None, None, None
+
+
+class _Moments(torch.autograd.Function):
+    """[B, s, G, C/G] -> (mean, sum of squared deviations from it) per [B, G], in float32; keeps
+    only its input for backward (the deviations are recomputed there)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x32 = x.float()
+        mean = x32.mean(dim=(1, 3))
+        m2 = (x32 - mean[:, None, :, None]).square().sum(dim=(1, 3))
+        ctx.save_for_backward(x, mean)
+        return mean, m2
+
+    @staticmethod
+    def backward(ctx, g_mean, g_m2):
+        x, mean = ctx.saved_tensors
+        n = x.shape[1] * x.shape[3]
+        dev = x.float() - mean[:, None, :, None]
+        return (g_mean[:, None, :, None] / n + 2 * g_m2[:, None, :, None] * dev).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -160,6 +181,29 @@ class TPSeqContext:
         on this rank's slice: unchanged forward, gradient summed over the TP group."""
         return to_tp_region(x, self.tp)
 
+    def group_norm(self, part: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
+        """``norm`` over whole images from this rank's slice ``part`` [B, s, C] of every image's token
+        rows: each group's mean and variance are those of the whole image, from every rank's
+        moments of its slice (one small all-reduce; combined as Chan et al.'s parallel variance, so
+        no large mean cancels). Float32 statistics and affine, as the library's kernel."""
+        b, s, c = part.shape
+        g = norm.num_groups
+        mean, m2 = _Moments.apply(part.view(b, s, g, c // g))
+        # [TP, 2, B, G]: this rank's moments in its slot, zeros in the others'
+        slots = F.pad(torch.stack([mean, m2])[None], (0, 0, 0, 0, 0, 0, self.tp.rank, self.tp.size - self.tp.rank - 1))
+        every = sum_over_tp(slots, self.tp)  # traced into compiled graphs (as the slices' scatter / gather)
+        means = every[:, 0]
+        mu = means.mean(dim=0)
+        var = (every[:, 1].sum(dim=0) + s * (c // g) * (means - mu).square().sum(dim=0)) / (s * (c // g) * self.tp.size)
+        scale = torch.rsqrt(var + norm.eps)[..., None].expand(b, g, c // g)
+        if norm.affine:
+            scale = scale * norm.weight.float().view(g, c // g)
+        shift = -mu[..., None] * scale
+        if norm.affine:
+            shift = shift + norm.bias.float().view(g, c // g)
+        # x * scale + shift: the one full-size tensor kept for backward is the input (kept already).
+        return (part.float() * scale.reshape(b, 1, c) + shift.reshape(b, 1, c)).to(part.dtype)
+
     def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A replicated parameter's gradient from this rank's tokens -> the sum over the TP group."""
         return summed_over_tp(grad, self.tp.group)
@@ -171,12 +215,14 @@ def attach(layer: nn.Module, ctx: TPSeqContext | None) -> nn.Module:
     gradients summed over the TP group. Without a context the layer is left as built."""
     if ctx is None:
         return layer
+    hooked: set[int] = set()  # a region inside a region (a U-Net transformer's blocks): one sum each
     for m in layer.modules():
         if not hasattr(m, "tp_seq"):
             continue
         m.tp_seq = ctx
         if getattr(m, "tp_seq_region", False):
             for p in m.parameters():
-                if p.requires_grad and not hasattr(p, "tp_dim"):
+                if p.requires_grad and not hasattr(p, "tp_dim") and id(p) not in hooked:
+                    hooked.add(id(p))
                     p.register_hook(ctx.sum_grad)
     return layer

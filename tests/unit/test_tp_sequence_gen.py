@@ -6,6 +6,9 @@ rules that let a generator ask for it."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from diffusers.models.attention import BasicTransformerBlock
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
 from test_tp_sequence import REPO, tp_overlap_on
@@ -14,6 +17,8 @@ from tp_seq_gen_cases import CASES, generator_case
 
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.models.diffusers_tp import check_block
+from disttrain_ds.parallel.tensor_parallel import TPContext
+from disttrain_ds.parallel.tp_sequence import TPSeqContext
 from disttrain_ds.recipe.schema import load_recipe
 
 SLICED_DIT_GRAPHS = 7
@@ -24,10 +29,11 @@ residual, second norm and modulation; the GELU; the gated residual."""
 
 SLICED_UNET_DOWN_GRAPHS = 11
 """Graphs of the tiny U-Net's first down block (a ResNet, a transformer model of one block, a
-downsampling convolution) compiled with its transformer block on slices: the ResNet; the GroupNorm,
-input projection and the slice it keeps; then, between the block's six collectives, the first norm,
-the self-attention, the residual and second norm, the cross-attention, the residual and third norm,
-the GEGLU; the last residual; the joined slices, output projection and residual; the downsampling."""
+downsampling convolution) compiled with its transformer model on slices: the ResNet; the slice, its
+GroupNorm (the statistics' all-reduce traced into the graph) and input projection; then, between the
+block's six collectives, the first norm, the self-attention, the residual and second norm, the
+cross-attention, the residual and third norm, the GEGLU; the last residual; the output projection,
+joined slices and residual; the downsampling."""
 
 
 def _cases(rank: int, group, cases: list[tuple], hooks: bool) -> list[dict]:
@@ -61,15 +67,16 @@ def test_generators_on_slices_give_the_unsharded_output_and_every_gradient(runs,
 
 
 @pytest.mark.parametrize("i, replicated", [(0, ("scale_shift_table", "to_out.0.bias", "net.2.bias")),
-                                            (3, ("norm1", "norm2", "norm3", "to_out.0.bias", "net.2.bias"))],
+                                            (3, ("norm", "proj_in", "proj_out", "to_out.0.bias", "net.2.bias"))],
                          ids=["dit", "unet"])
 def test_generators_on_slices_without_summing_replicated_gradients_over_tp_get_them_wrong(i, replicated):
     runs = run_ranks(_cases, WORLD, CASES[i:i + 1], False)
     for rank in range(WORLD):
         got = runs[rank][0]
         assert got["out_err"] < 1e-5  # the forward is unaffected
-        # the replicated parameters on slices: modulation table or norms, the row-parallel linears' biases
-        assert got["grad_err"] > 1e-2 and any(k in got["where"] for k in replicated), got
+        # the replicated parameters on slices: modulation table or norms, the row-parallel linears' biases,
+        # the U-Net transformer models' GroupNorm and projections
+        assert got["grad_err"] > 1e-2 and any(k in got["where"] for k in replicated), got["where"]
 
 
 def _compiled(rank: int, group, i: int) -> dict:
@@ -84,6 +91,52 @@ def test_compiled_generator_layers_on_slices_give_the_unsharded_output_and_every
         assert got["out_err"] < 1e-5 and got["cond_err"] < 1e-5
         assert got["grad_err"] < 1e-5, f"rank {rank}: {got['where']} differs by {got['grad_err']:.2e}"
         assert got["graphs"] == graphs, got["graphs"]
+
+
+def _group_norm_case(rank: int, group, offset: float) -> dict:
+    """A GroupNorm over two images of 64 tokens x 32 channels (8 groups) whose values sit ``offset``
+    from zero, from each rank's slice of the tokens, and the library's on whole images in float32;
+    each one's worst error against the library's in float64 (relative to its largest value)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 64, 32, generator=g, dtype=torch.float64) + offset
+    weight = torch.randn(2, 64, 32, generator=g, dtype=torch.float64)
+    affine = torch.randn(2, 32, generator=g, dtype=torch.float64)
+    own = slice(rank * 32, (rank + 1) * 32)
+
+    def whole(dtype: torch.dtype) -> list[torch.Tensor]:  # output slice, input gradient slice, weight / bias grads
+        inp, w, b = (t.to(dtype, copy=True).requires_grad_() for t in (x, *affine))
+        out = F.group_norm(inp.transpose(1, 2), 8, w, b, 1e-5).transpose(1, 2)
+        (out * weight.to(dtype)).sum().backward()
+        return [out[:, own], inp.grad[:, own], w.grad, b.grad]
+
+    norm = torch.nn.GroupNorm(8, 32)
+    with torch.no_grad():
+        norm.weight.copy_(affine[0])
+        norm.bias.copy_(affine[1])
+    part = x[:, own].float().requires_grad_()
+    out = TPSeqContext(TPContext(group, rank, WORLD, 0)).group_norm(part, norm)
+    (out * weight[:, own].float()).sum().backward()
+    grads = [p.grad.clone() for p in norm.parameters()]
+    for t in grads:  # each rank's share, as the TP hook sums them
+        dist.all_reduce(t, group=group)
+    local = F.group_norm(part.detach().transpose(1, 2), 8, norm.weight, norm.bias, norm.eps).transpose(1, 2)
+
+    exact = whole(torch.float64)
+
+    def err(got: list[torch.Tensor]) -> list[float]:
+        return [float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(got, exact)]
+
+    return {"ours": err([out, part.grad, *grads]), "library": err(whole(torch.float32)), "local": err([local])[0]}
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3], ids=["centred", "far_from_zero"])
+def test_group_norm_on_token_slices_normalises_by_whole_images_as_precisely_as_the_library(offset):
+    for got in run_ranks(_group_norm_case, WORLD, offset).values():
+        # output, input gradient, weight and bias gradients: within a few float32 roundings of the
+        # exact values, as the library's own kernel on whole images (no variance lost to a large mean)
+        for ours, library in zip(got["ours"], got["library"]):
+            assert ours < 4 * library + 1e-6, got
+        assert got["local"] > 1e-2  # control: the slice's own statistics are not the image's
 
 
 def _two_gen(*overrides: str):

@@ -13,16 +13,17 @@ permuted to NCHW already are a channels-last image, so the transformer's copy is
 input was NCHW, as the library makes it, and the ResNet's is not made. Same values either way.
 
 **Slices.** With a ``tp_seq`` context (``parallel/tp_sequence.py::attach``) each transformer model
-keeps this rank's contiguous slice of every image's tokens after its input projection, its blocks
-run on slices (``models/diffusers_tp.py::basic_block``: collectives overlapped with the GEMMs), and
-the slices are joined again before its output projection. The ResNets around it need whole images
-(convolutions read spatial neighbours) and split their channels over TP instead (``model.py``'s
-``RESNET_PLAN``); the transformer model's GroupNorm and projections stay whole.
+keeps this rank's contiguous slice of every image's tokens: its GroupNorm (each group's statistics
+summed over the TP ranks' slices), input projection, blocks (``models/diffusers_tp.py::basic_block``:
+collectives overlapped with the GEMMs) and output projection run on the slice, which is joined
+again for the residual add. The ResNets around it need whole images (convolutions read spatial
+neighbours) and split their channels over TP instead (``model.py``'s ``RESNET_PLAN``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
@@ -31,26 +32,43 @@ from torch import nn
 from disttrain_ds.models.diffusers_tp import basic_block, check_block
 
 
+def _projected(rows: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+    """A transformer model's input or output projection on token rows [n, s, C]: a linear, or a
+    1 x 1 convolution (SD 1.x), which is the same product per token."""
+    if isinstance(proj, nn.Conv2d):
+        return F.linear(rows, proj.weight.reshape(proj.out_channels, -1), proj.bias)
+    return proj(rows)
+
+
 class UnetTransformer(Transformer2DModel):
-    """``Transformer2DModel`` with its output in its input's layout, and slices under ``tp_seq``."""
+    """``Transformer2DModel`` with its output in its input's layout, and on slices under ``tp_seq``:
+    its GroupNorm (statistics of whole images, ``TPSeqContext.group_norm``), projections and
+    blocks all on this rank's slice of every image's tokens, joined before the residual add."""
 
     tp_seq = None
+    tp_seq_region = True  # on slices: its norm's and projections' gradients summed over TP
 
     def _operate_on_continuous_inputs(self, hidden_states: torch.Tensor):
-        rows, inner_dim = super()._operate_on_continuous_inputs(hidden_states)
-        return (rows if self.tp_seq is None else self.tp_seq.scatter(rows)), inner_dim
+        if self.tp_seq is None:
+            return super()._operate_on_continuous_inputs(hidden_states)
+        n, c, h, w = hidden_states.shape
+        # Token rows (a view of a channels-last image), this rank's slice of them kept.
+        part = self.tp_seq.scatter(hidden_states.permute(0, 2, 3, 1).reshape(n, h * w, c))
+        part = _projected(self.tp_seq.group_norm(part, self.norm), self.proj_in)
+        return part, part.shape[-1]
 
     def _get_output_for_continuous_inputs(self, hidden_states: torch.Tensor, residual: torch.Tensor, batch_size: int,
                                           height: int, width: int, inner_dim: int) -> torch.Tensor:
-        if self.tp_seq is not None:
-            hidden_states = self.tp_seq.gather(hidden_states)
         channels_last = residual.is_contiguous(memory_format=torch.channels_last)
         fmt = torch.channels_last if channels_last else torch.contiguous_format
 
         def as_image(rows: torch.Tensor) -> torch.Tensor:
-            return rows.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2).contiguous(memory_format=fmt)
+            channels = rows.shape[-1]
+            return rows.reshape(batch_size, height, width, channels).permute(0, 3, 1, 2).contiguous(memory_format=fmt)
 
-        if self.use_linear_projection:
+        if self.tp_seq is not None:
+            hidden_states = as_image(self.tp_seq.gather(_projected(hidden_states, self.proj_out)))
+        elif self.use_linear_projection:
             hidden_states = as_image(self.proj_out(hidden_states))
         else:
             hidden_states = self.proj_out(as_image(hidden_states))

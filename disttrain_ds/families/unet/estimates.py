@@ -56,9 +56,10 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
         return _transformer(c, px(level), k, cross, b) if "CrossAttn" in kind else 0.0
 
     def on_slices(c: int, level: int, kind: str) -> float:
-        # A transformer block on sequence slices keeps its three LayerNorms' inputs and float32
-        # statistics for this rank's slice only (tests/unit/test_memory_sliced.py).
-        return (3 * c * b + 6 * FP32) * px(level) if "CrossAttn" in kind else 0.0
+        # A transformer model on sequence slices keeps its GroupNorm's and projections' inputs, and
+        # its block's three LayerNorms' inputs and float32 statistics, for this rank's slice only
+        # (tests/unit/test_memory_sliced.py).
+        return (6 * c * b + 6 * FP32) * px(level) if "CrossAttn" in kind else 0.0
 
     def split(cout: int, level: int, resnets: int) -> float:
         # TP splits a ResNet's second half (the GroupNorm, SiLU and conv2 inputs); the transformers'
