@@ -17,8 +17,10 @@ from disttrain_ds.families.vit.config import EncoderConfig
 from disttrain_ds.families.vit.model import encoder_layers
 from disttrain_ds.families.whisper.config import AudioEncoderConfig
 from disttrain_ds.families.whisper.model import encoder_layers as whisper_layers
+from disttrain_ds.models import packed_tp
 from disttrain_ds.models.compiled import compile_layers
-from disttrain_ds.models.packed import pack_clips
+from disttrain_ds.models.packed import host_sizes, pack_clips
+from disttrain_ds.models.packed_tp import WholeRows
 from disttrain_ds.models.pixels import pack_images
 
 MIXED = (32, 16, 32, 24)
@@ -67,14 +69,8 @@ def vit_case(rank: int, group, family: str, sides: tuple[int, ...], chunks: int,
     gradient error (relative to the layer's largest gradient) and where; ``backend``: the first
     sharded block compiled with it."""
     defs = encoder_defs(family)
-    g = torch.Generator().manual_seed(5)
-    if family == "whisper":
-        flat, hw = pack_clips([torch.randn(8, f, generator=g) for f in sides])
-    else:
-        flat, hw = pack_images([torch.randn(3, s, s, generator=g) for s in sides])
-    flat, hw = flat.to(device), hw.to(device)
-    between, out_rows = rows(family, sides)
-    weight = torch.randn(out_rows, 32, generator=g).to(device)
+    flat, hw, weight = _inputs(family, sides, device)
+    between = rows(family, sides)[0]
 
     ref = [d.build().to(device) for d in defs]
     ref_loss, ref_out = _run(ref, flat, hw, weight)
@@ -99,3 +95,46 @@ def vit_case(rank: int, group, family: str, sides: tuple[int, ...], chunks: int,
             "graphs": None if counter is None else counter.frame_count}
 
 
+
+
+def _inputs(family: str, sides: tuple[int, ...], device: str):
+    g = torch.Generator().manual_seed(5)
+    if family == "whisper":
+        flat, hw = pack_clips([torch.randn(8, f, generator=g) for f in sides])
+    else:
+        flat, hw = pack_images([torch.randn(3, s, s, generator=g) for s in sides])
+    weight = torch.randn(rows(family, sides)[1], 32, generator=g)
+    return flat.to(device), hw.to(device), weight.to(device)
+
+
+def whole_rows_case(family: str, sides: tuple[int, ...], device: str = "cpu", one_item: bool = False) -> dict:
+    """The encoder without TP with its blocks written out over all packed rows at once
+    (``WholeRows``), against the library's layers run per item length: on the CPU each block's
+    written-out forward called directly (attention per length), on CUDA the block itself
+    (``on_items``: attention in one flex call); ``one_item``: the control, every row attending to
+    every other as if the rows were one item."""
+    defs = encoder_defs(family)
+    flat, hw, weight = _inputs(family, sides, device)
+    ref = [d.build().to(device) for d in defs]
+    per_length = packed_tp.varlen_items
+    packed_tp.varlen_items = lambda hidden, sizes: False  # the reference: the library's layer per length
+    try:
+        ref_loss, ref_out = _run(ref, flat, hw, weight)
+    finally:
+        packed_tp.varlen_items = per_length
+    ref_loss.backward()
+
+    ours = [d.build().to(device) for d in defs]
+    x = (flat, hw)
+    for layer in ours:
+        if hasattr(layer, "sliced") and (device == "cpu" or one_item):  # a block, written out
+            hidden, counts = x
+            sizes = [hidden.shape[0]] if one_item else host_sizes(counts)
+            x = (layer.sliced(hidden, torch.tensor(sizes), WholeRows), counts)
+        else:
+            x = layer(x)
+    loss = (x * weight).sum()
+    loss.backward()
+    worst, where = worst_grad_error(ref, ours, defs, 0)
+    return {"loss": float(loss), "ref_loss": float(ref_loss), "out_err": float((x - ref_out).abs().max()),
+            "grad_err": worst, "where": where}

@@ -7,6 +7,11 @@ step 1, where the rank's peers wait on its boundary messages under ``parallel.co
 and a backward through ``doc_attention`` (the LLM blocks' own path) on dummy tensors laid out as the
 blocks will pass them, so the first real call finds its graphs compiled. Off CUDA nothing happens:
 document attention there takes the per-span path (flex has no backward on CPU).
+
+Encoder blocks attend packed items of mixed lengths through flex on CUDA too (``models/packed_tp.py``,
+a kernel compiled for dynamic lengths): ``warm_up_items`` runs each such block's written-out forward
+and backward on dummy rows of two items, so the kernel (and, under ``train.compile``, the block's
+own graphs) is compiled before the first step as well.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from torch import nn
 
 from disttrain_ds.models.doc_mask import doc_attention, doc_attention_path, doc_block_mask
+from disttrain_ds.models.packed_tp import WholeRows
 from disttrain_ds.samples import doc_ids
 
 
@@ -98,3 +104,38 @@ def warm_up_stage(stage: nn.Module, *, batch: int, seq_len: int, device: torch.d
     for shape in shapes:
         exercise(shape, device, backward)
     return len(shapes)
+
+
+WARM_ITEMS = ([40, 60], [100, 157])
+"""Item lengths of the dummy rows: within one flex mask block and over several (a size of 1 is
+specialised by the compiler, so each compiles a graph of its own)."""
+
+
+def exercise_items(block: nn.Module, device: torch.device, backward: bool = True) -> None:
+    """Run ``block``'s written-out forward over all rows of items of ``WARM_ITEMS`` lengths (with
+    its backward to the rows when ``backward``, else on rows that need no gradient; and under
+    ``torch.no_grad``: activation checkpointing's first pass, evaluation), on this rank's weight
+    shards without collectives (``WholeRows``): the attention call its rows make on this rank."""
+    norm = next(m for m in block.modules() if isinstance(m, nn.LayerNorm))  # a pre-norm layer's first
+    for sizes in WARM_ITEMS:
+        spans = torch.tensor(sizes)
+        rows = torch.randn(sum(sizes), norm.normalized_shape[0], device=device, dtype=norm.weight.dtype)
+        if backward:
+            rows.requires_grad_()
+            out = block.sliced(rows, spans, WholeRows)
+            torch.autograd.grad(out, rows, torch.ones_like(out))  # the rows only: no weight gradient
+        else:  # a stage that runs no backward: its inputs need no gradient
+            block.sliced(rows, spans, WholeRows)
+        with torch.no_grad():
+            block.sliced(rows.detach(), spans, WholeRows)
+
+
+def warm_up_items(stage: nn.Module, device: torch.device, backward: bool = True) -> int:
+    """Compile the item attention of every encoder block in ``stage`` (``packed_items``) before the
+    first step; the number of blocks run. A no-op (0) off CUDA, where items attend per length."""
+    if device.type != "cuda":
+        return 0
+    blocks = [m for m in stage.modules() if getattr(m, "packed_items", False)]
+    for block in blocks:
+        exercise_items(block, device, backward)
+    return len(blocks)

@@ -77,13 +77,17 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
 
 
-def doc_mask_mod(runs: torch.Tensor) -> Callable:
-    """flex attention's mask_mod over ``doc_runs``: query q may attend key kv of its own run, kv <= q."""
+def doc_mask_mod(runs: torch.Tensor, causal: bool = True) -> Callable:
+    """flex attention's mask_mod over ``doc_runs``: query q may attend key kv of its own run, kv <= q
+    (``causal``; else any key of its run: an encoder's packed items)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (runs[b, q_idx] == runs[b, kv_idx]) & (q_idx >= kv_idx)
 
-    return mask_mod
+    def same_run(b, h, q_idx, kv_idx):
+        return runs[b, q_idx] == runs[b, kv_idx]
+
+    return mask_mod if causal else same_run
 
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +97,7 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
-def doc_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
+def doc_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK, causal: bool = True) -> BlockMask:
     """flex attention's block mask of ``doc_mask_mod`` for [B, S] ``doc_ids``, built from each
     block's first and last run (B x blocks^2 work, no [S, S] mask as ``create_block_mask`` makes)."""
     b, s = doc_ids.shape
@@ -101,29 +105,33 @@ def doc_block_mask(doc_ids: torch.Tensor, block: int = FLEX_BLOCK) -> BlockMask:
     n = -(-s // block)
     # Positions past S form a run of their own (run indices stay below S), so no last block is full.
     ends = F.pad(runs, (0, n * block - s), value=s).view(b, n, block)
-    first, last = ends[..., 0], ends[..., -1]
-    i = torch.arange(n, device=doc_ids.device)
-    below = (i[:, None] > i[None, :]).expand(b, n, n)  # [B, q block, kv block]: kv block before q block
-    # Runs ascend along a row: kv block j < q block i share a run iff j's last run is i's first,
-    # and every pair is allowed iff j's first run is i's last (one run covers both blocks).
-    full = below & (first[:, None, :] == last[:, :, None])
-    some = (below & (last[:, None, :] == first[:, :, None])) | (i[:, None] == i[None, :])
+    # [B, q block i, kv block j]; runs ascend along a row, so each block spans the runs first..last.
+    first_q, last_q = ends[..., 0, None], ends[..., -1, None]
+    first_kv, last_kv = ends[:, None, :, 0], ends[:, None, :, -1]
+    # Every pair is allowed iff one run covers both blocks.
+    full = (first_kv == last_q) & (first_q == last_kv)
+    some = (first_kv <= last_q) & (first_q <= last_kv)  # they share a run
+    if causal:  # and only kv blocks up to the q block: before it (full or partial), or itself (partial)
+        i = torch.arange(n, device=doc_ids.device)
+        below = i[:, None] > i[None, :]
+        full, some = full & below, (some & below) | (i[:, None] == i[None, :])
     partial = some & ~full
     kv_num, kv_idx = _ordered(partial.unsqueeze(1))
     full_num, full_idx = _ordered(full.unsqueeze(1))
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
-                                    mask_mod=doc_mask_mod(runs), seq_lengths=(s, s))
+                                    mask_mod=doc_mask_mod(runs, causal), seq_lengths=(s, s))
 
 
-_FLEX: Callable | None = None
+_FLEX: dict[bool, Callable] = {}
 
 
-def flex_kernel() -> Callable:
-    """``flex_attention`` compiled once for the process (uncompiled it materialises the scores)."""
-    global _FLEX
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
+def flex_kernel(dynamic: bool = False) -> Callable:
+    """``flex_attention`` compiled once for the process (uncompiled it materialises the scores);
+    ``dynamic``: for lengths that change every microbatch (an encoder's packed items), one graph
+    for all of them instead of one per length."""
+    if dynamic not in _FLEX:
+        _FLEX[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+    return _FLEX[dynamic]
 
 
 def doc_attention_path(choice: str, device: torch.device) -> str:

@@ -40,7 +40,7 @@ from disttrain_ds.data.host_read import (
 from disttrain_ds.data.spool import default_base, host_key, plan_shares
 from disttrain_ds.errors import ConfigError
 from disttrain_ds.estimate.memory_check import startup_memory_problem
-from disttrain_ds.mllm.flex_warmup import warm_up_stage
+from disttrain_ds.mllm.flex_warmup import warm_up_items, warm_up_stage
 from disttrain_ds.models.channels_last import to_channels_last
 from disttrain_ds.models.compiled import compile_enabled, compile_layers
 from disttrain_ds.models.configs import trains
@@ -349,6 +349,7 @@ def _train(job: JobStart) -> int:
     for length in range(recipe.data.seq_len, longest_seq(recipe.data) + 1, recipe.data.seq_len):
         warm_up_stage(pm, batch=slot // grid.dp, seq_len=length, device=device, tp=grid.tp, sp=grid.sp,
                       backward=place.backward)
+    warm_up_items(pm, device, backward=place.backward)  # encoder blocks' attention over packed items
 
     ckpt = Checkpointer(recipe, engine, grid.name, rank, world, meta_group, log=log)
     start = 0

@@ -29,7 +29,7 @@ def test_warm_up_compiles_and_the_first_real_calls_do_not_recompile(monkeypatch,
     from disttrain_ds.families.llama.model import LlmBlock
 
     torch._dynamo.reset()
-    monkeypatch.setattr(doc_mask, "_FLEX", None)  # a fresh compiled kernel for this test
+    monkeypatch.setattr(doc_mask, "_FLEX", {})  # a fresh compiled kernel for this test
     counters.clear()
     cfg = LLMConfig(hidden_size=256, heads=4, kv_heads=2, ffn_hidden=512, layers=1, vocab_size=32, doc_attention="flex")
     block = LlmBlock(cfg, 0).cuda().to(dtype)

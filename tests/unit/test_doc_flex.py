@@ -55,11 +55,12 @@ def test_the_mask_mod_is_the_document_mask_element_by_element(lens, s):
     assert not torch.equal(direct, (q >= kv).expand_as(direct))
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "items"])
 @pytest.mark.parametrize("lens,s", LAYOUTS)
-def test_the_block_mask_equals_flex_attentions_own_from_the_full_mask(lens, s):
+def test_the_block_mask_equals_flex_attentions_own_from_the_full_mask(lens, s, causal):
     docs = _docs(lens, s)
-    ours = doc_block_mask(docs, 4)
-    ref = create_block_mask(doc_mask_mod(doc_runs(docs)), len(lens), None, s, s, device="cpu", BLOCK_SIZE=4)
+    ours = doc_block_mask(docs, 4, causal)
+    ref = create_block_mask(doc_mask_mod(doc_runs(docs), causal), len(lens), None, s, s, device="cpu", BLOCK_SIZE=4)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         a, b = getattr(ours, name), getattr(ref, name)
@@ -71,7 +72,7 @@ def test_the_block_mask_equals_flex_attentions_own_from_the_full_mask(lens, s):
 
 def test_flex_forward_on_cpu_equals_the_spans_and_the_masked_sdpa(monkeypatch):
     # Compiling flex on CPU takes minutes; eager flex runs the same block mask (forward only on CPU).
-    monkeypatch.setattr(doc_mask, "_FLEX", flex_attention)
+    monkeypatch.setattr(doc_mask, "_FLEX", {False: flex_attention, True: flex_attention})
     g = torch.Generator().manual_seed(1)
     docs = _docs([(5, 3, 5), (2, 14)], 16)
     q = torch.randn(2, 4, 16, 8, generator=g)

@@ -8,12 +8,14 @@ import dataclasses
 
 import pytest
 import torch
+from tp_seq_vit_cases import MIXED, encoder_defs  # tests/ is on sys.path under pytest
 
 from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.families.llama.model import LlmBlock
 from disttrain_ds.mllm import flex_warmup
-from disttrain_ds.mllm.flex_warmup import FlexShape, exercise, flex_shapes, warm_up_stage
-from disttrain_ds.models import doc_mask
+from disttrain_ds.mllm.flex_warmup import FlexShape, exercise, exercise_items, flex_shapes, warm_up_items, warm_up_stage
+from disttrain_ds.models import doc_mask, packed_tp
+from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.samples import doc_ids
 
 CFG = LLMConfig(hidden_size=64, heads=4, kv_heads=2, ffn_hidden=128, layers=2, vocab_size=32, doc_attention="flex")
@@ -36,7 +38,7 @@ class Recorder:
 @pytest.fixture
 def kernel(monkeypatch) -> Recorder:
     rec = Recorder()
-    monkeypatch.setattr(doc_mask, "_FLEX", rec)
+    monkeypatch.setattr(doc_mask, "_FLEX", {False: rec, True: rec})
     return rec
 
 
@@ -44,7 +46,7 @@ def test_warm_up_is_a_no_op_off_cuda(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("flex compiled on CPU")
 
-    monkeypatch.setattr(doc_mask, "_FLEX", never)
+    monkeypatch.setattr(doc_mask, "_FLEX", {False: never, True: never})
     monkeypatch.setattr(flex_warmup, "exercise", never)
     stage = torch.nn.Sequential(LlmBlock(CFG, 0), LlmBlock(CFG, 1))
     assert warm_up_stage(stage, batch=2, seq_len=256, device=torch.device("cpu")) == 0
@@ -102,3 +104,38 @@ def test_a_stage_without_backward_warms_the_forward_without_gradients(kernel):
     first, second = kernel.calls
     assert first["grad_mode"] and not any(r for *_, r in first["qkv"]) and not first["enable_gqa"]
     assert not second["grad_mode"]
+
+
+def _vit_block() -> torch.nn.Module:
+    return encoder_defs("vit")[1].build()  # the two-block test ViT's first block
+
+
+def _signature(call: dict) -> dict:
+    """A kernel call without its row count: layout (strides past the first), dtype, grad, scale."""
+    return {"qkv": [(shape[1], shape[3], stride[1:], dtype, grad) for shape, stride, dtype, grad in call["qkv"]],
+            "grad_mode": call["grad_mode"], "scale": call["scale"], "enable_gqa": call["enable_gqa"],
+            "block": call["block"]}
+
+
+def test_the_item_warm_up_makes_the_encoder_blocks_own_flex_calls(kernel, monkeypatch):
+    block = _vit_block()
+    monkeypatch.setattr(packed_tp, "items_path", lambda sizes, dropout, device: "flex")  # flex, as on CUDA
+    monkeypatch.setattr(packed_tp, "varlen_items", lambda hidden, sizes: True)
+    flat, hw = pack_images([torch.randn(3, s, s) for s in MIXED])
+    hidden, counts = encoder_defs("vit")[0].build()((flat, hw))
+    block((hidden, counts))
+    real = kernel.calls.pop()
+    exercise_items(block, torch.device("cpu"))
+    calls = kernel.calls
+    assert [c["seq_lengths"] for c in calls] == [(100, 100)] * 2 + [(257, 257)] * 2  # WARM_ITEMS, both grad modes
+    assert _signature(calls[0]) == _signature(real) and real["qkv"][0][3]  # heads, layout, dtype, scale, grad
+    assert _signature(calls[0])["qkv"][0][:2] == (4, 8) and calls[0]["scale"] == 8 ** -0.5
+    assert not calls[1]["grad_mode"] and calls[2]["grad_mode"] and not calls[3]["grad_mode"]
+
+
+def test_the_item_warm_up_runs_every_encoder_block_on_cuda_and_nothing_elsewhere(monkeypatch):
+    seen = []
+    monkeypatch.setattr(flex_warmup, "exercise_items", lambda block, device, backward: seen.append(backward))
+    stage = torch.nn.Sequential(*[d.build() for d in encoder_defs("vit")], LlmBlock(CFG, 0))
+    assert warm_up_items(stage, torch.device("cpu")) == 0 and seen == []
+    assert warm_up_items(stage, torch.device("cuda"), backward=False) == 2 and seen == [False, False]

@@ -31,9 +31,8 @@ from disttrain_ds.families.base import BuildContext
 from disttrain_ds.families.clip.config import VisionTowerConfig, run_layers
 from disttrain_ds.families.clip.sharded import tower_layer
 from disttrain_ds.models.layers import LayerDef, SlicedLayer, layer_seed, seeded
-from disttrain_ds.models.packed import per_item
 from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
-from disttrain_ds.models.packed_tp import on_slices
+from disttrain_ds.models.packed_tp import on_items, on_slices
 from disttrain_ds.models.pixels import embed_by_size
 
 
@@ -112,6 +111,7 @@ class TowerBlock(nn.Module):
     """(hidden, counts) -> (hidden, counts): one tower layer, attention within each image."""
 
     tp_seq_region = True  # on slices: replicated weights' gradients summed over TP
+    packed_items = True  # its written-out forward attends packed items: flex warmed up before step 1
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -122,8 +122,9 @@ class TowerBlock(nn.Module):
 
     def compile_targets(self) -> list[nn.Module]:
         # Items grouped by length on the host, outside the graph; on slices the collectives run
-        # between the layer's modules, so the sliced forward is compiled instead.
-        return [self.sliced if self.tp_seq is not None else self.layer]
+        # between the layer's modules, and items of mixed lengths on CUDA attend in one flex call
+        # between them, so the written-out forward is compiled there (``on_items``).
+        return [self.sliced] if self.tp_seq is not None else [self.layer, self.sliced]
 
     def forward(self, inputs):
         hidden, counts = inputs
@@ -131,7 +132,7 @@ class TowerBlock(nn.Module):
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         if self.tp_seq is not None:
             return on_slices(self.sliced, hidden, counts, self.tp_seq), counts
-        return per_item(lambda x: self.layer(x, attention_mask=None), hidden, counts), counts
+        return on_items(self.sliced, lambda x: self.layer(x, attention_mask=None), hidden, counts), counts
 
 
 class TowerHead(nn.Module):

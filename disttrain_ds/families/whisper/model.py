@@ -37,7 +37,7 @@ from disttrain_ds.families.whisper.sharded import whisper_layer
 from disttrain_ds.models.layers import LayerDef, SlicedLayer, layer_seed, seeded
 from disttrain_ds.models.packed import by_length, pack_clips, per_item, unpack_clips  # noqa: F401 (pack_clips: callers' import path)
 from disttrain_ds.models.packed_sp import gather_rows, shard_rows, sp_layer
-from disttrain_ds.models.packed_tp import on_slices
+from disttrain_ds.models.packed_tp import on_items, on_slices
 
 
 def hf_config(cfg: AudioEncoderConfig) -> WhisperConfig:
@@ -154,6 +154,7 @@ class WhisperBlock(nn.Module):
     """(hidden, counts) -> (hidden, counts): one WhisperEncoderLayer, attention per clip."""
 
     tp_seq_region = True  # on slices: replicated weights' gradients summed over TP
+    packed_items = True  # its written-out forward attends packed items: flex warmed up before step 1
 
     def __init__(self, layer: WhisperEncoderLayer):
         super().__init__()
@@ -164,8 +165,9 @@ class WhisperBlock(nn.Module):
 
     def compile_targets(self) -> list[nn.Module]:
         # Items grouped by length on the host, outside the graph; on slices the collectives run
-        # between the layer's modules, so the sliced forward is compiled instead.
-        return [self.sliced if self.tp_seq is not None else self.layer]
+        # between the layer's modules, and items of mixed lengths on CUDA attend in one flex call
+        # between them, so the written-out forward is compiled there (``on_items``).
+        return [self.sliced] if self.tp_seq is not None else [self.layer, self.sliced]
 
     def forward(self, inputs):
         hidden, counts = inputs
@@ -173,7 +175,7 @@ class WhisperBlock(nn.Module):
             return sp_layer(self.layer, hidden, counts, self.seq_parallel), counts
         if self.tp_seq is not None:
             return on_slices(self.sliced, hidden, counts, self.tp_seq), counts
-        return per_item(lambda batch: self.layer(batch, None), hidden, counts), counts
+        return on_items(self.sliced, lambda batch: self.layer(batch, None), hidden, counts), counts
 
 
 class WhisperHead(nn.Module):
