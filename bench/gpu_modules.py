@@ -11,7 +11,10 @@ SwiGLU 5632, vocab 32000); ``llm7b`` / ``llm13b`` stacks of ``--llm-layers`` dec
 Llama-7B / -13B (width 4096 / 5120; the paper's MLLM-9B and -15B backbones; a stack is one
 pipeline stage's share, with the embedding and the LM head) on ``--seq-len`` tokens packed from
 ``--docs`` documents; ``vit`` / ``vit448`` the ViT-H/14 encoder preset with its input projector
-on 224 / 448 px images; ``unet512`` / ``unet1024`` the SD-2.1-like generator preset with its
+on 224 / 448 px images; ``vitmix`` the same on images of 224, 336 and 448 px in turn, their items of
+three lengths in one variable-length batch (on CUDA: GEMMs over all rows, one flex attention call),
+and ``vitmix_groups`` the same images through the library's layer per image size (what runs off
+CUDA), side by side; ``unet512`` / ``unet1024`` the SD-2.1-like generator preset with its
 output projector on 64x64 / 128x128 latents (512 / 1024 px images).
 
 Precision and optimizer: bf16 weights and compute; by default bf16 gradients and AdamW moments
@@ -65,14 +68,15 @@ from disttrain_ds.models.layers import Sequential  # noqa: E402
 # The model modules pull in transformers / diffusers (seconds to import): each case imports its
 # own when built, so a skipped run or an LLM-only run does not pay for the others.
 
-MODULES = ("llm", "llm7b", "llm13b", "vit", "vit448", "unet512", "unet1024")
+MODULES = ("llm", "llm7b", "llm13b", "vit", "vit448", "vitmix", "vitmix_groups", "unet512", "unet1024")
 LLM_1B = dict(hidden_size=2048, layers=22, heads=16, kv_heads=4, ffn_hidden=5632, vocab_size=32000, max_position=8192)
 LLM_SIZES = {"llm": LLM_1B, "llm7b": dict(LLM_PRESETS["llama-7b"], max_position=8192),
              "llm13b": dict(LLM_PRESETS["llama-13b"], max_position=8192)}
 LLM_TINY = dict(hidden_size=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, vocab_size=256, max_position=8192)
 PROJ_WIDTH = {False: 4096, True: 64}  # LLM width the projectors map to/from: MLLM-9B's llama-7b
-DEFAULT_BATCH = {False: dict(llm=1, llm7b=1, llm13b=1, vit=32, vit448=8, unet512=8, unet1024=2),
-                 True: dict(llm=1, llm7b=1, llm13b=1, vit=2, vit448=1, unet512=2, unet1024=1)}
+DEFAULT_BATCH = {False: dict(llm=1, llm7b=1, llm13b=1, vit=32, vit448=8, vitmix=12, vitmix_groups=12, unet512=8,
+                             unet1024=2),
+                 True: dict(llm=1, llm7b=1, llm13b=1, vit=2, vit448=1, vitmix=3, vitmix_groups=3, unet512=2, unet1024=1)}
 LATENT = {False: dict(unet512=64, unet1024=128), True: dict(unet512=8, unet1024=16)}
 MFU_GOALS = {"llm7b": 0.50, "vit": 0.40, "unet512": 0.30}
 """MFU (causal convention) each module should reach on the cards of ``GOAL_CARDS``."""
@@ -100,6 +104,8 @@ class Case:
     """The same with causal attention counted as L^2 pairs; None: no causal attention (the same)."""
     tokens: int = 0
     """Tokens one microbatch trains on (LLMs; 0 elsewhere)."""
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """Entered around every step (a path the case compares against)."""
 
 
 @dataclass
@@ -166,6 +172,18 @@ def llm_case(name: str, tiny: bool, seq_len: int, batch: int, docs: int = 1, doc
                 lambda: flops(causal=False), batch * seq_len)
 
 
+def _per_size():
+    """Items of mixed lengths through the library's layer per length (``on_items`` off CUDA)."""
+    from disttrain_ds.models import packed_tp
+
+    saved = packed_tp.varlen_items
+    packed_tp.varlen_items = lambda hidden, sizes: False
+    try:
+        yield
+    finally:
+        packed_tp.varlen_items = saved
+
+
 def vit_case(name: str, tiny: bool, batch: int) -> Case:
     from disttrain_ds.families import BuildContext
     from disttrain_ds.families.vit.model import encoder_layers
@@ -175,24 +193,30 @@ def vit_case(name: str, tiny: bool, batch: int) -> Case:
     cfg = EncoderConfig() if tiny else EncoderConfig(preset="vit-h-14", **ENCODER_PRESETS["vit-h-14"])
     if name == "vit448":
         cfg = replace(cfg, image_size=cfg.image_size * 2)
-    width, side = PROJ_WIDTH[tiny], cfg.image_size
-    patches = (side // cfg.patch_size) ** 2
+    width, p = PROJ_WIDTH[tiny], cfg.patch_size
+    # vitmix: 1, 1.5 and 2 times the preset's side in turn (224, 336, 448 px for ViT-H/14).
+    sides = [cfg.image_size * (2 + i % 3) // 2 // p * p if name.startswith("vitmix") else cfg.image_size
+             for i in range(batch)]
+    patches = [(side // p) ** 2 for side in sides]
 
     def inputs(device, dtype):
         g = torch.Generator().manual_seed(0)
-        flat, hw = pack_images([torch.randn(3, side, side, generator=g) for _ in range(batch)])
+        flat, hw = pack_images([torch.randn(3, side, side, generator=g) for side in sides])
         return (flat.to(device, dtype), hw.to(device)), None
 
     def flops() -> float:
         enc = vit_flops(layers=cfg.layers, hidden=cfg.hidden_size, ffn_hidden=cfg.ffn_hidden,
-                        patches_per_image=[patches] * batch, patch_size=cfg.patch_size)
+                        patches_per_image=patches, patch_size=p)
         proj = projector_flops_per_token(in_dim=cfg.hidden_size, hidden_dim=width, out_dim=width)
-        return enc + proj * patches * batch
+        return enc + proj * sum(patches)
 
-    return Case(name, f"{batch} x {side}px ({patches} patches)",
+    shape = (f"{batch} x {sides[0]}px ({patches[0]} patches)" if len(set(sides)) == 1 else
+             f"{batch} images of {'/'.join(str(s) for s in sorted(set(sides)))}px ({sum(patches)} patches)")
+    return Case(name, shape,
                 lambda: [*(d.build() for d in encoder_layers(cfg, BuildContext("encoder", 0, width))),
                          InputProjector(cfg.hidden_size, width)],
-                inputs, lambda out, _: out.float().square().mean(), flops)
+                inputs, lambda out, _: out.float().square().mean(), flops,
+                context=contextlib.contextmanager(_per_size) if name == "vitmix_groups" else contextlib.nullcontext)
 
 
 def unet_case(name: str, tiny: bool, batch: int) -> Case:
@@ -287,7 +311,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, steps: int, w
     res.params = sum(p.numel() for p in model.parameters())
 
     def step() -> None:
-        with _attention(backend):
+        with _attention(backend), case.context():
             train_batch()
 
     measure = timer(device)

@@ -7,6 +7,7 @@
 #      microbatches): Llama-7B layers at 8K packed, ViT-H/14 224 px, SD-2.1 U-Net 512 px   ~3 min
 #   3. the same eager (what compiling gains)                                               ~2 min
 #   4. the 13B layers, ViT-H at 448 px, 8K of 4 documents (flex), compiled                 ~2 min
+#   5. ViT-H on images of 224 / 336 / 448 px: one variable-length batch against per size  ~1.5 min
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -29,4 +30,6 @@ step "modules eager" 100 $PY bench/gpu_modules.py --modules llm7b,vit,unet512 "$
     --json "$OUT/modules_eager.json"
 step "larger shapes" 100 $PY bench/gpu_modules.py --modules llm13b,vit448 --docs 4 "${MODS[@]}" --compile \
     --json "$OUT/modules_larger.json"
+step "mixed image sizes" 90 $PY bench/gpu_modules.py --modules vitmix,vitmix_groups "${MODS[@]}" --compile \
+    --json "$OUT/modules_mixed.json"
 $PY bench/gpu_session_table.py "$OUT"

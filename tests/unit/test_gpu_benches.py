@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from disttrain_ds.models import packed_tp
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
@@ -85,7 +87,20 @@ def test_module_bench_tiny_cpu_smoke_trains_llm_and_vit_bare_and_through_the_eng
 
 @pytest.mark.slow
 def test_module_bench_tiny_cpu_smoke_runs_every_module(tmp_path):
-    _module_smoke(tmp_path, "llm,llm13b,vit448,unet512,unet1024")
+    _module_smoke(tmp_path, "llm,llm13b,vit448,vitmix,vitmix_groups,unet512,unet1024")
+
+
+def test_the_mixed_size_vit_rows_cycle_three_sides_and_one_runs_the_library_layer_per_size():
+    mods = _load("gpu_modules")
+    mix, groups = mods.build_cases(["vitmix", "vitmix_groups"], False, 8192, {"vitmix": 6, "vitmix_groups": 6})
+    assert mix.shape == groups.shape == "6 images of 224/336/448px (3712 patches)"  # ViT-H/14: 256 + 576 + 1024, twice
+    rows = type("Rows", (), {"is_cuda": True})()  # what the choice reads of a CUDA tensor
+    assert packed_tp.varlen_items(rows, [256, 576])  # one variable-length batch on CUDA...
+    with groups.context():
+        assert not packed_tp.varlen_items(rows, [256, 576])  # ...or per size, for the comparison row
+    with mix.context():
+        assert packed_tp.varlen_items(rows, [256, 576])
+    assert packed_tp.varlen_items(rows, [256, 576])  # restored
 
 
 def _check_comm_json(data: dict, world: int) -> None:
