@@ -38,10 +38,11 @@ def _resnet(cin: int, cout: int, pixels: int, b: int) -> float:
     return (3 * cin + 3 * cout) * pixels * b
 
 
-def _transformer(c: int, pixels: int, cond: int, cross: int, b: int) -> float:
+def _transformer(c: int, pixels: int, cond: int, cross: int, heads: int, b: int) -> float:
     """A diffusers Transformer2DModel with one BasicTransformerBlock (self-, cross-attention, GEGLU)."""
     per_pixel = 2 + 6 + 4 + 18 + 1  # norm+proj_in, self-attention, cross-attention, GEGLU FF, proj_out
-    return per_pixel * c * pixels * b + 3 * cross * cond * b
+    # ... and both attentions' float32 log-sum-exp per head and query
+    return per_pixel * c * pixels * b + 2 * heads * FP32 * pixels + 3 * cross * cond * b
 
 
 def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape, b: int) -> LayerBytes:
@@ -52,8 +53,11 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
     def px(level: int) -> int:
         return (r // 2**level) ** 2
 
+    def heads(level: int) -> int:  # diffusers' U-Net reads attention_head_dim as heads per level
+        return cfg.attention_head_dim[level]
+
     def attn(c: int, level: int, kind: str) -> float:
-        return _transformer(c, px(level), k, cross, b) if "CrossAttn" in kind else 0.0
+        return _transformer(c, px(level), k, cross, heads(level), b) if "CrossAttn" in kind else 0.0
 
     def on_slices(c: int, level: int, kind: str) -> float:
         # A transformer model on sequence slices keeps its GroupNorm's and projections' inputs, and
@@ -61,10 +65,14 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
         # (tests/unit/test_memory_sliced.py).
         return (6 * c * b + 6 * FP32) * px(level) if "CrossAttn" in kind else 0.0
 
-    def split(cout: int, level: int, resnets: int) -> float:
-        # TP splits a ResNet's second half (the GroupNorm, SiLU and conv2 inputs); the transformers'
-        # split parts are not counted, so a sharded U-Net's estimate stays an upper bound.
-        return resnets * 3 * cout * px(level) * b
+    def split(cout: int, level: int, resnets: int, transformers: int) -> float:
+        # TP splits a ResNet's second half (the GroupNorm, SiLU and conv2 inputs) and, per
+        # transformer block, what its column-parallel linears make: self-attention's q, k, v and
+        # output, cross-attention's q and output (per pixel) and keys and values of the condition,
+        # the GEGLU's projection, GELU and product, and the attentions' log-sum-exp per head
+        # (tests/unit/test_memory_sliced.py).
+        per_transformer = (22 * cout * px(level) + 2 * k * cout) * b + 2 * heads(level) * FP32 * px(level)
+        return resnets * 3 * cout * px(level) * b + transformers * per_transformer
 
     cond = k * cross + 4 * ch[0]  # conditioning and time embedding travel with every U-Net layer
     skips = [ch[0] * px(0)]
@@ -74,7 +82,7 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
     for i, kind in enumerate(cfg.down_block_types):
         cin, cout, total = ch[max(i - 1, 0)], ch[i], 0.0
         sliced.append(lpb * on_slices(cout, i, kind))
-        sharded.append(split(cout, i, lpb))
+        sharded.append(split(cout, i, lpb, lpb * ("CrossAttn" in kind)))
         for j in range(lpb):
             total += _resnet(cin if j == 0 else cout, cout, px(i), b) + attn(cout, i, kind)
             skips.append(cout * px(i))
@@ -86,14 +94,14 @@ def activation_layers(cfg: GeneratorConfig, llm_hidden: int, shape: SampleShape,
     c = ch[-1]
     saved.append(2 * _resnet(c, c, px(n - 1), b) + attn(c, n - 1, "CrossAttn"))
     sliced.append(on_slices(c, n - 1, "CrossAttn"))
-    sharded.append(split(c, n - 1, 2))
+    sharded.append(split(c, n - 1, 2, 1))
     outputs.append(outputs[-1])
     rev, prev = list(reversed(ch)), ch[-1]
     for i, kind in enumerate(cfg.up_block_types):
         level, cout, cin = n - 1 - i, rev[i], rev[min(i + 1, n - 1)]
         total = 0.0
         sliced.append((lpb + 1) * on_slices(cout, level, kind))
-        sharded.append(split(cout, level, lpb + 1))
+        sharded.append(split(cout, level, lpb + 1, (lpb + 1) * ("CrossAttn" in kind)))
         for j in range(lpb + 1):
             skip = cin if j == lpb else cout
             total += _resnet((prev if j == 0 else cout) + skip, cout, px(level), b) + attn(cout, level, kind)
