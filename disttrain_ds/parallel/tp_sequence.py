@@ -100,6 +100,22 @@ class _Moments(torch.autograd.Function):
         return (g_mean[:, None, :, None] / n + 2 * g_m2[:, None, :, None] * dev).to(x.dtype)
 
 
+class _ScaleShift(torch.autograd.Function):
+    """[B, s, C] rows x -> x * scale + shift in float32, cast back to x's dtype (scale, shift:
+    [B, 1, C] float32); keeps x and scale for backward, no float32 copy of x."""
+
+    @staticmethod
+    def forward(ctx, x, scale, shift):
+        ctx.save_for_backward(x, scale)
+        return (x.float() * scale + shift).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        g = grad.float()
+        return (g * scale).to(x.dtype), (g * x.float()).sum(dim=1, keepdim=True), g.sum(dim=1, keepdim=True)
+
+
 @dataclass(frozen=True)
 class TPSeqContext:
     """Sequence-sharded tensor parallelism for one TP group (see the module docstring)."""
@@ -201,8 +217,8 @@ class TPSeqContext:
         shift = -mu[..., None] * scale
         if norm.affine:
             shift = shift + norm.bias.float().view(g, c // g)
-        # x * scale + shift: the one full-size tensor kept for backward is the input (kept already).
-        return (part.float() * scale.reshape(b, 1, c) + shift.reshape(b, 1, c)).to(part.dtype)
+        # The one full-size tensor kept for backward is the input, kept by the moments already.
+        return _ScaleShift.apply(part, scale.reshape(b, 1, c), shift.reshape(b, 1, c))
 
     def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A replicated parameter's gradient from this rank's tokens -> the sum over the TP group."""

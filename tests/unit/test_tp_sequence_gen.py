@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.models.attention import BasicTransformerBlock
 from rank_pool import run_ranks  # tests/ is on sys.path under pytest
+from saved_bytes import saved_bytes
 from test_tp_sequence import REPO, tp_overlap_on
 from tp_seq_cases import WORLD
 from tp_seq_gen_cases import CASES, generator_case
@@ -137,6 +138,24 @@ def test_group_norm_on_token_slices_normalises_by_whole_images_as_precisely_as_t
         for ours, library in zip(got["ours"], got["library"]):
             assert ours < 4 * library + 1e-6, got
         assert got["local"] > 1e-2  # control: the slice's own statistics are not the image's
+
+
+def _group_norm_saved(rank: int, group) -> dict:
+    """Bytes kept for backward by a bfloat16 GroupNorm on this rank's slice of 512 tokens and by the
+    library's kernel on the same slice (its own statistics: the same tensors' sizes)."""
+    part = torch.randn(2, 256, 32, dtype=torch.bfloat16, requires_grad=True)
+    norm = torch.nn.GroupNorm(8, 32).to(torch.bfloat16)
+    ours, _ = saved_bytes(norm, lambda: TPSeqContext(TPContext(group, rank, WORLD, 0)).group_norm(part, norm))
+    library, _ = saved_bytes(norm, lambda: norm(part.transpose(1, 2)))
+    return {"ours": ours, "library": library, "input": part.numel() * part.element_size()}
+
+
+def test_group_norm_on_token_slices_keeps_its_bfloat16_input_and_no_float32_copy_for_backward():
+    for got in run_ranks(_group_norm_saved, WORLD).values():
+        assert got["library"] >= got["input"]  # the library keeps its input (and [B, G] statistics)
+        # ...and so do the slices, plus a few float32 per-channel vectors; a float32 copy of the
+        # input (twice its bytes) would fail here.
+        assert got["ours"] - got["library"] <= 8 * 2 * 32 * 4 < got["input"] // 4, got
 
 
 def _two_gen(*overrides: str):
