@@ -12,7 +12,7 @@ Llama-7B / -13B (width 4096 / 5120; the paper's MLLM-9B and -15B backbones; a st
 pipeline stage's share, with the embedding and the LM head) on ``--seq-len`` tokens packed from
 ``--docs`` documents; ``vit`` / ``vit448`` the ViT-H/14 encoder preset with its input projector
 on 224 / 448 px images; ``vitmix`` the same on images of 224, 336 and 448 px in turn, their items of
-three lengths in one variable-length batch (on CUDA: GEMMs over all rows, one flex attention call),
+three lengths in one variable-length batch (on CUDA: GEMMs over all rows, one varlen flash attention call),
 and ``vitmix_groups`` the same images through the library's layer per image size (what runs off
 CUDA), side by side; ``unet512`` / ``unet1024`` the SD-2.1-like generator preset with its
 output projector on 64x64 / 128x128 latents (512 / 1024 px images).

@@ -107,15 +107,18 @@ def _inputs(family: str, sides: tuple[int, ...], device: str):
     return flat.to(device), hw.to(device), weight.to(device)
 
 
-def whole_rows_case(family: str, sides: tuple[int, ...], device: str = "cpu", one_item: bool = False) -> dict:
+def whole_rows_case(family: str, sides: tuple[int, ...], device: str = "cpu", one_item: bool = False,
+                    dtype: torch.dtype = torch.float32) -> dict:
     """The encoder without TP with its blocks written out over all packed rows at once
     (``WholeRows``), against the library's layers run per item length: on the CPU each block's
     written-out forward called directly (attention per length), on CUDA the block itself
     (``on_items``: attention in one flex call); ``one_item``: the control, every row attending to
-    every other as if the rows were one item."""
+    every other as if the rows were one item; ``dtype``: the layers' and inputs' (on CUDA bfloat16
+    attends through varlen flash attention, float32 through flex)."""
     defs = encoder_defs(family)
     flat, hw, weight = _inputs(family, sides, device)
-    ref = [d.build().to(device) for d in defs]
+    flat, weight = flat.to(dtype), weight.to(dtype)
+    ref = [d.build().to(device, dtype) for d in defs]
     per_length = packed_tp.varlen_items
     packed_tp.varlen_items = lambda hidden, sizes: False  # the reference: the library's layer per length
     try:
@@ -124,7 +127,7 @@ def whole_rows_case(family: str, sides: tuple[int, ...], device: str = "cpu", on
         packed_tp.varlen_items = per_length
     ref_loss.backward()
 
-    ours = [d.build().to(device) for d in defs]
+    ours = [d.build().to(device, dtype) for d in defs]
     x = (flat, hw)
     for layer in ours:
         if hasattr(layer, "sliced") and (device == "cpu" or one_item):  # a block, written out

@@ -8,10 +8,11 @@ and a backward through ``doc_attention`` (the LLM blocks' own path) on dummy ten
 blocks will pass them, so the first real call finds its graphs compiled. Off CUDA nothing happens:
 document attention there takes the per-span path (flex has no backward on CPU).
 
-Encoder blocks attend packed items of mixed lengths through flex on CUDA too (``models/packed_tp.py``,
-a kernel compiled for dynamic lengths): ``warm_up_items`` runs each such block's written-out forward
-and backward on dummy rows of two items, so the kernel (and, under ``train.compile``, the block's
-own graphs) is compiled before the first step as well.
+Encoder blocks attend packed items of mixed lengths in one call on CUDA (``models/item_attention.py``:
+flex compiled for dynamic lengths in float32, varlen flash attention in half precision):
+``warm_up_items`` runs each such block's written-out forward and backward on dummy rows of two
+items, so the flex kernel and, under ``train.compile``, the block's own graphs are compiled before
+the first step as well.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ layer's modules onto ``pre_norm_layer`` (``families/<family>/sharded.py``); its 
 through ``on_slices``.
 
 Without TP the same written-out layer serves items of different lengths on CUDA (``on_items``): its
-GEMMs over all packed rows at once (``WholeRows``) and one variable-length attention call, compiled
-flex attention under a block mask of the items (``attend_items``), so no item is copied out or back;
-items all of one length, and every layer off CUDA, run the library's layer per length (``per_item``).
+GEMMs over all packed rows at once (``WholeRows``) and one variable-length attention call
+(``models/item_attention.py``), so no item is copied out or back; items all of one length, and every
+layer off CUDA, run the library's layer per length (``per_item``).
 """
 
 from __future__ import annotations
@@ -23,67 +23,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
 
-from disttrain_ds.models.doc_mask import doc_block_mask, flex_kernel
+from disttrain_ds.models.item_attention import attend_items
 from disttrain_ds.models.packed import host_sizes, per_item
 from disttrain_ds.models.packed_sp import item_spans
-
-
-def items_path(sizes: list[int], dropout: float, device: torch.device) -> str:
-    """How ``attend_items`` attends: "flex" (one variable-length call) on CUDA where the items'
-    lengths differ and no attention dropout is asked for (flex has none); else "groups" (SDPA per
-    length, no copy where every item has one length; flex has no backward off CUDA)."""
-    return "flex" if device.type == "cuda" and not dropout and len(set(sizes)) > 1 else "groups"
-
-
-_ITEM_BLOCKS: tuple = ()
-"""(item lengths, device, the block mask) of the last microbatch attended through flex."""
-
-
-def item_block_mask(sizes: list[int], device: torch.device) -> BlockMask:
-    """flex attention's block mask for packed items of ``sizes`` rows (each row attends to every row
-    of its own item), built once per microbatch: every block of a stage attends the same items."""
-    global _ITEM_BLOCKS
-    if not (_ITEM_BLOCKS and _ITEM_BLOCKS[0] == sizes and _ITEM_BLOCKS[1] == device):
-        spans = torch.tensor(sizes, dtype=torch.long).to(device, non_blocking=True)
-        items = torch.repeat_interleave(torch.arange(len(sizes), device=device), spans, output_size=sum(sizes))
-        _ITEM_BLOCKS = (sizes, device, doc_block_mask(items[None], causal=False))
-    return _ITEM_BLOCKS[2]
-
-
-def _flex_items(qkv: torch.Tensor, sizes: list[int], head_dim: int, scale: float) -> torch.Tensor:
-    """``attend_items`` in one flex attention call over all rows, under the items' block mask."""
-    rows = qkv.shape[0]
-    q, k, v = qkv.view(1, rows, 3, -1, head_dim).permute(2, 0, 3, 1, 4)  # each [1, heads, R, d], strided
-    # The scale inside the kernel even where the library scales the queries first (``prescale``): a
-    # copy of q would change its strides, and with them the compiled graph; equal up to rounding.
-    out = flex_kernel(dynamic=True)(q, k, v, block_mask=item_block_mask(sizes, qkv.device), scale=scale)
-    return out.transpose(1, 2).reshape(rows, -1)
-
-
-@torch.compiler.disable  # host-side grouping or a separately compiled flex call: outside the block's graphs
-def attend_items(qkv: torch.Tensor, spans: torch.Tensor, head_dim: int, dropout: float, scale: float,
-                 prescale: bool = False, path: str | None = None) -> torch.Tensor:
-    """Each item's rows of ``qkv`` [R, 3 * heads * head_dim] (whole rows, this rank's heads) attending
-    within the item -> [R, heads * head_dim]; ``spans``: rows per item (on the host); ``prescale``:
-    the queries multiplied by ``scale`` before attention at scale 1 (Whisper's order of operations);
-    ``path``: "flex" or "groups" (None: ``items_path``'s choice)."""
-    sizes = spans.tolist()
-    if (path or items_path(sizes, dropout, qkv.device)) == "flex":
-        if dropout:
-            raise ValueError(f"attention over packed items through flex has no dropout, got {dropout}")
-        return _flex_items(qkv, sizes, head_dim, scale)
-
-    def attend(items: torch.Tensor) -> torch.Tensor:  # [items of one length, length, 3 * heads * d]
-        n, length, _ = items.shape
-        q, k, v = (t.reshape(n, length, -1, head_dim).transpose(1, 2) for t in items.chunk(3, dim=-1))
-        if prescale:
-            q = q * scale
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=1.0 if prescale else scale)
-        return out.transpose(1, 2).reshape(n, length, -1)
-
-    return per_item(attend, qkv, sizes)
 
 
 def pre_norm_layer(part: torch.Tensor, spans: torch.Tensor, ctx, *, norm1: nn.Module, qkv: list[nn.Module],
@@ -133,7 +76,8 @@ def on_items(sliced: Callable[..., torch.Tensor], layer: Callable[[torch.Tensor]
              hidden: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """A block's forward without TP on packed rows [R, H] of the items ``counts`` describes: on CUDA,
     where their lengths differ, the written-out layer ``sliced(hidden, spans, WholeRows)`` over all
-    rows (attention in one flex call); else the library's ``layer`` per length (``per_item``)."""
+    rows (attention in one call, ``models/item_attention.py``); else the library's ``layer`` per length
+    (``per_item``)."""
     sizes = host_sizes(counts)
     if varlen_items(hidden, sizes):
         return sliced(hidden, torch.tensor(sizes, dtype=torch.long), WholeRows)

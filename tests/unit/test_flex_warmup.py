@@ -14,7 +14,7 @@ from disttrain_ds.families.llama.config import LLMConfig
 from disttrain_ds.families.llama.model import LlmBlock
 from disttrain_ds.mllm import flex_warmup
 from disttrain_ds.mllm.flex_warmup import FlexShape, exercise, exercise_items, flex_shapes, warm_up_items, warm_up_stage
-from disttrain_ds.models import doc_mask, packed_tp
+from disttrain_ds.models import doc_mask, item_attention, packed_tp
 from disttrain_ds.models.pixels import pack_images
 from disttrain_ds.samples import doc_ids
 
@@ -119,7 +119,7 @@ def _signature(call: dict) -> dict:
 
 def test_the_item_warm_up_makes_the_encoder_blocks_own_flex_calls(kernel, monkeypatch):
     block = _vit_block()
-    monkeypatch.setattr(packed_tp, "items_path", lambda sizes, dropout, device: "flex")  # flex, as on CUDA
+    monkeypatch.setattr(item_attention, "items_path", lambda sizes, dropout, device, dtype: "flex")  # as on CUDA
     monkeypatch.setattr(packed_tp, "varlen_items", lambda hidden, sizes: True)
     flat, hw = pack_images([torch.randn(3, s, s) for s in MIXED])
     hidden, counts = encoder_defs("vit")[0].build()((flat, hw))

@@ -122,7 +122,7 @@ class TowerBlock(nn.Module):
 
     def compile_targets(self) -> list[nn.Module]:
         # Items grouped by length on the host, outside the graph; on slices the collectives run
-        # between the layer's modules, and items of mixed lengths on CUDA attend in one flex call
+        # between the layer's modules, and items of mixed lengths on CUDA attend in one call
         # between them, so the written-out forward is compiled there (``on_items``).
         return [self.sliced] if self.tp_seq is not None else [self.layer, self.sliced]
 
