@@ -10,7 +10,8 @@ that trains: ``llm`` a ~1.1B Llama backbone (22 layers, width 2048, 16 query / 4
 SwiGLU 5632, vocab 32000); ``llm7b`` / ``llm13b`` stacks of ``--llm-layers`` decoder layers of
 Llama-7B / -13B (width 4096 / 5120; the paper's MLLM-9B and -15B backbones; a stack is one
 pipeline stage's share, with the embedding and the LM head) on ``--seq-len`` tokens packed from
-``--docs`` documents; ``vit`` / ``vit448`` the ViT-H/14 encoder preset with its input projector
+``--docs`` documents (``--doc-attention flex,varlen``: one row per document attention path, side
+by side); ``vit`` / ``vit448`` the ViT-H/14 encoder preset with its input projector
 on 224 / 448 px images; ``vitmix`` the same on images of 224, 336 and 448 px in turn, their items of
 three lengths in one variable-length batch (on CUDA: GEMMs over all rows, one varlen flash attention call),
 and ``vitmix_groups`` the same images through the library's layer per image size (what runs off
@@ -252,12 +253,21 @@ def unet_case(name: str, tiny: bool, batch: int) -> Case:
                 inputs, lambda out, tgt: diffusion_loss(out, tgt[0], tgt[1]), flops)
 
 
+DOC_PATHS = ("auto", "spans", "flex", "varlen")
+"""``--doc-attention`` values (``model.<llm>.doc_attention``)."""
+
+
 def build_cases(names: list[str], tiny: bool, seq_len: int, batch: dict[str, int], docs: int = 1,
                 doc_attention: str = "auto", llm_layers: int | None = None) -> list[Case]:
-    out = []
+    """The modules' cases; ``doc_attention``: one path, or several (comma list) for one LLM row per
+    path side by side, named ``NAME [path]``."""
+    out, paths = [], doc_attention.split(",")
     for name in names:
         if name.startswith("llm"):
-            out.append(llm_case(name, tiny, seq_len, batch[name], docs, doc_attention, llm_layers))
+            for path in paths:
+                case = llm_case(name, tiny, seq_len, batch[name], docs, path, llm_layers)
+                case.name = f"{name} [{path}]" if len(paths) > 1 else name
+                out.append(case)
         elif name.startswith("vit"):
             out.append(vit_case(name, tiny, batch[name]))
         else:
@@ -382,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
     ap.add_argument("--attention", default="auto", choices=BACKENDS, help="restrict SDPA to one backend")
     ap.add_argument("--docs", type=int, default=1, help="LLM: equal documents per packed sequence (attention stays in each)")
-    ap.add_argument("--doc-attention", default="auto", choices=("auto", "spans", "flex"),
-                    help="LLM: document attention path (model.<llm>.doc_attention)")
+    ap.add_argument("--doc-attention", default="auto",
+                    help=f"LLM: document attention path (model.<llm>.doc_attention: {', '.join(DOC_PATHS)}); "
+                         "a comma list runs each side by side")
     ap.add_argument("--compile", action="store_true", help="compile each layer in place as train.compile does")
     ap.add_argument("--accum", type=int, default=1, help="microbatches per optimizer step (as gradient accumulation)")
     ap.add_argument("--master-fp32", action="store_true", help="fp32 master weights and AdamW moments (as training)")
@@ -398,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(MODULES))
     if unknown or not names:
         raise SystemExit(f"--modules: unknown {unknown}; choose from {', '.join(MODULES)}")
+    if bad := sorted(set(args.doc_attention.split(",")) - set(DOC_PATHS)):
+        raise SystemExit(f"--doc-attention: unknown {bad}; choose from {', '.join(DOC_PATHS)}")
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     if args.docs < 1 or args.accum < 1 or args.llm_layers < 1:

@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-RUNS = (("modules_compiled.json", "compiled"), ("modules_eager.json", "eager"), ("modules_larger.json", "compiled"),
-        ("modules_mixed.json", "compiled"))
+RUNS = (("modules_compiled.json", "compiled"), ("modules_docs.json", "compiled"), ("modules_mixed.json", "compiled"),
+        ("modules_eager.json", "eager"), ("modules_larger.json", "compiled"))
 
 
 def session_table(out: Path) -> str:

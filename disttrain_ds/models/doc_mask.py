@@ -13,7 +13,9 @@ by ``LLMConfig.doc_attention`` (``doc_attention_kwargs``):
   [S, S] mask is built or kept and the attention work is the cost model's sum of squared document
   lengths; the default off CUDA (flex attention has no backward on CPU);
 - flex: compiled flex attention under a block mask built from the spans' block ends
-  (``doc_block_mask``, no [S, S] mask either); the default on CUDA, where it is the faster one.
+  (``doc_block_mask``, no [S, S] mask either); the default on CUDA, where it is the faster one;
+- varlen: flash attention over variable lengths (``torch.nn.attention.varlen``), causal within each
+  span, from the spans' offsets; CUDA in half precision, asked for by name.
 
 A microbatch whose rows each hold one whole document takes neither: plain causal SDPA over the
 rows (``doc_whole``), unless flex is asked for by name. Either is built once per microbatch, with
@@ -29,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.varlen import varlen_attn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from disttrain_ds.errors import ConfigError
@@ -135,14 +138,14 @@ def flex_kernel(dynamic: bool = False) -> Callable:
 
 
 def doc_attention_path(choice: str, device: torch.device) -> str:
-    """``LLMConfig.doc_attention`` on ``device`` -> "spans" or "flex"."""
+    """``LLMConfig.doc_attention`` on ``device`` -> "spans", "flex" or "varlen"."""
     if choice == "auto":
         return "flex" if device.type == "cuda" else "spans"
-    if choice == "flex" and device.type != "cuda":
-        raise ConfigError(f"doc_attention: flex needs a CUDA device (flex attention has no backward on "
+    if choice in ("flex", "varlen") and device.type != "cuda":
+        raise ConfigError(f"doc_attention: {choice} needs a CUDA device (its kernel has no backward on "
                           f"{device.type}); set model.<llm>.doc_attention to auto or spans")
-    if choice not in ("spans", "flex"):
-        raise ConfigError(f"doc_attention must be one of auto | spans | flex, got {choice!r}")
+    if choice not in ("spans", "flex", "varlen"):
+        raise ConfigError(f"doc_attention must be one of auto | spans | flex | varlen, got {choice!r}")
     return choice
 
 
@@ -170,6 +173,9 @@ def doc_attention_kwargs(doc_ids: torch.Tensor, choice: str = "auto") -> dict:
         kwargs = {"doc_whole": True}
     elif path == "flex":
         kwargs = {"doc_blocks": doc_block_mask(doc_ids)}
+    elif path == "varlen":  # offsets from the host spans, copied without waiting on the device
+        offsets = F.pad(spans.cumsum(0), (1, 0)).to(torch.int32).to(doc_ids.device, non_blocking=True)
+        kwargs = {"doc_offsets": offsets, "doc_longest": int(spans.max())}
     else:
         kwargs = {"doc_spans": spans}
     _LAST = (doc_ids, doc_ids._version, choice, kwargs)
@@ -178,22 +184,27 @@ def doc_attention_kwargs(doc_ids: torch.Tensor, choice: str = "auto") -> dict:
 
 def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                   doc_spans=None, doc_blocks: BlockMask | None = None, doc_whole: bool = False,
-                  seq_parallel=None, **kwargs):
+                  seq_parallel=None, doc_offsets: torch.Tensor | None = None, doc_longest: int = 0, **kwargs):
     """transformers attention interface: q [B, Hq, S, D], k / v [B, Hkv, S, D] -> [B, S, Hq, D],
     causal inside each span of ``doc_spans`` (lengths covering the B rows in order: a tensor, on
     the host to avoid a device read per call), under the block mask ``doc_blocks``
-    (``doc_block_mask``) through compiled flex attention, or, with ``doc_whole``, causal over
-    each whole row (one document per row). Exactly one of the three.
+    (``doc_block_mask``) through compiled flex attention, inside each span of ``doc_offsets`` (int32
+    [spans + 1], where each span of the B x S positions starts; ``doc_longest`` the longest) through
+    flash attention over variable lengths, or, with ``doc_whole``, causal over each whole row (one
+    document per row). Exactly one of the four.
 
     ``seq_parallel`` (an ``SPContext``): q, k, v hold this rank's slice of every row; they are
     exchanged for whole rows of 1/SP of the heads, attended, and exchanged back (Ulysses), while
     the document arguments describe the whole rows. With fewer KV heads than SP ranks each KV head
     is repeated for the ranks whose query heads read it (as DeepSpeed-Ulysses does)."""
-    if attention_mask is not None or (doc_spans is not None) + (doc_blocks is not None) + bool(doc_whole) != 1:
-        raise ValueError(f"{DOC_ATTENTION} attention takes one of doc_spans, doc_blocks, doc_whole and no attention_mask")
+    given = (doc_spans is not None) + (doc_blocks is not None) + bool(doc_whole) + (doc_offsets is not None)
+    if attention_mask is not None or given != 1:
+        raise ValueError(f"{DOC_ATTENTION} attention takes one of doc_spans, doc_blocks, doc_offsets, doc_whole "
+                         "and no attention_mask")
+    docs = {"doc_spans": doc_spans, "doc_blocks": doc_blocks, "doc_whole": doc_whole, "doc_offsets": doc_offsets,
+            "doc_longest": doc_longest}
     if seq_parallel is not None:
-        return _sp_attention(module, query, key, value, dropout, scaling, doc_spans, doc_blocks, doc_whole,
-                             seq_parallel), None
+        return _sp_attention(module, query, key, value, dropout, scaling, docs, seq_parallel), None
     hk, hq = key.shape[1], query.shape[1]
     if doc_whole:
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
@@ -204,18 +215,35 @@ def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.
             raise ValueError(f"{DOC_ATTENTION} attention through flex has no dropout, got {dropout}")
         out = flex_kernel()(query, key, value, block_mask=doc_blocks, scale=scaling, enable_gqa=hk != hq)
         return out.transpose(1, 2), None
+    if doc_offsets is not None:
+        if dropout:
+            raise ValueError(f"{DOC_ATTENTION} attention through varlen has no dropout, got {dropout}")
+        return _varlen_attention(query, key, value, doc_offsets, doc_longest, scaling), None
     return _span_attention(query, key, value, doc_spans, dropout, scaling), None
 
 
+def _varlen_attention(query, key, value, offsets, longest: int, scaling) -> torch.Tensor:
+    """Causal attention inside each span of ``offsets`` over the B x S positions as one sequence:
+    q [B, Hq, S, D], k / v [B, Hkv, S, D] (views of [B, S, H, D] projections) -> [B, S, Hq, D]."""
+    b, hq, s, d = query.shape
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise ConfigError(f"doc_attention: varlen computes in half precision, got {query.dtype}; "
+                          "set train.dtype to bf16 or model.<llm>.doc_attention to auto, spans or flex")
+    q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))  # views
+    out = varlen_attn(q, k, v, offsets, offsets, longest, longest, scale=scaling, window_size=(-1, 0),
+                      enable_gqa=key.shape[1] != hq)
+    return out.view(b, s, hq, d)
+
+
 @torch.compiler.disable
-def _sp_attention(module, query, key, value, dropout, scaling, doc_spans, doc_blocks, doc_whole, seq_parallel):
+def _sp_attention(module, query, key, value, dropout, scaling, docs: dict, seq_parallel):
     """``doc_attention`` on a sequence-parallel slice (its docstring); left out of compiled graphs:
     the all-to-alls run through the process group, not as traced collectives."""
     if key.shape[1] < seq_parallel.size:  # fewer KV heads than SP ranks: each rank gets a copy of its group's
         reps = seq_parallel.size // key.shape[1]
         key, value = key.repeat_interleave(reps, dim=1), value.repeat_interleave(reps, dim=1)
     query, key, value = seq_parallel.heads_to_seq(query, key, value)
-    out, _ = doc_attention(module, query, key, value, None, dropout, scaling, doc_spans, doc_blocks, doc_whole)
+    out, _ = doc_attention(module, query, key, value, None, dropout, scaling, **docs)
     return seq_parallel.seq_to_heads(out)
 
 

@@ -143,6 +143,10 @@ def check_train(r: Recipe, graph: ModuleGraph, src: str) -> None:
     _check(t.micro_batch >= 1, src, "train.micro_batch", f"must be >= 1, got {t.micro_batch}")
     _check(t.peak_tflops >= 0, src, "train.peak_tflops", f"must be >= 0 (0: look the device up), got {t.peak_tflops}")
     _check(t.device_memory_gib >= 0, src, "train.device_memory_gib", f"must be >= 0 (0: this machine's), got {t.device_memory_gib}")
+    doc_attention = getattr(module_config(r, graph.llm), "doc_attention", "auto")
+    _check(doc_attention != "varlen" or t.dtype == "bf16", src, f"{module_key(r, graph.llm)}.doc_attention",
+           "varlen runs flash attention, which computes in bf16: set train.dtype=bf16, or doc_attention to "
+           "auto, spans or flex")
     llm_dp_key = f"{parallel_key(r, graph.llm)}.dp"
     _check(llm_parallel.dp >= 1, src, llm_dp_key, f"must be >= 1, got {llm_parallel.dp}")
     slot = llm_parallel.dp * t.micro_batch

@@ -101,3 +101,27 @@ def test_an_llm_block_computes_the_same_through_flex_and_through_spans():
     for i, (a, b) in enumerate(zip(grads["flex"], grads["spans"])):
         assert torch.isfinite(a).all()
         _assert_near(a, b, 1e-3, f"gradient {i}")
+
+
+def test_varlen_path_on_cuda_matches_the_masked_sdpa_and_the_spans_in_bf16():
+    _needs_cuda()
+    docs = _docs()
+    q, k, v = _qkv(torch.bfloat16)
+    w = torch.randn(2, 1024, 8, 64, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    kwargs = doc_attention_kwargs(docs, "varlen")
+    assert set(kwargs) == {"doc_offsets", "doc_longest"}
+    out, _ = doc_attention(None, q, k, v, None, scaling=0.1, **kwargs)
+    spans, _ = doc_attention(None, q, k, v, None, scaling=0.1, doc_spans=doc_spans(docs))
+    kr, vr = (t.repeat_interleave(4, dim=1) for t in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=doc_causal_mask(docs), scale=0.1)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, spans, rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad((out.float() * w.float()).sum(), (q, k, v))
+    span_grads = torch.autograd.grad((spans.float() * w.float()).sum(), (q, k, v))
+    for name, a, b in zip("qkv", grads, span_grads):
+        assert torch.isfinite(a).all(), name
+        _assert_near(a, b, 3e-2, f"grad {name}")
+    # Negative control: the offsets of another layout give other outputs.
+    other = doc_attention_kwargs(torch.stack([doc_ids((500, 500), 1024), doc_ids((24, 1000), 1024)]).cuda(), "varlen")
+    wrong, _ = doc_attention(None, q, k, v, None, scaling=0.1, **other)
+    assert (wrong.float() - out.float()).abs().max() > 1e-1

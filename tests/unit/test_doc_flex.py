@@ -97,7 +97,7 @@ def test_doc_attention_takes_exactly_one_of_spans_blocks_and_whole():
     docs = _docs([(4,)], 4)
     for kwargs in ({}, {"doc_spans": doc_spans(docs), "doc_blocks": doc_block_mask(docs)},
                    {"doc_spans": doc_spans(docs), "doc_whole": True}):
-        with pytest.raises(ValueError, match="takes one of doc_spans, doc_blocks, doc_whole"):
+        with pytest.raises(ValueError, match="takes one of doc_spans, doc_blocks, doc_offsets, doc_whole"):
             doc_attention(None, q, q, q, None, **kwargs)
     with pytest.raises(ValueError, match="no dropout"):
         doc_attention(None, q, q, q, None, dropout=0.1, doc_blocks=doc_block_mask(docs))
@@ -141,7 +141,8 @@ def test_recipes_take_the_setting_and_refuse_other_values():
 
     assert load_recipe_tiny([]).model.llm.doc_attention == "auto"
     assert load_recipe_tiny(["model.llm.doc_attention=spans"]).model.llm.doc_attention == "spans"
-    with pytest.raises(ConfigError, match=r"'model.llm.doc_attention' must be one of auto \| spans \| flex, got 'mask'"):
+    with pytest.raises(ConfigError,
+                       match=r"'model.llm.doc_attention' must be one of auto \| spans \| flex \| varlen, got 'mask'"):
         load_recipe_tiny(["model.llm.doc_attention=mask"])
 
 

@@ -209,3 +209,12 @@ def test_profiled_kernels_fall_into_the_breakdown_categories():
                        ("multi_tensor_apply_kernel", "optimizer"), ("aten::_fused_adamw_", "optimizer"),
                        ("vectorized_elementwise_kernel", "other"), ("aten::add_", "other"), ("aten::mm_backward", "other")]:
         assert cat(name) == want, name
+
+
+def test_several_document_attention_paths_give_one_llm_row_each_side_by_side():
+    mods = _load("gpu_modules")
+    cases = mods.build_cases(["llm7b", "vit"], True, 64, {"llm7b": 1, "vit": 2}, docs=2, doc_attention="flex,varlen")
+    assert [c.name for c in cases] == ["llm7b [flex]", "llm7b [varlen]", "vit"]
+    assert [c.name for c in mods.build_cases(["llm7b"], True, 64, {"llm7b": 1}, docs=2)] == ["llm7b"]
+    with pytest.raises(SystemExit, match=r"--doc-attention: unknown \['mask'\]"):
+        mods.main(["--device", "cpu", "--tiny", "--modules", "llm7b", "--doc-attention", "flex,mask"])

@@ -52,11 +52,13 @@ class LLMConfig:
     Qwen2.5 up to 3B, SmolLM2). One parameter where embedding and head share a pipeline stage;
     across stages each keeps a copy and their gradients are summed before every step. Under TP the
     embedding is then split by vocabulary rows like the head."""
-    doc_attention: Literal["auto", "spans", "flex"] = "auto"
+    doc_attention: Literal["auto", "spans", "flex", "varlen"] = "auto"
     """How attention stays inside each packed document (``models/doc_mask.py``): ``spans`` runs
     causal SDPA per document span, ``flex`` compiled flex attention with a block mask (CUDA only:
-    no backward on CPU), ``auto`` flex on CUDA for microbatches that pack several documents (or a document
-    and padding) in a row, spans otherwise. All three compute the same function."""
+    no backward on CPU), ``varlen`` flash attention over variable lengths from the documents'
+    offsets (CUDA and ``train.dtype: bf16`` only), ``auto`` flex on CUDA for microbatches that pack
+    several documents (or a document and padding) in a row, spans otherwise. All compute the same
+    function."""
     frozen: bool = False
     """Keep the backbone's weights fixed (gradients still flow through to the encoders' projectors)."""
     checkpoint: str = ""
