@@ -77,7 +77,8 @@ LLM_TINY = dict(hidden_size=64, layers=2, heads=4, kv_heads=2, ffn_hidden=128, v
 PROJ_WIDTH = {False: 4096, True: 64}  # LLM width the projectors map to/from: MLLM-9B's llama-7b
 DEFAULT_BATCH = {False: dict(llm=1, llm7b=1, llm13b=1, vit=32, vit448=8, vitmix=12, vitmix_groups=12, unet512=8,
                              unet1024=2),
-                 True: dict(llm=1, llm7b=1, llm13b=1, vit=2, vit448=1, vitmix=3, vitmix_groups=3, unet512=2, unet1024=1)}
+                 True: dict(llm=1, llm7b=1, llm13b=1, vit=2, vit448=1, vitmix=3, vitmix_groups=3, unet512=2,
+                            unet1024=1)}
 LATENT = {False: dict(unet512=64, unet1024=128), True: dict(unet512=8, unet1024=16)}
 MFU_GOALS = {"llm7b": 0.50, "vit": 0.40, "unet512": 0.30}
 """MFU (causal convention) each module should reach on the cards of ``GOAL_CARDS``."""
