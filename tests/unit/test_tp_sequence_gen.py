@@ -67,7 +67,7 @@ def test_generators_on_slices_give_the_unsharded_output_and_every_gradient(runs,
         assert got["host_reads"] == ["__float__"]  # only the control's read of the loss, after the step
 
 
-@pytest.mark.parametrize("i, replicated", [(0, ("scale_shift_table", "to_out.0.bias", "net.2.bias")),
+@pytest.mark.parametrize("i, replicated", [(0, ("scale_shift_table", "to_out.0.bias", "net.2.bias", "proj_out")),
                                             (3, ("norm", "proj_in", "proj_out", "to_out.0.bias", "net.2.bias"))],
                          ids=["dit", "unet"])
 def test_generators_on_slices_without_summing_replicated_gradients_over_tp_get_them_wrong(i, replicated):
@@ -76,7 +76,7 @@ def test_generators_on_slices_without_summing_replicated_gradients_over_tp_get_t
         got = runs[rank][0]
         assert got["out_err"] < 1e-5  # the forward is unaffected
         # the replicated parameters on slices: modulation table or norms, the row-parallel linears' biases,
-        # the U-Net transformer models' GroupNorm and projections
+        # the DiT's output projection, the U-Net transformer models' GroupNorm and projections
         assert got["grad_err"] > 1e-2 and any(k in got["where"] for k in replicated), got["where"]
 
 

@@ -72,8 +72,9 @@ def activation_layers(cfg: DiTConfig, llm_hidden: int, shape: SampleShape, b: in
     On sequence slices (``models/diffusers_tp.py``) each TP rank keeps for its slice only: both
     LayerNorms' inputs and float32 statistics, the normed values the modulations multiply and the
     two branch outputs the gates multiply (6 D); the gathered whole rows the GEMMs read stay whole
-    (measured in ``tests/unit/test_memory_sliced.py``). Between layers the tokens are slices, the
-    condition and modulation whole.
+    (measured in ``tests/unit/test_memory_sliced.py``); dit_out keeps its slice's LayerNorm input and
+    statistics, modulated values and projection input. Between layers the tokens are slices, the
+    condition and modulation whole; dit_out joins the projected patches.
     """
     d, h, c = cfg.heads * cfg.head_dim, cfg.heads, cfg.in_channels
     n, k, x, r = tokens(cfg), cfg.query_tokens, cfg.cross_attention_dim, cfg.resolution
@@ -84,9 +85,10 @@ def activation_layers(cfg: DiTConfig, llm_hidden: int, shape: SampleShape, b: in
     projector = k * (llm_hidden + 2 * x) * b  # fc1 input, GELU input, fc2 input
     carried = n * d + 6 * d + d + k * x  # hidden, t_mod, t_emb, cond
     sliced = (6 * d * b + 4 * FP32) * n
+    head_sliced = (3 * d * b + 2 * FP32) * n  # dit_out's norm, modulation and projection on the slice
     saved = [projector, dit_in, *[block] * cfg.layers, dit_out]
     outputs = [k * x * b, carried * b, *[carried * b] * (cfg.layers - 1), (n * d + d) * b, c * r * r * b]
     g = shape.gen_images
     return LayerBytes([s * g for s in saved], [o * g for o in outputs], (k * llm_hidden + c * r * r) * b * g,
-                      sliced=[0.0, 0.0, *[sliced * g] * cfg.layers, 0.0],
+                      sliced=[0.0, 0.0, *[sliced * g] * cfg.layers, head_sliced * g],
                       sliced_outputs=[0.0, *[n * d * b * g] * (cfg.layers + 1), 0.0])

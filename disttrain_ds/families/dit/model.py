@@ -145,7 +145,11 @@ class DiTBlock(nn.Module):
 
 
 class DiTOut(nn.Module):
-    """(hidden, t_emb) -> predicted noise: final norm modulated by t_emb, proj_out, unpatchify."""
+    """(hidden, t_emb) -> predicted noise: final norm modulated by t_emb, proj_out, unpatchify. On
+    slices the norm and projection run on this rank's tokens and the projected patches (p * p * c
+    values per token, not the width) are joined."""
+
+    tp_seq_region = True  # on slices: its modulation table's and projection's gradients summed over TP
 
     def __init__(self, parts: tuple, patch: int, out_channels: int, in_channels: int):
         super().__init__()
@@ -156,14 +160,15 @@ class DiTOut(nn.Module):
     def forward(self, inputs):
         hidden, t_emb = inputs
         if self.tp_seq is not None:
+            t_emb = self.tp_seq.replicated(t_emb)  # read by this rank's tokens only: its gradient summed over TP
+        shift, scale = (self.scale_shift_table[None] + t_emb[:, None]).chunk(2, dim=1)
+        hidden = self.proj_out(self.norm_out(hidden) * (1 + scale) + shift)
+        if self.tp_seq is not None:
             hidden = self.tp_seq.gather(hidden)
         n, tokens, _ = hidden.shape
         side = math.isqrt(tokens)
         if side * side != tokens:
             raise ValueError(f"dit_out: {tokens} tokens are not a square patch grid")
-        shift, scale = (self.scale_shift_table[None] + t_emb[:, None]).chunk(2, dim=1)
-        hidden = self.norm_out(hidden) * (1 + scale) + shift
-        hidden = self.proj_out(hidden)
         p, c = self.patch, self.out_channels
         hidden = hidden.reshape(n, side, side, p, p, c)
         out = torch.einsum("nhwpqc->nchpwq", hidden).reshape(n, c, side * p, side * p)
