@@ -44,6 +44,9 @@ DOC_ATTENTION = "disttrain_doc_spans"
 FLEX_BLOCK = 128
 """Side of flex attention's mask blocks (its default sparse block size)."""
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""Dtypes flash attention over variable lengths computes in."""
+
 
 def _run_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     """bool [B, S]: True where a run of one document (or of padding) begins."""
@@ -174,7 +177,7 @@ def doc_attention_kwargs(doc_ids: torch.Tensor, choice: str = "auto") -> dict:
     elif path == "flex":
         kwargs = {"doc_blocks": doc_block_mask(doc_ids)}
     elif path == "varlen":  # offsets from the host spans, copied without waiting on the device
-        offsets = F.pad(spans.cumsum(0), (1, 0)).to(torch.int32).to(doc_ids.device, non_blocking=True)
+        offsets = span_offsets(spans).to(doc_ids.device, non_blocking=True)
         kwargs = {"doc_offsets": offsets, "doc_longest": int(spans.max())}
     else:
         kwargs = {"doc_spans": spans}
@@ -222,17 +225,30 @@ def doc_attention(module, query, key, value, attention_mask, dropout: float = 0.
     return _span_attention(query, key, value, doc_spans, dropout, scaling), None
 
 
+def span_offsets(spans: torch.Tensor) -> torch.Tensor:
+    """int32 [spans + 1]: where each span of ``spans`` (lengths) starts, then the total (flash's
+    cumulative sequence lengths)."""
+    return F.pad(spans.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def flash_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, longest: int,
+                scale: float | None, causal: bool) -> torch.Tensor:
+    """Rows q [T, Hq, D], k / v [T, Hkv, D] attending within each span of ``offsets``
+    (``span_offsets``; ``longest`` the longest span), ``causal`` or not, in one call of flash
+    attention over variable lengths -> [T, Hq, D]."""
+    return varlen_attn(q, k, v, offsets, offsets, longest, longest, scale=scale,
+                       window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1])
+
+
 def _varlen_attention(query, key, value, offsets, longest: int, scaling) -> torch.Tensor:
     """Causal attention inside each span of ``offsets`` over the B x S positions as one sequence:
     q [B, Hq, S, D], k / v [B, Hkv, S, D] (views of [B, S, H, D] projections) -> [B, S, Hq, D]."""
     b, hq, s, d = query.shape
-    if query.dtype not in (torch.float16, torch.bfloat16):
+    if query.dtype not in FLASH_DTYPES:
         raise ConfigError(f"doc_attention: varlen computes in half precision, got {query.dtype}; "
                           "set train.dtype to bf16 or model.<llm>.doc_attention to auto, spans or flex")
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))  # views
-    out = varlen_attn(q, k, v, offsets, offsets, longest, longest, scale=scaling, window_size=(-1, 0),
-                      enable_gqa=key.shape[1] != hq)
-    return out.view(b, s, hq, d)
+    return flash_spans(q, k, v, offsets, longest, scaling, causal=True).view(b, s, hq, d)
 
 
 @torch.compiler.disable

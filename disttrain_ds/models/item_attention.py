@@ -3,8 +3,8 @@ each row attends to every row of its own item, as the library's encoder layer at
 image. ``attend_items`` takes the rows' joined q, k, v and runs one of three paths that compute the
 same function (``items_path`` chooses):
 
-- varlen: flash attention over variable-length sequences (``torch.nn.attention.varlen``), one call
-  for all items from their cumulative offsets; CUDA, half precision (what flash computes in);
+- varlen: flash attention over variable-length sequences (``doc_mask.flash_spans``, the LLM's
+  documents' call too), one call for all items from their offsets; CUDA, half precision;
 - flex: compiled flex attention under a block mask of the items (``doc_block_mask(causal=False)``),
   one call, compiled for dynamic lengths so a new mix of sizes does not recompile; CUDA in float32;
 - groups: SDPA per length, items of one length batched (``models/packed.py::per_item``: a view where
@@ -21,20 +21,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
-from torch.nn.attention.varlen import varlen_attn
 
-from disttrain_ds.models.doc_mask import doc_block_mask, flex_kernel
+from disttrain_ds.models.doc_mask import FLASH_DTYPES, doc_block_mask, flash_spans, flex_kernel, span_offsets
 from disttrain_ds.models.packed import per_item
-
-HALF = (torch.float16, torch.bfloat16)
-"""Dtypes the varlen flash kernel computes in."""
 
 
 def items_path(sizes: list[int], dropout: float, device: torch.device, dtype: torch.dtype) -> str:
     """How ``attend_items`` attends items of ``sizes`` rows (module docstring)."""
     if device.type != "cuda" or dropout or len(set(sizes)) <= 1:
         return "groups"
-    return "varlen" if dtype in HALF else "flex"
+    return "varlen" if dtype in FLASH_DTYPES else "flex"
 
 
 _TABLES: dict[str, tuple] = {}
@@ -62,7 +58,7 @@ def item_block_mask(sizes: list[int], device: torch.device) -> BlockMask:
 
 def item_offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
     """int32 [items + 1]: where each item's rows start, then the row count (flash's cu_seqlens)."""
-    return _table("varlen", sizes, device, lambda spans: F.pad(spans.cumsum(0), (1, 0)).to(torch.int32))
+    return _table("varlen", sizes, device, span_offsets)
 
 
 def _qkv(qkv: torch.Tensor, head_dim: int) -> list[torch.Tensor]:
@@ -72,9 +68,8 @@ def _qkv(qkv: torch.Tensor, head_dim: int) -> list[torch.Tensor]:
 
 def _varlen(qkv: torch.Tensor, sizes: list[int], head_dim: int, scale: float) -> torch.Tensor:
     q, k, v = _qkv(qkv, head_dim)
-    offsets = item_offsets(sizes, qkv.device)
-    longest = max(sizes)
-    return varlen_attn(q, k, v, offsets, offsets, longest, longest, scale=scale).reshape(qkv.shape[0], -1)
+    out = flash_spans(q, k, v, item_offsets(sizes, qkv.device), max(sizes), scale, causal=False)
+    return out.reshape(qkv.shape[0], -1)
 
 
 def _flex(qkv: torch.Tensor, sizes: list[int], head_dim: int, scale: float) -> torch.Tensor:

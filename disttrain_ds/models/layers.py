@@ -130,3 +130,11 @@ class SlicedLayer(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.forward_on_slices(self.layer_, *args, **kwargs)
+
+
+def stacked_bias(linears: list[nn.Module], like: torch.Tensor) -> torch.Tensor | None:
+    """The biases of ``linears`` whose weights are stacked into one GEMM, side by side (zeros for a
+    linear without one, in ``like``'s dtype and device); None where none has a bias."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([like.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in linears])

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain_ds.models.item_attention import attend_items
+from disttrain_ds.models.layers import stacked_bias
 from disttrain_ds.models.packed import host_sizes, per_item
 from disttrain_ds.models.packed_sp import item_spans
 
@@ -61,11 +62,7 @@ class WholeRows:
     def column(x: torch.Tensor, linears: list[nn.Module], joined: bool = False) -> list[torch.Tensor]:
         if not joined:
             return [m(x) for m in linears]
-        weight = torch.cat([m.weight for m in linears])
-        biases = [m.bias for m in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [x.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in linears])
-        return [F.linear(x, weight, bias)]
+        return [F.linear(x, torch.cat([m.weight for m in linears]), stacked_bias(linears, x))]
 
     @staticmethod
     def row(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:

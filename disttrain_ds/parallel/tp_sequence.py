@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain_ds.comm.overlap import allgather_matmul, matmul_reducescatter
+from disttrain_ds.models.layers import stacked_bias
 from disttrain_ds.models.packed import host_sizes
 from disttrain_ds.models.packed_sp import padded_rows
 from disttrain_ds.parallel.tensor_parallel import TPContext, sum_over_tp, summed_over_tp, to_tp_region
@@ -175,9 +176,8 @@ class TPSeqContext:
                              validate=False, side_stream=self._side(x.device))
         y = y if x.dim() == 2 else y.transpose(0, 1)  # [B, S, sum out_i]
         if joined:
-            biases = [m.bias for m in linears]
-            return [y if all(b is None for b in biases) else
-                    y + torch.cat([y.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in linears])]
+            bias = stacked_bias(linears, y)
+            return [y if bias is None else y + bias]
         outs = y.split([m.weight.shape[0] for m in linears], dim=-1)
         return [o if m.bias is None else o + m.bias for o, m in zip(outs, linears)]
 

@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import flex_attention
 from tp_seq_vit_cases import MIXED, whole_rows_case  # tests/ is on sys.path under pytest
 
-from disttrain_ds.models import doc_mask, item_attention
+from disttrain_ds.models import doc_mask
 from disttrain_ds.models.item_attention import attend_items, item_offsets, items_path
 
 FAMILIES = [("vit", MIXED), ("clip", MIXED), ("siglip", MIXED), ("whisper", (12, 20, 14))]
@@ -67,7 +67,8 @@ calls: list[dict] = []
 """What each call of the stand-in kernel got."""
 
 
-def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1),
+                      enable_gqa=False):
     """What flash's varlen kernel computes, per its contract: SDPA within each [cu[i], cu[i+1]) span."""
     calls.append({"shapes": [tuple(t.shape) for t in (q, k, v)], "cu": cu_q.tolist(), "same": cu_k is cu_q,
                   "dtype": cu_q.dtype, "max": (max_q, max_k), "scale": scale,
@@ -79,7 +80,7 @@ def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
 
 
 def test_varlen_attention_over_items_gets_their_offsets_and_the_rows_as_views(monkeypatch):
-    monkeypatch.setattr(item_attention, "varlen_attn", _varlen_reference)
+    monkeypatch.setattr(doc_mask, "varlen_attn", _varlen_reference)
     calls.clear()
     sizes = [17, 5, 17, 10]
     qkv, spans = _qkv(sizes), torch.tensor(sizes)
